@@ -1,0 +1,232 @@
+// pydflash._core: the one pybind11 module. Coarse calls only; the decode loop runs in C++ with the GIL
+// released. C++ errors become the classes of pydflash.errors.
+#include "core/error.h"
+#include "core/log.h"
+#include "core/quantize.h"
+#include "models/model.h"
+#include "spec/generate.h"
+#include "state/session.h"
+
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+using namespace pdf;
+
+static ggml_type parse_kv_type(const std::string & name) {
+    for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+        const char * tn = ggml_type_name((ggml_type) t);
+        if (tn && name == tn) {
+            return (ggml_type) t;
+        }
+    }
+    throw std::invalid_argument("unknown kv_type '" + name + "' (expected f32, f16, bf16, q8_0, q4_0, ...)");
+}
+
+static void register_errors(py::module_ & m) {
+    py::module_ errors = py::module_::import("pydflash.errors");
+    static py::object py_format_error      = errors.attr("GGUFFormatError");
+    static py::object py_unsupported_error = errors.attr("UnsupportedModelError");
+    static py::object py_file_error        = errors.attr("ModelLoadError");
+    static py::object py_ctx_error         = errors.attr("ContextLengthExceededError");
+    static py::object py_backend_error     = errors.attr("BackendError");
+    static py::object py_error             = errors.attr("PydflashError");
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) {
+                std::rethrow_exception(p);
+            }
+        } catch (const format_error & e) {
+            PyErr_SetString(py_format_error.ptr(), e.what());
+        } catch (const unsupported_error & e) {
+            PyErr_SetString(py_unsupported_error.ptr(), e.what());
+        } catch (const file_error & e) {
+            PyErr_SetString(py_file_error.ptr(), e.what());
+        } catch (const context_overflow_error & e) {
+            py::object exc = py_ctx_error(e.what(), e.n_tokens, e.n_ctx);
+            PyErr_SetObject(py_ctx_error.ptr(), exc.ptr());
+        } catch (const backend_error & e) {
+            PyErr_SetString(py_backend_error.ptr(), e.what());
+        } catch (const pdf::error & e) {
+            PyErr_SetString(py_error.ptr(), e.what());
+        }
+    });
+    (void) m;
+}
+
+// Model: the read-only weights, shareable between sessions
+struct py_model {
+    std::shared_ptr<const target_model> model;
+};
+
+static py::dict timings_dict(const generate_timings & t) {
+    py::dict d;
+    d["prompt_n"]       = t.prompt_n;
+    d["cached_n"]       = t.cached_n;
+    d["prompt_ms"]      = t.prompt_ms;
+    d["predicted_n"]    = t.predicted_n;
+    d["predicted_ms"]   = t.predicted_ms;
+    d["n_target_evals"] = t.n_target_evals;
+    return d;
+}
+
+PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
+    m.doc() = "pydflash core (C++/ggml); use the pydflash package, not this module";
+    register_errors(m);
+
+    m.def("set_log_callback", [](py::object cb) {
+        if (cb.is_none()) {
+            log_set_callback(nullptr);
+            return;
+        }
+        auto keep = std::make_shared<py::object>(cb);
+        log_set_callback([keep](log_level level, const std::string & text) {
+            py::gil_scoped_acquire gil;
+            try {
+                (*keep)((int) level, text);
+            } catch (py::error_already_set & e) {
+                e.discard_as_unraisable("pydflash log callback");
+            }
+        });
+    });
+
+    m.def("ggml_type_id", &parse_kv_type, py::arg("name"));
+    m.def("quantized_row_size", [](int type, int64_t n_per_row) { return quantized_row_size((ggml_type) type, n_per_row); });
+    m.def(
+        "quantize",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> data, int type) {
+            if (data.ndim() != 2) {
+                throw std::invalid_argument("quantize: data must be 2-D (n_rows, n_per_row)");
+            }
+            const int64_t n_rows = data.shape(0), n_per_row = data.shape(1);
+            const size_t  row    = quantized_row_size((ggml_type) type, n_per_row);
+            py::array_t<uint8_t> out({(py::ssize_t) n_rows, (py::ssize_t) row});
+            const float * src = data.data();
+            uint8_t *     dst = out.mutable_data();
+            {
+                py::gil_scoped_release nogil;
+                quantize_rows((ggml_type) type, src, dst, n_rows, n_per_row);
+            }
+            return out;
+        },
+        py::arg("data"), py::arg("type"), "Quantize float32 rows with ggml's quantizer; returns uint8 (n_rows, row_bytes).");
+
+    py::class_<py_model>(m, "Model")
+        .def(py::init([](const std::string & path, int n_gpu_layers, int n_threads) {
+                 model_params p;
+                 p.n_gpu_layers = n_gpu_layers;
+                 p.n_threads    = n_threads;
+                 std::unique_ptr<target_model> loaded;
+                 {
+                     py::gil_scoped_release nogil;
+                     loaded = load_target_model(path, p);
+                 }
+                 return py_model{std::shared_ptr<const target_model>(std::move(loaded))};
+             }),
+             py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("n_threads") = 0)
+        .def_property_readonly("arch", [](const py_model & m) { return m.model->info().arch; })
+        .def_property_readonly("n_vocab", [](const py_model & m) { return m.model->info().n_vocab; })
+        .def_property_readonly("n_embd", [](const py_model & m) { return m.model->info().n_embd; })
+        .def_property_readonly("n_layer", [](const py_model & m) { return m.model->info().n_layer; })
+        .def_property_readonly("n_ctx_train", [](const py_model & m) { return m.model->info().n_ctx_train; })
+        .def_property_readonly("n_threads", [](const py_model & m) { return m.model->devices().n_threads(); })
+        .def_property_readonly("weight_bytes", [](const py_model & m) { return m.model->weight_bytes(); })
+        .def("kv_bytes_for", [](const py_model & m, uint32_t n_ctx, const std::string & tk, const std::string & tv) {
+            return kv_cache::n_bytes_for(m.model->info(), n_ctx, parse_kv_type(tk), parse_kv_type(tv));
+        });
+
+    py::class_<session>(m, "Session")
+        .def(py::init([](const py_model & m, uint32_t n_ctx, const std::string & type_k, const std::string & type_v,
+                         uint32_t n_ubatch) {
+                 session_params p;
+                 p.n_ctx    = n_ctx;
+                 p.n_ubatch = n_ubatch;
+                 p.type_k   = parse_kv_type(type_k);
+                 p.type_v   = parse_kv_type(type_v);
+                 return std::make_unique<session>(m.model, p);
+             }),
+             py::arg("model"), py::arg("n_ctx") = 4096, py::arg("type_k") = "f16", py::arg("type_v") = "f16",
+             py::arg("n_ubatch") = 512, py::keep_alive<1, 2>())
+        .def_property_readonly("n_past", &session::n_past)
+        .def_property_readonly("n_ctx", &session::n_ctx)
+        .def_property_readonly("kv_bytes", &session::kv_bytes)
+        .def_property_readonly("tokens", &session::tokens)
+        .def(
+            "eval",
+            [](session & s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
+               py::object positions, py::object mask, bool all_logits, std::vector<int> capture_layers) {
+                const int n = (int) tokens.size();
+                std::vector<int32_t> pos;
+                if (!positions.is_none()) {
+                    auto p = positions.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>();
+                    if ((int) p.size() != n) {
+                        throw std::invalid_argument("eval: positions must have one entry per token");
+                    }
+                    pos.assign(p.data(), p.data() + n);
+                }
+                std::vector<uint8_t> mk;
+                if (!mask.is_none()) {
+                    auto a = mask.cast<py::array_t<uint8_t, py::array::c_style | py::array::forcecast>>();
+                    if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != n) {
+                        throw std::invalid_argument("eval: mask must have shape (n_tokens, n_tokens)");
+                    }
+                    mk.assign(a.data(), a.data() + (size_t) n * n);
+                }
+                std::vector<int32_t> toks(tokens.data(), tokens.data() + n);
+                {
+                    py::gil_scoped_release nogil;
+                    s.eval(toks.data(), pos.empty() ? nullptr : pos.data(), n, mk.empty() ? nullptr : mk.data(),
+                           all_logits ? LOGITS_ALL : LOGITS_LAST, capture_layers);
+                }
+                const int64_t n_vocab = s.model().info().n_vocab, n_embd = s.model().info().n_embd;
+                py::array_t<float> logits({(py::ssize_t) s.n_outputs(), (py::ssize_t) n_vocab});
+                std::copy(s.logits().begin(), s.logits().end(), logits.mutable_data());
+                py::list captured;
+                for (size_t c = 0; c < capture_layers.size(); ++c) {
+                    py::array_t<float> h({(py::ssize_t) n, (py::ssize_t) n_embd});
+                    std::copy(s.captured(c).begin(), s.captured(c).end(), h.mutable_data());
+                    captured.append(h);
+                }
+                return py::make_tuple(logits, captured);
+            },
+            py::arg("tokens"), py::arg("positions") = py::none(), py::arg("mask") = py::none(),
+            py::arg("all_logits") = true, py::arg("capture_layers") = std::vector<int>{},
+            "Evaluate tokens into cache slots n_past..; returns (logits [n_out, n_vocab], [hidden [n, n_embd] ...]).")
+        .def("commit", &session::commit, py::arg("n"))
+        .def("truncate", &session::truncate, py::arg("n_past"))
+        .def("abort", [](session & s) { s.abort.store(true); })
+        .def(
+            "generate",
+            [](session & s, std::vector<int32_t> prompt, int max_tokens, std::vector<int32_t> stop_tokens,
+               py::object callback) {
+                generate_params p;
+                p.max_tokens  = max_tokens;
+                p.stop_tokens = std::move(stop_tokens);
+                token_callback cb;
+                if (!callback.is_none()) {
+                    cb = [&callback](const int32_t * toks, int n) {
+                        py::gil_scoped_acquire gil;
+                        py::list l;
+                        for (int i = 0; i < n; ++i) {
+                            l.append(toks[i]);
+                        }
+                        return callback(l).cast<bool>();  // a Python exception propagates out of the loop
+                    };
+                }
+                generate_result r;
+                {
+                    py::gil_scoped_release nogil;
+                    r = generate_greedy(s, prompt, p, cb);
+                }
+                py::dict d;
+                d["tokens"]        = r.tokens;
+                d["finish_reason"] = r.finish_reason;
+                d["timings"]       = timings_dict(r.timings);
+                return d;
+            },
+            py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = std::vector<int32_t>{},
+            py::arg("callback") = py::none(),
+            "Greedy generation; callback(list[int]) -> bool is called (with the GIL) per committed token batch.");
+}

@@ -1,0 +1,134 @@
+#include "core/backend.h"
+#include "core/error.h"
+#include "core/log.h"
+
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+#include <unistd.h>
+
+namespace pdf {
+
+backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_layer) {
+    n_threads_ = n_threads > 0 ? n_threads : std::max(1u, std::thread::hardware_concurrency());
+    cpu_dev_   = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!cpu_dev_) {
+        throw backend_error("ggml has no CPU backend");
+    }
+    cpu_ = ggml_backend_dev_init(cpu_dev_, nullptr);
+    if (!cpu_) {
+        throw backend_error("could not initialise the ggml CPU backend");
+    }
+    ggml_backend_cpu_set_n_threads(cpu_, n_threads_);
+
+    // the CPU's extra buffer types (weights repacked for faster matmul kernels)
+    ggml_backend_reg_t cpu_reg = ggml_backend_dev_backend_reg(cpu_dev_);
+    auto get_extra = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
+        cpu_reg, "ggml_backend_dev_get_extra_bufts");
+    if (get_extra) {
+        for (ggml_backend_buffer_type_t * p = get_extra(cpu_dev_); p && *p; ++p) {
+            cpu_extra_bufts_.push_back(*p);
+        }
+    }
+
+    gpu_dev_ = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    if (n_gpu_layers != 0 && !gpu_dev_) {
+        PDF_LOG_WARN("n_gpu_layers=%d ignored: this build of pydflash has no GPU backend (CPU only)", n_gpu_layers);
+        n_gpu_layers = 0;
+    }
+    if (n_gpu_layers != 0) {
+        gpu_ = ggml_backend_dev_init(gpu_dev_, nullptr);
+        if (!gpu_) {
+            throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(gpu_dev_)));
+        }
+    }
+    // n_gpu_layers < 0 or > n_layer means everything, output head included
+    n_gpu_layers_ = n_gpu_layers < 0 ? n_layer + 1 : std::min(n_gpu_layers, n_layer + 1);
+}
+
+backends::~backends() {
+    if (gpu_) {
+        ggml_backend_free(gpu_);
+    }
+    if (cpu_) {
+        ggml_backend_free(cpu_);
+    }
+}
+
+bool backends::on_gpu(int il) const {
+    if (!gpu_ || il < 0) {
+        return false;  // input embeddings stay on the CPU (row lookups), as in llama.cpp
+    }
+    // the last n_gpu_layers of [0 .. n_layer] (n_layer = output head) are offloaded
+    return il >= n_layer_ + 1 - n_gpu_layers_;
+}
+
+// does `buft` hold `w` such that the device can run mul_mat with it? (llama.cpp's weight_buft_supported)
+static bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, ggml_tensor * w) {
+    ggml_init_params params = {ggml_tensor_overhead() * 8, nullptr, true};
+    ggml_context *   ctx    = ggml_init(params);
+    ggml_tensor *    w_copy = ggml_dup_tensor(ctx, w);
+    ggml_tensor *    x      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[0], 512);
+    ggml_tensor *    op     = ggml_mul_mat(ctx, w_copy, x);
+    ggml_backend_buffer_t dummy = ggml_backend_buft_alloc_buffer(buft, 0);
+    w_copy->buffer              = dummy;
+    bool ok                     = ggml_backend_dev_supports_op(dev, op);
+    ggml_backend_buffer_free(dummy);
+    ggml_free(ctx);
+    return ok;
+}
+
+ggml_backend_buffer_type_t backends::weight_buft(int il, weight_use use, ggml_tensor * w) const {
+    if (on_gpu(il)) {
+        return ggml_backend_dev_buffer_type(gpu_dev_);
+    }
+    if (use == WEIGHT_USE_MATMUL) {
+        for (ggml_backend_buffer_type_t buft : cpu_extra_bufts_) {
+            if (buft_supports_matmul(cpu_dev_, buft, w)) {
+                return buft;
+            }
+        }
+    }
+    return ggml_backend_cpu_buffer_type();
+}
+
+ggml_backend_buffer_type_t backends::state_buft(int il) const {
+    return on_gpu(il) ? ggml_backend_dev_buffer_type(gpu_dev_) : ggml_backend_cpu_buffer_type();
+}
+
+ggml_backend_sched_t backends::new_sched(size_t graph_size) const {
+    std::vector<ggml_backend_t> list;
+    if (gpu_) {
+        list.push_back(gpu_);
+    }
+    list.push_back(cpu_);
+    return ggml_backend_sched_new(list.data(), nullptr, (int) list.size(), graph_size, false, true);
+}
+
+size_t backends::free_memory(int il) const {
+    size_t free = 0, total = 0;
+    if (on_gpu(il)) {
+        ggml_backend_dev_memory(gpu_dev_, &free, &total);
+        return free;
+    }
+    // MemAvailable counts reclaimable page cache, which free pages (sysconf) do not
+    FILE * f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char               line[256];
+        unsigned long long kb = 0;
+        while (fgets(line, sizeof(line), f)) {
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+                fclose(f);
+                return (size_t) kb * 1024;
+            }
+        }
+        fclose(f);
+    }
+    long pages = sysconf(_SC_AVPHYS_PAGES);
+    long page  = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (size_t) pages * (size_t) page : SIZE_MAX;
+}
+
+}  // namespace pdf

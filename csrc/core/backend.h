@@ -1,0 +1,52 @@
+// Compute devices for one model: the CPU backend always, plus the first GPU device when ggml was built
+// with one (CUDA, HIP, Vulkan, Metal ...). Decides where each weight lives (n_gpu_layers) and which buffer
+// type holds it (the CPU's repacking buffer types for matmul weights, as llama.cpp does).
+#pragma once
+
+#include "ggml-backend.h"
+#include "ggml.h"
+
+#include <vector>
+
+namespace pdf {
+
+enum weight_use {
+    WEIGHT_USE_MATMUL,    // right-hand side of ggml_mul_mat: may go to a repacking buffer type
+    WEIGHT_USE_GET_ROWS,  // token embeddings: looked up by row
+    WEIGHT_USE_OTHER,     // norms, biases, small vectors
+};
+
+class backends {
+  public:
+    backends(int n_threads, int n_gpu_layers, int n_layer);
+    ~backends();
+    backends(const backends &)             = delete;
+    backends & operator=(const backends &) = delete;
+
+    ggml_backend_t cpu() const { return cpu_; }
+    ggml_backend_t gpu() const { return gpu_; }
+    int            n_threads() const { return n_threads_; }
+
+    // true when layer `il` (-1 = input embeddings, n_layer = output head) runs on the GPU
+    bool on_gpu(int il) const;
+    // buffer type for a weight with the given use on layer `il`; `w` is a metadata tensor of its shape/type
+    ggml_backend_buffer_type_t weight_buft(int il, weight_use use, ggml_tensor * w) const;
+    // buffer type for per-session state (KV cache, recurrent state) of layer `il`
+    ggml_backend_buffer_type_t state_buft(int il) const;
+    // a fresh scheduler over all backends (GPU first so it gets the work it can do)
+    ggml_backend_sched_t new_sched(size_t graph_size) const;
+    // free bytes on the device that holds layer `il`'s state (system memory for the CPU)
+    size_t free_memory(int il) const;
+
+  private:
+    ggml_backend_t                          cpu_     = nullptr;
+    ggml_backend_t                          gpu_     = nullptr;
+    ggml_backend_dev_t                      cpu_dev_ = nullptr;
+    ggml_backend_dev_t                      gpu_dev_ = nullptr;
+    std::vector<ggml_backend_buffer_type_t> cpu_extra_bufts_;
+    int                                     n_threads_;
+    int                                     n_layer_;
+    int                                     n_gpu_layers_;
+};
+
+}  // namespace pdf

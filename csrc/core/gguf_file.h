@@ -1,0 +1,57 @@
+// A GGUF file opened read-only: metadata through ggml's gguf API, tensor bytes through mmap.
+// Every getter validates and throws pdf::format_error naming the file, key/tensor, expected and actual.
+#pragma once
+
+#include "ggml.h"
+#include "gguf.h"
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+namespace pdf {
+
+class gguf_file {
+  public:
+    explicit gguf_file(const std::string & path);
+    ~gguf_file();
+    gguf_file(const gguf_file &)             = delete;
+    gguf_file & operator=(const gguf_file &) = delete;
+
+    const std::string & path() const { return path_; }
+    std::string         arch() const;  // general.architecture
+
+    bool has_key(const std::string & key) const;
+
+    // typed getters; the *_or variants return `def` when the key is absent (and still check its type)
+    uint32_t              u32(const std::string & key) const;
+    uint32_t              u32_or(const std::string & key, uint32_t def) const;
+    float                 f32(const std::string & key) const;
+    float                 f32_or(const std::string & key, float def) const;
+    bool                  boolean_or(const std::string & key, bool def) const;
+    std::string           str(const std::string & key) const;
+    std::vector<int32_t>  i32_array(const std::string & key) const;  // any integer array type
+    std::vector<bool>     bool_array(const std::string & key) const;
+
+    // tensors: metadata lives in a no-alloc ggml context, data in the mapped file
+    ggml_tensor * find_tensor(const std::string & name) const;  // nullptr when absent
+    // the tensor, checked to exist and to have exactly the shape `ne` (ggml order); 1-D tensors must be F32
+    ggml_tensor * require_tensor(const std::string & name, std::initializer_list<int64_t> ne) const;
+    ggml_tensor * optional_tensor(const std::string & name, std::initializer_list<int64_t> ne) const;
+    const void *  tensor_data(const ggml_tensor * t) const;
+    size_t        n_tensors() const;
+
+  private:
+    void    release();
+    int64_t key_id(const std::string & key) const;  // -1 when absent
+    void    check_shape(ggml_tensor * t, std::initializer_list<int64_t> ne) const;
+
+    std::string    path_;
+    gguf_context * gguf_ = nullptr;
+    ggml_context * meta_ = nullptr;
+    void *         map_  = nullptr;
+    size_t         size_ = 0;
+};
+
+}  // namespace pdf

@@ -1,0 +1,30 @@
+#include "core/quantize.h"
+#include "core/error.h"
+
+#include <stdexcept>
+
+namespace pdf {
+
+size_t quantized_row_size(ggml_type type, int64_t n_per_row) {
+    if ((int) type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size(type) == 0) {
+        throw std::invalid_argument(format("quantize: %d is not a ggml type", (int) type));
+    }
+    if (n_per_row % ggml_blck_size(type) != 0) {
+        throw std::invalid_argument(format("quantize: rows of %lld values cannot be stored as %s (block size %lld)",
+                                           (long long) n_per_row, ggml_type_name(type),
+                                           (long long) ggml_blck_size(type)));
+    }
+    return ggml_row_size(type, n_per_row);
+}
+
+void quantize_rows(ggml_type type, const float * src, void * dst, int64_t n_rows, int64_t n_per_row) {
+    quantized_row_size(type, n_per_row);
+    if (ggml_quantize_requires_imatrix(type)) {
+        throw std::invalid_argument(format("quantize: %s needs an importance matrix, which pydflash does not compute",
+                                           ggml_type_name(type)));
+    }
+    ggml_quantize_init(type);
+    ggml_quantize_chunk(type, src, dst, 0, n_rows, n_per_row, nullptr);
+}
+
+}  // namespace pdf

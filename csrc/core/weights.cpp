@@ -1,0 +1,69 @@
+#include "core/weights.h"
+#include "core/error.h"
+#include "core/log.h"
+
+#include "ggml-alloc.h"
+
+namespace pdf {
+
+weights::weights(const gguf_file & file, const backends & be) : file_(file), be_(be) {}
+
+weights::~weights() {
+    for (ggml_backend_buffer_t b : buffers_) {
+        ggml_backend_buffer_free(b);
+    }
+    for (auto & kv : ctx_by_buft_) {
+        ggml_free(kv.second);
+    }
+}
+
+ggml_tensor * weights::add(ggml_tensor * meta, int il, weight_use use) {
+    ggml_backend_buffer_type_t buft = be_.weight_buft(il, use, meta);
+    ggml_context *&            ctx  = ctx_by_buft_[buft];
+    if (!ctx) {
+        ggml_init_params params = {ggml_tensor_overhead() * (file_.n_tensors() + 1), nullptr, true};
+        ctx                     = ggml_init(params);
+    }
+    ggml_tensor * t = ggml_dup_tensor(ctx, meta);
+    ggml_set_name(t, ggml_get_name(meta));
+    to_load_.emplace_back(t, meta);
+    return t;
+}
+
+ggml_tensor * weights::require(const std::string & name, std::initializer_list<int64_t> ne, int il, weight_use use) {
+    return add(file_.require_tensor(name, ne), il, use);
+}
+
+ggml_tensor * weights::optional(const std::string & name, std::initializer_list<int64_t> ne, int il,
+                                weight_use use) {
+    ggml_tensor * meta = file_.optional_tensor(name, ne);
+    return meta ? add(meta, il, use) : nullptr;
+}
+
+void weights::load() {
+    for (auto & kv : ctx_by_buft_) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(kv.second, kv.first);
+        if (!buf) {
+            throw backend_error(format("%s: could not allocate the weights in buffer type %s", file_.path().c_str(),
+                                       ggml_backend_buft_name(kv.first)));
+        }
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        buffers_.push_back(buf);
+        PDF_LOG_INFO("%s: %.2f MiB of weights in %s", file_.path().c_str(),
+                     ggml_backend_buffer_get_size(buf) / 1048576.0, ggml_backend_buft_name(kv.first));
+    }
+    for (auto & p : to_load_) {
+        ggml_backend_tensor_set(p.first, file_.tensor_data(p.second), 0, ggml_nbytes(p.second));
+    }
+    to_load_.clear();
+}
+
+size_t weights::n_bytes() const {
+    size_t n = 0;
+    for (ggml_backend_buffer_t b : buffers_) {
+        n += ggml_backend_buffer_get_size(b);
+    }
+    return n;
+}
+
+}  // namespace pdf

@@ -1,0 +1,39 @@
+// The read-only weights of one model: tensors declared from a GGUF (checked against the expected shape),
+// placed per layer on the CPU or GPU in the right buffer type, then filled from the mapped file.
+#pragma once
+
+#include "core/backend.h"
+#include "core/gguf_file.h"
+
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace pdf {
+
+class weights {
+  public:
+    weights(const gguf_file & file, const backends & be);
+    ~weights();
+    weights(const weights &)             = delete;
+    weights & operator=(const weights &) = delete;
+
+    // declare a weight of layer `il` (-1: input embeddings, n_layer: output head); shape in ggml order
+    ggml_tensor * require(const std::string & name, std::initializer_list<int64_t> ne, int il, weight_use use);
+    ggml_tensor * optional(const std::string & name, std::initializer_list<int64_t> ne, int il, weight_use use);
+    // allocate the backend buffers and copy every declared tensor in
+    void   load();
+    size_t n_bytes() const;
+
+  private:
+    ggml_tensor * add(ggml_tensor * meta, int il, weight_use use);
+
+    const gguf_file &                                   file_;
+    const backends &                                    be_;
+    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_by_buft_;
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_load_;  // (ours, file metadata)
+    std::vector<ggml_backend_buffer_t>                  buffers_;
+};
+
+}  // namespace pdf

@@ -1,0 +1,27 @@
+// Graph blocks shared by the architectures, each a free function over stock ggml ops.
+// Shapes in ggml order (ne0 innermost): n = n_tokens, hd = head dim, H = heads, Hkv = KV heads.
+#pragma once
+
+#include "models/model.h"
+#include "state/kv_cache.h"
+
+namespace pdf {
+
+// x: [n_embd, n] -> rms_norm(x) * w
+ggml_tensor * build_rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, float eps);
+
+// x: [n_embd, n] -> down(silu(gate x) * up x): [n_embd, n]
+ggml_tensor * build_swiglu_ffn(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gate, ggml_tensor * up,
+                               ggml_tensor * down);
+
+// x: [hd, H, n], positions: I32 [n] -> NEOX rotation of the first n_rot dims of each head
+ggml_tensor * build_rope_neox(ggml_context * ctx, ggml_tensor * x, ggml_tensor * positions, int n_rot,
+                              float freq_base, int n_ctx_orig);
+
+// q: [hd, H, n], k: [hd, Hkv, n], v: [hdv, Hkv, n] (already normed and rotated)
+// writes k, v into cache slots in.kv_slots, then attends over cache rows 0..in.n_kv-1 with in.kq_mask.
+// returns [hdv*H, n]
+ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const kv_cache & kv,
+                                 int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale);
+
+}  // namespace pdf

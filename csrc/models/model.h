@@ -1,0 +1,85 @@
+// What every target architecture provides: its shape (model_info) and one graph builder for batched
+// evaluation. Prefill, AR decode, chain verify and tree verify are all this one graph with different
+// tokens, positions and mask. A model is read-only once loaded and may be shared by several sessions.
+#pragma once
+
+#include "core/backend.h"
+#include "core/gguf_file.h"
+#include "core/weights.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace pdf {
+
+class kv_cache;
+
+struct model_params {
+    int n_gpu_layers = 0;   // layers (counted from the output end) placed on the GPU; -1 = all
+    int n_threads    = 0;   // 0 = hardware concurrency
+};
+
+// one attention layer's K/V row widths (recurrent layers have none)
+struct kv_layer_desc {
+    int     il;
+    int64_t n_embd_k_gqa;
+    int64_t n_embd_v_gqa;
+    int64_t head_dim_k;
+    int64_t head_dim_v;
+};
+
+struct model_info {
+    std::string                arch;
+    std::string                path;
+    int64_t                    n_vocab     = 0;
+    int64_t                    n_embd      = 0;
+    int                        n_layer     = 0;
+    uint32_t                   n_ctx_train = 0;
+    std::vector<kv_layer_desc> kv_layers;
+};
+
+// inputs of one evaluation graph, all set by the session before each compute
+//   tokens, positions: I32 [n_tokens]; kv_slots: I64 [n_tokens] (cache rows written);
+//   kq_mask: F16 [n_kv, n_tokens] (0 = visible, -inf = hidden), over cache rows 0..n_kv-1
+struct eval_inputs {
+    ggml_tensor *    tokens    = nullptr;
+    ggml_tensor *    positions = nullptr;
+    ggml_tensor *    kv_slots  = nullptr;
+    ggml_tensor *    kq_mask   = nullptr;
+    int              n_tokens  = 0;
+    int              n_kv      = 0;
+    bool             all_logits = false;  // logits for every token, else for the last one only
+    std::vector<int> capture_layers;       // layer-input indices to return (0..n_layer)
+};
+
+struct eval_outputs {
+    ggml_tensor *              logits = nullptr;  // F32 [n_vocab, n_outputs]
+    ggml_tensor *              argmax = nullptr;  // I32 [n_outputs]
+    std::vector<ggml_tensor *> captured;          // F32 [n_embd, n_tokens], one per capture layer
+};
+
+class target_model {
+  public:
+    virtual ~target_model() = default;
+
+    const model_info & info() const { return info_; }
+    backends &         devices() const { return *backends_; }
+    size_t             weight_bytes() const { return weights_->n_bytes(); }
+
+    virtual eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                    const kv_cache & kv) const = 0;
+    // upper bound on graph nodes for one evaluation
+    virtual size_t max_graph_nodes() const { return 64 + 64 * (size_t) info_.n_layer; }
+
+  protected:
+    model_info                 info_;
+    std::unique_ptr<backends>  backends_;
+    std::unique_ptr<gguf_file> file_;
+    std::unique_ptr<weights>   weights_;
+};
+
+// opens `path`, dispatches on general.architecture (models/registry.cpp), loads the weights
+std::unique_ptr<target_model> load_target_model(const std::string & path, const model_params & params);
+
+}  // namespace pdf

@@ -1,0 +1,207 @@
+// Qwen3 dense target (GGUF arch `qwen3`, llama.cpp-compatible).
+// Per layer: x -> attn_norm -> GQA attention (per-head q/k RMSNorm, NEOX RoPE) -> +x -> ffn_norm -> SwiGLU -> +.
+// Legend: n = tokens in the batch, hd = head dim, H / Hkv = query / KV heads, V = vocab.
+#include "core/error.h"
+#include "models/blocks.h"
+#include "models/model.h"
+
+#include <cmath>
+
+namespace pdf {
+
+struct qwen3_hparams {
+    int64_t  n_embd;
+    int64_t  n_ff;
+    int      n_layer;
+    int64_t  n_head;
+    int64_t  n_head_kv;
+    int64_t  head_dim;
+    int      n_rot;
+    float    rope_freq_base;
+    float    norm_eps;
+    uint32_t n_ctx_train;
+};
+
+struct qwen3_layer {
+    ggml_tensor * attn_norm;
+    ggml_tensor * wq;       // [n_embd, hd*H]
+    ggml_tensor * wk;       // [n_embd, hd*Hkv]
+    ggml_tensor * wv;       // [n_embd, hd*Hkv]
+    ggml_tensor * wqkv;     // fused alternative [n_embd, hd*(H+2*Hkv)]
+    ggml_tensor * bq, * bk, * bv;
+    ggml_tensor * wo;       // [hd*H, n_embd]
+    ggml_tensor * q_norm;   // [hd]
+    ggml_tensor * k_norm;   // [hd]
+    ggml_tensor * ffn_norm;
+    ggml_tensor * ffn_gate; // [n_embd, n_ff]
+    ggml_tensor * ffn_up;   // [n_embd, n_ff]
+    ggml_tensor * ffn_down; // [n_ff, n_embd]
+};
+
+class qwen3_model : public target_model {
+  public:
+    qwen3_model(std::unique_ptr<gguf_file> file, const model_params & params) {
+        file_                = std::move(file);
+        const gguf_file & f  = *file_;
+        const std::string a  = "qwen3.";
+        hp_.n_embd           = f.u32(a + "embedding_length");
+        hp_.n_layer          = (int) f.u32(a + "block_count");
+        hp_.n_ctx_train      = f.u32(a + "context_length");
+        hp_.n_ff             = f.u32(a + "feed_forward_length");
+        hp_.n_head           = f.u32(a + "attention.head_count");
+        hp_.n_head_kv        = f.u32_or(a + "attention.head_count_kv", (uint32_t) hp_.n_head);
+        hp_.head_dim         = f.u32_or(a + "attention.key_length", (uint32_t) (hp_.n_embd / std::max<int64_t>(1, hp_.n_head)));
+        const uint32_t v_len = f.u32_or(a + "attention.value_length", (uint32_t) hp_.head_dim);
+        hp_.n_rot            = (int) f.u32_or(a + "rope.dimension_count", (uint32_t) hp_.head_dim);
+        hp_.rope_freq_base   = f.f32_or(a + "rope.freq_base", 10000.0f);
+        hp_.norm_eps         = f.f32(a + "attention.layer_norm_rms_epsilon");
+        if (hp_.n_head == 0 || hp_.n_head_kv == 0 || hp_.n_head % hp_.n_head_kv != 0) {
+            throw format_error(format("%s: attention.head_count = %lld must be a positive multiple of "
+                                      "attention.head_count_kv = %lld", f.path().c_str(), (long long) hp_.n_head,
+                                      (long long) hp_.n_head_kv));
+        }
+        if (v_len != hp_.head_dim) {
+            throw unsupported_error(format("%s: qwen3.attention.value_length = %u differs from key_length = %lld",
+                                           f.path().c_str(), v_len, (long long) hp_.head_dim));
+        }
+        if (hp_.n_rot > hp_.head_dim || hp_.n_rot % 2 != 0) {
+            throw format_error(format("%s: qwen3.rope.dimension_count = %d must be even and <= head dim %lld",
+                                      f.path().c_str(), hp_.n_rot, (long long) hp_.head_dim));
+        }
+
+        ggml_tensor * embd = f.find_tensor("token_embd.weight");
+        if (!embd) {
+            throw format_error(format("%s: missing required tensor 'token_embd.weight'", f.path().c_str()));
+        }
+        const int64_t n_vocab = embd->ne[1];
+
+        info_.arch        = "qwen3";
+        info_.path        = f.path();
+        info_.n_vocab     = n_vocab;
+        info_.n_embd      = hp_.n_embd;
+        info_.n_layer     = hp_.n_layer;
+        info_.n_ctx_train = hp_.n_ctx_train;
+        const int64_t hd = hp_.head_dim, E = hp_.n_embd;
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            info_.kv_layers.push_back({il, hd * hp_.n_head_kv, hd * hp_.n_head_kv, hd, hd});
+        }
+
+        backends_ = std::make_unique<backends>(params.n_threads, params.n_gpu_layers, hp_.n_layer);
+        weights_  = std::make_unique<weights>(f, *backends_);
+        weights & w = *weights_;
+        const int out_il = hp_.n_layer;
+        tok_embd_    = w.require("token_embd.weight", {E, n_vocab}, -1, WEIGHT_USE_GET_ROWS);
+        output_norm_ = w.require("output_norm.weight", {E}, out_il, WEIGHT_USE_OTHER);
+        output_      = w.optional("output.weight", {E, n_vocab}, out_il, WEIGHT_USE_MATMUL);
+        if (!output_) {
+            output_ = tok_embd_;  // tied head
+        }
+        const int64_t q_dim = hd * hp_.n_head, kv_dim = hd * hp_.n_head_kv;
+        layers_.resize(hp_.n_layer);
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            qwen3_layer & l = layers_[il];
+            auto name = [il](const char * s) { return format("blk.%d.%s", il, s); };
+            l.attn_norm = w.require(name("attn_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
+            l.wqkv      = w.optional(name("attn_qkv.weight"), {E, q_dim + 2 * kv_dim}, il, WEIGHT_USE_MATMUL);
+            if (!l.wqkv) {
+                l.wq = w.require(name("attn_q.weight"), {E, q_dim}, il, WEIGHT_USE_MATMUL);
+                l.wk = w.require(name("attn_k.weight"), {E, kv_dim}, il, WEIGHT_USE_MATMUL);
+                l.wv = w.require(name("attn_v.weight"), {E, kv_dim}, il, WEIGHT_USE_MATMUL);
+            }
+            l.bq       = w.optional(name("attn_q.bias"), {q_dim}, il, WEIGHT_USE_OTHER);
+            l.bk       = w.optional(name("attn_k.bias"), {kv_dim}, il, WEIGHT_USE_OTHER);
+            l.bv       = w.optional(name("attn_v.bias"), {kv_dim}, il, WEIGHT_USE_OTHER);
+            l.wo       = w.require(name("attn_output.weight"), {q_dim, E}, il, WEIGHT_USE_MATMUL);
+            l.q_norm   = w.require(name("attn_q_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
+            l.k_norm   = w.require(name("attn_k_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
+            l.ffn_norm = w.require(name("ffn_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
+            l.ffn_gate = w.require(name("ffn_gate.weight"), {E, hp_.n_ff}, il, WEIGHT_USE_MATMUL);
+            l.ffn_up   = w.require(name("ffn_up.weight"), {E, hp_.n_ff}, il, WEIGHT_USE_MATMUL);
+            l.ffn_down = w.require(name("ffn_down.weight"), {hp_.n_ff, E}, il, WEIGHT_USE_MATMUL);
+        }
+        w.load();
+    }
+
+    eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                            const kv_cache & kv) const override {
+        const int64_t hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv, n = in.n_tokens;
+        const float   scale = 1.0f / std::sqrt((float) hd);
+        eval_outputs  out;
+        out.captured.assign(in.capture_layers.size(), nullptr);
+
+        ggml_tensor * x = ggml_get_rows(ctx, tok_embd_, in.tokens);  // [n_embd, n]
+        for (int il = 0; il <= hp_.n_layer; ++il) {
+            // DFlash reads layer inputs (llama.cpp's t_layer_inp); index n_layer is the final pre-norm output
+            for (size_t c = 0; c < in.capture_layers.size(); ++c) {
+                if (in.capture_layers[c] == il) {
+                    out.captured[c] = x;
+                }
+            }
+            if (il == hp_.n_layer) {
+                break;
+            }
+            const qwen3_layer & l = layers_[il];
+            ggml_tensor *       cur = build_rms_norm(ctx, x, l.attn_norm, hp_.norm_eps);
+            ggml_format_name(cur, "attn_norm-%d", il);
+
+            // self-attention
+            ggml_tensor *q, *k, *v;
+            if (l.wqkv) {
+                ggml_tensor * qkv = ggml_mul_mat(ctx, l.wqkv, cur);  // [hd*(H+2Hkv), n]
+                q = ggml_view_3d(ctx, qkv, hd, H, n, hd * sizeof(float), qkv->nb[1], 0);
+                k = ggml_view_3d(ctx, qkv, hd, Hkv, n, hd * sizeof(float), qkv->nb[1], hd * H * sizeof(float));
+                v = ggml_view_3d(ctx, qkv, hd, Hkv, n, hd * sizeof(float), qkv->nb[1], hd * (H + Hkv) * sizeof(float));
+                v = ggml_cont(ctx, v);
+            } else {
+                q = ggml_mul_mat(ctx, l.wq, cur);
+                k = ggml_mul_mat(ctx, l.wk, cur);
+                v = ggml_mul_mat(ctx, l.wv, cur);
+                if (l.bq) q = ggml_add(ctx, q, l.bq);
+                if (l.bk) k = ggml_add(ctx, k, l.bk);
+                if (l.bv) v = ggml_add(ctx, v, l.bv);
+                q = ggml_reshape_3d(ctx, q, hd, H, n);
+                k = ggml_reshape_3d(ctx, k, hd, Hkv, n);
+                v = ggml_reshape_3d(ctx, v, hd, Hkv, n);
+            }
+            q = build_rms_norm(ctx, q, l.q_norm, hp_.norm_eps);
+            k = build_rms_norm(ctx, k, l.k_norm, hp_.norm_eps);
+            q = build_rope_neox(ctx, q, in.positions, hp_.n_rot, hp_.rope_freq_base, (int) hp_.n_ctx_train);
+            k = build_rope_neox(ctx, k, in.positions, hp_.n_rot, hp_.rope_freq_base, (int) hp_.n_ctx_train);
+            ggml_format_name(q, "Qcur-%d", il);
+            ggml_format_name(k, "Kcur-%d", il);
+
+            cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, scale);  // [hd*H, n]
+            cur = ggml_mul_mat(ctx, l.wo, cur);
+            x   = ggml_add(ctx, cur, x);
+            ggml_format_name(x, "ffn_inp-%d", il);
+
+            // feed-forward
+            cur = build_rms_norm(ctx, x, l.ffn_norm, hp_.norm_eps);
+            cur = build_swiglu_ffn(ctx, cur, l.ffn_gate, l.ffn_up, l.ffn_down);
+            x   = ggml_add(ctx, cur, x);
+            ggml_format_name(x, "l_out-%d", il);
+        }
+
+        if (!in.all_logits && n > 1) {
+            x = ggml_view_2d(ctx, x, hp_.n_embd, 1, x->nb[1], (n - 1) * x->nb[1]);  // last token only
+        }
+        x          = build_rms_norm(ctx, x, output_norm_, hp_.norm_eps);
+        out.logits = ggml_mul_mat(ctx, output_, x);  // [V, n_outputs]
+        ggml_set_name(out.logits, "logits");
+        out.argmax = ggml_argmax(ctx, out.logits);   // [n_outputs]
+        return out;
+    }
+
+  private:
+    qwen3_hparams            hp_{};
+    ggml_tensor *            tok_embd_    = nullptr;
+    ggml_tensor *            output_norm_ = nullptr;
+    ggml_tensor *            output_      = nullptr;
+    std::vector<qwen3_layer> layers_;
+};
+
+std::unique_ptr<target_model> load_qwen3(std::unique_ptr<gguf_file> file, const model_params & params) {
+    return std::make_unique<qwen3_model>(std::move(file), params);
+}
+
+}  // namespace pdf

@@ -1,0 +1,36 @@
+// The one table that maps general.architecture to a model factory.
+#include "core/error.h"
+#include "models/model.h"
+
+#include <functional>
+#include <map>
+
+namespace pdf {
+
+std::unique_ptr<target_model> load_qwen3(std::unique_ptr<gguf_file> file, const model_params & params);
+
+using model_factory = std::function<std::unique_ptr<target_model>(std::unique_ptr<gguf_file>, const model_params &)>;
+
+static const std::map<std::string, model_factory> & registry() {
+    static const std::map<std::string, model_factory> table = {
+        {"qwen3", load_qwen3},
+    };
+    return table;
+}
+
+std::unique_ptr<target_model> load_target_model(const std::string & path, const model_params & params) {
+    auto        file = std::make_unique<gguf_file>(path);
+    std::string arch = file->arch();
+    auto        it   = registry().find(arch);
+    if (it == registry().end()) {
+        std::string known;
+        for (auto & kv : registry()) {
+            known += (known.empty() ? "" : ", ") + kv.first;
+        }
+        throw unsupported_error(format("%s: general.architecture = '%s' is not a supported target (expected one of: %s)",
+                                       path.c_str(), arch.c_str(), known.c_str()));
+    }
+    return it->second(std::move(file), params);
+}
+
+}  // namespace pdf

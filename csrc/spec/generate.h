@@ -1,0 +1,43 @@
+// The decode loop, entirely in C++: prefill (reusing the longest cached prefix), then one target
+// evaluation per token until a stop token, max_tokens or the context limit. Speculative decoding will add
+// its draft/verify/accept/commit steps here behind the same entry point.
+#pragma once
+
+#include "state/session.h"
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace pdf {
+
+struct generate_params {
+    int                  max_tokens = 128;
+    std::vector<int32_t> stop_tokens;  // end-of-generation ids; not included in the output
+};
+
+struct generate_timings {
+    int    prompt_n       = 0;  // prompt tokens evaluated (after prefix reuse)
+    int    cached_n       = 0;  // prompt tokens taken from the cache
+    double prompt_ms      = 0;
+    int    predicted_n    = 0;
+    double predicted_ms   = 0;
+    int    n_target_evals = 0;  // target forward passes during generation
+};
+
+struct generate_result {
+    std::vector<int32_t> tokens;
+    std::string          finish_reason;  // "stop", "length" (max_tokens or n_ctx), "abort"
+    generate_timings     timings;
+};
+
+// called with each batch of newly committed tokens; return false to stop
+using token_callback = std::function<bool(const int32_t * tokens, int n)>;
+
+generate_result generate_greedy(session & s, const std::vector<int32_t> & prompt, const generate_params & params,
+                                const token_callback & on_tokens);
+
+// evaluate `prompt` after reusing the longest cached prefix; leaves the last token's argmax in s.argmax()
+void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch, generate_timings & t);
+
+}  // namespace pdf

@@ -1,0 +1,36 @@
+// K and V of every attention layer of one session: per layer two 2-D tensors [n_embd_gqa, n_ctx] of the
+// chosen type (f32, f16, bf16, q8_0, q4_0 ...), row r holding the token in cache slot r. Rows are written
+// inside the graph with ggml_set_rows, so the graph does not depend on where it writes.
+#pragma once
+
+#include "models/model.h"
+
+#include <map>
+
+namespace pdf {
+
+class kv_cache {
+  public:
+    kv_cache(const target_model & model, uint32_t n_ctx, ggml_type type_k, ggml_type type_v);
+    ~kv_cache();
+    kv_cache(const kv_cache &)             = delete;
+    kv_cache & operator=(const kv_cache &) = delete;
+
+    // bytes the cache would take, computed without allocating (reported before allocation)
+    static size_t n_bytes_for(const model_info & info, uint32_t n_ctx, ggml_type type_k, ggml_type type_v);
+    // throws std::invalid_argument when a type is not allowed for this model's head sizes
+    static void check_types(const model_info & info, ggml_type type_k, ggml_type type_v);
+
+    ggml_tensor * k(int il) const;
+    ggml_tensor * v(int il) const;
+    uint32_t      n_ctx() const { return n_ctx_; }
+    size_t        n_bytes() const;
+
+  private:
+    uint32_t                                    n_ctx_;
+    ggml_context *                              ctx_ = nullptr;
+    std::vector<ggml_backend_buffer_t>          buffers_;
+    std::map<int, std::pair<ggml_tensor *, ggml_tensor *>> layers_;
+};
+
+}  // namespace pdf
