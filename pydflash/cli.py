@@ -1,0 +1,49 @@
+"""The `pydflash` command: `pydflash generate MODEL.gguf "prompt"`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .model import Model
+
+    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
+               n_gpu_layers=args.n_gpu_layers, verbose=args.verbose) as model:
+        n = 0
+        for piece in model.stream(args.prompt, max_tokens=args.max_tokens):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            n += 1
+        sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pydflash", description="DFlash speculative decoding on GGUF models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="greedy generation from a GGUF model")
+    gen.add_argument("model", help="path to a qwen3 GGUF")
+    gen.add_argument("prompt")
+    gen.add_argument("-n", "--max-tokens", type=int, default=128)
+    gen.add_argument("-c", "--n-ctx", type=int, default=4096)
+    gen.add_argument("-t", "--threads", type=int, default=None)
+    gen.add_argument("--kv-type", default="f16")
+    gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    gen.add_argument("-v", "--verbose", action="store_true")
+    gen.set_defaults(func=_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except Exception as e:  # a clear one-line message instead of a traceback for user errors
+        from .errors import PydflashError
+
+        if isinstance(e, (PydflashError, ValueError, NotImplementedError)):
+            print(f"pydflash: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""`pydflash.Model`: load a GGUF target and generate from it (llama-cpp-python-style names).
+
+The decode loop runs in C++ (`pydflash._core`) with the GIL released; this module only turns text into
+tokens and back, handles stop strings, streaming and timings.
+"""
+
+from __future__ import annotations
+
+import atexit
+import codecs
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from . import _core
+from .errors import ContextLengthExceededError, ModelLoadError
+from .tokenizer import Tokenizer
+
+__all__ = ["Model", "Completion"]
+
+logger = logging.getLogger("pydflash")
+_LOG_LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR}
+
+
+def _forward_core_log(level: int, text: str) -> None:
+    logger.log(_LOG_LEVELS.get(level, logging.INFO), "%s", text)
+
+
+_core.set_log_callback(_forward_core_log)
+# drop the callback before the interpreter goes away: the core holds a reference to it in a static
+atexit.register(_core.set_log_callback, None)
+
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+
+
+@dataclass
+class Completion:
+    """The result of `Model.generate`. `timings` uses llama-server's names."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop" (stop token or string), "length" (max_tokens or n_ctx), "abort"
+    timings: dict = field(default_factory=dict)
+
+
+def _timings(raw: dict) -> dict:
+    t = dict(raw)
+    for kind in ("prompt", "predicted"):
+        n, ms = t[f"{kind}_n"], t[f"{kind}_ms"]
+        t[f"{kind}_per_token_ms"] = ms / n if n else 0.0
+        t[f"{kind}_per_second"] = 1000.0 * n / ms if ms > 0 else 0.0
+    return t
+
+
+class _StopStrings:
+    """Incremental UTF-8 decoding of generated tokens, cut at the first stop string.
+
+    Text that could still be the start of a stop string is held back until it is known not to be one."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]):
+        self._tok = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = [s for s in stop if s]
+        self._pending = ""
+        self.stopped = False
+
+    def feed(self, tokens: Sequence[int]) -> str:
+        """Text that is safe to emit after these tokens (never a split character, never part of a stop string)."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.decode(b"".join(self._tok.token_bytes(t) for t in tokens))
+        for s in self._stop:
+            at = self._pending.find(s)
+            if at >= 0:
+                self.stopped = True
+                out, self._pending = self._pending[:at], ""
+                return out
+        hold = 0
+        for s in self._stop:  # longest suffix of pending that is a proper prefix of a stop string
+            for k in range(min(len(s) - 1, len(self._pending)), hold, -1):
+                if self._pending.endswith(s[:k]):
+                    hold = k
+                    break
+        out = self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(out):]
+        return out
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        out = self._pending + self._decoder.decode(b"", final=True)
+        self._pending = ""
+        return out
+
+
+class Model:
+    """A GGUF target model with its session (KV cache) and tokenizer.
+
+    >>> with pydflash.Model("qwen3.gguf", n_ctx=2048) as m:
+    ...     print(m.generate("def fib(n):", max_tokens=32).text)
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        n_ctx: int = 4096,
+        n_gpu_layers: int = 0,
+        n_threads: int | None = None,
+        kv_type: str = "f16",
+        n_ubatch: int = 512,
+        seed: int = 0,
+        verbose: bool = False,
+    ):
+        self.model_path = os.fspath(model_path)
+        if verbose:
+            logger.setLevel(logging.DEBUG)
+            if not logger.handlers:
+                logger.addHandler(logging.StreamHandler())
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type={kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        if not os.path.exists(self.model_path):
+            raise ModelLoadError(f"{self.model_path}: no such file")
+        self.seed = seed  # used by sampling (temperature > 0), which a later release adds
+        self.kv_type = kv_type
+        self.tokenizer = Tokenizer.from_gguf(self.model_path)
+        self._model = _core.Model(self.model_path, n_gpu_layers=n_gpu_layers, n_threads=n_threads or 0)
+        if self.tokenizer.n_vocab > self._model.n_vocab:
+            raise ModelLoadError(
+                f"{self.model_path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
+                f"token_embd.weight has {self._model.n_vocab} rows")
+        kv_bytes = self._model.kv_bytes_for(n_ctx, kv_type, kv_type)
+        logger.info("%s: %s, %d layers, weights %.1f MiB, KV cache (n_ctx=%d, %s) %.1f MiB", self.model_path,
+                    self._model.arch, self._model.n_layer, self._model.weight_bytes / 2**20, n_ctx, kv_type,
+                    kv_bytes / 2**20)
+        self._session = _core.Session(self._model, n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch)
+        self._lock = threading.Lock()
+
+    # ---- properties ----
+    @property
+    def n_ctx(self) -> int:
+        return self._session.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self._model.n_vocab
+
+    @property
+    def arch(self) -> str:
+        return self._model.arch
+
+    @property
+    def n_threads(self) -> int:
+        return self._model.n_threads
+
+    @property
+    def kv_bytes(self) -> int:
+        return self._session.kv_bytes
+
+    # ---- text ----
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.detokenize(list(tokens))
+
+    # ---- generation ----
+    def _prepare(self, prompt: str | Sequence[int], max_tokens: int, temperature: float) -> list[int]:
+        self._check_open()
+        if temperature != 0.0:
+            raise NotImplementedError("only greedy decoding (temperature=0.0) is implemented so far")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        tokens = self.tokenize(prompt) if isinstance(prompt, (str, bytes)) else [int(t) for t in prompt]
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        if len(tokens) > self.n_ctx:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(tokens)} tokens but n_ctx = {self.n_ctx}", len(tokens), self.n_ctx)
+        return tokens
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
+                 stop: str | Sequence[str] | None = None) -> Completion:
+        """Generate a continuation of `prompt` (text, or token ids)."""
+        pieces: list[str] = []
+        result = self._run(prompt, max_tokens, temperature, stop, pieces.append)
+        return Completion("".join(pieces), result["tokens"], result["finish_reason"], _timings(result["timings"]))
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
+               stop: str | Sequence[str] | None = None) -> Iterator[str]:
+        """Yield the continuation as text pieces as they are generated; a piece never splits a character."""
+        pieces: queue.Queue = queue.Queue()
+        done = object()
+        outcome: dict = {}
+
+        def worker():
+            try:
+                outcome["result"] = self._run(prompt, max_tokens, temperature, stop, pieces.put)
+            except BaseException as e:  # re-raised in the consumer
+                outcome["error"] = e
+            finally:
+                pieces.put(done)
+
+        thread = threading.Thread(target=worker, daemon=True)
+        thread.start()
+        try:
+            while True:
+                piece = pieces.get()
+                if piece is done:
+                    break
+                if piece:
+                    yield piece
+        finally:
+            if thread.is_alive():
+                self._session.abort()  # the consumer stopped early
+            thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+
+    def _run(self, prompt, max_tokens, temperature, stop, emit) -> dict:
+        tokens = self._prepare(prompt, max_tokens, temperature)
+        stops = _StopStrings(self.tokenizer, [stop] if isinstance(stop, str) else list(stop or []))
+
+        def on_tokens(new_tokens: list[int]) -> bool:
+            emit(stops.feed(new_tokens))
+            return not stops.stopped
+
+        with self._lock:
+            if max_tokens == 0:
+                return {"tokens": [], "finish_reason": "length",
+                        "timings": {"prompt_n": 0, "cached_n": 0, "prompt_ms": 0.0, "predicted_n": 0,
+                                    "predicted_ms": 0.0, "n_target_evals": 0}}
+            result = self._session.generate(tokens, max_tokens=max_tokens,
+                                            stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens)
+        if stops.stopped:
+            result["finish_reason"] = "stop"
+        else:
+            emit(stops.flush())
+        return result
+
+    # ---- lifetime ----
+    def _check_open(self) -> None:
+        if self._session is None:
+            raise RuntimeError("this Model is closed")
+
+    def close(self) -> None:
+        self._session = None
+        self._model = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,246 @@
+"""pydflash.Model: the Python surface, and every bad-input case of GGUF loading."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import gguf
+import numpy as np
+import pytest
+
+import pydflash
+from pydflash import _core
+from pydflash.errors import (
+    ContextLengthExceededError,
+    GGUFFormatError,
+    ModelLoadError,
+    UnsupportedModelError,
+)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(qwen3_checkpoint, tmp_path_factory):
+    from pydflash.convert import convert_hf_to_gguf
+
+    out = tmp_path_factory.mktemp("model") / "tiny-f32.gguf"
+    return convert_hf_to_gguf(qwen3_checkpoint("gqa4x2_hd64"), out, outtype="f32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path):
+    with pydflash.Model(gguf_path, n_ctx=512) as m:
+        yield m
+
+
+def test_generate_returns_completion(model):
+    c = model.generate("def fib(n):", max_tokens=20)
+    assert isinstance(c, pydflash.Completion)
+    assert c.finish_reason in ("length", "stop")
+    assert 0 < len(c.tokens) <= 20
+    assert c.text == model.detokenize(c.tokens)
+    for key in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "prompt_per_second",
+                "predicted_per_second"):
+        assert key in c.timings
+    assert c.timings["predicted_n"] == len(c.tokens)
+
+
+def test_generate_is_deterministic_and_reuses_the_prompt_cache(model):
+    a = model.generate("import os\n", max_tokens=16)
+    b = model.generate("import os\n", max_tokens=16)
+    assert a.tokens == b.tokens
+    assert b.timings["cached_n"] > 0  # the second call re-used the cached prompt prefix
+
+
+def test_token_prompt_equals_text_prompt(model):
+    ids = model.tokenize("class Foo:")
+    assert model.generate(ids, max_tokens=12).tokens == model.generate("class Foo:", max_tokens=12).tokens
+
+
+def test_stream_concatenates_to_generate(model):
+    pieces = list(model.stream("for i in range(", max_tokens=24))
+    assert "".join(pieces) == model.generate("for i in range(", max_tokens=24).text
+    for piece in pieces:
+        piece.encode("utf-8")  # never a lone surrogate / split character
+
+
+def test_stream_closed_early_stops_generation(model):
+    it = model.stream("while True:", max_tokens=200)
+    next(it)
+    it.close()
+    # the model is usable afterwards
+    assert model.generate("x = ", max_tokens=4).tokens
+
+
+def test_stop_string_cuts_text(model):
+    full = model.generate("def f(x):", max_tokens=32)
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    cut = model.generate("def f(x):", max_tokens=32, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert "".join(model.stream("def f(x):", max_tokens=32, stop=stop)) == cut.text
+
+
+def test_max_tokens_zero_and_bad_arguments(model):
+    assert model.generate("a", max_tokens=0).tokens == []
+    with pytest.raises(NotImplementedError):
+        model.generate("a", temperature=0.7)
+    with pytest.raises(ValueError):
+        model.generate([], max_tokens=4)
+
+
+def test_prompt_longer_than_context(gguf_path):
+    with pydflash.Model(gguf_path, n_ctx=16) as m:
+        with pytest.raises(ContextLengthExceededError) as info:
+            m.generate(list(range(1, 40)), max_tokens=4)
+        assert info.value.n_ctx == 16
+        # generation that reaches n_ctx ends with "length" at the context limit
+        c = m.generate(list(range(1, 10)), max_tokens=100)
+        assert c.finish_reason == "length"
+        assert 9 + len(c.tokens) <= 16 + 1
+
+
+def test_generate_releases_the_gil(model):
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(1)
+            stop.wait(0.001)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    model._session.generate(model.tokenize("x"), max_tokens=200, stop_tokens=[])
+    stop.set()
+    t.join()
+    assert len(ticks) > 1
+
+
+def test_kv_types_and_sizes(gguf_path):
+    sizes = {}
+    for kv in ("f32", "f16", "q8_0", "q4_0"):
+        with pydflash.Model(gguf_path, n_ctx=256, kv_type=kv) as m:
+            sizes[kv] = m.kv_bytes
+            assert m.generate("def", max_tokens=4).tokens
+    assert sizes["f32"] == 2 * sizes["f16"] > sizes["q8_0"] > sizes["q4_0"]
+    with pytest.raises(ValueError):
+        pydflash.Model(gguf_path, kv_type="q3_k")
+
+
+def test_context_that_does_not_fit_in_memory(gguf_path):
+    with pytest.raises(ContextLengthExceededError, match="n_ctx"):
+        pydflash.Model(gguf_path, n_ctx=2**31 - 1)
+
+
+def test_closed_model_raises(gguf_path):
+    m = pydflash.Model(gguf_path, n_ctx=64)
+    m.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        m.generate("a")
+
+
+# ---- bad GGUF input: a typed error naming the file and key/tensor, never a crash ----
+
+def rewrite(src, dst, *, drop_keys=(), set_keys=None, drop_tensors=(), reshape=None, arch=None):
+    """Copy a GGUF, changing metadata or tensors."""
+    reader = gguf.GGUFReader(src)
+    arch = arch or reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop_keys:
+            continue
+        if set_keys and name in set_keys:
+            continue
+        value = f.contents()
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    for name, (value, vtype) in (set_keys or {}).items():
+        writer.add_key_value(name, value, vtype)
+    for t in reader.tensors:
+        if t.name in drop_tensors:
+            continue
+        data = np.array(t.data)
+        if reshape and t.name in reshape:
+            data = data.reshape(-1)[: int(np.prod(reshape[t.name]))].reshape(reshape[t.name])
+        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def load(path):
+    return _core.Model(str(path))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such file"):
+        pydflash.Model(tmp_path / "nope.gguf")
+    with pytest.raises(ModelLoadError, match="nope.gguf"):
+        load(tmp_path / "nope.gguf")
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"PK\x03\x04 not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load(p)
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load(tmp_path / "empty.gguf")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 0.0005])
+def test_truncated_file(gguf_path, tmp_path, keep):
+    data = open(gguf_path, "rb").read()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf.*(truncated|malformed)"):
+        load(p)
+
+
+def test_missing_key(gguf_path, tmp_path):
+    p = rewrite(gguf_path, tmp_path / "k.gguf", drop_keys=["qwen3.attention.layer_norm_rms_epsilon"])
+    with pytest.raises(GGUFFormatError, match=r"k\.gguf.*'qwen3\.attention\.layer_norm_rms_epsilon'"):
+        load(p)
+
+
+def test_wrong_key_type(gguf_path, tmp_path):
+    p = rewrite(gguf_path, tmp_path / "t.gguf",
+                set_keys={"qwen3.block_count": ("two", gguf.GGUFValueType.STRING)})
+    with pytest.raises(GGUFFormatError, match=r"'qwen3\.block_count' has type str.*expected an unsigned integer"):
+        load(p)
+
+
+def test_missing_tensor(gguf_path, tmp_path):
+    p = rewrite(gguf_path, tmp_path / "m.gguf", drop_tensors=["blk.1.ffn_down.weight"])
+    with pytest.raises(GGUFFormatError, match=r"missing required tensor 'blk\.1\.ffn_down\.weight'"):
+        load(p)
+
+
+def test_wrong_tensor_shape(gguf_path, tmp_path):
+    reader = gguf.GGUFReader(gguf_path)
+    t = next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight")
+    rows, cols = t.data.shape
+    p = rewrite(gguf_path, tmp_path / "s.gguf", reshape={"blk.0.attn_k.weight": (rows // 2, cols)})
+    with pytest.raises(GGUFFormatError, match=r"'blk\.0\.attn_k\.weight' has shape \{%d, %d\}, expected \{%d, %d\}"
+                       % (cols, rows // 2, cols, rows)):
+        load(p)
+
+
+def test_unknown_architecture(gguf_path, tmp_path):
+    p = rewrite(gguf_path, tmp_path / "a.gguf", arch="llama")
+    with pytest.raises(UnsupportedModelError, match=r"general\.architecture = 'llama'.*qwen3"):
+        load(p)
+
+
+def test_vocab_only_file_is_not_a_model(llama_cpp_dir, tmp_path):
+    src = llama_cpp_dir / "models" / "ggml-vocab-qwen2.gguf"
+    p = tmp_path / "vocab.gguf"
+    shutil.copy(src, p)
+    with pytest.raises(UnsupportedModelError, match="qwen2"):
+        load(p)
