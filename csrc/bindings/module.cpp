@@ -75,6 +75,7 @@ static py::dict timings_dict(const generate_timings & t) {
 PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
     m.doc() = "pydflash core (C++/ggml); use the pydflash package, not this module";
     register_errors(m);
+    log_set_callback(nullptr);  // ggml's log goes through our sink (warnings to stderr) until Python sets one
 
     m.def("set_log_callback", [](py::object cb) {
         if (cb.is_none()) {

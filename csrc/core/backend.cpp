@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <thread>
 #include <unistd.h>
 
@@ -29,6 +30,11 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_la
         cpu_reg, "ggml_backend_dev_get_extra_bufts");
     if (get_extra) {
         for (ggml_backend_buffer_type_t * p = get_extra(cpu_dev_); p && *p; ++p) {
+            // AMX tiles: its mul_mat segfaulted on the first batch on our 2-core Xeon (kernel AMX permission
+            // granted, ggml 0.25.3), so we keep to the portable repacking buffer types
+            if (strcmp(ggml_backend_buft_name(*p), "AMX") == 0) {
+                continue;
+            }
             cpu_extra_bufts_.push_back(*p);
         }
     }

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Plain (autoregressive) decode and prefill speed: pydflash vs llama.cpp built from the same pinned sdist.
+
+Same GGUF, same thread count, same shapes of work as `llama-bench -p N_PROMPT -n N_GEN`: prefill of N_PROMPT
+tokens into an empty cache, and N_GEN decode steps from a one-token prompt. One run each; ratio printed.
+
+    python benchmarks/bench_ar.py                  # tiny and ~0.6B random Qwen3, q4_0 and q8_0
+    python benchmarks/bench_ar.py --peer build     # also build llama.cpp first (CPU, ~11 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import peer  # noqa: E402
+from random_gguf import write_random_qwen3  # noqa: E402
+
+from pydflash import _core  # noqa: E402
+
+
+def ours(path: Path, threads: int, n_prompt: int, n_gen: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s)"""
+    model = _core.Model(str(path), n_threads=threads)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 150000, n_prompt).astype(np.int32)
+
+    session = _core.Session(model, n_ctx=n_prompt + n_gen + 16, n_ubatch=n_prompt)
+    session.eval(prompt[:8])  # warm-up: first-touch of weights, graph allocation
+    session.truncate(0)
+    t0 = time.perf_counter()
+    session.eval(prompt, all_logits=False)
+    pp = n_prompt / (time.perf_counter() - t0)
+
+    session = _core.Session(model, n_ctx=n_prompt + n_gen + 16)
+    session.generate([int(prompt[0])], max_tokens=8, stop_tokens=[])  # warm-up
+    session.truncate(0)
+    r = session.generate([int(prompt[0])], max_tokens=n_gen + 1, stop_tokens=[])
+    # the first generated token comes from the prompt pass; the other n_gen are decode steps
+    tg = r["timings"]["n_target_evals"] / (r["timings"]["predicted_ms"] / 1000.0)
+    return pp, tg
+
+
+def llama_cpp(path: Path, threads: int, n_prompt: int, n_gen: int) -> tuple[float, float] | None:
+    bench = peer.binary("llama-bench")
+    if bench is None:
+        return None
+    out = subprocess.run([str(bench), "-m", str(path), "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads),
+                          "-r", "1", "-o", "json"], check=True, capture_output=True, text=True)
+    rows = json.loads(out.stdout)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == n_prompt and r["n_gen"] == 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == n_gen and r["n_prompt"] == 0)
+    return pp, tg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="tiny,0.6b")
+    ap.add_argument("--types", default="q4_0,q8_0")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--n-prompt", type=int, default=512)
+    ap.add_argument("--n-gen", type=int, default=128)
+    ap.add_argument("--peer", choices=["use", "build", "skip"], default="use",
+                    help="use llama.cpp if built (default), build it first, or skip it")
+    ap.add_argument("--out", type=Path, default=HERE / "out")
+    args = ap.parse_args()
+
+    if args.peer == "build":
+        peer.build()
+    vocab = Path(subprocess.run([sys.executable, str(HERE.parent / "vendor" / "ggml" / "fetch.py"), "llama.cpp"],
+                                check=True, capture_output=True, text=True).stdout.strip()) / "models" / "ggml-vocab-qwen2.gguf"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    print(f"threads={args.threads}  pp{args.n_prompt}  tg{args.n_gen}  (tokens/s, one run)")
+    header = f"{'model':<14} {'pp ours':>9} {'pp llama':>9} {'ratio':>6} | {'tg ours':>8} {'tg llama':>9} {'ratio':>6}"
+    print(header)
+    print("-" * len(header))
+    for shape in args.shapes.split(","):
+        for wtype in args.types.split(","):
+            path = args.out / f"random-qwen3-{shape}-{wtype}.gguf"
+            if not path.exists():
+                write_random_qwen3(path, shape, wtype, vocab)
+            pp, tg = ours(path, args.threads, args.n_prompt, args.n_gen)
+            peer_result = llama_cpp(path, args.threads, args.n_prompt, args.n_gen) if args.peer != "skip" else None
+            if peer_result:
+                lpp, ltg = peer_result
+                print(f"{shape + ' ' + wtype:<14} {pp:9.1f} {lpp:9.1f} {pp / lpp:6.2f} | {tg:8.1f} {ltg:9.1f} "
+                      f"{tg / ltg:6.2f}")
+            else:
+                print(f"{shape + ' ' + wtype:<14} {pp:9.1f} {'-':>9} {'-':>6} | {tg:8.1f} {'-':>9} {'-':>6}")
+            sys.stdout.flush()
+    if peer.binary("llama-bench") is None and args.peer != "skip":
+        print("(llama.cpp not built: run with --peer build for the ratios)")
+
+
+if __name__ == "__main__":
+    main()
