@@ -94,7 +94,12 @@ class qwen3_model : public target_model {
         output_norm_ = w.require("output_norm.weight", {E}, out_il, WEIGHT_USE_OTHER);
         output_      = w.optional("output.weight", {E, n_vocab}, out_il, WEIGHT_USE_MATMUL);
         if (!output_) {
-            output_ = tok_embd_;  // tied head
+            // tied head: a second copy when the head's buffer type differs (a repacked or GPU copy makes the
+            // largest matmul of a decode step several times faster; llama.cpp duplicates it too)
+            output_ = backends_->weight_buft(out_il, WEIGHT_USE_MATMUL, embd) ==
+                              backends_->weight_buft(-1, WEIGHT_USE_GET_ROWS, embd)
+                          ? tok_embd_
+                          : w.require("token_embd.weight", {E, n_vocab}, out_il, WEIGHT_USE_MATMUL);
         }
         const int64_t q_dim = hd * hp_.n_head, kv_dim = hd * hp_.n_head_kv;
         layers_.resize(hp_.n_layer);
