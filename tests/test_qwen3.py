@@ -154,3 +154,26 @@ def test_kv_cache_types_stay_close_to_f32(checkpoint, kv_type):
     kl = kl_divergence(base, np.concatenate(rows))
     print(f"kv {kv_type}: mean KL vs f32 = {kl:.2e}")
     assert kl <= KV_KL_BOUNDS[kv_type]
+
+
+# stated bounds: mean KL(f32 weights || quantized weights) over a 64-token sequence, f32 KV on both sides.
+# The random toys are very sensitive (measured over the four shapes: q8_0 3e-3..4e-2, q6_k 6e-3..5e-2,
+# q4_k_m 0.13..0.93, q4_0 0.36..2.9); the bit-exactness of the quantizers themselves is checked against
+# llama-quantize in test_quantize.py.
+WEIGHT_KL_BOUNDS = {"q8_0": 0.08, "q6_k": 0.1, "q4_k_m": 2.0, "q4_0": 5.0}
+
+
+@pytest.mark.parametrize("qtype", sorted(WEIGHT_KL_BOUNDS))
+def test_quantized_weights_stay_close_to_f32(checkpoint, tmp_path, qtype):
+    from pydflash.convert.quantize import quantize_gguf
+
+    _, gguf_path, _ = checkpoint
+    seq = np.array((PROMPT * 6)[:64], dtype=np.int32)
+    exact = _core.Session(_core.Model(str(gguf_path)), n_ctx=128, type_k="f32", type_v="f32")
+    base, _ = exact.eval(seq)
+    qpath = quantize_gguf(gguf_path, tmp_path / f"{qtype}.gguf", qtype, progress=False)
+    quant = _core.Session(_core.Model(str(qpath)), n_ctx=128, type_k="f32", type_v="f32")
+    logits, _ = quant.eval(seq)
+    kl = kl_divergence(base, logits)
+    print(f"weights {qtype}: mean KL vs f32 = {kl:.2e}")
+    assert kl <= WEIGHT_KL_BOUNDS[qtype]
