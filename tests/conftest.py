@@ -1,3 +1,5 @@
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -5,6 +7,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))  # tests/hf_models.py
+
+
+def _shim_pydflash_convert() -> None:
+    """Dev-time shim: `convert/` ships in the wheel as `pydflash.convert`. From a plain source tree
+    (nothing installed) load that folder under its installed name, so tests import it the same way."""
+    try:
+        import pydflash.convert  # noqa: F401
+        return
+    except ModuleNotFoundError as e:
+        if e.name not in ("pydflash.convert", "pydflash"):
+            raise
+    import pydflash
+
+    spec = importlib.util.spec_from_file_location("pydflash.convert", ROOT / "convert" / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT / "convert")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["pydflash.convert"] = module
+    spec.loader.exec_module(module)
+    pydflash.convert = module
+
+
+_shim_pydflash_convert()
 
 
 def pytest_configure(config):
@@ -17,3 +44,23 @@ def llama_cpp_dir() -> Path:
     out = subprocess.run([sys.executable, str(ROOT / "vendor" / "ggml" / "fetch.py"), "llama.cpp"],
                          check=True, capture_output=True, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory):
+    """Factory for tiny random HF Qwen3 checkpoints, cached for the session:
+    `qwen3_checkpoint("gqa4x2_hd64", dtype="bfloat16")` -> Path (shapes: hf_models.QWEN3_SHAPES;
+    keyword arguments go to hf_models.make_qwen3_checkpoint)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import hf_models
+
+    cache: dict = {}
+
+    def make(shape: str = "gqa4x2_hd64", **overrides) -> Path:
+        key = (shape, json.dumps(overrides, sort_keys=True))
+        if key not in cache:
+            cache[key] = hf_models.make_qwen3_shape(tmp_path_factory.mktemp(f"hf-{shape}"), shape, **overrides)
+        return cache[key]
+
+    return make

@@ -1,0 +1,7 @@
+"""`python -m pydflash.convert ...` = `pydflash-convert ...`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

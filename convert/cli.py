@@ -1,0 +1,57 @@
+"""`pydflash-convert HF_DIR --outfile OUT.gguf --outtype f32|f16|bf16|q8_0|auto`
+
+The flags mirror llama.cpp's `convert_hf_to_gguf.py` (`--outfile`, `--outtype`, `--vocab-only`,
+`--dry-run`, `--model-name`, `--target-model-dir`, `--verbose`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from pydflash.errors import ConversionError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pydflash-convert",
+                                description="Convert a Hugging Face checkpoint to a llama.cpp-compatible GGUF file")
+    p.add_argument("model", type=Path, help="Hugging Face model folder (config.json, tokenizer.json, *.safetensors)")
+    p.add_argument("--outfile", type=Path, default=None,
+                   help="output path; a folder gets llama.cpp's default name; '{ftype}' is replaced by the outtype")
+    p.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0", "auto"], default="auto",
+                   help="tensor type for weight matrices (norms and 1-D tensors stay f32); auto: bf16 or f16 as stored")
+    p.add_argument("--vocab-only", action="store_true", help="write only the metadata and tokenizer")
+    p.add_argument("--dry-run", action="store_true", help="print the tensor plan without writing a file")
+    p.add_argument("--model-name", default=None, help="general.name (default: from the model card or folder name)")
+    p.add_argument("--target-model-dir", type=Path, default=None,
+                   help="target model folder, for draft models that borrow the target's tokenizer")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="log every tensor")
+    p.add_argument("--print-supported-models", action="store_true", help="list the supported HF architectures")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import convert_hf_to_gguf, supported_architectures
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
+    if args.print_supported_models:
+        print("\n".join(supported_architectures()))
+        return 0
+    try:
+        out = convert_hf_to_gguf(args.model, args.outfile, outtype=args.outtype, vocab_only=args.vocab_only,
+                                 dry_run=args.dry_run, model_name=args.model_name,
+                                 target_model_dir=args.target_model_dir, progress=not args.no_progress)
+    except ConversionError as e:
+        print(f"pydflash-convert: error: {e}", file=sys.stderr)
+        return 1
+    if not args.dry_run:
+        print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

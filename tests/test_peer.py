@@ -1,0 +1,63 @@
+"""Compatibility with llama.cpp from the same pinned sources (the binaries: `python benchmarks/peer.py build`).
+
+- our GGUF runs in llama.cpp and gives the same greedy text as ours;
+- a GGUF written by llama.cpp's own converter loads in ours and gives the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pydflash
+from pydflash.convert import convert_hf_to_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import peer  # noqa: E402
+
+PROMPT = "def add(a, b):\n    return"
+
+
+@pytest.fixture(scope="module")
+def llama_simple():
+    path = peer.binary("llama-simple")
+    if path is None:
+        pytest.skip("llama.cpp is not built (python benchmarks/peer.py build)")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["gqa4x2_hd64", "gqa4x2_hd128_tied"])
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_our_gguf_in_llama_cpp(qwen3_checkpoint, llama_simple, tmp_path, shape, outtype):
+    gguf_path = convert_hf_to_gguf(qwen3_checkpoint(shape), tmp_path / "m.gguf", outtype=outtype, progress=False)
+    n = 32
+    with pydflash.Model(gguf_path, n_ctx=256) as m:
+        ours = m._session.generate(m.tokenize(PROMPT), max_tokens=n, stop_tokens=[])["tokens"]
+        ours_bytes = b"".join(m.tokenizer.token_bytes(t) for t in ours)
+    # llama-simple: greedy, prints the prompt then the continuation piece by piece (raw bytes, which need not
+    # be valid UTF-8 for a random model) and a newline; it stops early at an end-of-generation token
+    res = subprocess.run([str(llama_simple), "-m", str(gguf_path), "-n", str(n), PROMPT],
+                         capture_output=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    prompt = PROMPT.encode()
+    assert prompt in res.stdout
+    theirs_bytes = res.stdout.split(prompt, 1)[1].rstrip(b"\n")
+    assert len(theirs_bytes) > 0
+    assert ours_bytes.startswith(theirs_bytes)
+
+
+def test_llama_cpp_converted_gguf_in_ours(qwen3_checkpoint, llama_cpp_dir, tmp_path):
+    from test_convert import llama_convert
+
+    hf = qwen3_checkpoint("gqa4x2_hd64")
+    theirs = llama_convert(llama_cpp_dir, hf, tmp_path / "theirs.gguf", "--outtype", "f16")
+    ours = convert_hf_to_gguf(hf, tmp_path / "ours.gguf", outtype="f16", progress=False)
+    outputs = []
+    for path in (theirs, ours):
+        with pydflash.Model(path, n_ctx=256) as m:
+            outputs.append(m._session.generate(m.tokenize(PROMPT), max_tokens=48, stop_tokens=[])["tokens"])
+    assert outputs[0] == outputs[1]
