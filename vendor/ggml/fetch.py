@@ -46,20 +46,43 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PYDFLASH_SDIST_CACHE", HERE / ".cache"))
 
 
-def download_with_pip(pin: dict[str, str], dest: Path) -> None:
+def download_with_pip(pin: dict[str, str], dest: Path) -> bool:
     spec = f"{pin['package']}=={pin['version']}"
     # --no-build-isolation: pip only prepares the sdist's metadata, it does not install its build deps.
     args = ["download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation", spec, "-d", str(dest)]
+    # Inside pip's isolated build environment PYTHONPATH hides the interpreter's own site-packages (and pip
+    # with them): run pip with the variables of that isolation removed.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
     candidates = [[sys.executable, "-m", "pip"]]
     pip_on_path = shutil.which("pip3") or shutil.which("pip")
     if pip_on_path:
         candidates.append([pip_on_path])
     for pip in candidates:
         print(f"pydflash: downloading {spec} with {' '.join(pip)}", file=sys.stderr)
-        if subprocess.run(pip + args, stdout=sys.stderr).returncode == 0:
-            return
-    raise SystemExit(f"pydflash: could not download {spec} with pip; set PYDFLASH_LLAMA_SDIST to a local copy "
-                     f"of {pin['filename']} or PYDFLASH_GGML_DIR to a ggml source tree")
+        if subprocess.run(pip + args, stdout=sys.stderr, env=env).returncode == 0:
+            return True
+    return False
+
+
+def download_from_index(pin: dict[str, str], dest: Path) -> bool:
+    """Fallback without pip: the package index's JSON simple API (PEP 691); the sha256 is checked after."""
+    import json
+    import urllib.request
+
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    url = f"{index}/{pin['package']}/"
+    print(f"pydflash: downloading {pin['filename']} from {url}", file=sys.stderr)
+    try:
+        req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            files = json.load(r)["files"]
+        link = next(f["url"] for f in files if f["filename"] == pin["filename"])
+        with urllib.request.urlopen(link, timeout=600) as r, open(dest / pin["filename"], "wb") as out:
+            shutil.copyfileobj(r, out)
+        return True
+    except Exception as e:  # reported below with what to do instead
+        print(f"pydflash: download failed: {e}", file=sys.stderr)
+        return False
 
 
 def ensure_sdist() -> Path:
@@ -70,7 +93,9 @@ def ensure_sdist() -> Path:
         if local:
             raise SystemExit(f"pydflash: PYDFLASH_LLAMA_SDIST={local} does not exist")
         path.parent.mkdir(parents=True, exist_ok=True)
-        download_with_pip(pin, path.parent)
+        if not (download_with_pip(pin, path.parent) or download_from_index(pin, path.parent)):
+            raise SystemExit(f"pydflash: could not download {pin['filename']}; set PYDFLASH_LLAMA_SDIST to a local "
+                             f"copy of it or PYDFLASH_GGML_DIR to a ggml source tree")
     actual = sha256_of(path)
     if actual != pin["sha256"]:
         raise SystemExit(f"pydflash: {path}: sha256 {actual} does not match the pin {pin['sha256']} (vendor/ggml/ggml.pin)")
