@@ -10,9 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pydflash
+from pydflash import _core
 from pydflash.convert import convert_hf_to_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -36,8 +38,14 @@ def test_our_gguf_in_llama_cpp(qwen3_checkpoint, llama_simple, tmp_path, shape, 
     gguf_path = convert_hf_to_gguf(qwen3_checkpoint(shape), tmp_path / "m.gguf", outtype=outtype, progress=False)
     n = 32
     with pydflash.Model(gguf_path, n_ctx=256) as m:
-        ours = m._session.generate(m.tokenize(PROMPT), max_tokens=n, stop_tokens=[])["tokens"]
-        ours_bytes = b"".join(m.tokenizer.token_bytes(t) for t in ours)
+        prompt_ids = m.tokenize(PROMPT)
+        ours = m._session.generate(prompt_ids, max_tokens=n, stop_tokens=[])["tokens"]
+        pieces = [m.tokenizer.token_bytes(t) for t in ours]
+        ours_bytes = b"".join(pieces)
+        # logits that chose each generated token, for the tie rule below
+        session = _core.Session(m._model, n_ctx=256)
+        logits, _ = session.eval(np.array(prompt_ids + ours[:-1], dtype=np.int32))
+        logits = logits[len(prompt_ids) - 1:]
     # llama-simple: greedy, prints the prompt then the continuation piece by piece (raw bytes, which need not
     # be valid UTF-8 for a random model) and a newline; it stops early at an end-of-generation token
     res = subprocess.run([str(llama_simple), "-m", str(gguf_path), "-n", str(n), PROMPT],
@@ -47,7 +55,13 @@ def test_our_gguf_in_llama_cpp(qwen3_checkpoint, llama_simple, tmp_path, shape, 
     assert prompt in res.stdout
     theirs_bytes = res.stdout.split(prompt, 1)[1].rstrip(b"\n")
     assert len(theirs_bytes) > 0
-    assert ours_bytes.startswith(theirs_bytes)
+    if ours_bytes.startswith(theirs_bytes):
+        return
+    # a divergence is acceptable only at a genuine tie: our top-1 / top-2 logit gap < 1e-2 at that step
+    first = next(i for i, (a, b) in enumerate(zip(ours_bytes, theirs_bytes)) if a != b)
+    step = int(np.searchsorted(np.cumsum([len(p) for p in pieces]), first, side="right"))
+    top2 = np.sort(logits[step])[-2:]
+    assert top2[1] - top2[0] < 1e-2, f"diverged at step {step} with a top-1/top-2 gap of {top2[1] - top2[0]}"
 
 
 def test_llama_cpp_converted_gguf_in_ours(qwen3_checkpoint, llama_cpp_dir, tmp_path):
