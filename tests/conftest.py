@@ -34,10 +34,6 @@ def _shim_pydflash_convert() -> None:
 _shim_pydflash_convert()
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: needs the llama.cpp peer build or takes minutes")
-
-
 @pytest.fixture(scope="session")
 def llama_cpp_dir() -> Path:
     """The pinned llama.cpp source tree (vocab fixtures, converter, templates), unpacked from the sdist."""

@@ -177,3 +177,15 @@ def test_quantized_weights_stay_close_to_f32(checkpoint, tmp_path, qtype):
     kl = kl_divergence(base, logits)
     print(f"weights {qtype}: mean KL vs f32 = {kl:.2e}")
     assert kl <= WEIGHT_KL_BOUNDS[qtype]
+
+
+@pytest.mark.parametrize("outtype, bound", [("f16", 1e-3), ("bf16", 0.05)])
+def test_f16_and_bf16_weights(checkpoint, tmp_path, outtype, bound):
+    hf_dir, gguf_path, _ = checkpoint
+    seq = np.array((PROMPT * 6)[:64], dtype=np.int32)
+    base, _ = _core.Session(_core.Model(str(gguf_path)), n_ctx=128, type_k="f32", type_v="f32").eval(seq)
+    path = convert_hf_to_gguf(hf_dir, tmp_path / f"{outtype}.gguf", outtype=outtype, progress=False)
+    logits, _ = _core.Session(_core.Model(str(path)), n_ctx=128, type_k="f32", type_v="f32").eval(seq)
+    kl = kl_divergence(base, logits)
+    print(f"weights {outtype}: mean KL vs f32 = {kl:.2e}")
+    assert kl <= bound
