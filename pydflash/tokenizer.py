@@ -11,16 +11,14 @@ The vocabulary, merges and flags come from the GGUF metadata; the byte-level BPE
 * pieces are turned back into bytes per token (`token_bytes`); control tokens render as their text.
 
 Reading the metadata: `gguf.GGUFReader` builds numpy views for every element of every array, which takes
-5-10 s for a 151k-token vocabulary (300k strings). `Tokenizer.from_gguf` therefore parses only the GGUF
-key/value section itself (~0.2 s); `Tokenizer.from_reader` accepts a reader that is already open.
+5-10 s for a 151k-token vocabulary (300k strings). `Tokenizer.from_gguf` therefore reads the keys with ggml's
+gguf parser in the core (~0.3 s); `Tokenizer.from_reader` accepts a reader that is already open.
 """
 
 from __future__ import annotations
 
 import codecs
-import mmap
 import os
-import struct
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -193,10 +191,6 @@ class _Value:
     value: Any
 
 
-_SCALAR_FORMATS = {
-    _T.UINT8: "B", _T.INT8: "b", _T.UINT16: "H", _T.INT16: "h", _T.UINT32: "I", _T.INT32: "i",
-    _T.FLOAT32: "f", _T.BOOL: "?", _T.UINT64: "Q", _T.INT64: "q", _T.FLOAT64: "d",
-}
 _INT_TYPES = frozenset({_T.UINT8, _T.INT8, _T.UINT16, _T.INT16, _T.UINT32, _T.INT32, _T.UINT64, _T.INT64})
 
 
@@ -204,136 +198,17 @@ def _type_name(t: _T, elem: _T | None = None) -> str:
     return f"ARRAY[{elem.name}]" if t == _T.ARRAY and elem is not None else t.name
 
 
-class _KVParser:
-    """Reads the key/value section of a GGUF file (header and metadata only, never tensor data).
-
-    Values of keys in `wanted` are decoded; the others are stepped over. Every read is bounds-checked so a
-    truncated file gives a ModelLoadError rather than garbage."""
-
-    def __init__(self, buf: mmap.mmap | bytes, path: str, wanted: frozenset[str]):
-        self.buf = buf
-        self.end = len(buf)
-        self.path = path
-        self.wanted = wanted
-        self.off = 0
-        self.order = "<"
-
-    def _truncated(self, what: str) -> ModelLoadError:
-        return ModelLoadError(f"{self.path}: truncated GGUF file: {what} runs past the end of the file "
-                              f"({self.end} bytes)")
-
-    def _unpack(self, fmt: str, what: str) -> Any:
-        s = struct.Struct(self.order + fmt)
-        if self.off + s.size > self.end:
-            raise self._truncated(what)
-        (v,) = s.unpack_from(self.buf, self.off)
-        self.off += s.size
-        return v
-
-    def _string(self, what: str) -> str:
-        n = self._unpack("Q", what)
-        if self.off + n > self.end:
-            raise self._truncated(what)
-        raw = self.buf[self.off:self.off + n]
-        self.off += n
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise GGUFFormatError(f"{self.path}: {what} is not valid UTF-8 ({e})") from None
-
-    def _value_type(self, what: str) -> _T:
-        t = self._unpack("I", what)
-        try:
-            return _T(t)
-        except ValueError:
-            raise GGUFFormatError(f"{self.path}: {what} has unknown GGUF value type {t}") from None
-
-    def parse(self) -> dict[str, _Value]:
-        if self.end < 4 or self.buf[:4] != b"GGUF":
-            raise ModelLoadError(f"{self.path}: not a GGUF file (starts with {bytes(self.buf[:4])!r}, "
-                                 f"expected b'GGUF')")
-        self.off = 4
-        version = self._unpack("I", "version")
-        if version & 0xFFFF == 0:  # written on a big-endian machine (same check as gguf.GGUFReader)
-            self.order = ">"
-            version = struct.unpack(">I", struct.pack("<I", version))[0]
-        if version not in (2, 3):
-            raise UnsupportedModelError(f"{self.path}: GGUF version {version} is not supported (expected 2 or 3)")
-        self._unpack("Q", "tensor count")
-        n_kv = self._unpack("Q", "key/value count")
-        out: dict[str, _Value] = {}
-        for i in range(n_kv):
-            key = self._string(f"key #{i}")
-            t = self._value_type(f"key '{key}'")
-            if t == _T.ARRAY:
-                elem = self._value_type(f"key '{key}' (array element type)")
-                n = self._unpack("Q", f"key '{key}' (array length)")
-                value = self._array(key, elem, n, decode=key in self.wanted)
-                out[key] = _Value(t, elem, value)
-            else:
-                out[key] = _Value(t, None, self._scalar(key, t))
-        return out
-
-    def _scalar(self, key: str, t: _T) -> Any:
-        if t == _T.STRING:
-            return self._string(f"key '{key}'")
-        return self._unpack(_SCALAR_FORMATS[t], f"key '{key}'")
-
-    def _array(self, key: str, elem: _T, n: int, decode: bool) -> list | None:
-        what = f"key '{key}'"
-        if elem == _T.STRING:
-            return self._string_array(what, n, decode)
-        if elem == _T.ARRAY:  # nested arrays: legal GGUF, never wanted here; step over them
-            for _ in range(n):
-                inner = self._value_type(what)
-                self._array(key, inner, self._unpack("Q", what), decode=False)
-            return None
-        fmt = _SCALAR_FORMATS[elem]
-        size = n * struct.calcsize(fmt)  # checked before building a Struct: a corrupt n can be ~2**64
-        if self.off + size > self.end:
-            raise self._truncated(what)
-        value = list(struct.unpack_from(f"{self.order}{n}{fmt}", self.buf, self.off)) if decode else None
-        self.off += size
-        return value
-
-    def _string_array(self, what: str, n: int, decode: bool) -> list[str] | None:
-        # The hot loop of loading a vocabulary (2 x ~150k strings): locals only, no per-item method calls.
-        buf, end, off = self.buf, self.end, self.off
-        unpack_len = struct.Struct(self.order + "Q").unpack_from
-        out: list[str] | None = [] if decode else None
-        try:
-            for _ in range(n):
-                if off + 8 > end:
-                    raise self._truncated(what)
-                (ln,) = unpack_len(buf, off)
-                off += 8
-                nxt = off + ln
-                if nxt > end:
-                    raise self._truncated(what)
-                if out is not None:
-                    out.append(buf[off:nxt].decode("utf-8"))
-                off = nxt
-        except UnicodeDecodeError as e:
-            raise GGUFFormatError(f"{self.path}: {what} has an element that is not valid UTF-8 ({e})") from None
-        self.off = off
-        return out
-
-
 def _read_metadata(path: str) -> dict[str, _Value]:
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                raise ModelLoadError(f"{path}: not a GGUF file (the file is empty)")
-            # mmap: a model file is gigabytes and only its first few megabytes (the metadata) are read.
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return _KVParser(mm, path, _WANTED_KEYS).parse()
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ModelLoadError(f"{path}: is a directory, expected a GGUF file") from None
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read the file ({e.strerror or e})") from e
+    """The tokenizer keys, parsed by ggml's gguf reader in the core (gguf.GGUFReader takes ~10 s on a
+    151k-token vocabulary because it makes a numpy view per string)."""
+    from . import _core
+
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise ModelLoadError(f"{path}: is a directory, expected a GGUF file")
+    raw = _core.gguf_metadata(path, sorted(_WANTED_KEYS))
+    return {key: _Value(_T(t), None if elem is None else _T(elem), value) for key, (t, elem, value) in raw.items()}
 
 
 def _metadata_from_reader(reader: gguf.GGUFReader, path: str) -> dict[str, _Value]:

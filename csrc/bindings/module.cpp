@@ -1,6 +1,7 @@
 // pydflash._core: the one pybind11 module. Coarse calls only; the decode loop runs in C++ with the GIL
 // released. C++ errors become the classes of pydflash.errors.
 #include "core/error.h"
+#include "core/gguf_file.h"
 #include "core/log.h"
 #include "core/quantize.h"
 #include "models/model.h"
@@ -11,6 +12,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <cstring>
 
 namespace py = pybind11;
 using namespace pdf;
@@ -56,6 +59,33 @@ static void register_errors(py::module_ & m) {
     (void) m;
 }
 
+// value of one GGUF key as a Python object (arrays as lists)
+static py::object gguf_value(const gguf_context * g, int64_t id, gguf_type t, size_t i, bool array) {
+    auto elem = [&](auto v) { return array ? ((const decltype(v) *) gguf_get_arr_data(g, id))[i] : v; };
+    switch (t) {
+        case GGUF_TYPE_UINT8:   return py::int_(elem(array ? uint8_t{} : gguf_get_val_u8(g, id)));
+        case GGUF_TYPE_INT8:    return py::int_(elem(array ? int8_t{} : gguf_get_val_i8(g, id)));
+        case GGUF_TYPE_UINT16:  return py::int_(elem(array ? uint16_t{} : gguf_get_val_u16(g, id)));
+        case GGUF_TYPE_INT16:   return py::int_(elem(array ? int16_t{} : gguf_get_val_i16(g, id)));
+        case GGUF_TYPE_UINT32:  return py::int_(elem(array ? uint32_t{} : gguf_get_val_u32(g, id)));
+        case GGUF_TYPE_INT32:   return py::int_(elem(array ? int32_t{} : gguf_get_val_i32(g, id)));
+        case GGUF_TYPE_UINT64:  return py::int_(elem(array ? uint64_t{} : gguf_get_val_u64(g, id)));
+        case GGUF_TYPE_INT64:   return py::int_(elem(array ? int64_t{} : gguf_get_val_i64(g, id)));
+        case GGUF_TYPE_FLOAT32: return py::float_(elem(array ? float{} : gguf_get_val_f32(g, id)));
+        case GGUF_TYPE_FLOAT64: return py::float_(elem(array ? double{} : gguf_get_val_f64(g, id)));
+        case GGUF_TYPE_BOOL:    return py::bool_(elem(array ? int8_t{} : (int8_t) gguf_get_val_bool(g, id)) != 0);
+        case GGUF_TYPE_STRING: {
+            const char * s = array ? gguf_get_arr_str(g, id, i) : gguf_get_val_str(g, id);
+            PyObject *   o = PyUnicode_DecodeUTF8(s, (Py_ssize_t) strlen(s), "surrogateescape");
+            if (!o) {
+                throw py::error_already_set();
+            }
+            return py::reinterpret_steal<py::object>(o);
+        }
+        default:                return py::none();
+    }
+}
+
 // Model: the read-only weights, shareable between sessions
 struct py_model {
     std::shared_ptr<const target_model> model;
@@ -93,6 +123,38 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         });
     });
 
+    m.def(
+        "gguf_metadata",
+        [](const std::string & path, const std::vector<std::string> & keys) {
+            // ggml's gguf parser; {key: (gguf type, element type or None, value)} for the keys present
+            std::unique_ptr<gguf_file> file;
+            {
+                py::gil_scoped_release nogil;
+                file = std::make_unique<gguf_file>(path);
+            }
+            const gguf_context * g = file->metadata();
+            py::dict out;
+            for (const std::string & key : keys) {
+                const int64_t id = gguf_find_key(g, key.c_str());
+                if (id < 0) {
+                    continue;
+                }
+                const gguf_type t = gguf_get_kv_type(g, id);
+                if (t != GGUF_TYPE_ARRAY) {
+                    out[py::str(key)] = py::make_tuple((int) t, py::none(), gguf_value(g, id, t, 0, false));
+                    continue;
+                }
+                const gguf_type at = gguf_get_arr_type(g, id);
+                const size_t    n  = gguf_get_arr_n(g, id);
+                py::list        values(n);
+                for (size_t i = 0; i < n; ++i) {
+                    values[i] = gguf_value(g, id, at, i, true);
+                }
+                out[py::str(key)] = py::make_tuple((int) t, (int) at, values);
+            }
+            return out;
+        },
+        py::arg("path"), py::arg("keys"), "Read metadata keys of a GGUF file with ggml's gguf parser.");
     m.def("ggml_type_id", &parse_kv_type, py::arg("name"));
     m.def("quantized_row_size", [](int type, int64_t n_per_row) { return quantized_row_size((ggml_type) type, n_per_row); });
     m.def(

@@ -69,6 +69,15 @@ gguf_file::gguf_file(const std::string & path) : path_(path) {
         throw file_error(format("%s: not a GGUF file (expected magic 'GGUF' at offset 0, file has %zu bytes%s)",
                                 path.c_str(), size_, got == 4 ? " with another magic" : ""));
     }
+    uint32_t version = 0;
+    if (size_ < 8 || pread(fd, &version, 4, 4) != 4) {
+        close(fd);
+        throw file_error(format("%s: truncated GGUF header (%zu bytes)", path.c_str(), size_));
+    }
+    if (version < 2 || version > 3) {
+        close(fd);
+        throw unsupported_error(format("%s: GGUF version %u is not supported (expected 2 or 3)", path.c_str(), version));
+    }
     map_ = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     if (map_ == MAP_FAILED) {

@@ -41,6 +41,8 @@ class gguf_file {
     ggml_tensor * optional_tensor(const std::string & name, std::initializer_list<int64_t> ne) const;
     const void *  tensor_data(const ggml_tensor * t) const;
     size_t        n_tensors() const;
+    // the parsed metadata, for readers of arbitrary keys (the tokenizer)
+    const gguf_context * metadata() const { return gguf_; }
 
   private:
     void    release();
