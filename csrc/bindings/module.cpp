@@ -59,24 +59,30 @@ static void register_errors(py::module_ & m) {
     (void) m;
 }
 
-// value of one GGUF key as a Python object (arrays as lists)
+// element i of an array key, or the scalar value of a key (GGUF stores both as plain little-endian data)
+template <typename T> static T gguf_number(const gguf_context * g, int64_t id, size_t i, bool array) {
+    const void * data = array ? gguf_get_arr_data(g, id) : gguf_get_val_data(g, id);
+    return ((const T *) data)[array ? i : 0];
+}
+
+// value of one GGUF key (or array element) as a Python object
 static py::object gguf_value(const gguf_context * g, int64_t id, gguf_type t, size_t i, bool array) {
-    auto elem = [&](auto v) { return array ? ((const decltype(v) *) gguf_get_arr_data(g, id))[i] : v; };
     switch (t) {
-        case GGUF_TYPE_UINT8:   return py::int_(elem(array ? uint8_t{} : gguf_get_val_u8(g, id)));
-        case GGUF_TYPE_INT8:    return py::int_(elem(array ? int8_t{} : gguf_get_val_i8(g, id)));
-        case GGUF_TYPE_UINT16:  return py::int_(elem(array ? uint16_t{} : gguf_get_val_u16(g, id)));
-        case GGUF_TYPE_INT16:   return py::int_(elem(array ? int16_t{} : gguf_get_val_i16(g, id)));
-        case GGUF_TYPE_UINT32:  return py::int_(elem(array ? uint32_t{} : gguf_get_val_u32(g, id)));
-        case GGUF_TYPE_INT32:   return py::int_(elem(array ? int32_t{} : gguf_get_val_i32(g, id)));
-        case GGUF_TYPE_UINT64:  return py::int_(elem(array ? uint64_t{} : gguf_get_val_u64(g, id)));
-        case GGUF_TYPE_INT64:   return py::int_(elem(array ? int64_t{} : gguf_get_val_i64(g, id)));
-        case GGUF_TYPE_FLOAT32: return py::float_(elem(array ? float{} : gguf_get_val_f32(g, id)));
-        case GGUF_TYPE_FLOAT64: return py::float_(elem(array ? double{} : gguf_get_val_f64(g, id)));
-        case GGUF_TYPE_BOOL:    return py::bool_(elem(array ? int8_t{} : (int8_t) gguf_get_val_bool(g, id)) != 0);
+        case GGUF_TYPE_UINT8:   return py::int_(gguf_number<uint8_t>(g, id, i, array));
+        case GGUF_TYPE_INT8:    return py::int_(gguf_number<int8_t>(g, id, i, array));
+        case GGUF_TYPE_UINT16:  return py::int_(gguf_number<uint16_t>(g, id, i, array));
+        case GGUF_TYPE_INT16:   return py::int_(gguf_number<int16_t>(g, id, i, array));
+        case GGUF_TYPE_UINT32:  return py::int_(gguf_number<uint32_t>(g, id, i, array));
+        case GGUF_TYPE_INT32:   return py::int_(gguf_number<int32_t>(g, id, i, array));
+        case GGUF_TYPE_UINT64:  return py::int_(gguf_number<uint64_t>(g, id, i, array));
+        case GGUF_TYPE_INT64:   return py::int_(gguf_number<int64_t>(g, id, i, array));
+        case GGUF_TYPE_FLOAT32: return py::float_(gguf_number<float>(g, id, i, array));
+        case GGUF_TYPE_FLOAT64: return py::float_(gguf_number<double>(g, id, i, array));
+        case GGUF_TYPE_BOOL:    return py::bool_(gguf_number<int8_t>(g, id, i, array) != 0);
         case GGUF_TYPE_STRING: {
             const char * s = array ? gguf_get_arr_str(g, id, i) : gguf_get_val_str(g, id);
-            PyObject *   o = PyUnicode_DecodeUTF8(s, (Py_ssize_t) strlen(s), "surrogateescape");
+            // surrogateescape: a vocabulary entry that is not valid UTF-8 still round-trips to its bytes
+            PyObject * o = PyUnicode_DecodeUTF8(s, (Py_ssize_t) strlen(s), "surrogateescape");
             if (!o) {
                 throw py::error_already_set();
             }
