@@ -208,19 +208,21 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
 
     py::class_<session>(m, "Session")
         .def(py::init([](const py_model & m, uint32_t n_ctx, const std::string & type_k, const std::string & type_v,
-                         uint32_t n_ubatch) {
+                         uint32_t n_ubatch, uint32_t n_rollback) {
                  session_params p;
-                 p.n_ctx    = n_ctx;
-                 p.n_ubatch = n_ubatch;
+                 p.n_ctx      = n_ctx;
+                 p.n_ubatch   = n_ubatch;
+                 p.n_rollback = n_rollback;
                  p.type_k   = parse_kv_type(type_k);
                  p.type_v   = parse_kv_type(type_v);
                  return std::make_unique<session>(m.model, p);
              }),
              py::arg("model"), py::arg("n_ctx") = 4096, py::arg("type_k") = "f16", py::arg("type_v") = "f16",
-             py::arg("n_ubatch") = 512, py::keep_alive<1, 2>())
+             py::arg("n_ubatch") = 512, py::arg("n_rollback") = 16, py::keep_alive<1, 2>())
         .def_property_readonly("n_past", &session::n_past)
         .def_property_readonly("n_ctx", &session::n_ctx)
         .def_property_readonly("kv_bytes", &session::kv_bytes)
+        .def_property_readonly("recurrent_bytes", &session::recurrent_bytes)
         .def_property_readonly("tokens", &session::tokens)
         .def(
             "eval",

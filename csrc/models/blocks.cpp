@@ -50,3 +50,66 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eva
 }
 
 }  // namespace pdf
+
+#include "state/recurrent_state.h"
+
+#include <cmath>
+
+namespace pdf {
+
+ggml_tensor * build_l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
+    const float n = (float) x->ne[0];
+    return ggml_scale(ctx, ggml_rms_norm(ctx, x, eps / n), 1.0f / std::sqrt(n));
+}
+
+ggml_tensor * build_conv_with_state(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                    const recurrent_state & rs, int il, ggml_tensor * x, ggml_tensor * kernel) {
+    const int64_t channels = x->ne[0];
+    const int64_t n        = x->ne[1];
+    const int64_t d_conv   = kernel->ne[0];
+    ggml_tensor * buf      = rs.conv(il);  // [channels, d_conv-1+n_rollback]
+
+    ggml_tensor * window = ggml_get_rows(ctx, buf, in.conv_rows);  // [channels, d_conv-1]
+    ggml_tensor * seq    = ggml_concat(ctx, window, x, 1);         // [channels, d_conv-1+n], time = rows
+
+    // keep the rows later commits can start from: the last d_conv-1+min(n, n_rollback)
+    const int64_t from = rs.conv_keep_from((int) n);
+    const int64_t keep = seq->ne[1] - from;
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_view_2d(ctx, seq, channels, keep, seq->nb[1], from * seq->nb[1]),
+                                           ggml_view_2d(ctx, buf, channels, keep, buf->nb[1], 0)));
+
+    ggml_tensor * sx = ggml_cont(ctx, ggml_transpose(ctx, seq));  // [d_conv-1+n, channels]
+    sx               = ggml_reshape_3d(ctx, sx, d_conv - 1 + n, channels, 1);
+    ggml_tensor * y  = ggml_ssm_conv(ctx, sx, kernel);           // [channels, n, 1]
+    return ggml_silu(ctx, ggml_reshape_2d(ctx, y, channels, n));
+}
+
+ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                    const recurrent_state & rs, int il, ggml_tensor * q, ggml_tensor * k,
+                                    ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) {
+    const int64_t S  = v->ne[0];
+    const int64_t Hv = v->ne[1];
+    const int64_t n  = v->ne[2];
+    const int64_t D  = S * S * Hv;
+    ggml_tensor * buf = rs.ssm(il);  // [D, n_rollback+1]
+
+    // [a, b, n] (rows may be strided) -> [a, b, n, 1]
+    auto as_4d = [ctx](ggml_tensor * t) {
+        return ggml_view_4d(ctx, t, t->ne[0], t->ne[1], t->ne[2], 1, t->nb[1], t->nb[2], t->nb[2] * t->ne[2], 0);
+    };
+    ggml_tensor * state = ggml_get_rows(ctx, buf, in.ssm_row);  // [D, 1]
+    const int64_t K     = rs.n_snapshots((int) n);
+    ggml_tensor * out   = ggml_gated_delta_net(ctx, as_4d(q), as_4d(k), as_4d(v), g, beta,
+                                               ggml_reshape_4d(ctx, state, S, S, Hv, 1), K);
+    // out: [S*Hv, n + K*S]: the outputs, then K states (state after token n-s in slot s)
+    const size_t  f = ggml_element_size(out);
+    ggml_tensor * snapshots = ggml_view_2d(ctx, out, D, K, D * f, S * Hv * n * f);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, snapshots, ggml_view_2d(ctx, buf, D, K, buf->nb[1], 0)));
+    if (K == n) {
+        // every token is kept: the input state goes to row n, so that committing none is possible too
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, state, ggml_view_2d(ctx, buf, D, 1, buf->nb[1], n * buf->nb[1])));
+    }
+    return ggml_view_3d(ctx, out, S, Hv, n, S * f, S * Hv * f, 0);
+}
+
+}  // namespace pdf

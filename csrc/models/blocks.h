@@ -25,3 +25,23 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eva
                                  int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale);
 
 }  // namespace pdf
+
+namespace pdf {
+
+class recurrent_state;
+
+// L2 normalisation over ne0 as llama.cpp builds it for gated delta net: rms_norm(x, eps/n) / sqrt(n)
+ggml_tensor * build_l2_norm(ggml_context * ctx, ggml_tensor * x, float eps);
+
+// Short causal convolution with kept state. x: [channels, n] -> silu(conv) [channels, n].
+// Reads the window (d_conv-1 rows of rs.conv(il)) at in.conv_rows, writes the kept tail back.
+ggml_tensor * build_conv_with_state(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                    const recurrent_state & rs, int il, ggml_tensor * x, ggml_tensor * kernel);
+
+// Gated delta rule with per-token snapshots. q, k: [S, Hk, n], v: [S, Hv, n], g, beta: [1, Hv, n].
+// Reads the state row in.ssm_row of rs.ssm(il), writes the snapshots back. Returns [S, Hv, n].
+ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                    const recurrent_state & rs, int il, ggml_tensor * q, ggml_tensor * k,
+                                    ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta);
+
+}  // namespace pdf

@@ -14,6 +14,7 @@
 namespace pdf {
 
 class kv_cache;
+class recurrent_state;
 
 struct model_params {
     int n_gpu_layers = 0;   // layers (counted from the output end) placed on the GPU; -1 = all
@@ -29,6 +30,14 @@ struct kv_layer_desc {
     int64_t head_dim_v;
 };
 
+// one gated-delta-net layer's state sizes
+struct recurrent_layer_desc {
+    int     il;
+    int64_t ssm_size;       // S_v * S_v * H_v floats
+    int64_t conv_channels;  // 2 * key_dim + value_dim
+    int64_t d_conv;         // conv kernel width
+};
+
 struct model_info {
     std::string                arch;
     std::string                path;
@@ -36,17 +45,23 @@ struct model_info {
     int64_t                    n_embd      = 0;
     int                        n_layer     = 0;
     uint32_t                   n_ctx_train = 0;
+    int                        n_pos_per_token = 1;  // 4 for M-RoPE (text: [p, p, p, 0] per token)
     std::vector<kv_layer_desc> kv_layers;
+    std::vector<recurrent_layer_desc> recurrent_layers;
 };
 
 // inputs of one evaluation graph, all set by the session before each compute
 //   tokens, positions: I32 [n_tokens]; kv_slots: I64 [n_tokens] (cache rows written);
-//   kq_mask: F16 [n_kv, n_tokens] (0 = visible, -inf = hidden), over cache rows 0..n_kv-1
+//   kq_mask: F16 [n_kv, n_tokens] (0 = visible, -inf = hidden), over cache rows 0..n_kv-1;
+//   positions holds n_pos_per_token * n_tokens entries (section-major for M-RoPE);
+//   ssm_row: I32 [1], conv_rows: I32 [d_conv-1]: the recurrent state rows to start from (hybrid models)
 struct eval_inputs {
     ggml_tensor *    tokens    = nullptr;
     ggml_tensor *    positions = nullptr;
     ggml_tensor *    kv_slots  = nullptr;
     ggml_tensor *    kq_mask   = nullptr;
+    ggml_tensor *    ssm_row   = nullptr;
+    ggml_tensor *    conv_rows = nullptr;
     int              n_tokens  = 0;
     int              n_kv      = 0;
     bool             all_logits = false;  // logits for every token, else for the last one only
@@ -67,8 +82,9 @@ class target_model {
     backends &         devices() const { return *backends_; }
     size_t             weight_bytes() const { return weights_->n_bytes(); }
 
+    // rs is null for models without recurrent layers
     virtual eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                                    const kv_cache & kv) const = 0;
+                                    const kv_cache & kv, const recurrent_state * rs) const = 0;
     // upper bound on graph nodes for one evaluation
     virtual size_t max_graph_nodes() const { return 64 + 64 * (size_t) info_.n_layer; }
 

@@ -128,7 +128,7 @@ class qwen3_model : public target_model {
     }
 
     eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                            const kv_cache & kv) const override {
+                            const kv_cache & kv, const recurrent_state * /*rs*/) const override {
         const int64_t hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv, n = in.n_tokens;
         const float   scale = 1.0f / std::sqrt((float) hd);
         eval_outputs  out;

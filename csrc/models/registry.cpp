@@ -8,12 +8,14 @@
 namespace pdf {
 
 std::unique_ptr<target_model> load_qwen3(std::unique_ptr<gguf_file> file, const model_params & params);
+std::unique_ptr<target_model> load_qwen35(std::unique_ptr<gguf_file> file, const model_params & params);
 
 using model_factory = std::function<std::unique_ptr<target_model>(std::unique_ptr<gguf_file>, const model_params &)>;
 
 static const std::map<std::string, model_factory> & registry() {
     static const std::map<std::string, model_factory> table = {
         {"qwen3", load_qwen3},
+        {"qwen35", load_qwen35},
     };
     return table;
 }

@@ -26,6 +26,9 @@ void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch
     while (common < cached.size() && common + 1 < prompt.size() && cached[common] == prompt[common]) {
         ++common;
     }
+    if (s.is_recurrent() && common < cached.size()) {
+        common = 0;  // a recurrent state can only be continued, not cut back
+    }
     s.truncate((int) common);
     t.cached_n = (int) common;
 

@@ -33,7 +33,12 @@ session::session(std::shared_ptr<const target_model> model, const session_params
                                             need / 1048576.0, have / 1048576.0),
                                      0, params.n_ctx);
     }
-    kv_    = std::make_unique<kv_cache>(*model_, params.n_ctx, params.type_k, params.type_v);
+    kv_ = std::make_unique<kv_cache>(*model_, params.n_ctx, params.type_k, params.type_v);
+    if (!info.recurrent_layers.empty()) {
+        rs_ = std::make_unique<recurrent_state>(*model_, params.n_rollback);
+        PDF_LOG_INFO("recurrent state: %zu layers, rollback over %u tokens: %.2f MiB", info.recurrent_layers.size(),
+                     params.n_rollback, rs_->n_bytes() / 1048576.0);
+    }
     sched_ = model_->devices().new_sched(model_->max_graph_nodes());
     if (!sched_) {
         throw backend_error("could not create the backend scheduler");
@@ -70,14 +75,22 @@ void session::prepare_graph(const graph_key & key) {
     in_.all_logits     = key.all_logits;
     in_.capture_layers = key.capture;
     in_.tokens         = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, key.n_tokens);
-    in_.positions      = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, key.n_tokens);
+    in_.positions = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32,
+                                       (int64_t) key.n_tokens * model_->info().n_pos_per_token);
     in_.kv_slots       = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, key.n_tokens);
     in_.kq_mask        = ggml_new_tensor_2d(graph_ctx_, GGML_TYPE_F16, key.n_kv, key.n_tokens);
     for (ggml_tensor * t : {in_.tokens, in_.positions, in_.kv_slots, in_.kq_mask}) {
         ggml_set_input(t);
     }
+    if (rs_) {
+        const int64_t d_conv = model_->info().recurrent_layers[0].d_conv;
+        in_.ssm_row          = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, 1);
+        in_.conv_rows        = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, d_conv - 1);
+        ggml_set_input(in_.ssm_row);
+        ggml_set_input(in_.conv_rows);
+    }
 
-    out_ = model_->build_eval(graph_ctx_, gf_, in_, *kv_);
+    out_ = model_->build_eval(graph_ctx_, gf_, in_, *kv_, rs_.get());
     ggml_set_output(out_.logits);
     ggml_set_output(out_.argmax);
     ggml_build_forward_expand(gf_, out_.argmax);
@@ -118,6 +131,10 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
         }
     }
 
+    if (rs_ && !pending_.empty()) {
+        rs_->commit((int) pending_.size(), 0);  // the last eval was never committed: start from before it
+    }
+
     graph_key key;
     key.n_tokens   = n;
     key.n_kv       = (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP));
@@ -127,10 +144,15 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
 
     // inputs
     slots_host_.resize(n);
-    std::vector<int32_t> pos_host(n);
+    const int            n_pos = info.n_pos_per_token;
+    std::vector<int32_t> pos_host((size_t) n * n_pos, 0);
     for (int i = 0; i < n; ++i) {
-        slots_host_[i] = n_past_ + i;
-        pos_host[i]    = positions ? positions[i] : n_past_ + i;
+        slots_host_[i]   = n_past_ + i;
+        const int32_t p  = positions ? positions[i] : n_past_ + i;
+        // M-RoPE for text: the first three sections all take the token position, the fourth stays 0
+        for (int j = 0; j < std::min(n_pos, 3); ++j) {
+            pos_host[(size_t) j * n + i] = p;
+        }
     }
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
     mask_host_.assign((size_t) key.n_kv * n, ninf);
@@ -145,7 +167,16 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
         }
     }
     ggml_backend_tensor_set(in_.tokens, tokens, 0, sizeof(int32_t) * n);
-    ggml_backend_tensor_set(in_.positions, pos_host.data(), 0, sizeof(int32_t) * n);
+    ggml_backend_tensor_set(in_.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
+    if (rs_) {
+        std::vector<int32_t> conv_rows(in_.conv_rows->ne[0]);
+        for (size_t j = 0; j < conv_rows.size(); ++j) {
+            conv_rows[j] = rs_->conv_row() + (int32_t) j;
+        }
+        const int32_t ssm_row = rs_->ssm_row();
+        ggml_backend_tensor_set(in_.ssm_row, &ssm_row, 0, sizeof(int32_t));
+        ggml_backend_tensor_set(in_.conv_rows, conv_rows.data(), 0, sizeof(int32_t) * conv_rows.size());
+    }
     ggml_backend_tensor_set(in_.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
     ggml_backend_tensor_set(in_.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
 
@@ -175,6 +206,9 @@ void session::commit(int n) {
     if (n < 0 || n > (int) pending_.size()) {
         throw std::out_of_range(format("commit: %d tokens, but the last eval had %zu", n, pending_.size()));
     }
+    if (rs_) {
+        rs_->commit((int) pending_.size(), n);
+    }
     tokens_.insert(tokens_.end(), pending_.begin(), pending_.begin() + n);
     n_past_ += n;
     pending_.clear();
@@ -183,6 +217,15 @@ void session::commit(int n) {
 void session::truncate(int n_past) {
     if (n_past < 0 || n_past > n_past_) {
         throw std::out_of_range(format("truncate: %d is outside [0, %d]", n_past, n_past_));
+    }
+    if (rs_ && n_past != n_past_) {
+        if (n_past != 0) {
+            throw std::invalid_argument(format("truncate: a recurrent state cannot be cut back to %d tokens (only "
+                                               "reset to 0, or rolled back by commit after an eval)", n_past));
+        }
+        rs_->reset();
+    } else if (rs_ && !pending_.empty()) {
+        rs_->commit((int) pending_.size(), 0);
     }
     n_past_ = n_past;
     tokens_.resize(n_past);

@@ -11,6 +11,7 @@
 
 #include "models/model.h"
 #include "state/kv_cache.h"
+#include "state/recurrent_state.h"
 
 #include <atomic>
 #include <cstdint>
@@ -22,6 +23,7 @@ namespace pdf {
 struct session_params {
     uint32_t  n_ctx    = 4096;
     uint32_t  n_ubatch = 512;  // prefill micro-batch
+    uint32_t  n_rollback = 16;  // hybrid models: an eval of up to this many tokens can be committed at any token
     ggml_type type_k   = GGML_TYPE_F16;
     ggml_type type_v   = GGML_TYPE_F16;
 };
@@ -44,10 +46,12 @@ class session {
     // capture_layers: layer-input indices whose hidden states are read back ([n, n_embd] each).
     void eval(const int32_t * tokens, const int32_t * positions, int n, const uint8_t * batch_mask,
               logits_mode mode, const std::vector<int> & capture_layers = {});
-    // keep the first n tokens of the last eval as committed (chain acceptance)
+    // keep the first n tokens of the last eval as committed (chain acceptance); recurrent state included
     void commit(int n);
-    // forget committed tokens from position n_past on
+    // forget committed tokens from position n_past on (recurrent models: only back to 0, i.e. a reset)
     void truncate(int n_past);
+    bool is_recurrent() const { return rs_ != nullptr; }
+    size_t recurrent_bytes() const { return rs_ ? rs_->n_bytes() : 0; }
 
     int      n_past() const { return n_past_; }
     uint32_t n_ctx() const { return kv_->n_ctx(); }
@@ -79,6 +83,7 @@ class session {
 
     std::shared_ptr<const target_model> model_;
     std::unique_ptr<kv_cache>           kv_;
+    std::unique_ptr<recurrent_state>    rs_;
     ggml_backend_sched_t                sched_ = nullptr;
     int                                 n_past_ = 0;
     uint32_t                            n_ubatch_;

@@ -1,0 +1,304 @@
+// Qwen3.5 hybrid target (GGUF arch `qwen35`, llama.cpp-compatible): gated-delta-net layers and, every
+// full_attention_interval-th layer, gated full attention with interleaved M-RoPE.
+// Per layer: x -> attn_norm -> (GDN | attention) -> +x -> post_attention_norm -> SwiGLU -> +.
+// Legend: n = tokens, E = n_embd, hd = attention head dim, H / Hkv = query / KV heads,
+//         S = GDN head dim (k = v), Hk / Hv = GDN key / value heads, C = conv channels = 2*S*Hk + S*Hv.
+// MTP blocks (indices >= n_layer) are not run and not loaded.
+#include "core/error.h"
+#include "models/blocks.h"
+#include "models/model.h"
+#include "state/recurrent_state.h"
+
+#include <cmath>
+
+namespace pdf {
+
+struct qwen35_hparams {
+    int64_t  n_embd;
+    int64_t  n_ff;
+    int      n_layer;      // main-pass layers (block_count minus nextn_predict_layers)
+    int64_t  n_head;
+    int64_t  n_head_kv;
+    int64_t  head_dim;
+    int      n_rot;
+    int      rope_sections[GGML_MROPE_SECTIONS];
+    float    rope_freq_base;
+    float    norm_eps;
+    uint32_t n_ctx_train;
+    int64_t  d_conv;       // ssm.conv_kernel
+    int64_t  S;            // ssm.state_size: GDN head dim (k and v)
+    int64_t  Hk;           // ssm.group_count
+    int64_t  Hv;           // ssm.time_step_rank
+    std::vector<bool> recurrent;
+};
+
+struct qwen35_layer {
+    ggml_tensor * attn_norm;
+    ggml_tensor * post_attention_norm;
+    ggml_tensor * ffn_gate, * ffn_up, * ffn_down;
+    // gated delta net
+    ggml_tensor * wqkv;       // [E, C]
+    ggml_tensor * wgate;      // [E, S*Hv]   (z)
+    ggml_tensor * ssm_conv1d; // [d_conv, C]
+    ggml_tensor * ssm_dt;     // [Hv]
+    ggml_tensor * ssm_a;      // [Hv]  (-exp(A_log))
+    ggml_tensor * ssm_beta;   // [E, Hv]
+    ggml_tensor * ssm_alpha;  // [E, Hv]
+    ggml_tensor * ssm_norm;   // [S]
+    ggml_tensor * ssm_out;    // [S*Hv, E]
+    // full attention
+    ggml_tensor * wq;         // [E, 2*hd*H]: per head [q | gate]
+    ggml_tensor * wk, * wv;   // [E, hd*Hkv]
+    ggml_tensor * wo;         // [hd*H, E]
+    ggml_tensor * q_norm, * k_norm;  // [hd]
+};
+
+class qwen35_model : public target_model {
+  public:
+    qwen35_model(std::unique_ptr<gguf_file> file, const model_params & params) {
+        file_               = std::move(file);
+        const gguf_file & f = *file_;
+        const std::string a = "qwen35.";
+        const int n_layer_all = (int) f.u32(a + "block_count");
+        const int n_mtp       = (int) f.u32_or(a + "nextn_predict_layers", 0);
+        hp_.n_layer        = n_layer_all - n_mtp;
+        hp_.n_embd         = f.u32(a + "embedding_length");
+        hp_.n_ctx_train    = f.u32(a + "context_length");
+        hp_.n_ff           = f.u32(a + "feed_forward_length");
+        hp_.n_head         = f.u32(a + "attention.head_count");
+        hp_.n_head_kv      = f.u32_or(a + "attention.head_count_kv", (uint32_t) hp_.n_head);
+        hp_.head_dim       = f.u32_or(a + "attention.key_length", (uint32_t) (hp_.n_embd / std::max<int64_t>(1, hp_.n_head)));
+        hp_.n_rot          = (int) f.u32_or(a + "rope.dimension_count", (uint32_t) hp_.head_dim);
+        hp_.rope_freq_base = f.f32_or(a + "rope.freq_base", 10000.0f);
+        hp_.norm_eps       = f.f32(a + "attention.layer_norm_rms_epsilon");
+        hp_.d_conv         = f.u32(a + "ssm.conv_kernel");
+        hp_.S              = f.u32(a + "ssm.state_size");
+        hp_.Hk             = f.u32(a + "ssm.group_count");
+        hp_.Hv             = f.u32(a + "ssm.time_step_rank");
+        const int64_t d_inner = f.u32(a + "ssm.inner_size");
+        std::vector<int32_t> sections = f.i32_array(a + "rope.dimension_sections");
+        if (sections.size() != GGML_MROPE_SECTIONS) {
+            throw format_error(format("%s: key '%srope.dimension_sections' has %zu entries, expected %d",
+                                      f.path().c_str(), a.c_str(), sections.size(), GGML_MROPE_SECTIONS));
+        }
+        std::copy(sections.begin(), sections.end(), hp_.rope_sections);
+
+        const std::string & path = f.path();
+        if (hp_.n_layer <= 0) {
+            throw format_error(format("%s: block_count %d minus nextn_predict_layers %d leaves no layer", path.c_str(),
+                                      n_layer_all, n_mtp));
+        }
+        if (hp_.Hk == 0 || hp_.Hv % hp_.Hk != 0) {
+            throw format_error(format("%s: ssm.time_step_rank = %lld must be a multiple of ssm.group_count = %lld",
+                                      path.c_str(), (long long) hp_.Hv, (long long) hp_.Hk));
+        }
+        if (d_inner != hp_.S * hp_.Hv) {
+            throw format_error(format("%s: ssm.inner_size = %lld, expected ssm.state_size * ssm.time_step_rank = %lld",
+                                      path.c_str(), (long long) d_inner, (long long) (hp_.S * hp_.Hv)));
+        }
+        if (hp_.n_head == 0 || hp_.n_head_kv == 0 || hp_.n_head % hp_.n_head_kv != 0) {
+            throw format_error(format("%s: attention.head_count = %lld must be a positive multiple of head_count_kv = %lld",
+                                      path.c_str(), (long long) hp_.n_head, (long long) hp_.n_head_kv));
+        }
+        if (hp_.n_rot > hp_.head_dim || hp_.n_rot % 2 != 0) {
+            throw format_error(format("%s: rope.dimension_count = %d must be even and <= head dim %lld", path.c_str(),
+                                      hp_.n_rot, (long long) hp_.head_dim));
+        }
+        // which layers are recurrent: the explicit list, else every layer but each interval-th
+        if (f.has_key(a + "attention.recurrent_layers")) {
+            std::vector<bool> r = f.bool_array(a + "attention.recurrent_layers");
+            if ((int) r.size() < hp_.n_layer) {
+                throw format_error(format("%s: attention.recurrent_layers has %zu entries, expected %d", path.c_str(),
+                                          r.size(), n_layer_all));
+            }
+            hp_.recurrent.assign(r.begin(), r.begin() + hp_.n_layer);
+        } else {
+            const uint32_t interval = f.u32_or(a + "full_attention_interval", 4);
+            if (interval == 0) {
+                throw format_error(format("%s: full_attention_interval must be positive", path.c_str()));
+            }
+            for (int il = 0; il < hp_.n_layer; ++il) {
+                hp_.recurrent.push_back((il + 1) % interval != 0);
+            }
+        }
+
+        ggml_tensor * embd = f.find_tensor("token_embd.weight");
+        if (!embd) {
+            throw format_error(format("%s: missing required tensor 'token_embd.weight'", path.c_str()));
+        }
+        const int64_t n_vocab = embd->ne[1];
+        const int64_t E = hp_.n_embd, hd = hp_.head_dim, S = hp_.S;
+        const int64_t C = 2 * S * hp_.Hk + S * hp_.Hv;
+
+        info_.arch            = "qwen35";
+        info_.path            = path;
+        info_.n_vocab         = n_vocab;
+        info_.n_embd          = E;
+        info_.n_layer         = hp_.n_layer;
+        info_.n_ctx_train     = hp_.n_ctx_train;
+        info_.n_pos_per_token = 4;
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            if (hp_.recurrent[il]) {
+                info_.recurrent_layers.push_back({il, S * S * hp_.Hv, C, hp_.d_conv});
+            } else {
+                info_.kv_layers.push_back({il, hd * hp_.n_head_kv, hd * hp_.n_head_kv, hd, hd});
+            }
+        }
+
+        backends_   = std::make_unique<backends>(params.n_threads, params.n_gpu_layers, hp_.n_layer);
+        weights_    = std::make_unique<weights>(f, *backends_);
+        weights & w = *weights_;
+        const int out_il = hp_.n_layer;
+        tok_embd_    = w.require("token_embd.weight", {E, n_vocab}, -1, WEIGHT_USE_GET_ROWS);
+        output_norm_ = w.require("output_norm.weight", {E}, out_il, WEIGHT_USE_OTHER);
+        output_      = w.optional("output.weight", {E, n_vocab}, out_il, WEIGHT_USE_MATMUL);
+        if (!output_) {
+            // tied head: its own copy when the head's buffer type differs (see qwen3.cpp)
+            output_ = backends_->weight_buft(out_il, WEIGHT_USE_MATMUL, embd) ==
+                              backends_->weight_buft(-1, WEIGHT_USE_GET_ROWS, embd)
+                          ? tok_embd_
+                          : w.require("token_embd.weight", {E, n_vocab}, out_il, WEIGHT_USE_MATMUL);
+        }
+        layers_.resize(hp_.n_layer);
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            qwen35_layer & l = layers_[il];
+            auto name = [il](const char * s) { return format("blk.%d.%s", il, s); };
+            l.attn_norm           = w.require(name("attn_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
+            l.post_attention_norm = w.require(name("post_attention_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
+            l.ffn_gate            = w.require(name("ffn_gate.weight"), {E, hp_.n_ff}, il, WEIGHT_USE_MATMUL);
+            l.ffn_up              = w.require(name("ffn_up.weight"), {E, hp_.n_ff}, il, WEIGHT_USE_MATMUL);
+            l.ffn_down            = w.require(name("ffn_down.weight"), {hp_.n_ff, E}, il, WEIGHT_USE_MATMUL);
+            if (hp_.recurrent[il]) {
+                l.wqkv       = w.require(name("attn_qkv.weight"), {E, C}, il, WEIGHT_USE_MATMUL);
+                l.wgate      = w.require(name("attn_gate.weight"), {E, S * hp_.Hv}, il, WEIGHT_USE_MATMUL);
+                l.ssm_conv1d = w.require(name("ssm_conv1d.weight"), {hp_.d_conv, C}, il, WEIGHT_USE_OTHER);
+                l.ssm_dt     = w.require(name("ssm_dt.bias"), {hp_.Hv}, il, WEIGHT_USE_OTHER);
+                l.ssm_a      = w.require(name("ssm_a"), {hp_.Hv}, il, WEIGHT_USE_OTHER);
+                l.ssm_beta   = w.require(name("ssm_beta.weight"), {E, hp_.Hv}, il, WEIGHT_USE_MATMUL);
+                l.ssm_alpha  = w.require(name("ssm_alpha.weight"), {E, hp_.Hv}, il, WEIGHT_USE_MATMUL);
+                l.ssm_norm   = w.require(name("ssm_norm.weight"), {S}, il, WEIGHT_USE_OTHER);
+                l.ssm_out    = w.require(name("ssm_out.weight"), {S * hp_.Hv, E}, il, WEIGHT_USE_MATMUL);
+                if (l.ssm_conv1d->type != GGML_TYPE_F32) {
+                    throw format_error(format("%s: tensor '%s' has type %s, expected f32", path.c_str(),
+                                              name("ssm_conv1d.weight").c_str(), ggml_type_name(l.ssm_conv1d->type)));
+                }
+            } else {
+                l.wq     = w.require(name("attn_q.weight"), {E, 2 * hd * hp_.n_head}, il, WEIGHT_USE_MATMUL);
+                l.wk     = w.require(name("attn_k.weight"), {E, hd * hp_.n_head_kv}, il, WEIGHT_USE_MATMUL);
+                l.wv     = w.require(name("attn_v.weight"), {E, hd * hp_.n_head_kv}, il, WEIGHT_USE_MATMUL);
+                l.wo     = w.require(name("attn_output.weight"), {hd * hp_.n_head, E}, il, WEIGHT_USE_MATMUL);
+                l.q_norm = w.require(name("attn_q_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
+                l.k_norm = w.require(name("attn_k_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
+            }
+        }
+        w.load();
+    }
+
+    size_t max_graph_nodes() const override { return 128 + 96 * (size_t) hp_.n_layer; }
+
+    eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const kv_cache & kv,
+                            const recurrent_state * rs) const override {
+        GGML_ASSERT(rs != nullptr);
+        const int64_t n = in.n_tokens;
+        eval_outputs  out;
+        out.captured.assign(in.capture_layers.size(), nullptr);
+
+        ggml_tensor * x = ggml_get_rows(ctx, tok_embd_, in.tokens);  // [E, n]
+        for (int il = 0; il <= hp_.n_layer; ++il) {
+            for (size_t c = 0; c < in.capture_layers.size(); ++c) {
+                if (in.capture_layers[c] == il) {
+                    out.captured[c] = x;  // layer input (llama.cpp's t_layer_inp)
+                }
+            }
+            if (il == hp_.n_layer) {
+                break;
+            }
+            const qwen35_layer & l   = layers_[il];
+            ggml_tensor *        cur = build_rms_norm(ctx, x, l.attn_norm, hp_.norm_eps);
+            cur = hp_.recurrent[il] ? build_gdn_layer(ctx, gf, in, *rs, l, il, cur)
+                                    : build_attention_layer(ctx, gf, in, kv, l, il, cur);
+            x   = ggml_add(ctx, cur, x);
+            ggml_format_name(x, "attn_residual-%d", il);
+
+            cur = build_rms_norm(ctx, x, l.post_attention_norm, hp_.norm_eps);
+            cur = build_swiglu_ffn(ctx, cur, l.ffn_gate, l.ffn_up, l.ffn_down);
+            x   = ggml_add(ctx, cur, x);
+            ggml_format_name(x, "l_out-%d", il);
+        }
+
+        if (!in.all_logits && n > 1) {
+            x = ggml_view_2d(ctx, x, hp_.n_embd, 1, x->nb[1], (n - 1) * x->nb[1]);
+        }
+        x          = build_rms_norm(ctx, x, output_norm_, hp_.norm_eps);
+        out.logits = ggml_mul_mat(ctx, output_, x);  // [V, n_outputs]
+        ggml_set_name(out.logits, "logits");
+        out.argmax = ggml_argmax(ctx, out.logits);
+        return out;
+    }
+
+  private:
+    // x: [E, n] -> [E, n]
+    ggml_tensor * build_gdn_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                  const recurrent_state & rs, const qwen35_layer & l, int il, ggml_tensor * x) const {
+        const int64_t n = x->ne[1], S = hp_.S, Hk = hp_.Hk, Hv = hp_.Hv;
+
+        ggml_tensor * qkv  = ggml_mul_mat(ctx, l.wqkv, x);   // [C, n]
+        ggml_tensor * z    = ggml_mul_mat(ctx, l.wgate, x);  // [S*Hv, n]
+        ggml_tensor * beta = ggml_sigmoid(ctx, ggml_mul_mat(ctx, l.ssm_beta, x));  // [Hv, n]
+        // g = softplus(alpha + dt) * a: the log-decay, negative
+        ggml_tensor * g = ggml_mul(ctx, ggml_softplus(ctx, ggml_add(ctx, ggml_mul_mat(ctx, l.ssm_alpha, x), l.ssm_dt)),
+                                   l.ssm_a);  // [Hv, n]
+        beta = ggml_reshape_4d(ctx, beta, 1, Hv, n, 1);
+        g    = ggml_reshape_4d(ctx, g, 1, Hv, n, 1);
+
+        ggml_tensor * conv = build_conv_with_state(ctx, gf, in, rs, il, qkv, l.ssm_conv1d);  // [C, n]
+        const size_t  f    = ggml_element_size(conv);
+        ggml_tensor * q = ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], 0);
+        ggml_tensor * k = ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], S * Hk * f);
+        ggml_tensor * v = ggml_view_3d(ctx, conv, S, Hv, n, S * f, conv->nb[1], 2 * S * Hk * f);
+        q = build_l2_norm(ctx, q, hp_.norm_eps);
+        k = build_l2_norm(ctx, k, hp_.norm_eps);
+
+        ggml_tensor * o = build_gated_delta_net(ctx, gf, in, rs, il, q, k, v, g, beta);  // [S, Hv, n]
+        // gated RMSNorm per head: rms(o) * ssm_norm * silu(z)
+        o = ggml_mul(ctx, build_rms_norm(ctx, o, l.ssm_norm, hp_.norm_eps),
+                     ggml_silu(ctx, ggml_reshape_3d(ctx, z, S, Hv, n)));
+        ggml_format_name(o, "gdn_out-%d", il);
+        return ggml_mul_mat(ctx, l.ssm_out, ggml_reshape_2d(ctx, o, S * Hv, n));
+    }
+
+    // x: [E, n] -> [E, n]
+    ggml_tensor * build_attention_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                        const kv_cache & kv, const qwen35_layer & l, int il, ggml_tensor * x) const {
+        const int64_t n = x->ne[1], hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv;
+        ggml_tensor * qg = ggml_mul_mat(ctx, l.wq, x);  // [2*hd*H, n]: per head [q | gate]
+        const size_t  f  = ggml_element_size(qg);
+        ggml_tensor * q    = ggml_view_3d(ctx, qg, hd, H, n, 2 * hd * f, qg->nb[1], 0);
+        ggml_tensor * gate = ggml_cont_2d(ctx, ggml_view_3d(ctx, qg, hd, H, n, 2 * hd * f, qg->nb[1], hd * f), hd * H, n);
+        ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, x), hd, Hkv, n);
+        ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, x), hd, Hkv, n);
+        q = build_rms_norm(ctx, q, l.q_norm, hp_.norm_eps);
+        k = build_rms_norm(ctx, k, l.k_norm, hp_.norm_eps);
+        int sections[GGML_MROPE_SECTIONS];
+        std::copy(hp_.rope_sections, hp_.rope_sections + GGML_MROPE_SECTIONS, sections);
+        q = ggml_rope_multi(ctx, q, in.positions, nullptr, hp_.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
+                            (int) hp_.n_ctx_train, hp_.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+        k = ggml_rope_multi(ctx, k, in.positions, nullptr, hp_.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
+                            (int) hp_.n_ctx_train, hp_.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+        ggml_tensor * cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, 1.0f / std::sqrt((float) hd));
+        cur               = ggml_mul(ctx, cur, ggml_sigmoid(ctx, gate));
+        return ggml_mul_mat(ctx, l.wo, cur);
+    }
+
+    qwen35_hparams            hp_{};
+    ggml_tensor *             tok_embd_    = nullptr;
+    ggml_tensor *             output_norm_ = nullptr;
+    ggml_tensor *             output_      = nullptr;
+    std::vector<qwen35_layer> layers_;
+};
+
+std::unique_ptr<target_model> load_qwen35(std::unique_ptr<gguf_file> file, const model_params & params) {
+    return std::make_unique<qwen35_model>(std::move(file), params);
+}
+
+}  // namespace pdf

@@ -1,0 +1,94 @@
+#include "state/recurrent_state.h"
+#include "core/error.h"
+
+#include "ggml-alloc.h"
+
+#include <stdexcept>
+
+namespace pdf {
+
+size_t recurrent_state::n_bytes_for(const model_info & info, uint32_t n_rollback) {
+    size_t n = 0;
+    for (const recurrent_layer_desc & l : info.recurrent_layers) {
+        n += sizeof(float) * (size_t) l.ssm_size * (n_rollback + 1);
+        n += sizeof(float) * (size_t) l.conv_channels * (l.d_conv - 1 + n_rollback);
+    }
+    return n;
+}
+
+recurrent_state::recurrent_state(const target_model & model, uint32_t n_rollback) : n_rollback_(n_rollback) {
+    const model_info & info = model.info();
+    if (n_rollback == 0) {
+        throw std::invalid_argument("n_rollback must be at least 1");
+    }
+    ggml_init_params params = {ggml_tensor_overhead() * (2 * info.recurrent_layers.size() + 1), nullptr, true};
+    ctx_                    = ggml_init(params);
+    std::map<ggml_backend_buffer_type_t, std::vector<ggml_tensor *>> by_buft;
+    for (const recurrent_layer_desc & l : info.recurrent_layers) {
+        ggml_tensor * ssm  = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, l.ssm_size, n_rollback + 1);
+        ggml_tensor * conv = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, l.conv_channels, l.d_conv - 1 + n_rollback);
+        ggml_format_name(ssm, "ssm_states_l%d", l.il);
+        ggml_format_name(conv, "conv_states_l%d", l.il);
+        layers_[l.il] = {ssm, conv};
+        ggml_backend_buffer_type_t buft = model.devices().state_buft(l.il);
+        by_buft[buft].push_back(ssm);
+        by_buft[buft].push_back(conv);
+    }
+    for (auto & kv : by_buft) {
+        size_t total = 0;
+        for (ggml_tensor * t : kv.second) {
+            total += GGML_PAD(ggml_backend_buft_get_alloc_size(kv.first, t), ggml_backend_buft_get_alignment(kv.first));
+        }
+        ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(kv.first, total);
+        if (!buf) {
+            throw backend_error(format("could not allocate %.1f MiB of recurrent state in %s", total / 1048576.0,
+                                       ggml_backend_buft_name(kv.first)));
+        }
+        ggml_tallocr alloc = ggml_tallocr_new(buf);
+        for (ggml_tensor * t : kv.second) {
+            ggml_tallocr_alloc(&alloc, t);
+        }
+        buffers_.push_back(buf);
+    }
+    reset();
+}
+
+recurrent_state::~recurrent_state() {
+    for (ggml_backend_buffer_t b : buffers_) {
+        ggml_backend_buffer_free(b);
+    }
+    if (ctx_) {
+        ggml_free(ctx_);
+    }
+}
+
+size_t recurrent_state::n_bytes() const {
+    size_t n = 0;
+    for (ggml_backend_buffer_t b : buffers_) {
+        n += ggml_backend_buffer_get_size(b);
+    }
+    return n;
+}
+
+void recurrent_state::reset() {
+    for (ggml_backend_buffer_t b : buffers_) {
+        ggml_backend_buffer_clear(b, 0);
+    }
+    ssm_row_  = 0;
+    conv_row_ = 0;
+}
+
+void recurrent_state::commit(int n_tokens, int i) {
+    const int k = n_snapshots(n_tokens);
+    // row n-i holds the state after token i: a snapshot when n-i < k, the input state when i == 0 and k == n
+    const int  row  = n_tokens - i;
+    const bool kept = row < k || (row == n_tokens && k == n_tokens);
+    if (i < 0 || i > n_tokens || !kept) {
+        throw std::out_of_range(format("commit: cannot keep %d of %d evaluated tokens: the recurrent state is kept "
+                                       "only for the last %u tokens of an evaluation", i, n_tokens, n_rollback_));
+    }
+    ssm_row_  = row;
+    conv_row_ = i - conv_keep_from(n_tokens);
+}
+
+}  // namespace pdf

@@ -1,0 +1,170 @@
+"""The Qwen3.5 hybrid target: logits against transformers, and rollback of the recurrent state to any verified
+token without re-running the target (the reference is a fresh session that only saw the kept tokens:
+transformers' cache crop() does not roll back recurrent state)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_models import QWEN35_SHAPES, make_qwen35_shape  # noqa: E402
+
+import pydflash  # noqa: E402
+from pydflash import _core  # noqa: E402
+from pydflash.convert import convert_hf_to_gguf  # noqa: E402
+
+PROMPT = [3, 17, 200, 45, 9, 311, 77, 5, 128, 64, 400, 12]
+TOL = 1e-4  # f32 weights and cache: relative to the largest |logit|; measured ~1e-6..1e-5
+
+
+@pytest.fixture(scope="module", params=sorted(QWEN35_SHAPES))
+def checkpoint(request, tmp_path_factory):
+    d = make_qwen35_shape(tmp_path_factory.mktemp(request.param) / "hf", request.param, seed=3)
+    gguf_path = convert_hf_to_gguf(d, d.parent / "model-f32.gguf", outtype="f32", progress=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return d, gguf_path, ref
+
+
+def session(gguf_path, n_rollback=16):
+    return _core.Session(_core.Model(str(gguf_path)), n_ctx=512, type_k="f32", type_v="f32", n_rollback=n_rollback)
+
+
+def close(a, b, scale=None):
+    scale = np.abs(b).max() if scale is None else scale
+    return np.abs(a - b).max() <= TOL * scale
+
+
+def test_logits_match_transformers(checkpoint):
+    _, gguf_path, ref = checkpoint
+    ours, _ = session(gguf_path).eval(np.array(PROMPT, dtype=np.int32))
+    with torch.no_grad():
+        theirs = ref(torch.tensor([PROMPT])).logits[0].numpy()
+    print(f"max relative error vs transformers: {np.abs(ours - theirs).max() / np.abs(theirs).max():.2e}")
+    assert close(ours, theirs)
+
+
+def test_hidden_state_capture_matches_transformers(checkpoint):
+    _, gguf_path, ref = checkpoint
+    s = session(gguf_path)
+    n_layer = _core.Model(str(gguf_path)).n_layer
+    _, captured = s.eval(np.array(PROMPT, dtype=np.int32), capture_layers=list(range(n_layer)))
+    with torch.no_grad():
+        hs = ref(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+    for il, ours in enumerate(captured):
+        assert close(ours, hs[il][0].numpy()), il
+
+
+def test_greedy_continuation_matches_transformers(checkpoint):
+    _, gguf_path, ref = checkpoint
+    n_new = 64
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    theirs = out.sequences[0, len(PROMPT):].tolist()
+    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as m:
+        ours = m._session.generate(PROMPT, max_tokens=n_new, stop_tokens=[])["tokens"]
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            top2 = torch.topk(out.logits[step][0], 2).values
+            assert float(top2[0] - top2[1]) < 1e-2, f"diverged at step {step} without a tie"
+            break
+
+
+def test_batched_eval_equals_single_steps(checkpoint):
+    _, gguf_path, _ = checkpoint
+    batched, _ = session(gguf_path).eval(np.array(PROMPT, dtype=np.int32))
+    s = session(gguf_path)
+    rows = []
+    for t in PROMPT:
+        logits, _ = s.eval(np.array([t], dtype=np.int32))
+        s.commit(1)
+        rows.append(logits[0])
+    assert close(np.array(rows), batched)
+
+
+def test_commit_at_every_token_equals_a_fresh_session(checkpoint):
+    """Evaluate N tokens, keep the first i (0..N), continue: same logits as a session that saw only those."""
+    _, gguf_path, _ = checkpoint
+    prefix, block, after = PROMPT[:4], [21, 22, 23, 24, 25, 26, 27, 28], 99
+    for i in range(len(block) + 1):
+        s = session(gguf_path)
+        s.eval(np.array(prefix, dtype=np.int32))
+        s.commit(len(prefix))
+        s.eval(np.array(block, dtype=np.int32))
+        s.commit(i)
+        ours, _ = s.eval(np.array([after], dtype=np.int32))
+
+        fresh = session(gguf_path)
+        kept = prefix + block[:i]
+        fresh.eval(np.array(kept, dtype=np.int32))
+        fresh.commit(len(kept))
+        theirs, _ = fresh.eval(np.array([after], dtype=np.int32))
+        assert close(ours, theirs), i
+
+
+def test_uncommitted_eval_leaves_the_state_untouched(checkpoint):
+    _, gguf_path, _ = checkpoint
+    s = session(gguf_path)
+    s.eval(np.array(PROMPT[:5], dtype=np.int32))
+    s.commit(5)
+    s.eval(np.array([30, 31, 32], dtype=np.int32))  # never committed
+    ours, _ = s.eval(np.array([PROMPT[5]], dtype=np.int32))
+    theirs, _ = session(gguf_path).eval(np.array(PROMPT[:6], dtype=np.int32))
+    assert close(ours[0], theirs[-1])
+
+
+def test_many_rollbacks_do_not_drift(checkpoint):
+    """A random drafter: every round verifies up to 16 tokens and keeps a random prefix, 200+ rounds; the
+    logits of every kept token must equal plain one-token-at-a-time decoding of the kept sequence."""
+    _, gguf_path, _ = checkpoint
+    rng = np.random.default_rng(0)
+    n_vocab = _core.Model(str(gguf_path)).n_vocab
+    spec, plain = session(gguf_path), session(gguf_path)
+    spec.eval(np.array(PROMPT[:3], dtype=np.int32))
+    spec.commit(3)
+    plain.eval(np.array(PROMPT[:3], dtype=np.int32))
+    plain.commit(3)
+    for _ in range(210):
+        n = int(rng.integers(1, 17))
+        block = rng.integers(0, n_vocab, n).astype(np.int32)
+        logits, _ = spec.eval(block)
+        keep = int(rng.integers(1, n + 1))
+        spec.commit(keep)
+        for j in range(keep):
+            expected, _ = plain.eval(block[j:j + 1])
+            plain.commit(1)
+            assert close(logits[j], expected[0])
+        if spec.n_past > 400:
+            break
+    assert spec.n_past == plain.n_past
+
+
+def test_rollback_limits_are_typed_errors(checkpoint):
+    _, gguf_path, _ = checkpoint
+    s = session(gguf_path, n_rollback=4)
+    s.eval(np.arange(1, 9, dtype=np.int32))  # 8 tokens > n_rollback: only the last 4 can be committed
+    with pytest.raises(IndexError, match="only for the last 4 tokens"):
+        s.commit(2)
+    s.commit(5)
+    with pytest.raises(ValueError, match="cannot be cut back"):
+        s.truncate(3)
+    s.truncate(0)  # a reset is fine
+    assert s.n_past == 0
+
+
+def test_generate_with_prompt_cache(checkpoint):
+    """The prompt cache continues a recurrent state only when the new prompt extends the cached tokens."""
+    _, gguf_path, _ = checkpoint
+    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as m:
+        m.generate(PROMPT, max_tokens=8)
+        b = m.generate(PROMPT[:6], max_tokens=8)  # shorter than the cache: the state is reset, not cut
+        assert b.timings["cached_n"] == 0
+        c = m.generate(PROMPT[:6] + b.tokens, max_tokens=8)  # extends the cache: continued
+        assert c.timings["cached_n"] == 6 + len(b.tokens) - 1
+    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as fresh:
+        assert fresh.generate(PROMPT[:6], max_tokens=8).tokens == b.tokens
+    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as fresh:
+        assert fresh.generate(PROMPT[:6] + b.tokens, max_tokens=8).tokens == c.tokens
