@@ -5,6 +5,7 @@ Same GGUF, same thread count, same shapes of work as `llama-bench -p N_PROMPT -n
 tokens into an empty cache, and N_GEN decode steps from a one-token prompt. One run each; ratio printed.
 
     python benchmarks/bench_ar.py                  # tiny and ~0.6B random Qwen3, q4_0 and q8_0
+    python benchmarks/bench_ar.py --arch qwen35    # tiny and ~0.8B random Qwen3.5 hybrids
     python benchmarks/bench_ar.py --peer build     # also build llama.cpp first (CPU, ~11 min on 2 cores)
 """
 
@@ -24,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import peer  # noqa: E402
-from random_gguf import write_random_qwen3  # noqa: E402
+from random_gguf import HYBRID_SHAPES, SHAPES, write_random_qwen3, write_random_qwen35  # noqa: E402
 
 from pydflash import _core  # noqa: E402
 
@@ -65,7 +66,8 @@ def llama_cpp(path: Path, threads: int, n_prompt: int, n_gen: int) -> tuple[floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="tiny,0.6b")
+    ap.add_argument("--arch", choices=["qwen3", "qwen35"], default="qwen3")
+    ap.add_argument("--shapes", default=None, help="comma-separated; qwen3: tiny,0.6b  qwen35: tiny,0.8b")
     ap.add_argument("--types", default="q4_0,q8_0")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--n-prompt", type=int, default=512)
@@ -77,19 +79,23 @@ def main() -> None:
 
     if args.peer == "build":
         peer.build()
-    vocab = Path(subprocess.run([sys.executable, str(HERE.parent / "vendor" / "ggml" / "fetch.py"), "llama.cpp"],
-                                check=True, capture_output=True, text=True).stdout.strip()) / "models" / "ggml-vocab-qwen2.gguf"
+    models = Path(subprocess.run([sys.executable, str(HERE.parent / "vendor" / "ggml" / "fetch.py"), "llama.cpp"],
+                                 check=True, capture_output=True, text=True).stdout.strip()) / "models"
+    if args.arch == "qwen3":
+        vocab, shapes, write = models / "ggml-vocab-qwen2.gguf", SHAPES, write_random_qwen3
+    else:
+        vocab, shapes, write = models / "ggml-vocab-qwen35.gguf", HYBRID_SHAPES, write_random_qwen35
     args.out.mkdir(parents=True, exist_ok=True)
 
     print(f"threads={args.threads}  pp{args.n_prompt}  tg{args.n_gen}  (tokens/s, one run)")
     header = f"{'model':<14} {'pp ours':>9} {'pp llama':>9} {'ratio':>6} | {'tg ours':>8} {'tg llama':>9} {'ratio':>6}"
     print(header)
     print("-" * len(header))
-    for shape in args.shapes.split(","):
+    for shape in (args.shapes or ",".join(shapes)).split(","):
         for wtype in args.types.split(","):
-            path = args.out / f"random-qwen3-{shape}-{wtype}.gguf"
+            path = args.out / f"random-{args.arch}-{shape}-{wtype}.gguf"
             if not path.exists():
-                write_random_qwen3(path, shape, wtype, vocab)
+                write(path, shape, wtype, vocab)
             pp, tg = ours(path, args.threads, args.n_prompt, args.n_gen)
             peer_result = llama_cpp(path, args.threads, args.n_prompt, args.n_gen) if args.peer != "skip" else None
             if peer_result:

@@ -1,4 +1,4 @@
-"""Random-weight Qwen3-shaped GGUFs for speed measurements (timing does not depend on the weights).
+"""Random-weight Qwen3- and Qwen3.5-shaped GGUFs for speed measurements (timing does not depend on the weights).
 
 The tokenizer keys come from llama.cpp's real Qwen2 vocabulary fixture, so both engines load the file and
 the LM head has the real 151,936-row shape. Weights are quantized with ggml's own quantizer
@@ -19,6 +19,13 @@ SHAPES = {
     "tiny": dict(hidden=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, n_ff=768),
     "0.6b": dict(hidden=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, n_ff=3072),  # Qwen3-0.6B
 }
+# hybrid: every 4th layer full attention; GDN with k_heads / v_heads of dimension ssm_dim, conv kernel 4
+HYBRID_SHAPES = {
+    "tiny": dict(hidden=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, n_ff=768, k_heads=2, v_heads=4,
+                 ssm_dim=32, n_rot=16),
+    "0.8b": dict(hidden=1024, n_layers=24, n_heads=8, n_kv_heads=2, head_dim=256, n_ff=3584, k_heads=16,
+                 v_heads=16, ssm_dim=128, n_rot=64),  # Qwen3.5-0.8B-shaped
+}
 
 _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                    "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id",
@@ -35,11 +42,99 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_gguf: Path) -> int:
     return len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
+class _RandomWriter:
+    """Random tensors into a GGUFWriter: 2-D weights in one type (quantized by ggml), vectors in f32."""
+
+    def __init__(self, writer: gguf.GGUFWriter, weight_type: str, seed: int):
+        self.writer = writer
+        self.qtype = gguf.GGMLQuantizationType[weight_type.upper()]
+        self.rng = np.random.default_rng(seed)
+
+    def matrix(self, name: str, n_out: int, n_in: int) -> None:
+        w = self.rng.standard_normal((n_out, n_in), dtype=np.float32) * (1.0 / np.sqrt(n_in))
+        if self.qtype == gguf.GGMLQuantizationType.F32:
+            self.writer.add_tensor(name, w)
+        elif self.qtype == gguf.GGMLQuantizationType.F16:
+            self.writer.add_tensor(name, w.astype(np.float16))
+        else:
+            self.writer.add_tensor(name, _core.quantize(w, int(self.qtype)), raw_dtype=self.qtype)
+
+    def vector(self, name: str, n: int, center: float = 1.0, spread: float = 0.05) -> None:
+        self.writer.add_tensor(name, (center + spread * self.rng.standard_normal(n)).astype(np.float32))
+
+    def raw(self, name: str, data: np.ndarray) -> None:
+        self.writer.add_tensor(name, data.astype(np.float32))
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_random_qwen35(path: Path, shape: str, weight_type: str, vocab_gguf: Path, seed: int = 0) -> Path:
+    """Write a random Qwen3.5 hybrid GGUF of `shape` (keys and tensors as in gguf-formats.md §3)."""
+    s = HYBRID_SHAPES[shape]
+    writer = gguf.GGUFWriter(path, "qwen35")
+    n_vocab = _copy_tokenizer(writer, vocab_gguf)
+    E, hd, S, Hk, Hv = s["hidden"], s["head_dim"], s["ssm_dim"], s["k_heads"], s["v_heads"]
+    C = 2 * S * Hk + S * Hv
+    a = "qwen35."
+    writer.add_name(f"random-qwen35-{shape}")
+    writer.add_uint32(a + "block_count", s["n_layers"])
+    writer.add_uint32(a + "context_length", 262144)
+    writer.add_uint32(a + "embedding_length", E)
+    writer.add_uint32(a + "feed_forward_length", s["n_ff"])
+    writer.add_uint32(a + "attention.head_count", s["n_heads"])
+    writer.add_uint32(a + "attention.head_count_kv", s["n_kv_heads"])
+    writer.add_uint32(a + "attention.key_length", hd)
+    writer.add_uint32(a + "attention.value_length", hd)
+    writer.add_float32(a + "attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32(a + "rope.freq_base", 10_000_000.0)
+    writer.add_uint32(a + "rope.dimension_count", s["n_rot"])
+    half = s["n_rot"] // 2
+    writer.add_array(a + "rope.dimension_sections", [half - 2 * (half // 3), half // 3, half // 3, 0])
+    writer.add_uint32(a + "ssm.conv_kernel", 4)
+    writer.add_uint32(a + "ssm.state_size", S)
+    writer.add_uint32(a + "ssm.group_count", Hk)
+    writer.add_uint32(a + "ssm.time_step_rank", Hv)
+    writer.add_uint32(a + "ssm.inner_size", S * Hv)
+    writer.add_uint32(a + "full_attention_interval", 4)
+    t = _RandomWriter(writer, weight_type, seed)
+    t.matrix("token_embd.weight", n_vocab, E)
+    t.vector("output_norm.weight", E)
+    for il in range(s["n_layers"]):
+        p = f"blk.{il}."
+        t.vector(p + "attn_norm.weight", E)
+        t.vector(p + "post_attention_norm.weight", E)
+        t.matrix(p + "ffn_gate.weight", s["n_ff"], E)
+        t.matrix(p + "ffn_up.weight", s["n_ff"], E)
+        t.matrix(p + "ffn_down.weight", E, s["n_ff"])
+        if (il + 1) % 4 != 0:
+            t.matrix(p + "attn_qkv.weight", C, E)
+            t.matrix(p + "attn_gate.weight", S * Hv, E)
+            t.raw(p + "ssm_conv1d.weight", t.rng.standard_normal((C, 4)) * 0.5)
+            t.vector(p + "ssm_dt.bias", Hv, 0.0, 0.5)
+            t.raw(p + "ssm_a", -np.exp(t.rng.standard_normal(Hv) * 0.5))
+            t.matrix(p + "ssm_beta.weight", Hv, E)
+            t.matrix(p + "ssm_alpha.weight", Hv, E)
+            t.vector(p + "ssm_norm.weight", S)
+            t.matrix(p + "ssm_out.weight", E, S * Hv)
+        else:
+            t.matrix(p + "attn_q.weight", 2 * hd * s["n_heads"], E)
+            t.matrix(p + "attn_k.weight", hd * s["n_kv_heads"], E)
+            t.matrix(p + "attn_v.weight", hd * s["n_kv_heads"], E)
+            t.matrix(p + "attn_output.weight", E, hd * s["n_heads"])
+            t.vector(p + "attn_q_norm.weight", hd)
+            t.vector(p + "attn_k_norm.weight", hd)
+    _finish(writer)
+    return path
+
+
 def write_random_qwen3(path: Path, shape: str, weight_type: str, vocab_gguf: Path, seed: int = 0) -> Path:
     """Write a random Qwen3 GGUF of `shape` with 2-D weights in `weight_type` (f32, f16, q8_0, q4_0, ...)."""
     s = SHAPES[shape]
-    qtype = gguf.GGMLQuantizationType[weight_type.upper()]
-    rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "qwen3")
     n_vocab = _copy_tokenizer(writer, vocab_gguf)
     E, hd = s["hidden"], s["head_dim"]
@@ -54,34 +149,21 @@ def write_random_qwen3(path: Path, shape: str, weight_type: str, vocab_gguf: Pat
     writer.add_value_length(hd)
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-6)
-
-    def matrix(name: str, n_out: int, n_in: int) -> None:
-        w = rng.standard_normal((n_out, n_in), dtype=np.float32) * (1.0 / np.sqrt(n_in))
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            writer.add_tensor(name, w.astype(np.float16 if qtype == gguf.GGMLQuantizationType.F16 else np.float32))
-        else:
-            writer.add_tensor(name, _core.quantize(w, int(qtype)), raw_dtype=qtype)
-
-    def vector(name: str, n: int) -> None:
-        writer.add_tensor(name, (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32))
-
-    matrix("token_embd.weight", n_vocab, E)  # tied head, as in Qwen3-0.6B
-    vector("output_norm.weight", E)
+    t = _RandomWriter(writer, weight_type, seed)
+    t.matrix("token_embd.weight", n_vocab, E)  # tied head, as in Qwen3-0.6B
+    t.vector("output_norm.weight", E)
     for il in range(s["n_layers"]):
         p = f"blk.{il}."
-        vector(p + "attn_norm.weight", E)
-        matrix(p + "attn_q.weight", hd * s["n_heads"], E)
-        matrix(p + "attn_k.weight", hd * s["n_kv_heads"], E)
-        matrix(p + "attn_v.weight", hd * s["n_kv_heads"], E)
-        matrix(p + "attn_output.weight", E, hd * s["n_heads"])
-        vector(p + "attn_q_norm.weight", hd)
-        vector(p + "attn_k_norm.weight", hd)
-        vector(p + "ffn_norm.weight", E)
-        matrix(p + "ffn_gate.weight", s["n_ff"], E)
-        matrix(p + "ffn_up.weight", s["n_ff"], E)
-        matrix(p + "ffn_down.weight", E, s["n_ff"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        t.vector(p + "attn_norm.weight", E)
+        t.matrix(p + "attn_q.weight", hd * s["n_heads"], E)
+        t.matrix(p + "attn_k.weight", hd * s["n_kv_heads"], E)
+        t.matrix(p + "attn_v.weight", hd * s["n_kv_heads"], E)
+        t.matrix(p + "attn_output.weight", E, hd * s["n_heads"])
+        t.vector(p + "attn_q_norm.weight", hd)
+        t.vector(p + "attn_k_norm.weight", hd)
+        t.vector(p + "ffn_norm.weight", E)
+        t.matrix(p + "ffn_gate.weight", s["n_ff"], E)
+        t.matrix(p + "ffn_up.weight", s["n_ff"], E)
+        t.matrix(p + "ffn_down.weight", E, s["n_ff"])
+    _finish(writer)
     return path

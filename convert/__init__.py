@@ -30,6 +30,8 @@ from .quantize import QUANT_TYPES, quantize_gguf
 
 # converter modules register their HF architectures on import
 from . import qwen3  # noqa: F401  (Qwen3ForCausalLM)
+from . import qwen35  # noqa: F401  (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration)
+from . import dflash  # noqa: F401  (DFlashDraftModel)
 
 __all__ = [
     "convert_hf_to_gguf",
@@ -57,6 +59,8 @@ def convert_hf_to_gguf(model_dir: str | Path, outfile: str | Path | None = None,
 
     `outtype`: f32 | f16 | bf16 | q8_0 | auto (bf16/f16 after the checkpoint's dtype). `outfile`
     may be a folder or contain `{ftype}`; None writes into `model_dir` with llama.cpp's default name.
+    `target_model_dir` is required for DFlash drafts (the target's folder: tokenizer, hidden size,
+    layer count).
     Raises `pydflash.errors.ConversionError` for anything it cannot convert.
     """
     hparams = load_hparams(Path(model_dir))

@@ -222,7 +222,7 @@ def register(*hf_architectures: str) -> Callable[[type[ModelConverter]], type[Mo
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(a for a, cls in _REGISTRY.items() if cls.unsupported is None)
 
 
 def hf_architecture(hparams: dict[str, Any], where: Path | str = "config.json") -> str:
@@ -239,10 +239,13 @@ def hf_architecture(hparams: dict[str, Any], where: Path | str = "config.json") 
 
 def converter_class(arch: str) -> type[ModelConverter]:
     try:
-        return _REGISTRY[arch]
+        cls = _REGISTRY[arch]
     except KeyError:
         raise ConversionError(f"unsupported architecture {arch!r}; pydflash-convert supports: "
                               f"{', '.join(supported_architectures())}") from None
+    if cls.unsupported is not None:
+        raise ConversionError(f"{arch}: {cls.unsupported}")
+    return cls
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -262,6 +265,8 @@ class ModelConverter:
 
     gguf_arch: ClassVar[str]                      # value of general.architecture
     hf_architectures: ClassVar[tuple[str, ...]] = ()
+    # set on classes registered only to reject a known architecture with a clear reason
+    unsupported: ClassVar[str | None] = None
     # defaults applied to config.json for fields the HF config class fills in when absent
     # (llama.cpp reads `AutoConfig.from_pretrained(...).to_dict()`, which has them).
     hparam_defaults: ClassVar[dict[str, Any]] = {}
@@ -432,7 +437,9 @@ class ModelConverter:
         if self.ftype != gguf.LlamaFileType.GUESSED:
             return
         self.ftype = gguf.LlamaFileType.MOSTLY_F16
-        for lt in self.model_tensors.values():
+        for name, lt in self.model_tensors.items():
+            if self.skip_tensor(name):
+                continue
             if lt.ndim >= 2 and lt.source_dtype in ("BF16", "F16"):
                 if lt.source_dtype == "BF16":
                     self.ftype = gguf.LlamaFileType.MOSTLY_BF16

@@ -1,4 +1,4 @@
-"""`pydflash-convert HF_DIR --outfile OUT.gguf --outtype f32|f16|bf16|q8_0|auto`
+"""`pydflash-convert HF_DIR --outfile OUT.gguf --outtype f32|f16|bf16|q8_0|auto [--target-model-dir TARGET]`
 
 The flags mirror llama.cpp's `convert_hf_to_gguf.py` (`--outfile`, `--outtype`, `--vocab-only`,
 `--dry-run`, `--model-name`, `--target-model-dir`, `--verbose`).
@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the tensor plan without writing a file")
     p.add_argument("--model-name", default=None, help="general.name (default: from the model card or folder name)")
     p.add_argument("--target-model-dir", type=Path, default=None,
-                   help="target model folder, for draft models that borrow the target's tokenizer")
+                   help="target model folder; required for DFlash drafts (DFlashDraftModel), which borrow the "
+                        "target's tokenizer, embedding and LM head")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="log every tensor")
     p.add_argument("--print-supported-models", action="store_true", help="list the supported HF architectures")

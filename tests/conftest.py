@@ -60,3 +60,23 @@ def qwen3_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def qwen35_checkpoint(tmp_path_factory):
+    """Factory for tiny random HF Qwen3.5 checkpoints, cached for the session:
+    `qwen35_checkpoint("k2v4_hd32", dtype="bfloat16")` -> Path (shapes: hf_models.QWEN35_SHAPES;
+    keyword arguments go to hf_models.make_qwen35_checkpoint)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import hf_models
+
+    cache: dict = {}
+
+    def make(shape: str = "k2v4_hd32", **overrides) -> Path:
+        key = (shape, json.dumps(overrides, sort_keys=True))
+        if key not in cache:
+            cache[key] = hf_models.make_qwen35_shape(tmp_path_factory.mktemp(f"hf-q35-{shape}"), shape, **overrides)
+        return cache[key]
+
+    return make

@@ -212,3 +212,378 @@ def make_qwen3_checkpoint(
 def make_qwen3_shape(path: str | Path, shape: str, **overrides) -> Path:
     """`make_qwen3_checkpoint` with one of the named `QWEN3_SHAPES`."""
     return make_qwen3_checkpoint(path, **{**QWEN3_SHAPES[shape], **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen3.5 (hybrid gated-delta-net / gated attention) targets
+
+# The pre-tokenizer regex of Qwen3.5 tokenizer.json files (llama.cpp `qwen35`: adds \p{M}).
+QWEN35_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Named shapes: K/V linear-attention head ratios (1:1, 1:2, 1:3), partial rotary 0.25 / 0.5, explicit and
+# default M-RoPE sections, layer patterns, tied head, MTP, the multimodal checkpoint layout.
+QWEN35_SHAPES: dict[str, dict] = {
+    # 4 layers, interval 4: L L L A; GDN K 2 / V 4 heads (reorder), rotary 8 of 32
+    "k2v4_hd32": dict(hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, linear_k_heads=2,
+                      linear_v_heads=4, linear_head_dim=16),
+    # K = V heads (no reorder), partial rotary 0.5, no mrope_section in the config (default sections)
+    "k2v2_prf05_nomrope": dict(hidden=64, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=32, linear_k_heads=2,
+                               linear_v_heads=2, linear_head_dim=16, partial_rotary=0.5, mrope_section=None,
+                               layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # K 1 / V 3 heads, tied embeddings, conv kernel 3, 1 MTP block
+    "k1v3_tied_mtp": dict(hidden=48, n_layers=4, n_heads=3, n_kv_heads=1, head_dim=16, linear_k_heads=1,
+                          linear_v_heads=3, linear_head_dim=16, conv_kernel=3, tie=True, mtp_layers=1),
+    # K 8 / V 32 heads of dim 8 (ratio 4; 32 ssm_a values), 5 layers (L L L A L)
+    "k8v32_hd8": dict(hidden=64, n_layers=5, n_heads=2, n_kv_heads=2, head_dim=32, linear_k_heads=8,
+                      linear_v_heads=32, linear_head_dim=8),
+    # Qwen3_5ForConditionalGeneration layout (model.language_model.*, a vision tower), 2 MTP blocks
+    "vl_k2v4_mtp2": dict(hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, linear_k_heads=2,
+                         linear_v_heads=4, linear_head_dim=16, layout="conditional", mtp_layers=2),
+}
+
+
+def _default_mrope_section(head_dim: int, partial_rotary: float) -> list[int]:
+    """Sections in Qwen3.5's proportions ([11, 11, 10] of 32 rotary pairs)."""
+    half = int(head_dim * partial_rotary) // 2
+    t = max(1, round(half * 11 / 32))
+    return [t, t, half - 2 * t]
+
+
+def _qwen35_weights(model, *, seed: int, weight_std: float, embed_std: float) -> None:
+    """Re-draw the parameters of a Qwen3.5 model: zero-centred RMSNorm weights (the model uses 1 + w)
+    N(0, 0.1), the gated norm `linear_attn.norm` 1 + N(0, 0.1), A_log = log U(0.5, 8), dt_bias
+    1 + N(0, 0.1), embeddings N(0, embed_std), everything else N(0, weight_std)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            p.copy_(_qwen35_value(name, tuple(p.shape), gen, weight_std, embed_std))
+
+
+def _qwen35_value(name: str, shape: tuple, gen, weight_std: float, embed_std: float):
+    import torch
+
+    if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("A_log"):
+        return torch.log(0.5 + 7.5 * torch.rand(shape, generator=gen))
+    if "norm" in name:
+        return 0.1 * torch.randn(shape, generator=gen)
+    if "embed_tokens" in name:
+        return embed_std * torch.randn(shape, generator=gen)
+    return weight_std * torch.randn(shape, generator=gen)
+
+
+def _mtp_tensors(config, n_mtp: int, *, seed: int, weight_std: float, embed_std: float) -> dict:
+    """Random MTP weights with the names and shapes of the Qwen3.5 releases (`mtp.*`; transformers'
+    Qwen3_5 classes neither build nor save them)."""
+    import torch
+
+    h, hd, nh, nkv, ff = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads, \
+        config.intermediate_size
+    shapes = {"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,), "mtp.pre_fc_norm_embedding.weight": (h,),
+              "mtp.pre_fc_norm_hidden.weight": (h,)}
+    for k in range(n_mtp):
+        p = f"mtp.layers.{k}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (2 * nh * hd, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
+            p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nh * hd),
+            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h), p + "mlp.down_proj.weight": (h, ff),
+        })
+    gen = torch.Generator().manual_seed(seed + 1)
+    return {name: _qwen35_value(name, shape, gen, weight_std, embed_std) for name, shape in sorted(shapes.items())}
+
+
+def _add_safetensors_part(path: Path, part: str, tensors: dict) -> None:
+    """Write `tensors` as another shard `part` and list every tensor in model.safetensors.index.json."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        index = json.loads(index_file.read_text())
+    else:
+        index = {"metadata": {}, "weight_map": {}}
+        for f in sorted(path.glob("model*.safetensors")):
+            with safe_open(f, "pt") as st:
+                index["weight_map"].update({k: f.name for k in st.keys()})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / part), metadata={"format": "pt"})
+    index["weight_map"].update({k: part for k in tensors})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    index_file.write_text(json.dumps(index, indent=2))
+
+
+def make_qwen35_checkpoint(
+    path: str | Path,
+    *,
+    hidden: int = 64,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate: int | None = None,
+    linear_k_heads: int = 2,
+    linear_v_heads: int = 4,
+    linear_head_dim: int = 16,
+    conv_kernel: int = 4,
+    partial_rotary: float = 0.25,
+    mrope_section: list[int] | str | None = "auto",
+    layer_types: list[str] | None = None,
+    full_attention_interval: int | None = None,
+    tie: bool = False,
+    mtp_layers: int = 0,
+    layout: str = "causal",
+    seed: int = 0,
+    dtype: str = "float32",
+    tokenizer_vocab: int = 768,
+    vocab_size: int | None = None,
+    max_shard_size: str | int | None = None,
+    weight_std: float = 0.2,
+    embed_std: float = 1.0,
+    rope_theta: float = 10_000_000.0,
+    max_position_embeddings: int = 4096,
+    rms_norm_eps: float = 1e-6,
+) -> Path:
+    """Write a tiny random Qwen3.5 (dense) checkpoint + a Qwen3.5-style tokenizer into `path`.
+
+    `layout="causal"`: `Qwen3_5ForCausalLM` saved by transformers. `layout="conditional"`: the
+    `Qwen3_5ForConditionalGeneration` layout of the Qwen releases (`model.language_model.*`, a small
+    random vision tower under `model.visual.*`, config with text_config / vision_config).
+    `mtp_layers > 0` adds multi-token-prediction weights (`mtp.*`, in their own shard
+    `model-mtp.safetensors`, with an index) and `mtp_num_hidden_layers` to the config, as the
+    releases ship them. `mrope_section="auto"` writes sections in Qwen3.5's proportions
+    (`rope_parameters.mrope_section`, `mrope_interleaved`); None leaves them out (the config
+    default). `layer_types=None` lets the config derive them from `full_attention_interval`
+    (written only when given; default 4).
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    path = Path(path)
+    tok = write_qwen_tokenizer(path, vocab_size=tokenizer_vocab, split_regex=QWEN35_SPLIT_REGEX)
+    n_vocab = vocab_size if vocab_size is not None else tok["n_tokens"]
+    if n_vocab < tok["n_tokens"]:
+        raise ValueError(f"vocab_size {n_vocab} < tokenizer size {tok['n_tokens']}")
+    if layout not in ("causal", "conditional"):
+        raise ValueError(f"layout {layout!r}")
+
+    rope = {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": partial_rotary}
+    if mrope_section == "auto":
+        mrope_section = _default_mrope_section(head_dim, partial_rotary)
+    if mrope_section is not None:
+        rope.update(mrope_section=list(mrope_section), mrope_interleaved=True)
+    extra = {} if full_attention_interval is None else {"full_attention_interval": full_attention_interval}
+    text = Qwen3_5TextConfig(
+        vocab_size=n_vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate if intermediate is not None else 3 * hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=rms_norm_eps,
+        rope_parameters=rope,
+        tie_word_embeddings=tie,
+        linear_conv_kernel_dim=conv_kernel,
+        linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim,
+        linear_num_key_heads=linear_k_heads,
+        linear_num_value_heads=linear_v_heads,
+        layer_types=layer_types,
+        bos_token_id=tok["endoftext"],
+        eos_token_id=tok["im_end"],
+        architectures=["Qwen3_5ForCausalLM"],
+        **extra,
+    )
+    if mtp_layers:
+        text.mtp_num_hidden_layers = mtp_layers
+        text.mtp_use_dedicated_embeddings = False
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(text)
+    _qwen35_weights(model, seed=seed, weight_std=weight_std, embed_std=embed_std)
+    model = model.to(getattr(torch, dtype))
+    generation = GenerationConfig(bos_token_id=tok["endoftext"], eos_token_id=[tok["im_end"], tok["endoftext"]],
+                                  pad_token_id=tok["endoftext"])
+
+    if layout == "causal":
+        model.generation_config = generation
+        model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+        if full_attention_interval is not None and layer_types is None:
+            # Qwen3_5TextConfig turns the interval into layer_types; keep the raw field as the Hub configs do
+            cfg = json.loads((path / "config.json").read_text())
+            cfg["full_attention_interval"] = full_attention_interval
+            (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    else:
+        state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+                 for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+        gen = torch.Generator().manual_seed(seed + 2)
+        state["model.visual.patch_embed.proj.weight"] = 0.02 * torch.randn((16, 3, 2, 4, 4), generator=gen)
+        state["model.visual.merger.linear_fc1.weight"] = 0.02 * torch.randn((64, 64), generator=gen)
+        state = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in sorted(state.items())}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        text_dict = text.to_dict()
+        for k in ("architectures", "transformers_version", "_name_or_path"):
+            text_dict.pop(k, None)
+        full = Qwen3_5Config(
+            text_config=text_dict,
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+                               temporal_patch_size=2, out_hidden_size=hidden),
+            tie_word_embeddings=tie,
+            architectures=["Qwen3_5ForConditionalGeneration"],
+        )
+        full.save_pretrained(path)
+        generation.save_pretrained(path)
+    if mtp_layers:
+        mtp = _mtp_tensors(text, mtp_layers, seed=seed, weight_std=weight_std, embed_std=embed_std)
+        _add_safetensors_part(path, "model-mtp.safetensors", {k: v.to(getattr(torch, dtype)) for k, v in mtp.items()})
+    return path
+
+
+def make_qwen35_shape(path: str | Path, shape: str, **overrides) -> Path:
+    """`make_qwen35_checkpoint` with one of the named `QWEN35_SHAPES`."""
+    return make_qwen35_checkpoint(path, **{**QWEN35_SHAPES[shape], **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------
+# DFlash drafts (z-lab layout)
+
+
+def _target_text_config(target_dir: Path) -> dict:
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return {**cfg, **(cfg.get("text_config") or {})}
+
+
+def make_dflash_checkpoint(
+    path: str | Path,
+    target_dir: str | Path,
+    *,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
+    hidden: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    block_size: int | None = 16,
+    is_causal: bool | None = None,
+    prefix: str = "",
+    with_lm_head: bool = False,
+    with_embed_tokens: bool = False,
+    extra_config: dict | None = None,
+    extra_tensors: dict | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    weight_std: float = 0.2,
+    rms_norm_eps: float = 1e-6,
+) -> Path:
+    """Write a tiny random DFlash draft for the target checkpoint `target_dir` (z-lab layout).
+
+    Tensors (safetensors, no `model.` prefix unless `prefix="model."`): Qwen3 decoder layers
+    `layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm,
+    post_attention_layernorm, mlp.{gate,up,down}_proj}`, `fc.weight` `[H, n_ext·H]`,
+    `hidden_norm.weight`, `norm.weight`; no embedding and no LM head (the target's), unless
+    `with_embed_tokens` / `with_lm_head`. config.json as z-lab ships it: `architectures:
+    [DFlashDraftModel]`, `model_type: qwen3`, `dflash_config {mask_token_id, target_layer_ids}`,
+    `block_size`, `num_target_layers`, the Qwen3 fields (rope from the target). Defaults: hidden
+    size = the target's, target_layer_ids spread like z-lab's build_target_layer_ids, mask token =
+    the last row of the target embedding. `is_causal` is written only when given; `extra_config`
+    entries are merged in last (None values delete a key); `extra_tensors` (name → shape) adds
+    random tensors.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3Model
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tcfg = _target_text_config(Path(target_dir))
+    n_target = tcfg["num_hidden_layers"]
+    hidden = hidden if hidden is not None else tcfg["hidden_size"]
+    head_dim = head_dim if head_dim is not None else max(16, hidden // n_heads)
+    if target_layer_ids is None:
+        if n_layers == 1:
+            target_layer_ids = [n_target // 2]
+        else:
+            target_layer_ids = [int(round(1 + i * (n_target - 4) / (n_layers - 1))) for i in range(n_layers)]
+    n_vocab = tcfg["vocab_size"]
+    mask_token_id = n_vocab - 1 if mask_token_id is None else mask_token_id
+    rope = tcfg.get("rope_parameters") or {}
+    rope_theta = rope.get("rope_theta", tcfg.get("rope_theta", 10000.0))
+
+    config = Qwen3Config(
+        vocab_size=n_vocab, hidden_size=hidden, intermediate_size=intermediate or 3 * hidden,
+        num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=head_dim,
+        rms_norm_eps=rms_norm_eps, max_position_embeddings=tcfg.get("max_position_embeddings", 4096),
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    body = Qwen3Model(config)
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in sorted(body.state_dict().items()):
+        if name == "embed_tokens.weight" and not with_embed_tokens:
+            continue
+        state[name] = (1.0 + 0.1 * torch.randn(p.shape, generator=gen)) if "norm" in name else \
+            weight_std * torch.randn(p.shape, generator=gen)
+    n_ext = len(target_layer_ids)
+    state["fc.weight"] = weight_std / n_ext ** 0.5 * torch.randn((hidden, n_ext * hidden), generator=gen)
+    state["hidden_norm.weight"] = 1.0 + 0.1 * torch.randn((hidden,), generator=gen)
+    if with_lm_head:
+        state["lm_head.weight"] = weight_std * torch.randn((n_vocab, hidden), generator=gen)
+    for name, shape in (extra_tensors or {}).items():
+        state[name] = weight_std * torch.randn(tuple(shape), generator=gen)
+    state = {prefix + k: v.to(getattr(torch, dtype)).contiguous() for k, v in sorted(state.items())}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "block_size": block_size,
+        "bos_token_id": tcfg.get("bos_token_id"),
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        "dtype": dtype,
+        "eos_token_id": tcfg.get("eos_token_id"),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": config.intermediate_size,
+        "layer_types": ["full_attention"] * n_layers,
+        "max_position_embeddings": config.max_position_embeddings,
+        "max_window_layers": n_layers,
+        "model_type": "qwen3",
+        "num_attention_heads": n_heads,
+        "num_hidden_layers": n_layers,
+        "num_key_value_heads": n_kv_heads,
+        "num_target_layers": n_target,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": rope_theta,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": n_vocab,
+    }
+    if block_size is None:
+        del cfg["block_size"]
+    if is_causal is not None:
+        cfg["is_causal"] = is_causal
+    for k, v in (extra_config or {}).items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path

@@ -23,21 +23,22 @@ session::session(std::shared_ptr<const target_model> model, const session_params
                      info.n_ctx_train, info.path.c_str());
     }
     kv_cache::check_types(info, params.type_k, params.type_v);
-    const size_t need = kv_cache::n_bytes_for(info, params.n_ctx, params.type_k, params.type_v);
-    const size_t have = model_->devices().free_memory(info.n_layer - 1);
-    PDF_LOG_INFO("KV cache: n_ctx = %u, K %s, V %s: %.2f MiB", params.n_ctx, ggml_type_name(params.type_k),
-                 ggml_type_name(params.type_v), need / 1048576.0);
-    if (need > have) {
-        throw context_overflow_error(format("KV cache for n_ctx = %u needs %.1f MiB but only %.1f MiB are free; "
-                                            "lower n_ctx or use a quantized kv_type", params.n_ctx,
-                                            need / 1048576.0, have / 1048576.0),
+    const size_t kv_need = kv_cache::n_bytes_for(info, params.n_ctx, params.type_k, params.type_v);
+    const size_t rs_need = recurrent_state::n_bytes_for(info, params.n_rollback);
+    const size_t have    = model_->devices().free_memory(info.n_layer - 1);
+    PDF_LOG_INFO("KV cache: n_ctx = %u, K %s, V %s: %.2f MiB; recurrent state (rollback over %u tokens): %.2f MiB",
+                 params.n_ctx, ggml_type_name(params.type_k), ggml_type_name(params.type_v), kv_need / 1048576.0,
+                 params.n_rollback, rs_need / 1048576.0);
+    if (kv_need + rs_need > have) {
+        throw context_overflow_error(format("KV cache for n_ctx = %u (%.1f MiB) and recurrent state (%.1f MiB) need "
+                                            "more than the %.1f MiB that are free; lower n_ctx or use a quantized "
+                                            "kv_type", params.n_ctx, kv_need / 1048576.0, rs_need / 1048576.0,
+                                            have / 1048576.0),
                                      0, params.n_ctx);
     }
     kv_ = std::make_unique<kv_cache>(*model_, params.n_ctx, params.type_k, params.type_v);
     if (!info.recurrent_layers.empty()) {
         rs_ = std::make_unique<recurrent_state>(*model_, params.n_rollback);
-        PDF_LOG_INFO("recurrent state: %zu layers, rollback over %u tokens: %.2f MiB", info.recurrent_layers.size(),
-                     params.n_rollback, rs_->n_bytes() / 1048576.0);
     }
     sched_ = model_->devices().new_sched(model_->max_graph_nodes());
     if (!sched_) {
