@@ -31,11 +31,20 @@ def llama_simple():
     return path
 
 
+CHECKPOINTS = [("qwen3", "gqa4x2_hd64"), ("qwen3", "gqa4x2_hd128_tied"), ("qwen35", "k2v4_hd32"),
+               ("qwen35", "k1v3_tied_mtp"), ("qwen35", "k8v32_hd8")]
+
+
+@pytest.fixture
+def checkpoint_of(qwen3_checkpoint, qwen35_checkpoint):
+    return lambda arch, shape: (qwen3_checkpoint if arch == "qwen3" else qwen35_checkpoint)(shape)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["gqa4x2_hd64", "gqa4x2_hd128_tied"])
+@pytest.mark.parametrize("arch, shape", CHECKPOINTS)
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-def test_our_gguf_in_llama_cpp(qwen3_checkpoint, llama_simple, tmp_path, shape, outtype):
-    gguf_path = convert_hf_to_gguf(qwen3_checkpoint(shape), tmp_path / "m.gguf", outtype=outtype, progress=False)
+def test_our_gguf_in_llama_cpp(checkpoint_of, llama_simple, tmp_path, arch, shape, outtype):
+    gguf_path = convert_hf_to_gguf(checkpoint_of(arch, shape), tmp_path / "m.gguf", outtype=outtype, progress=False)
     n = 32
     with pydflash.Model(gguf_path, n_ctx=256) as m:
         prompt_ids = m.tokenize(PROMPT)
@@ -64,11 +73,14 @@ def test_our_gguf_in_llama_cpp(qwen3_checkpoint, llama_simple, tmp_path, shape, 
     assert top2[1] - top2[0] < 1e-2, f"diverged at step {step} with a top-1/top-2 gap of {top2[1] - top2[0]}"
 
 
-def test_llama_cpp_converted_gguf_in_ours(qwen3_checkpoint, llama_cpp_dir, tmp_path):
-    from test_convert import llama_convert
+@pytest.mark.parametrize("arch, shape", [("qwen3", "gqa4x2_hd64"), ("qwen35", "k2v4_hd32")])
+def test_llama_cpp_converted_gguf_in_ours(checkpoint_of, llama_cpp_dir, tmp_path, arch, shape):
+    from llama_ref import llama_convert
 
-    hf = qwen3_checkpoint("gqa4x2_hd64")
-    theirs = llama_convert(llama_cpp_dir, hf, tmp_path / "theirs.gguf", "--outtype", "f16")
+    hf = checkpoint_of(arch, shape)
+    # a checkpoint without MTP weights needs --no-mtp in llama.cpp's converter (its assert otherwise)
+    extra = ["--no-mtp"] if arch == "qwen35" else []
+    theirs = llama_convert(llama_cpp_dir, hf, tmp_path / "theirs.gguf", "--outtype", "f16", *extra)
     ours = convert_hf_to_gguf(hf, tmp_path / "ours.gguf", outtype="f16", progress=False)
     outputs = []
     for path in (theirs, ours):

@@ -4,6 +4,8 @@ transformers' cache crop() does not roll back recurrent state)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -168,3 +170,35 @@ def test_generate_with_prompt_cache(checkpoint):
         assert fresh.generate(PROMPT[:6], max_tokens=8).tokens == b.tokens
     with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as fresh:
         assert fresh.generate(PROMPT[:6] + b.tokens, max_tokens=8).tokens == c.tokens
+
+
+@pytest.mark.parametrize("weights, kv, bound", [("q8_0", "f32", 0.3), ("q4_0", "f32", 5.0), ("f32", "q8_0", 0.05),
+                                                ("f32", "q4_0", 2.0), ("q4_k_m", "q8_0", 2.0)])
+def test_quantized_weights_and_kv_stay_close_to_f32(checkpoint, tmp_path, weights, kv, bound):
+    """Mean KL(f32 run || quantized run) over 64 tokens; bounds stated as in test_qwen3 (random toys are
+    sensitive; measured values are printed)."""
+    from test_qwen3 import kl_divergence
+
+    from pydflash.convert.quantize import quantize_gguf
+
+    _, gguf_path, _ = checkpoint
+    seq = np.array((PROMPT * 6)[:64], dtype=np.int32)
+    base, _ = session(gguf_path).eval(seq)
+    path = gguf_path if weights == "f32" else quantize_gguf(gguf_path, tmp_path / f"{weights}.gguf", weights,
+                                                            progress=False)
+    model = _core.Model(str(path))
+    config = json.loads((checkpoint[0] / "config.json").read_text())
+    head_dim = config.get("text_config", config)["head_dim"]
+    if kv != "f32" and head_dim % 32:
+        with pytest.raises(ValueError, match="need head sizes divisible by 32"):
+            _core.Session(model, n_ctx=128, type_k=kv, type_v=kv)
+        return
+    s = _core.Session(model, n_ctx=128, type_k=kv, type_v=kv)
+    rows = []
+    for i in range(0, len(seq), 16):
+        logits, _ = s.eval(seq[i:i + 16])
+        s.commit(16)
+        rows.append(logits)
+    kl = kl_divergence(base, np.concatenate(rows))
+    print(f"weights {weights}, kv {kv}: mean KL vs f32 = {kl:.2e}")
+    assert kl <= bound
