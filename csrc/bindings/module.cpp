@@ -6,6 +6,7 @@
 #include "core/quantize.h"
 #include "models/model.h"
 #include "spec/generate.h"
+#include "state/draft_session.h"
 #include "state/session.h"
 
 #include <pybind11/functional.h>
@@ -105,6 +106,15 @@ static py::dict timings_dict(const generate_timings & t) {
     d["predicted_n"]    = t.predicted_n;
     d["predicted_ms"]   = t.predicted_ms;
     d["n_target_evals"] = t.n_target_evals;
+    if (t.n_rounds > 0) {
+        d["draft_n"]          = t.draft_n;
+        d["draft_n_accepted"] = t.draft_n_accepted;
+        d["n_rounds"]         = t.n_rounds;
+        d["draft_ms"]         = t.draft_ms;
+        d["verify_ms"]        = t.verify_ms;
+        d["accepted_at"]      = t.accepted_at;
+        d["proposed_at"]      = t.proposed_at;
+    }
     return d;
 }
 
@@ -206,6 +216,24 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             return kv_cache::n_bytes_for(m.model->info(), n_ctx, parse_kv_type(tk), parse_kv_type(tv));
         });
 
+    py::class_<draft_session>(m, "DraftSession")
+        .def(py::init([](const py_model & target, const std::string & path, uint32_t n_ctx, int block_size) {
+                 std::shared_ptr<const dflash_draft> draft;
+                 {
+                     py::gil_scoped_release nogil;
+                     draft = std::make_shared<dflash_draft>(path, target.model);
+                 }
+                 const int block = block_size > 0 ? block_size : draft->block_size();
+                 return std::make_unique<draft_session>(draft, n_ctx, block);
+             }),
+             py::arg("target"), py::arg("path"), py::arg("n_ctx"), py::arg("block_size") = 0, py::keep_alive<1, 2>())
+        .def_property_readonly("block_size", &draft_session::block)
+        .def_property_readonly("trained_block_size", [](const draft_session & d) { return d.model().block_size(); })
+        .def_property_readonly("mask_token", [](const draft_session & d) { return d.model().mask_token(); })
+        .def_property_readonly("capture_layers", [](const draft_session & d) { return d.model().capture_layers(); })
+        .def_property_readonly("weight_bytes", [](const draft_session & d) { return d.model().weight_bytes(); })
+        .def_property_readonly("kv_bytes", &draft_session::kv_bytes);
+
     py::class_<session>(m, "Session")
         .def(py::init([](const py_model & m, uint32_t n_ctx, const std::string & type_k, const std::string & type_v,
                          uint32_t n_ubatch, uint32_t n_rollback) {
@@ -271,7 +299,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def(
             "generate",
             [](session & s, std::vector<int32_t> prompt, int max_tokens, std::vector<int32_t> stop_tokens,
-               py::object callback) {
+               py::object callback, draft_session * draft) {
                 generate_params p;
                 p.max_tokens  = max_tokens;
                 p.stop_tokens = std::move(stop_tokens);
@@ -289,7 +317,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 generate_result r;
                 {
                     py::gil_scoped_release nogil;
-                    r = generate_greedy(s, prompt, p, cb);
+                    r = draft ? generate_dflash(s, *draft, prompt, p, cb) : generate_greedy(s, prompt, p, cb);
                 }
                 py::dict d;
                 d["tokens"]        = r.tokens;
@@ -298,6 +326,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 return d;
             },
             py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = std::vector<int32_t>{},
-            py::arg("callback") = py::none(),
-            "Greedy generation; callback(list[int]) -> bool is called (with the GIL) per committed token batch.");
+            py::arg("callback") = py::none(), py::arg("draft") = nullptr,
+            "Greedy generation (DFlash speculative when a DraftSession is given); callback(list[int]) -> bool is "
+            "called (with the GIL) per committed token batch.");
 }

@@ -81,6 +81,9 @@ class target_model {
     const model_info & info() const { return info_; }
     backends &         devices() const { return *backends_; }
     size_t             weight_bytes() const { return weights_->n_bytes(); }
+    // shared with a DFlash draft, which has neither of its own
+    ggml_tensor *      token_embedding() const { return tok_embd_; }
+    ggml_tensor *      output_head() const { return output_; }
 
     // rs is null for models without recurrent layers
     virtual eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
@@ -93,6 +96,8 @@ class target_model {
     std::unique_ptr<backends>  backends_;
     std::unique_ptr<gguf_file> file_;
     std::unique_ptr<weights>   weights_;
+    ggml_tensor *              tok_embd_ = nullptr;  // [n_embd, n_vocab]
+    ggml_tensor *              output_   = nullptr;  // [n_embd, n_vocab] (may be tok_embd_ when tied)
 };
 
 // opens `path`, dispatches on general.architecture (models/registry.cpp), loads the weights

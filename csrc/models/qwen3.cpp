@@ -199,9 +199,7 @@ class qwen3_model : public target_model {
 
   private:
     qwen3_hparams            hp_{};
-    ggml_tensor *            tok_embd_    = nullptr;
     ggml_tensor *            output_norm_ = nullptr;
-    ggml_tensor *            output_      = nullptr;
     std::vector<qwen3_layer> layers_;
 };
 

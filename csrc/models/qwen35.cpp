@@ -291,9 +291,7 @@ class qwen35_model : public target_model {
     }
 
     qwen35_hparams            hp_{};
-    ggml_tensor *             tok_embd_    = nullptr;
     ggml_tensor *             output_norm_ = nullptr;
-    ggml_tensor *             output_      = nullptr;
     std::vector<qwen35_layer> layers_;
 };
 

@@ -1,4 +1,5 @@
 #include "spec/generate.h"
+#include "state/draft_session.h"
 #include "core/error.h"
 
 #include <algorithm>
@@ -12,7 +13,8 @@ static double ms_since(clock_type::time_point t0) {
     return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
 }
 
-void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch, generate_timings & t) {
+void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch, generate_timings & t,
+             const std::vector<int> & capture_layers, const std::function<void(int first, int n)> & on_chunk) {
     if (prompt.empty()) {
         throw std::invalid_argument("prompt is empty");
     }
@@ -35,8 +37,11 @@ void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch
     const auto t0 = clock_type::now();
     for (size_t i = common; i < prompt.size(); i += n_ubatch) {
         const int n = (int) std::min<size_t>(n_ubatch, prompt.size() - i);
-        s.eval(prompt.data() + i, nullptr, n, nullptr, LOGITS_NONE);
+        s.eval(prompt.data() + i, nullptr, n, nullptr, LOGITS_NONE, capture_layers);
         s.commit(n);
+        if (on_chunk) {
+            on_chunk((int) i, n);
+        }
         if (s.abort.load()) {
             break;
         }
@@ -81,6 +86,137 @@ generate_result generate_greedy(session & s, const std::vector<int32_t> & prompt
     }
     r.timings.predicted_n  = (int) r.tokens.size();
     r.timings.predicted_ms = ms_since(t0);
+    return r;
+}
+
+}  // namespace pdf
+
+namespace pdf {
+
+// rows [first, first+n) of the captured layers, concatenated per token: [n, n_ext*E]
+static void gather_features(const session & s, size_t n_capture, int64_t n_embd, int first, int n,
+                            std::vector<float> & out) {
+    out.resize((size_t) n * n_capture * n_embd);
+    for (int i = 0; i < n; ++i) {
+        for (size_t c = 0; c < n_capture; ++c) {
+            const float * src = s.captured(c).data() + (size_t) (first + i) * n_embd;
+            std::copy(src, src + n_embd, out.data() + ((size_t) i * n_capture + c) * n_embd);
+        }
+    }
+}
+
+generate_result generate_dflash(session & s, draft_session & d, const std::vector<int32_t> & prompt,
+                                const generate_params & params, const token_callback & on_tokens) {
+    const dflash_draft &     draft   = d.model();
+    const std::vector<int> & capture = draft.capture_layers();
+    const int64_t            n_embd  = s.model().info().n_embd;
+    generate_result          r;
+    generate_timings &       t = r.timings;
+    s.abort.store(false);
+
+    // prefill: the target captures the draft's layers; the drafter projects every prompt row once.
+    // A reused prefix already has its rows in the draft cache (slot = position).
+    std::vector<float>   feats;
+    std::vector<int32_t> pos;
+    if (d.n_valid() < s.n_past()) {
+        s.truncate(0);  // the target's cached prefix has no drafter rows (e.g. after plain decoding)
+    }
+    prefill(s, prompt, s.n_ubatch(), t, capture, [&](int first, int n) {
+        gather_features(s, capture.size(), n_embd, 0, n, feats);
+        pos.resize(n);
+        for (int i = 0; i < n; ++i) {
+            pos[i] = first + i;
+        }
+        d.append(feats.data(), pos.data(), n);
+    });
+
+    const auto t0     = clock_type::now();
+    r.finish_reason   = "length";
+    int32_t anchor    = s.argmax().back();  // the first generated token, at position start
+    int     start     = s.n_past();
+    int     new_rows  = 0;                  // context rows the next draft call appends (from the last verify)
+    const int B       = d.block();
+    t.accepted_at.assign(B - 1, 0);
+    t.proposed_at.assign(B - 1, 0);
+    std::vector<int32_t> block(B);
+
+    // emit one committed token; false when generation ends here
+    auto emit = [&](int32_t tok) {
+        if (std::find(params.stop_tokens.begin(), params.stop_tokens.end(), tok) != params.stop_tokens.end()) {
+            r.finish_reason = "stop";
+            return false;
+        }
+        r.tokens.push_back(tok);
+        if (on_tokens && !on_tokens(&tok, 1)) {
+            r.finish_reason = "abort";
+            return false;
+        }
+        return (int) r.tokens.size() < params.max_tokens;
+    };
+
+    if (params.max_tokens > 0 && emit(anchor)) {
+        while (true) {
+            if (s.abort.load()) {
+                r.finish_reason = "abort";
+                break;
+            }
+            const int room = (int) s.n_ctx() - start;
+            if (room <= 0) {
+                break;  // context full: "length"
+            }
+            // draft: [anchor, MASK x (B-1)] -> proposals for start+1 .. start+B-1
+            auto t1 = clock_type::now();
+            const std::vector<int32_t> & proposals = d.draft(feats.data(), pos.data(), new_rows, anchor, start);
+            t.draft_ms += ms_since(t1);
+
+            // verify [anchor, proposals] in one target pass (shorter only at the end of the context)
+            const int n = std::min(B, room);
+            block[0] = anchor;
+            std::copy(proposals.begin(), proposals.begin() + (n - 1), block.begin() + 1);
+            t1 = clock_type::now();
+            s.eval(block.data(), nullptr, n, nullptr, ARGMAX_ALL, capture);
+            t.verify_ms += ms_since(t1);
+            t.n_target_evals++;
+            t.n_rounds++;
+
+            // accept the longest prefix the target agrees with, plus the target's own next token
+            const std::vector<int32_t> & target_next = s.argmax();
+            int a = 0;
+            while (a < n - 1 && block[a + 1] == target_next[a]) {
+                ++a;
+            }
+            t.draft_n += n - 1;
+            t.draft_n_accepted += a;
+            for (int k = 0; k < n - 1; ++k) {
+                t.proposed_at[k]++;
+                t.accepted_at[k] += k < a;
+            }
+            s.commit(a + 1);  // anchor + accepted drafts; KV and recurrent state as of token a, no replay
+
+            // the committed rows' features feed the drafter next round
+            gather_features(s, capture.size(), n_embd, 0, a + 1, feats);
+            pos.resize(a + 1);
+            for (int i = 0; i <= a; ++i) {
+                pos[i] = start + i;
+            }
+            new_rows = a + 1;
+
+            bool go = true;
+            for (int i = 1; i <= a && go; ++i) {
+                go = emit(block[i]);
+            }
+            anchor = target_next[a];
+            start += a + 1;
+            if (!go || !emit(anchor)) {
+                break;
+            }
+        }
+    }
+    if (new_rows > 0) {
+        d.append(feats.data(), pos.data(), new_rows);  // keep the drafter level with the target's cache
+    }
+    t.predicted_n  = (int) r.tokens.size();
+    t.predicted_ms = ms_since(t0);
     return r;
 }
 

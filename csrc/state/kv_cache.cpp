@@ -44,8 +44,8 @@ size_t kv_cache::n_bytes_for(const model_info & info, uint32_t n_ctx, ggml_type 
     return n;
 }
 
-kv_cache::kv_cache(const target_model & model, uint32_t n_ctx, ggml_type type_k, ggml_type type_v) : n_ctx_(n_ctx) {
-    const model_info & info = model.info();
+kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx, ggml_type type_k, ggml_type type_v)
+    : n_ctx_(n_ctx) {
     check_types(info, type_k, type_v);
     ggml_init_params params = {ggml_tensor_overhead() * (2 * info.kv_layers.size() + 1), nullptr, true};
     ctx_                    = ggml_init(params);
@@ -57,7 +57,7 @@ kv_cache::kv_cache(const target_model & model, uint32_t n_ctx, ggml_type type_k,
         ggml_format_name(k, "cache_k_l%d", l.il);
         ggml_format_name(v, "cache_v_l%d", l.il);
         layers_[l.il] = {k, v};
-        ggml_backend_buffer_type_t buft = model.devices().state_buft(l.il);
+        ggml_backend_buffer_type_t buft = be.state_buft(l.il);
         by_buft[buft].push_back(k);
         by_buft[buft].push_back(v);
     }

@@ -11,7 +11,7 @@ namespace pdf {
 
 class kv_cache {
   public:
-    kv_cache(const target_model & model, uint32_t n_ctx, ggml_type type_k, ggml_type type_v);
+    kv_cache(const model_info & info, const backends & be, uint32_t n_ctx, ggml_type type_k, ggml_type type_v);
     ~kv_cache();
     kv_cache(const kv_cache &)             = delete;
     kv_cache & operator=(const kv_cache &) = delete;

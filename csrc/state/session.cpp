@@ -36,7 +36,7 @@ session::session(std::shared_ptr<const target_model> model, const session_params
                                             have / 1048576.0),
                                      0, params.n_ctx);
     }
-    kv_ = std::make_unique<kv_cache>(*model_, params.n_ctx, params.type_k, params.type_v);
+    kv_ = std::make_unique<kv_cache>(info, model_->devices(), params.n_ctx, params.type_k, params.type_v);
     if (!info.recurrent_layers.empty()) {
         rs_ = std::make_unique<recurrent_state>(*model_, params.n_rollback);
     }
@@ -139,7 +139,7 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
     graph_key key;
     key.n_tokens   = n;
     key.n_kv       = (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP));
-    key.all_logits = mode == LOGITS_ALL;
+    key.all_logits = mode == LOGITS_ALL || mode == ARGMAX_ALL;
     key.capture    = capture_layers;
     prepare_graph(key);
 
@@ -189,7 +189,7 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
     n_outputs_ = (int) out_.argmax->ne[0];
     argmax_.resize(n_outputs_);
     ggml_backend_tensor_get(out_.argmax, argmax_.data(), 0, sizeof(int32_t) * n_outputs_);
-    if (mode == LOGITS_NONE) {
+    if (mode == LOGITS_NONE || mode == ARGMAX_ALL) {
         logits_.clear();
     } else {
         logits_.resize((size_t) n_outputs_ * info.n_vocab);

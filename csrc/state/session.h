@@ -30,6 +30,7 @@ struct session_params {
 
 enum logits_mode {
     LOGITS_NONE,  // only the argmax of the last token is read back
+    ARGMAX_ALL,   // only the argmax of every token (verification)
     LOGITS_LAST,  // logits of the last token
     LOGITS_ALL,   // logits of every token
 };

@@ -1,0 +1,185 @@
+// DFlash drafter graph (see dflash.h). Legend: E = n_embd, n_ext = captured target layers, m = new context
+// rows, B = block length, hd = head dim, H / Hkv = query / KV heads.
+#include "models/dflash.h"
+#include "core/error.h"
+#include "models/blocks.h"
+#include "state/kv_cache.h"
+
+#include <cmath>
+
+namespace pdf {
+
+dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const target_model> target)
+    : target_(std::move(target)) {
+    file_               = std::make_unique<gguf_file>(path);
+    const gguf_file & f = *file_;
+    const std::string arch = f.arch();
+    if (arch != "dflash") {
+        throw unsupported_error(format("%s: general.architecture = '%s', expected 'dflash' for a draft model",
+                                       path.c_str(), arch.c_str()));
+    }
+    const model_info & t = target_->info();
+    const std::string  a = "dflash.";
+    const int64_t      E = f.u32(a + "embedding_length");
+    const int      n_layer = (int) f.u32(a + "block_count");
+    n_ff_           = f.u32(a + "feed_forward_length");
+    n_head_         = f.u32(a + "attention.head_count");
+    n_head_kv_      = f.u32_or(a + "attention.head_count_kv", (uint32_t) n_head_);
+    head_dim_       = f.u32_or(a + "attention.key_length", (uint32_t) (E / std::max<int64_t>(1, n_head_)));
+    n_rot_          = (int) f.u32_or(a + "rope.dimension_count", (uint32_t) head_dim_);
+    rope_freq_base_ = f.f32_or(a + "rope.freq_base", 10000.0f);
+    norm_eps_       = f.f32(a + "attention.layer_norm_rms_epsilon");
+    block_size_     = (int) f.u32_or(a + "block_size", 16);
+    causal_         = f.boolean_or(a + "attention.causal", false);
+    if (!f.has_key("tokenizer.ggml.mask_token_id")) {
+        throw format_error(format("%s: missing required key 'tokenizer.ggml.mask_token_id' (the DFlash MASK token)",
+                                  path.c_str()));
+    }
+    mask_token_ = (int32_t) f.u32("tokenizer.ggml.mask_token_id");
+
+    // the pair must fit together: each mismatch names the field and both values
+    if (E != t.n_embd) {
+        throw format_error(format("%s: dflash.embedding_length = %lld but the target's (%s) hidden size is %lld",
+                                  path.c_str(), (long long) E, t.path.c_str(), (long long) t.n_embd));
+    }
+    if (mask_token_ < 0 || mask_token_ >= t.n_vocab) {
+        throw format_error(format("%s: tokenizer.ggml.mask_token_id = %d is outside the target's vocabulary [0, %lld)",
+                                  path.c_str(), mask_token_, (long long) t.n_vocab));
+    }
+    if (block_size_ < 2) {
+        throw format_error(format("%s: dflash.block_size = %d, expected at least 2", path.c_str(), block_size_));
+    }
+    std::vector<int32_t> layers = f.i32_array(a + "target_layers");
+    if (layers.empty()) {
+        throw format_error(format("%s: dflash.target_layers is empty", path.c_str()));
+    }
+    for (size_t i = 0; i < layers.size(); ++i) {
+        // layer inputs 1..n_layer exist (n_layer = the last layer's output)
+        if (layers[i] < 1 || layers[i] > t.n_layer) {
+            throw format_error(format("%s: dflash.target_layers[%zu] = %d is outside the target's layers [1, %d]",
+                                      path.c_str(), i, layers[i], t.n_layer));
+        }
+        capture_layers_.push_back(layers[i]);
+    }
+    const std::vector<int32_t> sections =
+        f.has_key(a + "rope.dimension_sections") ? f.i32_array(a + "rope.dimension_sections") : std::vector<int32_t>{};
+    for (size_t i = 1; i < sections.size(); ++i) {
+        // [head_dim/2, 0, 0, 0] is how M-RoPE targets' drafts say "plain RoPE on the token position"
+        if (sections[i] != 0) {
+            throw unsupported_error(format("%s: dflash.rope.dimension_sections[%zu] = %d: only temporal (text) M-RoPE "
+                                           "sections are supported", path.c_str(), i, sections[i]));
+        }
+    }
+    if (f.has_key(a + "attention.sliding_window")) {
+        throw unsupported_error(format("%s: sliding-window DFlash drafts are not supported yet", path.c_str()));
+    }
+    if (f.has_key(a + "hidden_activation") && f.str(a + "hidden_activation") != "silu") {
+        throw unsupported_error(format("%s: dflash.hidden_activation = '%s', only 'silu' is supported", path.c_str(),
+                                       f.str(a + "hidden_activation").c_str()));
+    }
+    for (const char * name : {"selector_hidden.weight", "markov_w1.weight", "d2t", "token_embd.weight", "output.weight"}) {
+        if (f.find_tensor(name)) {
+            throw unsupported_error(format("%s: tensor '%s' belongs to a draft variant pydflash does not run (DFlash2, "
+                                           "DSpark, reduced vocabulary or a draft-owned embedding/head)",
+                                           path.c_str(), name));
+        }
+    }
+    if (n_head_ == 0 || n_head_kv_ == 0 || n_head_ % n_head_kv_ != 0) {
+        throw format_error(format("%s: attention.head_count = %lld must be a positive multiple of head_count_kv = %lld",
+                                  path.c_str(), (long long) n_head_, (long long) n_head_kv_));
+    }
+
+    info_.arch        = "dflash";
+    info_.path        = path;
+    info_.n_vocab     = t.n_vocab;
+    info_.n_embd      = E;
+    info_.n_layer     = n_layer;
+    info_.n_ctx_train = f.u32_or(a + "context_length", 0);
+    for (int il = 0; il < n_layer; ++il) {
+        info_.kv_layers.push_back({il, head_dim_ * n_head_kv_, head_dim_ * n_head_kv_, head_dim_, head_dim_});
+    }
+
+    // the draft's layers live with the target's last layers (same device when offloaded)
+    weights_ = std::make_unique<weights>(f, target_->devices());
+    weights & w = *weights_;
+    const int place = t.n_layer;
+    const int64_t n_ext = (int64_t) capture_layers_.size(), hd = head_dim_;
+    fc_          = w.require("fc.weight", {n_ext * E, E}, place, WEIGHT_USE_MATMUL);
+    hidden_norm_ = w.require("enc.output_norm.weight", {E}, place, WEIGHT_USE_OTHER);
+    output_norm_ = w.require("output_norm.weight", {E}, place, WEIGHT_USE_OTHER);
+    layers_.resize(n_layer);
+    for (int il = 0; il < n_layer; ++il) {
+        layer & l = layers_[il];
+        auto name = [il](const char * s) { return format("blk.%d.%s", il, s); };
+        l.attn_norm = w.require(name("attn_norm.weight"), {E}, place, WEIGHT_USE_OTHER);
+        l.wq        = w.require(name("attn_q.weight"), {E, hd * n_head_}, place, WEIGHT_USE_MATMUL);
+        l.wk        = w.require(name("attn_k.weight"), {E, hd * n_head_kv_}, place, WEIGHT_USE_MATMUL);
+        l.wv        = w.require(name("attn_v.weight"), {E, hd * n_head_kv_}, place, WEIGHT_USE_MATMUL);
+        l.wo        = w.require(name("attn_output.weight"), {hd * n_head_, E}, place, WEIGHT_USE_MATMUL);
+        l.q_norm    = w.require(name("attn_q_norm.weight"), {hd}, place, WEIGHT_USE_OTHER);
+        l.k_norm    = w.require(name("attn_k_norm.weight"), {hd}, place, WEIGHT_USE_OTHER);
+        l.ffn_norm  = w.require(name("ffn_norm.weight"), {E}, place, WEIGHT_USE_OTHER);
+        l.ffn_gate  = w.require(name("ffn_gate.weight"), {E, n_ff_}, place, WEIGHT_USE_MATMUL);
+        l.ffn_up    = w.require(name("ffn_up.weight"), {E, n_ff_}, place, WEIGHT_USE_MATMUL);
+        l.ffn_down  = w.require(name("ffn_down.weight"), {n_ff_, E}, place, WEIGHT_USE_MATMUL);
+    }
+    w.load();
+}
+
+dflash_draft::~dflash_draft() = default;
+
+size_t dflash_draft::weight_bytes() const { return weights_->n_bytes(); }
+
+ggml_tensor * dflash_draft::rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const {
+    return build_rope_neox(ctx, x, pos, n_rot_, rope_freq_base_, (int) info_.n_ctx_train);
+}
+
+ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in,
+                                  const kv_cache & kv) const {
+    const int64_t hd = head_dim_, H = n_head_, Hkv = n_head_kv_, E = info_.n_embd;
+
+    // context rows: fused features -> per layer K (k_norm, RoPE at their positions) and V, written once
+    if (in.n_ctx_rows > 0) {
+        const int64_t m = in.n_ctx_rows;
+        ggml_tensor * c = build_rms_norm(ctx, ggml_mul_mat(ctx, fc_, in.ctx_feats), hidden_norm_, norm_eps_);  // [E, m]
+        for (int il = 0; il < info_.n_layer; ++il) {
+            const layer & l = layers_[il];
+            ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, c), hd, Hkv, m);
+            k = rope(ctx, build_rms_norm(ctx, k, l.k_norm, norm_eps_), in.ctx_pos);
+            ggml_tensor * v = ggml_mul_mat(ctx, l.wv, c);  // [hd*Hkv, m]
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, kv.k(il), ggml_reshape_2d(ctx, k, hd * Hkv, m), in.ctx_slots));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, kv.v(il), v, in.ctx_slots));
+        }
+    }
+    if (in.n_block == 0) {
+        return nullptr;
+    }
+
+    // the block: [anchor, MASK x (B-1)] through the draft layers, attending over context + block K/V
+    const int64_t B = in.n_block;
+    eval_inputs   att;  // the shared attention block's view of the inputs
+    att.kv_slots = in.slots;
+    att.kq_mask  = in.kq_mask;
+    att.n_kv     = in.n_kv;
+    ggml_tensor * h = ggml_get_rows(ctx, target_->token_embedding(), in.tokens);  // [E, B]
+    for (int il = 0; il < info_.n_layer; ++il) {
+        const layer & l  = layers_[il];
+        ggml_tensor * hn = build_rms_norm(ctx, h, l.attn_norm, norm_eps_);
+        ggml_tensor * q  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wq, hn), hd, H, B);
+        ggml_tensor * k  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, hn), hd, Hkv, B);
+        ggml_tensor * v  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, hn), hd, Hkv, B);
+        q = rope(ctx, build_rms_norm(ctx, q, l.q_norm, norm_eps_), in.pos);
+        k = rope(ctx, build_rms_norm(ctx, k, l.k_norm, norm_eps_), in.pos);
+        // block K/V go to the cache slots after the context; the next round overwrites them
+        ggml_tensor * o = build_kv_attention(ctx, gf, att, kv, il, q, k, v, 1.0f / std::sqrt((float) hd));
+        h = ggml_add(ctx, ggml_mul_mat(ctx, l.wo, o), h);
+        h = ggml_add(ctx, build_swiglu_ffn(ctx, build_rms_norm(ctx, h, l.ffn_norm, norm_eps_), l.ffn_gate, l.ffn_up,
+                                           l.ffn_down), h);
+    }
+    h = build_rms_norm(ctx, h, output_norm_, norm_eps_);
+    ggml_tensor * logits = ggml_mul_mat(ctx, target_->output_head(), h);  // [V, B]
+    (void) E;
+    return ggml_argmax(ctx, logits);  // [B]
+}
+
+}  // namespace pdf

@@ -1,0 +1,73 @@
+// The DFlash block-diffusion drafter (GGUF arch `dflash`, llama.cpp-compatible). It owns neither embedding
+// nor LM head: both are the target's. It reads the target's hidden states at `capture_layers()` (layer
+// inputs, = HF target_layer_ids + 1), fuses them per token (fc -> hidden_norm) into extra K/V entries of
+// every draft layer, kept in a draft-side KV cache, and in ONE forward over [anchor, MASK x (B-1)] proposes
+// the tokens at positions start+1 .. start+B-1 (same-position prediction).
+#pragma once
+
+#include "models/model.h"
+
+namespace pdf {
+
+class kv_cache;
+
+// inputs of one draft graph, set by the drafter session
+//   ctx_feats: F32 [n_ext*E, n_ctx_rows]  target features of newly committed tokens (may be 0 rows)
+//   ctx_pos, ctx_slots: I32 / I64 [n_ctx_rows]
+//   tokens: I32 [B] block tokens (anchor, masks); pos: I32 [B]; slots: I64 [B]
+//   kq_mask: F16 [n_kv, B]
+struct draft_inputs {
+    ggml_tensor * ctx_feats = nullptr;
+    ggml_tensor * ctx_pos   = nullptr;
+    ggml_tensor * ctx_slots = nullptr;
+    ggml_tensor * tokens    = nullptr;
+    ggml_tensor * pos       = nullptr;
+    ggml_tensor * slots     = nullptr;
+    ggml_tensor * kq_mask   = nullptr;
+    int           n_ctx_rows = 0;
+    int           n_block    = 0;  // 0: only append context rows
+    int           n_kv       = 0;
+};
+
+class dflash_draft {
+  public:
+    // loads `path` and checks it against `target` (typed errors naming each mismatched field)
+    dflash_draft(const std::string & path, std::shared_ptr<const target_model> target);
+    ~dflash_draft();
+
+    const model_info &       info() const { return info_; }  // kv_layers: the draft layers
+    const target_model &     target() const { return *target_; }
+    const std::vector<int> & capture_layers() const { return capture_layers_; }
+    int                      block_size() const { return block_size_; }
+    int32_t                  mask_token() const { return mask_token_; }
+    bool                     causal() const { return causal_; }
+    size_t                   weight_bytes() const;
+    size_t                   max_graph_nodes() const { return 128 + 64 * (size_t) info_.n_layer; }
+
+    // appends context K/V rows; when in.n_block > 0 also runs the block and returns its argmax [B]
+    ggml_tensor * build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in, const kv_cache & kv) const;
+
+  private:
+    struct layer {
+        ggml_tensor * attn_norm, * wq, * wk, * wv, * wo, * q_norm, * k_norm;
+        ggml_tensor * ffn_norm, * ffn_gate, * ffn_up, * ffn_down;
+    };
+
+    ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
+
+    std::shared_ptr<const target_model> target_;
+    std::unique_ptr<gguf_file>          file_;
+    std::unique_ptr<weights>            weights_;
+    model_info                          info_;
+    std::vector<int>                    capture_layers_;
+    int                                 block_size_ = 16;
+    int32_t                             mask_token_ = -1;
+    bool                                causal_     = false;
+    int64_t                             n_head_ = 0, n_head_kv_ = 0, head_dim_ = 0, n_ff_ = 0;
+    int                                 n_rot_  = 0;
+    float                               rope_freq_base_ = 10000.0f, norm_eps_ = 1e-6f;
+    ggml_tensor *                       fc_ = nullptr, * hidden_norm_ = nullptr, * output_norm_ = nullptr;
+    std::vector<layer>                  layers_;
+};
+
+}  // namespace pdf

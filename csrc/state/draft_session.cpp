@@ -1,0 +1,151 @@
+#include "state/draft_session.h"
+#include "core/error.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace pdf {
+
+static constexpr int KV_WINDOW_STEP = 256;
+
+draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, int block)
+    : draft_(std::move(draft)), block_(block) {
+    if (block < 2 || block > draft_->block_size()) {
+        throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)", block,
+                                           draft_->block_size()));
+    }
+    row_width_ = (int64_t) draft_->capture_layers().size() * draft_->info().n_embd;
+    // f32 draft cache: the drafter's proposals are decided by argmax over small margins
+    kv_    = std::make_unique<kv_cache>(draft_->info(), draft_->target().devices(), n_ctx + block, GGML_TYPE_F32,
+                                     GGML_TYPE_F32);
+    sched_ = draft_->target().devices().new_sched(draft_->max_graph_nodes());
+}
+
+draft_session::~draft_session() {
+    if (sched_) {
+        ggml_backend_sched_free(sched_);
+    }
+    if (graph_ctx_) {
+        ggml_free(graph_ctx_);
+    }
+}
+
+void draft_session::run(const float * feats, const int32_t * positions, int m, int n_rows, int n_block,
+                        int32_t anchor, int start) {
+    const int end  = n_block > 0 ? start + n_block : (m > 0 ? positions[m - 1] + 1 : 0);
+    const int n_kv = (int) std::min<int64_t>(kv_->n_ctx(), GGML_PAD(end, KV_WINDOW_STEP));
+    if (end > (int) kv_->n_ctx()) {
+        throw context_overflow_error(format("draft: position %d exceeds the draft cache (%u)", end, kv_->n_ctx()),
+                                     end, kv_->n_ctx());
+    }
+    if (!(graph_ctx_ && key_rows_ == n_rows && key_block_ == n_block && key_kv_ == n_kv)) {
+        if (graph_ctx_) {
+            ggml_free(graph_ctx_);
+        }
+        ggml_backend_sched_reset(sched_);
+        const size_t n_nodes = draft_->max_graph_nodes();
+        graph_buf_.resize(ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false));
+        ggml_init_params params = {graph_buf_.size(), graph_buf_.data(), true};
+        graph_ctx_ = ggml_init(params);
+        gf_        = ggml_new_graph_custom(graph_ctx_, n_nodes, false);
+        in_        = draft_inputs{};
+        in_.n_ctx_rows = n_rows;
+        in_.n_block    = n_block;
+        in_.n_kv       = n_kv;
+        if (n_rows > 0) {
+            in_.ctx_feats = ggml_new_tensor_2d(graph_ctx_, GGML_TYPE_F32, row_width_, n_rows);
+            in_.ctx_pos   = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, n_rows);
+            in_.ctx_slots = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, n_rows);
+            for (ggml_tensor * t : {in_.ctx_feats, in_.ctx_pos, in_.ctx_slots}) {
+                ggml_set_input(t);
+            }
+        }
+        if (n_block > 0) {
+            in_.tokens  = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, n_block);
+            in_.pos     = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, n_block);
+            in_.slots   = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, n_block);
+            in_.kq_mask = ggml_new_tensor_2d(graph_ctx_, GGML_TYPE_F16, n_kv, n_block);
+            for (ggml_tensor * t : {in_.tokens, in_.pos, in_.slots, in_.kq_mask}) {
+                ggml_set_input(t);
+            }
+        }
+        out_ = draft_->build(graph_ctx_, gf_, in_, *kv_);
+        if (out_) {
+            ggml_set_output(out_);
+            ggml_build_forward_expand(gf_, out_);
+        }
+        if (!ggml_backend_sched_alloc_graph(sched_, gf_)) {
+            graph_ctx_ = nullptr;
+            throw backend_error("could not allocate the draft graph");
+        }
+        key_rows_  = n_rows;
+        key_block_ = n_block;
+        key_kv_    = n_kv;
+    }
+
+    if (n_rows > 0) {
+        // rows beyond m are padding: zero features written to slots of this round's block, which the block
+        // overwrites right after (they are never read as context)
+        std::vector<float>   f((size_t) n_rows * row_width_, 0.0f);
+        std::vector<int32_t> p(n_rows);
+        std::vector<int64_t> s(n_rows);
+        std::copy(feats, feats + (size_t) m * row_width_, f.begin());
+        for (int i = 0; i < n_rows; ++i) {
+            p[i] = i < m ? positions[i] : start + (i - m);
+            s[i] = p[i];
+        }
+        ggml_backend_tensor_set(in_.ctx_feats, f.data(), 0, sizeof(float) * f.size());
+        ggml_backend_tensor_set(in_.ctx_pos, p.data(), 0, sizeof(int32_t) * n_rows);
+        ggml_backend_tensor_set(in_.ctx_slots, s.data(), 0, sizeof(int64_t) * n_rows);
+    }
+    if (n_block > 0) {
+        std::vector<int32_t> toks(n_block, draft_->mask_token()), pos(n_block);
+        std::vector<int64_t> slots(n_block);
+        toks[0] = anchor;
+        for (int i = 0; i < n_block; ++i) {
+            pos[i]   = start + i;
+            slots[i] = start + i;
+        }
+        // block rows see every context slot (< start) and, non-causally, the whole block
+        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+        std::vector<ggml_fp16_t> mask((size_t) n_kv * n_block, ninf);
+        for (int i = 0; i < n_block; ++i) {
+            const int visible = draft_->causal() ? start + i + 1 : start + n_block;
+            std::fill(mask.begin() + (size_t) i * n_kv, mask.begin() + (size_t) i * n_kv + visible, zero);
+        }
+        ggml_backend_tensor_set(in_.tokens, toks.data(), 0, sizeof(int32_t) * n_block);
+        ggml_backend_tensor_set(in_.pos, pos.data(), 0, sizeof(int32_t) * n_block);
+        ggml_backend_tensor_set(in_.slots, slots.data(), 0, sizeof(int64_t) * n_block);
+        ggml_backend_tensor_set(in_.kq_mask, mask.data(), 0, sizeof(ggml_fp16_t) * mask.size());
+    }
+    if (ggml_backend_sched_graph_compute(sched_, gf_) != GGML_STATUS_SUCCESS) {
+        throw backend_error("draft graph computation failed");
+    }
+    if (m > 0) {
+        // rows are appended in position order; a gap would leave stale rows below n_valid
+        n_valid_ = positions[0] <= n_valid_ ? positions[m - 1] + 1 : std::min(n_valid_, positions[0]);
+    }
+    if (n_block > 0) {
+        std::vector<int32_t> all(n_block);
+        ggml_backend_tensor_get(out_, all.data(), 0, sizeof(int32_t) * n_block);
+        proposals_.assign(all.begin() + 1, all.end());
+    }
+}
+
+void draft_session::append(const float * feats, const int32_t * positions, int m) {
+    for (int i = 0; i < m; i += block_) {
+        const int n = std::min(block_, m - i);
+        run(feats + (size_t) i * row_width_, positions + i, n, n, 0, 0, 0);
+    }
+}
+
+const std::vector<int32_t> & draft_session::draft(const float * feats, const int32_t * positions, int m,
+                                                  int32_t anchor, int start) {
+    if (m > block_) {
+        throw std::invalid_argument(format("draft: %d new context rows, at most %d per round", m, block_));
+    }
+    run(feats, positions, m, block_, block_, anchor, start);
+    return proposals_;
+}
+
+}  // namespace pdf
