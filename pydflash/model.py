@@ -52,6 +52,12 @@ def _timings(raw: dict) -> dict:
         n, ms = t[f"{kind}_n"], t[f"{kind}_ms"]
         t[f"{kind}_per_token_ms"] = ms / n if n else 0.0
         t[f"{kind}_per_second"] = 1000.0 * n / ms if ms > 0 else 0.0
+    if "n_rounds" in t:
+        # tau: tokens committed per target verify (accepted drafts + the target's bonus token)
+        rounds = t["n_rounds"]
+        t["tau"] = (t["draft_n_accepted"] + rounds) / rounds if rounds else 0.0
+        t["acceptance_by_position"] = [a / p if p else 0.0 for a, p in zip(t.pop("accepted_at"), t.pop("proposed_at"))]
+        t["draft_acceptance_rate"] = t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0
     return t
 
 
@@ -112,6 +118,8 @@ class Model:
         n_threads: int | None = None,
         kv_type: str = "f16",
         n_ubatch: int = 512,
+        draft_model_path: str | os.PathLike | None = None,
+        block_size: int | None = None,
         seed: int = 0,
         verbose: bool = False,
     ):
@@ -136,7 +144,22 @@ class Model:
         logger.info("%s: %s, %d layers, weights %.1f MiB, KV cache (n_ctx=%d, %s) %.1f MiB", self.model_path,
                     self._model.arch, self._model.n_layer, self._model.weight_bytes / 2**20, n_ctx, kv_type,
                     kv_bytes / 2**20)
-        self._session = _core.Session(self._model, n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch)
+        self._draft = None
+        n_rollback = 16
+        if draft_model_path is not None:
+            draft_path = os.fspath(draft_model_path)
+            if not os.path.exists(draft_path):
+                raise ModelLoadError(f"{draft_path}: no such file")
+            self._draft = _core.DraftSession(self._model, draft_path, n_ctx=n_ctx, block_size=block_size or 0)
+            n_rollback = max(n_rollback, self._draft.block_size)
+            logger.info("%s: DFlash draft, block %d (trained %d), target layers %s, weights %.1f MiB, "
+                        "context cache %.1f MiB", draft_path, self._draft.block_size,
+                        self._draft.trained_block_size, self._draft.capture_layers,
+                        self._draft.weight_bytes / 2**20, self._draft.kv_bytes / 2**20)
+        elif block_size is not None:
+            raise ValueError("block_size needs a draft model (draft_model_path)")
+        self._session = _core.Session(self._model, n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch,
+                                      n_rollback=n_rollback)
         self._lock = threading.Lock()
 
     # ---- properties ----
@@ -159,6 +182,11 @@ class Model:
     @property
     def kv_bytes(self) -> int:
         return self._session.kv_bytes
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per draft/verify round when a draft model is loaded, else None."""
+        return self._draft.block_size if self._draft is not None else None
 
     # ---- text ----
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -183,14 +211,15 @@ class Model:
         return tokens
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
-                 stop: str | Sequence[str] | None = None) -> Completion:
-        """Generate a continuation of `prompt` (text, or token ids)."""
+                 stop: str | Sequence[str] | None = None, speculative: bool = True) -> Completion:
+        """Generate a continuation of `prompt` (text, or token ids). With a draft model loaded, DFlash
+        speculative decoding is used unless `speculative=False`; the output is the same either way."""
         pieces: list[str] = []
-        result = self._run(prompt, max_tokens, temperature, stop, pieces.append)
+        result = self._run(prompt, max_tokens, temperature, stop, pieces.append, speculative)
         return Completion("".join(pieces), result["tokens"], result["finish_reason"], _timings(result["timings"]))
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
-               stop: str | Sequence[str] | None = None) -> Iterator[str]:
+               stop: str | Sequence[str] | None = None, speculative: bool = True) -> Iterator[str]:
         """Yield the continuation as text pieces as they are generated; a piece never splits a character."""
         pieces: queue.Queue = queue.Queue()
         done = object()
@@ -198,7 +227,7 @@ class Model:
 
         def worker():
             try:
-                outcome["result"] = self._run(prompt, max_tokens, temperature, stop, pieces.put)
+                outcome["result"] = self._run(prompt, max_tokens, temperature, stop, pieces.put, speculative)
             except BaseException as e:  # re-raised in the consumer
                 outcome["error"] = e
             finally:
@@ -220,7 +249,7 @@ class Model:
         if "error" in outcome:
             raise outcome["error"]
 
-    def _run(self, prompt, max_tokens, temperature, stop, emit) -> dict:
+    def _run(self, prompt, max_tokens, temperature, stop, emit, speculative=True) -> dict:
         tokens = self._prepare(prompt, max_tokens, temperature)
         stops = _StopStrings(self.tokenizer, [stop] if isinstance(stop, str) else list(stop or []))
 
@@ -234,7 +263,8 @@ class Model:
                         "timings": {"prompt_n": 0, "cached_n": 0, "prompt_ms": 0.0, "predicted_n": 0,
                                     "predicted_ms": 0.0, "n_target_evals": 0}}
             result = self._session.generate(tokens, max_tokens=max_tokens,
-                                            stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens)
+                                            stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
+                                            draft=self._draft if speculative else None)
         if stops.stopped:
             result["finish_reason"] = "stop"
         else:
@@ -248,6 +278,7 @@ class Model:
 
     def close(self) -> None:
         self._session = None
+        self._draft = None
         self._model = None
 
     def __enter__(self) -> "Model":

@@ -98,7 +98,7 @@ struct py_model {
     std::shared_ptr<const target_model> model;
 };
 
-static py::dict timings_dict(const generate_timings & t) {
+static py::dict timings_dict(const generate_timings & t, bool speculative) {
     py::dict d;
     d["prompt_n"]       = t.prompt_n;
     d["cached_n"]       = t.cached_n;
@@ -106,7 +106,7 @@ static py::dict timings_dict(const generate_timings & t) {
     d["predicted_n"]    = t.predicted_n;
     d["predicted_ms"]   = t.predicted_ms;
     d["n_target_evals"] = t.n_target_evals;
-    if (t.n_rounds > 0) {
+    if (speculative) {
         d["draft_n"]          = t.draft_n;
         d["draft_n_accepted"] = t.draft_n_accepted;
         d["n_rounds"]         = t.n_rounds;
@@ -322,7 +322,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 py::dict d;
                 d["tokens"]        = r.tokens;
                 d["finish_reason"] = r.finish_reason;
-                d["timings"]       = timings_dict(r.timings);
+                d["timings"]       = timings_dict(r.timings, draft != nullptr);
                 return d;
             },
             py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = std::vector<int32_t>{},

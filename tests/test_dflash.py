@@ -1,0 +1,153 @@
+"""DFlash speculative decoding (chain): lossless against plain greedy decoding of the same GGUF, on Qwen3 and
+Qwen3.5 targets, and typed errors for every pair mismatch. A random drafter is rejected at almost every round,
+which makes these runs the rollback stress test of the target's KV and recurrent state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_models import make_dflash_checkpoint, make_qwen3_shape, make_qwen35_shape  # noqa: E402
+
+import pydflash  # noqa: E402
+from pydflash import _core  # noqa: E402
+from pydflash.convert import convert_hf_to_gguf  # noqa: E402
+from pydflash.convert.quantize import quantize_gguf  # noqa: E402
+from pydflash.errors import GGUFFormatError, UnsupportedModelError  # noqa: E402
+
+PAIRS = {
+    # name: (arch, target shape, draft target_layer_ids)
+    "qwen3": ("qwen3", "gqa4x2_hd64", [0]),
+    "qwen3_tied": ("qwen3", "gqa4x1_hd64_tied", [0, 1]),
+    "qwen35": ("qwen35", "k2v4_hd32", [0, 2]),
+    "qwen35_k1v3": ("qwen35", "k1v3_tied_mtp", [1, 2]),
+}
+PROMPTS = [[5, 9, 33, 100, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [300] * 3, list(range(40, 90))]
+
+
+@pytest.fixture(scope="module", params=sorted(PAIRS))
+def pair(request, tmp_path_factory):
+    """(target GGUF, draft GGUF, HF target dir) of a random pair, f32."""
+    arch, shape, ids = PAIRS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    make = make_qwen3_shape if arch == "qwen3" else make_qwen35_shape
+    target_dir = make(root / "target", shape, seed=5)
+    target = convert_hf_to_gguf(target_dir, root / "target.gguf", outtype="f32", progress=False)
+    draft_dir = make_dflash_checkpoint(root / "draft", target_dir, target_layer_ids=ids, seed=1)
+    draft = convert_hf_to_gguf(draft_dir, root / "draft.gguf", outtype="f32", target_model_dir=target_dir,
+                               progress=False)
+    return target, draft, target_dir
+
+
+def generate(model_path, prompt, n, draft=None, block_size=None, kv_type="f16"):
+    with pydflash.Model(model_path, n_ctx=512, kv_type=kv_type, draft_model_path=draft,
+                        block_size=block_size) as m:
+        return m.generate(prompt, max_tokens=n)
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_speculative_output_equals_plain_greedy(pair, block_size):
+    target, draft, _ = pair
+    for prompt in PROMPTS:
+        plain = generate(target, prompt, 96)
+        spec = generate(target, prompt, 96, draft=draft, block_size=block_size)
+        assert spec.tokens == plain.tokens
+        assert spec.finish_reason == plain.finish_reason
+        t = spec.timings
+        # one target pass per round, a round commits accepted drafts + 1: passes per token = 1 / tau
+        assert t["n_target_evals"] == t["n_rounds"]
+        assert t["draft_n_accepted"] + t["n_rounds"] >= len(spec.tokens) - 1
+        assert len(t["acceptance_by_position"]) == (block_size or 16) - 1
+        if t["n_rounds"]:  # (none when the first token already ends generation)
+            assert t["tau"] >= 1.0
+
+
+def test_quantized_target_and_draft_stay_lossless(pair, tmp_path):
+    target, draft, _ = pair
+    qt = quantize_gguf(target, tmp_path / "t.gguf", "q8_0", progress=False)
+    qd = quantize_gguf(draft, tmp_path / "d.gguf", "q4_0", progress=False)
+    for prompt in PROMPTS[:2]:
+        assert generate(qt, prompt, 64, draft=qd).tokens == generate(qt, prompt, 64).tokens
+
+
+def test_speculative_false_and_streaming(pair):
+    target, draft, _ = pair
+    with pydflash.Model(target, n_ctx=256, draft_model_path=draft) as m:
+        spec = m.generate(PROMPTS[0], max_tokens=40)
+        plain = m.generate(PROMPTS[0], max_tokens=40, speculative=False)
+        assert "n_rounds" in spec.timings and "n_rounds" not in plain.timings
+        assert spec.tokens == plain.tokens
+        assert "".join(m.stream(PROMPTS[0], max_tokens=40)) == spec.text
+        # prompt cache shared by both modes: a follow-up call stays lossless
+        assert m.generate(PROMPTS[0] + spec.tokens, max_tokens=20).tokens == \
+            m.generate(PROMPTS[0] + spec.tokens, max_tokens=20, speculative=False).tokens
+
+
+def test_stop_and_context_limits(pair):
+    target, draft, _ = pair
+    model = _core.Model(str(target))
+    raw = dict(stop_tokens=[])  # no end-of-generation ids: compare raw greedy streams
+    plain = _core.Session(model, n_ctx=512).generate(PROMPTS[1], max_tokens=60, **raw)["tokens"]
+    ds = _core.DraftSession(model, str(draft), n_ctx=512)
+    s = _core.Session(model, n_ctx=512)
+    # a stop token ends generation at the same token as plain decoding
+    stop_at = plain[25]
+    ours = s.generate(PROMPTS[1], max_tokens=60, stop_tokens=[stop_at], draft=ds)
+    assert ours["tokens"] == plain[:plain.index(stop_at)] and ours["finish_reason"] == "stop"
+    # max_tokens inside a round
+    for n in (1, 2, 17, 33):
+        assert s.generate(PROMPTS[1], max_tokens=n, draft=ds, **raw)["tokens"] == plain[:n]
+    # the context (40 tokens) ends generation
+    small, small_draft = _core.Session(model, n_ctx=40), _core.DraftSession(model, str(draft), n_ctx=40)
+    r = small.generate(PROMPTS[1], max_tokens=100, draft=small_draft, **raw)
+    assert r["finish_reason"] == "length"
+    assert r["tokens"] == plain[:len(r["tokens"])]
+    assert len(PROMPTS[1]) + len(r["tokens"]) == 40 + 1
+
+
+# ---- pair mismatches: typed errors naming the field and both values ----
+
+def test_hidden_size_mismatch(pair, tmp_path):
+    target, _, _ = pair
+    other_target = make_qwen3_shape(tmp_path / "other", "mha2x2_hd128", seed=2)  # hidden 256
+    d = make_dflash_checkpoint(tmp_path / "d", other_target, target_layer_ids=[0], seed=1)
+    draft = convert_hf_to_gguf(d, tmp_path / "d.gguf", outtype="f32", target_model_dir=other_target, progress=False)
+    with pytest.raises(GGUFFormatError, match=r"dflash\.embedding_length = 256 but the target's .* hidden size is"):
+        pydflash.Model(target, draft_model_path=draft)
+
+
+def test_target_passed_as_draft(pair):
+    target, _, _ = pair
+    with pytest.raises(UnsupportedModelError, match="expected 'dflash'"):
+        pydflash.Model(target, draft_model_path=target)
+
+
+def test_block_size_beyond_training(pair):
+    target, draft, _ = pair
+    with pytest.raises(ValueError, match=r"block_size = 17 must be in \[2, 16\]"):
+        pydflash.Model(target, draft_model_path=draft, block_size=17)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        pydflash.Model(target, block_size=4)
+
+
+def test_draft_keys_out_of_range(pair, tmp_path):
+    from test_model import rewrite
+
+    import gguf
+
+    target, draft, _ = pair
+    n_vocab = _core.Model(str(target)).n_vocab
+    bad_mask = rewrite(draft, tmp_path / "mask.gguf",
+                       set_keys={"tokenizer.ggml.mask_token_id": (n_vocab + 5, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(GGUFFormatError, match=r"mask_token_id = %d is outside the target's vocabulary" % (n_vocab + 5)):
+        pydflash.Model(target, draft_model_path=bad_mask)
+    bad_layers = rewrite(draft, tmp_path / "layers.gguf",
+                         set_keys={"dflash.target_layers": ([1, 99], gguf.GGUFValueType.ARRAY)})
+    with pytest.raises(GGUFFormatError, match=r"dflash\.target_layers\[1\] = 99 is outside the target's layers"):
+        pydflash.Model(target, draft_model_path=bad_layers)
+    no_mask = rewrite(draft, tmp_path / "nomask.gguf", drop_keys=["tokenizer.ggml.mask_token_id"])
+    with pytest.raises(GGUFFormatError, match="mask_token_id"):
+        pydflash.Model(target, draft_model_path=no_mask)
