@@ -232,7 +232,28 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def_property_readonly("mask_token", [](const draft_session & d) { return d.model().mask_token(); })
         .def_property_readonly("capture_layers", [](const draft_session & d) { return d.model().capture_layers(); })
         .def_property_readonly("weight_bytes", [](const draft_session & d) { return d.model().weight_bytes(); })
-        .def_property_readonly("kv_bytes", &draft_session::kv_bytes);
+        .def_property_readonly("kv_bytes", &draft_session::kv_bytes)
+        .def(
+            "draft",
+            [](draft_session & d, py::array_t<float, py::array::c_style | py::array::forcecast> feats,
+               py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions, int32_t anchor, int start) {
+                // feats [m, n_ext*E] of context rows not yet appended (any number: appended in chunks first)
+                const int m = (int) positions.size();
+                if (feats.ndim() != 2 || feats.shape(0) != m) {
+                    throw std::invalid_argument("draft: feats must be (len(positions), n_ext * n_embd)");
+                }
+                std::vector<int32_t> out;
+                {
+                    py::gil_scoped_release nogil;
+                    const int tail = std::min(m, d.block());
+                    d.append(feats.data(), positions.data(), m - tail);
+                    out = d.draft(feats.data() + (size_t) (m - tail) * feats.shape(1), positions.data() + (m - tail),
+                                  tail, anchor, start);
+                }
+                return out;
+            },
+            py::arg("feats"), py::arg("positions"), py::arg("anchor"), py::arg("start"),
+            "Append context rows and draft one block [anchor, MASK x (B-1)] at start; returns B-1 proposals.");
 
     py::class_<session>(m, "Session")
         .def(py::init([](const py_model & m, uint32_t n_ctx, const std::string & type_k, const std::string & type_v,

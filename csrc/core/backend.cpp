@@ -10,7 +10,27 @@
 #include <thread>
 #include <unistd.h>
 
+#include "ggml-alloc.h"
+
 namespace pdf {
+
+ggml_backend_buffer_t alloc_tensors(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor *> & tensors) {
+    size_t total = 0;
+    for (ggml_tensor * t : tensors) {
+        total += GGML_PAD(ggml_backend_buft_get_alloc_size(buft, t), ggml_backend_buft_get_alignment(buft));
+    }
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, total);
+    if (!buf) {
+        return nullptr;
+    }
+    ggml_tallocr alloc = ggml_tallocr_new(buf);
+    for (ggml_tensor * t : tensors) {
+        ggml_tallocr_alloc(&alloc, t);
+    }
+    // zeroed: an empty state, and no NaN bits in masked-out cache rows that 0 * NaN would spread
+    ggml_backend_buffer_clear(buf, 0);
+    return buf;
+}
 
 backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_layer) {
     n_threads_ = n_threads > 0 ? n_threads : std::max(1u, std::thread::hardware_concurrency());

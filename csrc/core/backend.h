@@ -10,6 +10,9 @@
 
 namespace pdf {
 
+// one buffer of type `buft` holding `tensors` (allocated in order, cleared to zero); nullptr when it cannot be had
+ggml_backend_buffer_t alloc_tensors(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor *> & tensors);
+
 enum weight_use {
     WEIGHT_USE_MATMUL,    // right-hand side of ggml_mul_mat: may go to a repacking buffer type
     WEIGHT_USE_GET_ROWS,  // token embeddings: looked up by row

@@ -92,6 +92,9 @@ class target_model {
     virtual size_t max_graph_nodes() const { return 64 + 64 * (size_t) info_.n_layer; }
 
   protected:
+    // token_embd (+ output, or a tied copy of token_embd in the head's buffer type), after backends_/weights_ exist
+    void load_embedding_and_head(int64_t n_embd, int64_t n_vocab);
+
     model_info                 info_;
     std::unique_ptr<backends>  backends_;
     std::unique_ptr<gguf_file> file_;

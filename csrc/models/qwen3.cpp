@@ -90,17 +90,8 @@ class qwen3_model : public target_model {
         weights_  = std::make_unique<weights>(f, *backends_);
         weights & w = *weights_;
         const int out_il = hp_.n_layer;
-        tok_embd_    = w.require("token_embd.weight", {E, n_vocab}, -1, WEIGHT_USE_GET_ROWS);
+        load_embedding_and_head(E, n_vocab);
         output_norm_ = w.require("output_norm.weight", {E}, out_il, WEIGHT_USE_OTHER);
-        output_      = w.optional("output.weight", {E, n_vocab}, out_il, WEIGHT_USE_MATMUL);
-        if (!output_) {
-            // tied head: a second copy when the head's buffer type differs (a repacked or GPU copy makes the
-            // largest matmul of a decode step several times faster; llama.cpp duplicates it too)
-            output_ = backends_->weight_buft(out_il, WEIGHT_USE_MATMUL, embd) ==
-                              backends_->weight_buft(-1, WEIGHT_USE_GET_ROWS, embd)
-                          ? tok_embd_
-                          : w.require("token_embd.weight", {E, n_vocab}, out_il, WEIGHT_USE_MATMUL);
-        }
         const int64_t q_dim = hd * hp_.n_head, kv_dim = hd * hp_.n_head_kv;
         layers_.resize(hp_.n_layer);
         for (int il = 0; il < hp_.n_layer; ++il) {

@@ -149,16 +149,8 @@ class qwen35_model : public target_model {
         weights_    = std::make_unique<weights>(f, *backends_);
         weights & w = *weights_;
         const int out_il = hp_.n_layer;
-        tok_embd_    = w.require("token_embd.weight", {E, n_vocab}, -1, WEIGHT_USE_GET_ROWS);
+        load_embedding_and_head(E, n_vocab);
         output_norm_ = w.require("output_norm.weight", {E}, out_il, WEIGHT_USE_OTHER);
-        output_      = w.optional("output.weight", {E, n_vocab}, out_il, WEIGHT_USE_MATMUL);
-        if (!output_) {
-            // tied head: its own copy when the head's buffer type differs (see qwen3.cpp)
-            output_ = backends_->weight_buft(out_il, WEIGHT_USE_MATMUL, embd) ==
-                              backends_->weight_buft(-1, WEIGHT_USE_GET_ROWS, embd)
-                          ? tok_embd_
-                          : w.require("token_embd.weight", {E, n_vocab}, out_il, WEIGHT_USE_MATMUL);
-        }
         layers_.resize(hp_.n_layer);
         for (int il = 0; il < hp_.n_layer; ++il) {
             qwen35_layer & l = layers_[il];

@@ -20,6 +20,22 @@ static const std::map<std::string, model_factory> & registry() {
     return table;
 }
 
+void target_model::load_embedding_and_head(int64_t n_embd, int64_t n_vocab) {
+    weights & w      = *weights_;
+    const int out_il = info_.n_layer;
+    tok_embd_        = w.require("token_embd.weight", {n_embd, n_vocab}, -1, WEIGHT_USE_GET_ROWS);
+    output_          = w.optional("output.weight", {n_embd, n_vocab}, out_il, WEIGHT_USE_MATMUL);
+    if (!output_) {
+        // tied head: a second copy when the head's buffer type differs (a repacked or GPU copy makes the largest
+        // matmul of a decode step several times faster; llama.cpp duplicates it too)
+        ggml_tensor * meta = file_->find_tensor("token_embd.weight");
+        output_ = backends_->weight_buft(out_il, WEIGHT_USE_MATMUL, meta) ==
+                          backends_->weight_buft(-1, WEIGHT_USE_GET_ROWS, meta)
+                      ? tok_embd_
+                      : w.require("token_embd.weight", {n_embd, n_vocab}, out_il, WEIGHT_USE_MATMUL);
+    }
+}
+
 std::unique_ptr<target_model> load_target_model(const std::string & path, const model_params & params) {
     auto        file = std::make_unique<gguf_file>(path);
     std::string arch = file->arch();

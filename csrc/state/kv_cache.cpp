@@ -62,22 +62,13 @@ kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx,
         by_buft[buft].push_back(v);
     }
     for (auto & kv : by_buft) {
-        size_t total = 0;
-        for (ggml_tensor * t : kv.second) {
-            total += GGML_PAD(ggml_backend_buft_get_alloc_size(kv.first, t), ggml_backend_buft_get_alignment(kv.first));
-        }
-        ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(kv.first, total);
+        ggml_backend_buffer_t buf = alloc_tensors(kv.first, kv.second);
         if (!buf) {
-            throw context_overflow_error(format("could not allocate %.1f MiB for the KV cache (n_ctx = %u) in %s",
-                                                total / 1048576.0, n_ctx, ggml_backend_buft_name(kv.first)),
+            throw context_overflow_error(format("could not allocate the KV cache (n_ctx = %u, %.1f MiB in all) in %s",
+                                                n_ctx, n_bytes_for(info, n_ctx, type_k, type_v) / 1048576.0,
+                                                ggml_backend_buft_name(kv.first)),
                                          0, n_ctx);
         }
-        ggml_tallocr alloc = ggml_tallocr_new(buf);
-        for (ggml_tensor * t : kv.second) {
-            ggml_tallocr_alloc(&alloc, t);
-        }
-        // zeroed so that a masked-out row can never hold NaN bits that 0 * NaN would spread
-        ggml_backend_buffer_clear(buf, 0);
         buffers_.push_back(buf);
     }
 }

@@ -35,18 +35,10 @@ recurrent_state::recurrent_state(const target_model & model, uint32_t n_rollback
         by_buft[buft].push_back(conv);
     }
     for (auto & kv : by_buft) {
-        size_t total = 0;
-        for (ggml_tensor * t : kv.second) {
-            total += GGML_PAD(ggml_backend_buft_get_alloc_size(kv.first, t), ggml_backend_buft_get_alignment(kv.first));
-        }
-        ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(kv.first, total);
+        ggml_backend_buffer_t buf = alloc_tensors(kv.first, kv.second);
         if (!buf) {
-            throw backend_error(format("could not allocate %.1f MiB of recurrent state in %s", total / 1048576.0,
-                                       ggml_backend_buft_name(kv.first)));
-        }
-        ggml_tallocr alloc = ggml_tallocr_new(buf);
-        for (ggml_tensor * t : kv.second) {
-            ggml_tallocr_alloc(&alloc, t);
+            throw backend_error(format("could not allocate the recurrent state (%.1f MiB in all) in %s",
+                                       n_bytes_for(info, n_rollback) / 1048576.0, ggml_backend_buft_name(kv.first)));
         }
         buffers_.push_back(buf);
     }
