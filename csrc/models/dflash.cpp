@@ -136,7 +136,7 @@ ggml_tensor * dflash_draft::rope(ggml_context * ctx, ggml_tensor * x, ggml_tenso
 
 ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in,
                                   const kv_cache & kv) const {
-    const int64_t hd = head_dim_, H = n_head_, Hkv = n_head_kv_, E = info_.n_embd;
+    const int64_t hd = head_dim_, H = n_head_, Hkv = n_head_kv_;
 
     // context rows: fused features -> per layer K (k_norm, RoPE at their positions) and V, written once
     if (in.n_ctx_rows > 0) {
@@ -178,7 +178,6 @@ ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const dr
     }
     h = build_rms_norm(ctx, h, output_norm_, norm_eps_);
     ggml_tensor * logits = ggml_mul_mat(ctx, target_->output_head(), h);  // [V, B]
-    (void) E;
     return ggml_argmax(ctx, logits);  // [B]
 }
 
