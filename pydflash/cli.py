@@ -11,11 +11,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
                n_gpu_layers=args.n_gpu_layers, verbose=args.verbose) as model:
-        n = 0
         for piece in model.stream(args.prompt, max_tokens=args.max_tokens):
             sys.stdout.write(piece)
             sys.stdout.flush()
-            n += 1
         sys.stdout.write("\n")
     return 0
 
