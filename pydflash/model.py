@@ -120,6 +120,7 @@ class Model:
         n_ubatch: int = 512,
         draft_model_path: str | os.PathLike | None = None,
         block_size: int | None = None,
+        draft_window: int = 4096,
         seed: int = 0,
         verbose: bool = False,
     ):
@@ -150,17 +151,30 @@ class Model:
             draft_path = os.fspath(draft_model_path)
             if not os.path.exists(draft_path):
                 raise ModelLoadError(f"{draft_path}: no such file")
-            self._draft = _core.DraftSession(self._model, draft_path, n_ctx=n_ctx, block_size=block_size or 0)
+            # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify block
+            self._draft = _core.DraftSession(self._model, draft_path, n_ctx=n_ctx, block_size=block_size or 0,
+                                             window=draft_window, ring_capacity=n_ubatch)
             n_rollback = max(n_rollback, self._draft.block_size)
             logger.info("%s: DFlash draft, block %d (trained %d), target layers %s, weights %.1f MiB, "
-                        "context cache %.1f MiB", draft_path, self._draft.block_size,
-                        self._draft.trained_block_size, self._draft.capture_layers,
-                        self._draft.weight_bytes / 2**20, self._draft.kv_bytes / 2**20)
+                        "context cache (window %d) %.1f MiB, feature ring (%d rows) %.1f MiB", draft_path,
+                        self._draft.block_size, self._draft.trained_block_size, self._draft.capture_layers,
+                        self._draft.weight_bytes / 2**20, self._draft.window, self._draft.kv_bytes / 2**20,
+                        self._draft.ring_capacity, self._draft.ring_bytes / 2**20)
         elif block_size is not None:
             raise ValueError("block_size needs a draft model (draft_model_path)")
         self._session = _core.Session(self._model, n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch,
                                       n_rollback=n_rollback)
         self._lock = threading.Lock()
+
+    @classmethod
+    def demo(cls, **kwargs) -> "Model":
+        """The embedded trained Qwen3 target with its DFlash drafter (no download); keyword arguments as for
+        `Model(...)`."""
+        from .demo import demo_paths
+
+        target, draft = demo_paths()
+        kwargs.setdefault("draft_model_path", draft)
+        return cls(target, **kwargs)
 
     # ---- properties ----
     @property

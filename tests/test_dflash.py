@@ -65,6 +65,19 @@ def test_speculative_output_equals_plain_greedy(pair, block_size):
             assert t["tau"] >= 1.0
 
 
+def test_wrapping_feature_ring_and_draft_window_stay_lossless(pair):
+    """A 16-row feature ring (n_ubatch 16: the 50-token prompt is prefilled in 4 chunks) and a 24-position
+    draft window, generating 160 tokens: both wrap many times over."""
+    target, draft, _ = pair
+    plain = generate(target, PROMPTS[3], 160)
+    with pydflash.Model(target, n_ctx=512, n_ubatch=16, draft_model_path=draft, draft_window=24) as m:
+        assert m._draft.ring_capacity == 16 and m._draft.window == 24
+        spec = m.generate(PROMPTS[3], max_tokens=160)
+        assert spec.tokens == plain.tokens
+        # the prompt cache is reused across calls; a shorter prompt cuts the drafter's rows back too
+        assert m.generate(PROMPTS[3][:30], max_tokens=100).tokens == generate(target, PROMPTS[3][:30], 100).tokens
+
+
 def test_quantized_target_and_draft_stay_lossless(pair, tmp_path):
     target, draft, _ = pair
     qt = quantize_gguf(target, tmp_path / "t.gguf", "q8_0", progress=False)
@@ -153,9 +166,12 @@ def test_draft_keys_out_of_range(pair, tmp_path):
         pydflash.Model(target, draft_model_path=no_mask)
 
 
-def test_draft_proposals_match_the_pytorch_reference(pair):
+@pytest.mark.parametrize("window,ring", [(4096, 512), (16, 8)])
+def test_draft_proposals_match_the_pytorch_reference(pair, window, ring):
     """One draft call of ours against the reference drafter (tools/dflash_ref.py, written from the algorithm
-    reference) on the same HF weights and the transformers target's features."""
+    reference) on the same HF weights and the transformers target's features. With a sliding window shorter
+    than the prompt (and a feature ring and draft cache that wrap around), the reference is given only the
+    last `window` context positions."""
     import sys
     from pathlib import Path
 
@@ -175,10 +191,11 @@ def test_draft_proposals_match_the_pytorch_reference(pair):
         feats = extract_features(out.hidden_states, draft.target_layer_ids)  # [1, P, n_ext*E]
         anchor = int(out.logits[0, -1].argmax())
         block = torch.tensor([[anchor] + [draft.mask_token_id] * n])
-        h = draft(target.get_input_embeddings()(block), feats, torch.arange(P + n + 1)[None])
+        lo = max(0, P - window)
+        h = draft(target.get_input_embeddings()(block), feats[:, lo:], torch.arange(lo, P + n + 1)[None])
         ref_logits = target.get_output_embeddings()(h)[0, 1:]  # slots 1..n
-    ours = _core.DraftSession(_core.Model(str(target_gguf)), str(draft_gguf), n_ctx=256).draft(
-        feats[0].numpy(), np.arange(P, dtype=np.int32), anchor, P)
+    ours = _core.DraftSession(_core.Model(str(target_gguf)), str(draft_gguf), n_ctx=256, window=window,
+                              ring_capacity=ring).draft(feats[0].numpy(), np.arange(P, dtype=np.int32), anchor, P)
     top2 = torch.topk(ref_logits, 2).values
     for k, (a, b) in enumerate(zip(ours, ref_logits.argmax(-1).tolist())):
         # a different choice only where the reference itself is tied

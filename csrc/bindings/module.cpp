@@ -217,22 +217,31 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         });
 
     py::class_<draft_session>(m, "DraftSession")
-        .def(py::init([](const py_model & target, const std::string & path, uint32_t n_ctx, int block_size) {
+        .def(py::init([](const py_model & target, const std::string & path, uint32_t n_ctx, int block_size, int window,
+                         int ring_capacity) {
                  std::shared_ptr<const dflash_draft> draft;
                  {
                      py::gil_scoped_release nogil;
                      draft = std::make_shared<dflash_draft>(path, target.model);
                  }
-                 const int block = block_size > 0 ? block_size : draft->block_size();
-                 return std::make_unique<draft_session>(draft, n_ctx, block);
+                 draft_params params;
+                 params.block         = block_size;
+                 params.window        = window;
+                 params.ring_capacity = ring_capacity;
+                 return std::make_unique<draft_session>(draft, n_ctx, params);
              }),
-             py::arg("target"), py::arg("path"), py::arg("n_ctx"), py::arg("block_size") = 0, py::keep_alive<1, 2>())
+             py::arg("target"), py::arg("path"), py::arg("n_ctx"), py::arg("block_size") = 0,
+             py::arg("window") = draft_params{}.window, py::arg("ring_capacity") = draft_params{}.ring_capacity,
+             py::keep_alive<1, 2>())
         .def_property_readonly("block_size", &draft_session::block)
         .def_property_readonly("trained_block_size", [](const draft_session & d) { return d.model().block_size(); })
         .def_property_readonly("mask_token", [](const draft_session & d) { return d.model().mask_token(); })
         .def_property_readonly("capture_layers", [](const draft_session & d) { return d.model().capture_layers(); })
         .def_property_readonly("weight_bytes", [](const draft_session & d) { return d.model().weight_bytes(); })
         .def_property_readonly("kv_bytes", &draft_session::kv_bytes)
+        .def_property_readonly("window", &draft_session::window)
+        .def_property_readonly("ring_capacity", [](draft_session & d) { return d.ring().capacity(); })
+        .def_property_readonly("ring_bytes", [](draft_session & d) { return d.ring().n_bytes(); })
         .def(
             "draft",
             [](draft_session & d, py::array_t<float, py::array::c_style | py::array::forcecast> feats,
@@ -243,12 +252,22 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                     throw std::invalid_argument("draft: feats must be (len(positions), n_ext * n_embd)");
                 }
                 std::vector<int32_t> out;
+                if (m > 0 && feats.shape(1) != d.ring().row_width()) {
+                    throw std::invalid_argument(format("draft: feats rows have %lld floats, the drafter reads %lld",
+                                                       (long long) feats.shape(1), (long long) d.ring().row_width()));
+                }
                 {
                     py::gil_scoped_release nogil;
+                    // through the ring, in pieces it can hold, like the target's own writes
                     const int tail = std::min(m, d.block());
-                    d.append(feats.data(), positions.data(), m - tail);
-                    out = d.draft(feats.data() + (size_t) (m - tail) * feats.shape(1), positions.data() + (m - tail),
-                                  tail, anchor, start);
+                    for (int i = 0; i < m - tail; i += d.ring().capacity()) {
+                        const int k = std::min(d.ring().capacity(), m - tail - i);
+                        d.ring().write(feats.data() + (size_t) i * feats.shape(1), positions.data() + i, k);
+                        d.append(positions.data() + i, k);
+                    }
+                    d.ring().write(feats.data() + (size_t) (m - tail) * feats.shape(1), positions.data() + (m - tail),
+                                   tail);
+                    out = d.draft(positions.data() + (m - tail), tail, anchor, start);
                 }
                 return out;
             },

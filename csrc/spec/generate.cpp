@@ -14,7 +14,8 @@ static double ms_since(clock_type::time_point t0) {
 }
 
 void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch, generate_timings & t,
-             const std::vector<int> & capture_layers, const std::function<void(int first, int n)> & on_chunk) {
+             const std::vector<int> & capture_layers, feature_ring * ring,
+             const std::function<void(int first, int n)> & on_chunk) {
     if (prompt.empty()) {
         throw std::invalid_argument("prompt is empty");
     }
@@ -37,7 +38,7 @@ void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch
     const auto t0 = clock_type::now();
     for (size_t i = common; i < prompt.size(); i += n_ubatch) {
         const int n = (int) std::min<size_t>(n_ubatch, prompt.size() - i);
-        s.eval(prompt.data() + i, nullptr, n, nullptr, LOGITS_NONE, capture_layers);
+        s.eval(prompt.data() + i, nullptr, n, nullptr, LOGITS_NONE, capture_layers, ring);
         s.commit(n);
         if (on_chunk) {
             on_chunk((int) i, n);
@@ -93,41 +94,38 @@ generate_result generate_greedy(session & s, const std::vector<int32_t> & prompt
 
 namespace pdf {
 
-// rows [first, first+n) of the captured layers, concatenated per token: [n, n_ext*E]
-static void gather_features(const session & s, size_t n_capture, int64_t n_embd, int first, int n,
-                            std::vector<float> & out) {
-    out.resize((size_t) n * n_capture * n_embd);
-    for (int i = 0; i < n; ++i) {
-        for (size_t c = 0; c < n_capture; ++c) {
-            const float * src = s.captured(c).data() + (size_t) (first + i) * n_embd;
-            std::copy(src, src + n_embd, out.data() + ((size_t) i * n_capture + c) * n_embd);
-        }
-    }
-}
-
 generate_result generate_dflash(session & s, draft_session & d, const std::vector<int32_t> & prompt,
                                 const generate_params & params, const token_callback & on_tokens) {
-    const dflash_draft &     draft   = d.model();
-    const std::vector<int> & capture = draft.capture_layers();
-    const int64_t            n_embd  = s.model().info().n_embd;
+    const std::vector<int> & capture = d.model().capture_layers();
+    feature_ring &           ring    = d.ring();
     generate_result          r;
     generate_timings &       t = r.timings;
     s.abort.store(false);
 
-    // prefill: the target captures the draft's layers; the drafter projects every prompt row once.
-    // A reused prefix already has its rows in the draft cache (slot = position).
-    std::vector<float>   feats;
-    std::vector<int32_t> pos;
-    if (d.n_valid() < s.n_past()) {
-        s.truncate(0);  // the target's cached prefix has no drafter rows (e.g. after plain decoding)
+    if ((int) s.n_ubatch() > ring.capacity()) {
+        throw std::invalid_argument(format("n_ubatch = %u exceeds the feature ring's %d rows", s.n_ubatch(),
+                                           ring.capacity()));
     }
-    prefill(s, prompt, s.n_ubatch(), t, capture, [&](int first, int n) {
-        gather_features(s, capture.size(), n_embd, 0, n, feats);
+    // prefill: the target writes the draft's layers into the ring; the drafter projects every prompt row
+    // once. A reused prefix already has its rows in the draft cache.
+    {
+        const std::vector<int32_t> & cached = s.tokens();
+        size_t common = 0;
+        while (common < cached.size() && common + 1 < prompt.size() && cached[common] == prompt[common]) {
+            ++common;
+        }
+        d.truncate((int) common);
+        if (d.n_valid() < (int) common) {
+            s.truncate(0);  // the target's cached prefix has no drafter rows (e.g. after plain decoding)
+        }
+    }
+    std::vector<int32_t> pos;
+    prefill(s, prompt, s.n_ubatch(), t, capture, &ring, [&](int first, int n) {
         pos.resize(n);
         for (int i = 0; i < n; ++i) {
             pos[i] = first + i;
         }
-        d.append(feats.data(), pos.data(), n);
+        d.append(pos.data(), n);
     });
 
     const auto t0     = clock_type::now();
@@ -166,7 +164,7 @@ generate_result generate_dflash(session & s, draft_session & d, const std::vecto
             }
             // draft: [anchor, MASK x (B-1)] -> proposals for start+1 .. start+B-1
             auto t1 = clock_type::now();
-            const std::vector<int32_t> & proposals = d.draft(feats.data(), pos.data(), new_rows, anchor, start);
+            const std::vector<int32_t> & proposals = d.draft(pos.data(), new_rows, anchor, start);
             t.draft_ms += ms_since(t1);
 
             // verify [anchor, proposals] in one target pass (shorter only at the end of the context)
@@ -174,7 +172,7 @@ generate_result generate_dflash(session & s, draft_session & d, const std::vecto
             block[0] = anchor;
             std::copy(proposals.begin(), proposals.begin() + (n - 1), block.begin() + 1);
             t1 = clock_type::now();
-            s.eval(block.data(), nullptr, n, nullptr, ARGMAX_ALL, capture);
+            s.eval(block.data(), nullptr, n, nullptr, ARGMAX_ALL, capture, &ring);
             t.verify_ms += ms_since(t1);
             t.n_target_evals++;
             t.n_rounds++;
@@ -193,8 +191,7 @@ generate_result generate_dflash(session & s, draft_session & d, const std::vecto
             }
             s.commit(a + 1);  // anchor + accepted drafts; KV and recurrent state as of token a, no replay
 
-            // the committed rows' features feed the drafter next round
-            gather_features(s, capture.size(), n_embd, 0, a + 1, feats);
+            // the committed rows' features (already in the ring) feed the drafter next round
             pos.resize(a + 1);
             for (int i = 0; i <= a; ++i) {
                 pos[i] = start + i;
@@ -213,7 +210,7 @@ generate_result generate_dflash(session & s, draft_session & d, const std::vecto
         }
     }
     if (new_rows > 0) {
-        d.append(feats.data(), pos.data(), new_rows);  // keep the drafter level with the target's cache
+        d.append(pos.data(), new_rows);  // keep the drafter level with the target's cache
     }
     t.predicted_n  = (int) r.tokens.size();
     t.predicted_ms = ms_since(t0);

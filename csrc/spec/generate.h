@@ -1,6 +1,6 @@
-// The decode loop, entirely in C++: prefill (reusing the longest cached prefix), then one target
-// evaluation per token until a stop token, max_tokens or the context limit. Speculative decoding will add
-// its draft/verify/accept/commit steps here behind the same entry point.
+// The decode loops, entirely in C++: prefill (reusing the longest cached prefix), then either one target
+// evaluation per token (generate_greedy) or DFlash rounds of draft / verify / accept / commit
+// (generate_dflash), until a stop token, max_tokens or the context limit.
 #pragma once
 
 #include "state/session.h"
@@ -46,9 +46,10 @@ generate_result generate_greedy(session & s, const std::vector<int32_t> & prompt
                                 const token_callback & on_tokens);
 
 // evaluate `prompt` after reusing the longest cached prefix; leaves the last token's argmax in s.argmax().
-// on_chunk(first, n) is called after each committed chunk (feature capture for a drafter).
+// on_chunk(first, n) is called after each committed chunk, whose capture_layers the target wrote into `ring`
+// (a drafter's feature ring) when one is given.
 void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch, generate_timings & t,
-             const std::vector<int> & capture_layers = {},
+             const std::vector<int> & capture_layers = {}, feature_ring * ring = nullptr,
              const std::function<void(int first, int n)> & on_chunk = nullptr);
 
 class draft_session;

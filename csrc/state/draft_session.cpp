@@ -8,17 +8,27 @@ namespace pdf {
 
 static constexpr int KV_WINDOW_STEP = 256;
 
-draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, int block)
-    : draft_(std::move(draft)), block_(block) {
-    if (block < 2 || block > draft_->block_size()) {
-        throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)", block,
-                                           draft_->block_size()));
+draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params)
+    : draft_(std::move(draft)) {
+    block_ = params.block > 0 ? params.block : draft_->block_size();
+    if (block_ < 2 || block_ > draft_->block_size()) {
+        throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)",
+                                           block_, draft_->block_size()));
     }
-    row_width_ = (int64_t) draft_->capture_layers().size() * draft_->info().n_embd;
+    if (params.window <= 0 || params.ring_capacity <= 0) {
+        throw std::invalid_argument(format("draft window (%d) and feature ring capacity (%d) must be positive",
+                                           params.window, params.ring_capacity));
+    }
+    window_  = (int) std::min<int64_t>(params.window, n_ctx);
+    n_slots_ = window_ + block_;
+    slot_pos_.assign(n_slots_, -1);
+    const target_model & target = draft_->target();
+    ring_ = std::make_unique<feature_ring>(target.devices(), target.info().n_layer - 1,
+                                           (int) draft_->capture_layers().size(), draft_->info().n_embd,
+                                           std::max(params.ring_capacity, block_));
     // f32 draft cache: the drafter's proposals are decided by argmax over small margins
-    kv_    = std::make_unique<kv_cache>(draft_->info(), draft_->target().devices(), n_ctx + block, GGML_TYPE_F32,
-                                     GGML_TYPE_F32);
-    sched_ = draft_->target().devices().new_sched(draft_->max_graph_nodes());
+    kv_    = std::make_unique<kv_cache>(draft_->info(), target.devices(), n_slots_, GGML_TYPE_F32, GGML_TYPE_F32);
+    sched_ = target.devices().new_sched(draft_->max_graph_nodes());
 }
 
 draft_session::~draft_session() {
@@ -30,14 +40,10 @@ draft_session::~draft_session() {
     }
 }
 
-void draft_session::run(const float * feats, const int32_t * positions, int m, int n_rows, int n_block,
-                        int32_t anchor, int start) {
+void draft_session::run(const int32_t * positions, int m, int n_rows, int n_block, int32_t anchor, int start) {
     const int end  = n_block > 0 ? start + n_block : (m > 0 ? positions[m - 1] + 1 : 0);
-    const int n_kv = (int) std::min<int64_t>(kv_->n_ctx(), GGML_PAD(end, KV_WINDOW_STEP));
-    if (end > (int) kv_->n_ctx()) {
-        throw context_overflow_error(format("draft: position %d exceeds the draft cache (%u)", end, kv_->n_ctx()),
-                                     end, kv_->n_ctx());
-    }
+    // slots are position % n_slots: while nothing has wrapped, only the first `end` slots are in use
+    const int n_kv = std::min(n_slots_, (int) GGML_PAD(end, KV_WINDOW_STEP));
     if (!(graph_ctx_ && key_rows_ == n_rows && key_block_ == n_block && key_kv_ == n_kv)) {
         if (graph_ctx_) {
             ggml_free(graph_ctx_);
@@ -52,11 +58,14 @@ void draft_session::run(const float * feats, const int32_t * positions, int m, i
         in_.n_ctx_rows = n_rows;
         in_.n_block    = n_block;
         in_.n_kv       = n_kv;
+        ring_rows_     = nullptr;
         if (n_rows > 0) {
-            in_.ctx_feats = ggml_new_tensor_2d(graph_ctx_, GGML_TYPE_F32, row_width_, n_rows);
+            // the context features come straight from the ring, on the device
+            ring_rows_    = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, n_rows);
+            in_.ctx_feats = ggml_get_rows(graph_ctx_, ring_->rows(), ring_rows_);  // [n_ext*E, n_rows]
             in_.ctx_pos   = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, n_rows);
             in_.ctx_slots = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, n_rows);
-            for (ggml_tensor * t : {in_.ctx_feats, in_.ctx_pos, in_.ctx_slots}) {
+            for (ggml_tensor * t : {ring_rows_, in_.ctx_pos, in_.ctx_slots}) {
                 ggml_set_input(t);
             }
         }
@@ -84,17 +93,17 @@ void draft_session::run(const float * feats, const int32_t * positions, int m, i
     }
 
     if (n_rows > 0) {
-        // rows beyond m are padding: zero features written to slots of this round's block, which the block
-        // overwrites right after (they are never read as context)
-        std::vector<float>   f((size_t) n_rows * row_width_, 0.0f);
-        std::vector<int32_t> p(n_rows);
+        // rows beyond m are padding: they read any ring row and land in slots of this round's block, which
+        // the block overwrites right after (they are never read as context)
+        std::vector<int32_t> r(n_rows), p(n_rows);
         std::vector<int64_t> s(n_rows);
-        std::copy(feats, feats + (size_t) m * row_width_, f.begin());
         for (int i = 0; i < n_rows; ++i) {
             p[i] = i < m ? positions[i] : start + (i - m);
-            s[i] = p[i];
+            r[i] = ring_->slot(p[i]);
+            s[i] = slot(p[i]);
+            slot_pos_[s[i]] = p[i];
         }
-        ggml_backend_tensor_set(in_.ctx_feats, f.data(), 0, sizeof(float) * f.size());
+        ggml_backend_tensor_set(ring_rows_, r.data(), 0, sizeof(int32_t) * n_rows);
         ggml_backend_tensor_set(in_.ctx_pos, p.data(), 0, sizeof(int32_t) * n_rows);
         ggml_backend_tensor_set(in_.ctx_slots, s.data(), 0, sizeof(int64_t) * n_rows);
     }
@@ -104,14 +113,21 @@ void draft_session::run(const float * feats, const int32_t * positions, int m, i
         toks[0] = anchor;
         for (int i = 0; i < n_block; ++i) {
             pos[i]   = start + i;
-            slots[i] = start + i;
+            slots[i] = slot(start + i);
+            slot_pos_[slots[i]] = start + i;
         }
-        // block rows see every context slot (< start) and, non-causally, the whole block
+        // block row i sees the context window [start - window, start) and, non-causally, the whole block
         const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+        const int lo = std::max(0, start - window_);
         std::vector<ggml_fp16_t> mask((size_t) n_kv * n_block, ninf);
         for (int i = 0; i < n_block; ++i) {
-            const int visible = draft_->causal() ? start + i + 1 : start + n_block;
-            std::fill(mask.begin() + (size_t) i * n_kv, mask.begin() + (size_t) i * n_kv + visible, zero);
+            const int hi = draft_->causal() ? start + i + 1 : start + n_block;
+            ggml_fp16_t * row = mask.data() + (size_t) i * n_kv;
+            for (int j = 0; j < n_kv; ++j) {
+                if (slot_pos_[j] >= lo && slot_pos_[j] < hi) {
+                    row[j] = zero;
+                }
+            }
         }
         ggml_backend_tensor_set(in_.tokens, toks.data(), 0, sizeof(int32_t) * n_block);
         ggml_backend_tensor_set(in_.pos, pos.data(), 0, sizeof(int32_t) * n_block);
@@ -122,30 +138,55 @@ void draft_session::run(const float * feats, const int32_t * positions, int m, i
         throw backend_error("draft graph computation failed");
     }
     if (m > 0) {
-        // rows are appended in position order; a gap would leave stale rows below n_valid
+        // rows are appended in position order; a gap would leave missing rows below n_valid
         n_valid_ = positions[0] <= n_valid_ ? positions[m - 1] + 1 : std::min(n_valid_, positions[0]);
     }
     if (n_block > 0) {
+        // the block's slots hold transient rows: they are context only once appended from the ring
+        for (int i = 0; i < n_block; ++i) {
+            if (slot_pos_[slot(start + i)] >= n_valid_) {
+                slot_pos_[slot(start + i)] = -1;
+            }
+        }
         std::vector<int32_t> all(n_block);
         ggml_backend_tensor_get(out_, all.data(), 0, sizeof(int32_t) * n_block);
         proposals_.assign(all.begin() + 1, all.end());
     }
 }
 
-void draft_session::append(const float * feats, const int32_t * positions, int m) {
+void draft_session::append(const int32_t * positions, int m) {
     for (int i = 0; i < m; i += block_) {
         const int n = std::min(block_, m - i);
-        run(feats + (size_t) i * row_width_, positions + i, n, n, 0, 0, 0);
+        run(positions + i, n, n, 0, 0, 0);
     }
 }
 
-const std::vector<int32_t> & draft_session::draft(const float * feats, const int32_t * positions, int m,
-                                                  int32_t anchor, int start) {
+const std::vector<int32_t> & draft_session::draft(const int32_t * positions, int m, int32_t anchor, int start) {
     if (m > block_) {
         throw std::invalid_argument(format("draft: %d new context rows, at most %d per round", m, block_));
     }
-    run(feats, positions, m, block_, block_, anchor, start);
+    run(positions, m, block_, block_, anchor, start);
     return proposals_;
+}
+
+void draft_session::truncate(int n_past) {
+    if (n_past >= n_valid_) {
+        return;
+    }
+    for (int32_t & p : slot_pos_) {
+        if (p >= n_past) {
+            p = -1;
+        }
+    }
+    n_valid_ = n_past;
+    // the window before n_past must be whole; later positions may have overwritten its slots
+    for (int p = std::max(0, n_past - window_); p < n_past; ++p) {
+        if (slot_pos_[slot(p)] != p) {
+            n_valid_ = 0;
+            std::fill(slot_pos_.begin(), slot_pos_.end(), -1);
+            break;
+        }
+    }
 }
 
 }  // namespace pdf

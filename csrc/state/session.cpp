@@ -95,10 +95,21 @@ void session::prepare_graph(const graph_key & key) {
     ggml_set_output(out_.logits);
     ggml_set_output(out_.argmax);
     ggml_build_forward_expand(gf_, out_.argmax);
-    for (ggml_tensor * t : out_.captured) {
+    ring_slots_ = nullptr;
+    if (key.ring && !out_.captured.empty()) {
+        ring_slots_ = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, key.n_tokens);
+        ggml_set_input(ring_slots_);
+    }
+    for (size_t c = 0; c < out_.captured.size(); ++c) {
+        ggml_tensor * t = out_.captured[c];
         GGML_ASSERT(t != nullptr);
-        ggml_set_output(t);
-        ggml_build_forward_expand(gf_, t);
+        if (ring_slots_) {
+            ggml_build_forward_expand(gf_, ggml_set_rows(graph_ctx_, key.ring->layer_view(graph_ctx_, (int) c), t,
+                                                         ring_slots_));
+        } else {
+            ggml_set_output(t);
+            ggml_build_forward_expand(gf_, t);
+        }
     }
     if (!ggml_backend_sched_alloc_graph(sched_, gf_)) {
         have_graph_ = false;
@@ -110,7 +121,7 @@ void session::prepare_graph(const graph_key & key) {
 }
 
 void session::eval(const int32_t * tokens, const int32_t * positions, int n, const uint8_t * batch_mask,
-                   logits_mode mode, const std::vector<int> & capture_layers) {
+                   logits_mode mode, const std::vector<int> & capture_layers, feature_ring * ring) {
     const model_info & info = model_->info();
     if (n <= 0) {
         throw std::invalid_argument("eval: no tokens");
@@ -131,6 +142,11 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
             throw std::out_of_range(format("eval: capture layer %d is outside [0, %d]", c, info.n_layer));
         }
     }
+    if (ring && (ring->row_width() != (int64_t) capture_layers.size() * info.n_embd || n > ring->capacity())) {
+        throw std::invalid_argument(format("eval: %d tokens x %zu capture layers do not fit the feature ring "
+                                           "(%d rows of %lld floats)", n, capture_layers.size(), ring->capacity(),
+                                           (long long) ring->row_width()));
+    }
 
     if (rs_ && !pending_.empty()) {
         rs_->commit((int) pending_.size(), 0);  // the last eval was never committed: start from before it
@@ -141,6 +157,7 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
     key.n_kv       = (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP));
     key.all_logits = mode == LOGITS_ALL || mode == ARGMAX_ALL;
     key.capture    = capture_layers;
+    key.ring       = capture_layers.empty() ? nullptr : ring;
     prepare_graph(key);
 
     // inputs
@@ -180,6 +197,13 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
     }
     ggml_backend_tensor_set(in_.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
     ggml_backend_tensor_set(in_.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
+    if (ring_slots_) {
+        std::vector<int64_t> ring_rows(n);
+        for (int i = 0; i < n; ++i) {
+            ring_rows[i] = ring->slot(n_past_ + i);
+        }
+        ggml_backend_tensor_set(ring_slots_, ring_rows.data(), 0, sizeof(int64_t) * n);
+    }
 
     if (ggml_backend_sched_graph_compute(sched_, gf_) != GGML_STATUS_SUCCESS) {
         throw backend_error("graph computation failed");
@@ -195,8 +219,8 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
         logits_.resize((size_t) n_outputs_ * info.n_vocab);
         ggml_backend_tensor_get(out_.logits, logits_.data(), 0, sizeof(float) * logits_.size());
     }
-    captured_.resize(out_.captured.size());
-    for (size_t c = 0; c < out_.captured.size(); ++c) {
+    captured_.resize(ring_slots_ ? 0 : out_.captured.size());
+    for (size_t c = 0; c < captured_.size(); ++c) {
         captured_[c].resize((size_t) n * info.n_embd);
         ggml_backend_tensor_get(out_.captured[c], captured_[c].data(), 0, sizeof(float) * captured_[c].size());
     }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "models/model.h"
+#include "state/feature_ring.h"
 #include "state/kv_cache.h"
 #include "state/recurrent_state.h"
 
@@ -44,9 +45,11 @@ class session {
 
     // Evaluate n tokens at the given positions (RoPE) into cache slots n_past .. n_past+n-1. Token i sees
     // every committed slot and batch token j iff batch_mask[i*n + j] != 0 (nullptr: causal, j <= i).
-    // capture_layers: layer-input indices whose hidden states are read back ([n, n_embd] each).
+    // capture_layers: layer-input indices whose hidden states are kept: read back to the host ([n, n_embd]
+    // each, captured()) or, with a ring, written by the graph itself into ring rows slot % capacity (the
+    // layers side by side in each row), never leaving the device.
     void eval(const int32_t * tokens, const int32_t * positions, int n, const uint8_t * batch_mask,
-              logits_mode mode, const std::vector<int> & capture_layers = {});
+              logits_mode mode, const std::vector<int> & capture_layers = {}, feature_ring * ring = nullptr);
     // keep the first n tokens of the last eval as committed (chain acceptance); recurrent state included
     void commit(int n);
     // forget committed tokens from position n_past on (recurrent models: only back to 0, i.e. a reset)
@@ -76,8 +79,10 @@ class session {
         int              n_kv;
         bool             all_logits;
         std::vector<int> capture;
+        feature_ring *   ring = nullptr;
         bool operator==(const graph_key & o) const {
-            return n_tokens == o.n_tokens && n_kv == o.n_kv && all_logits == o.all_logits && capture == o.capture;
+            return n_tokens == o.n_tokens && n_kv == o.n_kv && all_logits == o.all_logits && capture == o.capture &&
+                   ring == o.ring;
         }
     };
     void prepare_graph(const graph_key & key);
@@ -96,6 +101,7 @@ class session {
     ggml_cgraph *         gf_        = nullptr;
     eval_inputs           in_;
     eval_outputs          out_;
+    ggml_tensor *         ring_slots_ = nullptr;  // I64 [n_tokens]: feature-ring rows written (with a ring)
     std::vector<uint8_t>  graph_buf_;
 
     std::vector<int32_t>              tokens_;   // committed token ids

@@ -1,0 +1,42 @@
+// The rolling target-feature ring: the hidden states the target produced at the drafter's layers, for the
+// tokens it has evaluated but the drafter has not yet turned into context K/V. The target's verify / prefill
+// graph writes them here (set_rows, row = position % capacity) and the drafter's graph reads them (get_rows),
+// so features never leave the device. Because the drafter projects each committed row once into its own
+// KV cache, the ring only has to hold the rows of one target evaluation: capacity >= the prefill micro-batch
+// and >= the block size.
+#pragma once
+
+#include "core/backend.h"
+
+#include <cstdint>
+
+namespace pdf {
+
+class feature_ring {
+  public:
+    // n_capture layers of n_embd floats per token; `il` picks the device (that layer's state buffer type)
+    feature_ring(const backends & devices, int il, int n_capture, int64_t n_embd, int capacity);
+    ~feature_ring();
+    feature_ring(const feature_ring &)             = delete;
+    feature_ring & operator=(const feature_ring &) = delete;
+
+    ggml_tensor * rows() const { return rows_; }  // F32 [n_capture * n_embd, capacity]
+    // the columns of capture layer c inside every row: F32 [n_embd, capacity] (strided view)
+    ggml_tensor * layer_view(ggml_context * ctx, int c) const;
+    int           capacity() const { return capacity_; }
+    int           slot(int64_t position) const { return (int) (position % capacity_); }
+    int64_t       row_width() const { return rows_->ne[0]; }
+    size_t        n_bytes() const;
+
+    // host path (tests, external features): rows [m, row_width] for the given positions
+    void write(const float * feats, const int32_t * positions, int m);
+
+  private:
+    ggml_context *        ctx_ = nullptr;
+    ggml_backend_buffer_t buf_ = nullptr;
+    ggml_tensor *         rows_ = nullptr;
+    int                   capacity_;
+    int64_t               n_embd_;
+};
+
+}  // namespace pdf
