@@ -138,9 +138,12 @@ generate_result generate_dflash(session & s, draft_session & d, const std::vecto
     t.proposed_at.assign(B - 1, 0);
     std::vector<int32_t> block(B);
 
+    auto is_stop = [&](int32_t tok) {
+        return std::find(params.stop_tokens.begin(), params.stop_tokens.end(), tok) != params.stop_tokens.end();
+    };
     // emit one committed token; false when generation ends here
     auto emit = [&](int32_t tok) {
-        if (std::find(params.stop_tokens.begin(), params.stop_tokens.end(), tok) != params.stop_tokens.end()) {
+        if (is_stop(tok)) {
             r.finish_reason = "stop";
             return false;
         }
@@ -177,17 +180,27 @@ generate_result generate_dflash(session & s, draft_session & d, const std::vecto
             t.n_target_evals++;
             t.n_rounds++;
 
-            // accept the longest prefix the target agrees with, plus the target's own next token
+            // accept the longest prefix the target agrees with, plus the target's own next token. The graph
+            // keeps its B rows, but no more drafts are accepted than max_tokens leaves room for.
             const std::vector<int32_t> & target_next = s.argmax();
+            const int n_useful = std::min(n, params.max_tokens - (int) r.tokens.size());
             int a = 0;
-            while (a < n - 1 && block[a + 1] == target_next[a]) {
+            while (a < n_useful - 1 && block[a + 1] == target_next[a]) {
                 ++a;
             }
-            t.draft_n += n - 1;
-            t.draft_n_accepted += a;
-            for (int k = 0; k < n - 1; ++k) {
+            // statistics count what the round commits to the output: up to and including a stop token
+            int counted = a;
+            for (int i = 1; i <= a; ++i) {
+                if (is_stop(block[i])) {
+                    counted = i - 1;
+                    break;
+                }
+            }
+            t.draft_n += n_useful - 1;
+            t.draft_n_accepted += counted;
+            for (int k = 0; k < n_useful - 1; ++k) {
                 t.proposed_at[k]++;
-                t.accepted_at[k] += k < a;
+                t.accepted_at[k] += k < counted;
             }
             s.commit(a + 1);  // anchor + accepted drafts; KV and recurrent state as of token a, no replay
 
