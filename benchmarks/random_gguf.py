@@ -167,3 +167,110 @@ def write_random_qwen3(path: Path, shape: str, weight_type: str, vocab_gguf: Pat
         t.matrix(p + "ffn_down.weight", E, s["n_ff"])
     _finish(writer)
     return path
+
+
+# the target's tokenizer keys a draft carries (gguf-formats.md §5)
+_TARGET_TOKENIZER_KEYS = _TOKENIZER_KEYS + (
+    "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.seperator_token_id",
+    "tokenizer.ggml.cls_token_id", "tokenizer.chat_template")
+
+
+def default_draft_layers(n_target_layers: int) -> int:
+    """Draft depth in the proportion of the public z-lab drafts (5 draft layers for the 36-layer Qwen3-4B)."""
+    return max(1, round(n_target_layers * 5 / 36))
+
+
+def default_target_layers(n_target_layers: int, n_ext: int = 5) -> list[int]:
+    """`dflash.target_layers` (layer *inputs*, = HF `target_layer_ids` + 1) as z-lab picks them: `n_ext` ids spread
+    uniformly over target layers 1..T-3 (`build_target_layer_ids`); targets too shallow for that get ids 0.. T-2."""
+    if n_target_layers >= 8:
+        span = (n_target_layers - 3) - 1
+        ids = [int(round(1 + i * span / (n_ext - 1))) for i in range(n_ext)]
+    else:
+        ids = list(range(min(n_ext, n_target_layers - 1)))
+    return [i + 1 for i in ids]
+
+
+def write_random_dflash(path: Path, target_gguf_path: Path, weight_type: str, n_layers: int | None = None,
+                        target_layers: list[int] | None = None, block_size: int = 16, seed: int = 0,
+                        head_dim: int | None = None, n_ff: int | None = None, mask_token_id: int = 151669) -> Path:
+    """Write a random DFlash draft (arch `dflash`, gguf-formats.md §4) for the target GGUF at `target_gguf_path`.
+
+    Shaped like the z-lab drafts: Qwen3 decoder layers of the target's hidden size (which the format requires),
+    head dim min(128, target's), as many query / KV heads as give the target's query / KV widths, the target's
+    FFN width; `fc` fuses len(target_layers) captured layers; no `token_embd` / `output` (the draft borrows the
+    target's). `n_layers` defaults to `default_draft_layers`, `target_layers` (GGUF convention: layer inputs,
+    1..n_layer-1, = HF ids + 1) to `default_target_layers`. The tokenizer keys are the target's; M-RoPE targets
+    (qwen35) get `rope.dimension_sections = [head_dim/2, 0, 0, 0]`, as our converter and llama.cpp's write them.
+    """
+    # ggml's parser (pydflash._core): gguf.GGUFReader takes ~15 s over a 151,936-token vocabulary
+    arch = _core.gguf_metadata(str(target_gguf_path), ["general.architecture"])["general.architecture"][2]
+    hparams = ("embedding_length", "block_count", "attention.head_count", "attention.head_count_kv",
+               "attention.key_length", "feed_forward_length", "context_length", "rope.freq_base",
+               "attention.layer_norm_rms_epsilon", "rope.dimension_sections")
+    meta = _core.gguf_metadata(str(target_gguf_path), [f"{arch}.{k}" for k in hparams] + list(_TARGET_TOKENIZER_KEYS))
+
+    def tkey(name: str, default=None):
+        entry = meta.get(f"{arch}.{name}")
+        return entry[2] if entry is not None else default
+
+    E, T = int(tkey("embedding_length")), int(tkey("block_count"))
+    t_heads, t_kv = int(tkey("attention.head_count")), int(tkey("attention.head_count_kv"))
+    t_hd = int(tkey("attention.key_length", E // t_heads))
+    hd = head_dim or min(128, t_hd)
+    n_heads, n_kv = max(1, t_heads * t_hd // hd), max(1, t_kv * t_hd // hd)
+    if n_heads % n_kv:
+        n_kv = 1
+    n_ff = n_ff or int(tkey("feed_forward_length"))
+    n_layers = n_layers or default_draft_layers(T)
+    target_layers = list(target_layers or default_target_layers(T))
+    if not all(1 <= layer <= T - 1 for layer in target_layers):
+        raise ValueError(f"target_layers {target_layers} must lie in 1..{T - 1} (inputs of the target's layers)")
+    n_vocab = len(meta["tokenizer.ggml.tokens"][2])
+    if not 0 <= mask_token_id < n_vocab:
+        mask_token_id = n_vocab - 1
+
+    writer = gguf.GGUFWriter(path, "dflash")
+    a = "dflash."
+    writer.add_name(f"random-dflash-{n_layers}L-for-{Path(target_gguf_path).stem}")
+    writer.add_uint32(a + "block_count", n_layers)
+    writer.add_uint32(a + "context_length", int(tkey("context_length", 40960)))
+    writer.add_uint32(a + "embedding_length", E)
+    writer.add_uint32(a + "feed_forward_length", n_ff)
+    writer.add_uint32(a + "attention.head_count", n_heads)
+    writer.add_uint32(a + "attention.head_count_kv", n_kv)
+    writer.add_uint32(a + "attention.key_length", hd)
+    writer.add_uint32(a + "attention.value_length", hd)
+    writer.add_float32(a + "rope.freq_base", float(tkey("rope.freq_base", 1_000_000.0)))
+    writer.add_float32(a + "attention.layer_norm_rms_epsilon", float(tkey("attention.layer_norm_rms_epsilon", 1e-6)))
+    writer.add_uint32(a + "block_size", block_size)
+    writer.add_array(a + "target_layers", target_layers)
+    if tkey("rope.dimension_sections") is not None:
+        writer.add_array(a + "rope.dimension_sections", [hd // 2, 0, 0, 0])
+    for key in _TARGET_TOKENIZER_KEYS:
+        if key in meta:
+            vtype, sub, value = meta[key]
+            writer.add_key_value(key, value, gguf.GGUFValueType(vtype),
+                                 sub_type=gguf.GGUFValueType(sub) if sub is not None else None)
+    writer.add_uint32("tokenizer.ggml.mask_token_id", mask_token_id)
+
+    t = _RandomWriter(writer, weight_type, seed)
+    t.matrix("fc.weight", E, len(target_layers) * E)
+    t.vector("enc.output_norm.weight", E)
+    t.vector("output_norm.weight", E)
+    for il in range(n_layers):
+        p = f"blk.{il}."
+        t.vector(p + "attn_norm.weight", E)
+        t.matrix(p + "attn_q.weight", hd * n_heads, E)
+        t.matrix(p + "attn_k.weight", hd * n_kv, E)
+        t.matrix(p + "attn_v.weight", hd * n_kv, E)
+        t.matrix(p + "attn_output.weight", E, hd * n_heads)
+        t.vector(p + "attn_q_norm.weight", hd)
+        t.vector(p + "attn_k_norm.weight", hd)
+        t.vector(p + "ffn_norm.weight", E)
+        t.matrix(p + "ffn_gate.weight", n_ff, E)
+        t.matrix(p + "ffn_up.weight", n_ff, E)
+        t.matrix(p + "ffn_down.weight", E, n_ff)
+    _finish(writer)
+    return path

@@ -1,4 +1,4 @@
-"""The `pydflash` command: `pydflash generate MODEL.gguf "prompt"`."""
+"""The `pydflash` command: `pydflash demo`, `pydflash generate MODEL.gguf "prompt" [--draft DRAFT.gguf]`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ def _generate(args: argparse.Namespace) -> int:
     from .model import Model
 
     with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
-               n_gpu_layers=args.n_gpu_layers, verbose=args.verbose) as model:
+               n_gpu_layers=args.n_gpu_layers, draft_model_path=args.draft, block_size=args.block_size,
+               verbose=args.verbose) as model:
         for piece in model.stream(args.prompt, max_tokens=args.max_tokens):
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -18,19 +19,36 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import demo_prompts, run_demo
+
+    prompts = [args.prompt] if args.prompt else demo_prompts()[: args.n_prompts]
+    summary = run_demo(prompts, max_tokens=args.max_tokens, n_threads=args.threads, block_size=args.block_size)
+    return 0 if summary["identical"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pydflash", description="DFlash speculative decoding on GGUF models")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="greedy generation from a GGUF model")
-    gen.add_argument("model", help="path to a qwen3 GGUF")
+    gen.add_argument("model", help="path to a qwen3 / qwen35 GGUF")
     gen.add_argument("prompt")
     gen.add_argument("-n", "--max-tokens", type=int, default=128)
     gen.add_argument("-c", "--n-ctx", type=int, default=4096)
     gen.add_argument("-t", "--threads", type=int, default=None)
     gen.add_argument("--kv-type", default="f16")
     gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    gen.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF for speculative decoding")
+    gen.add_argument("-b", "--block-size", type=int, default=None)
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
+    demo = sub.add_parser("demo", help="speculative vs plain decoding on the embedded trained pair (no download)")
+    demo.add_argument("prompt", nargs="?", default=None, help="a prompt (default: held-out code prompts)")
+    demo.add_argument("-n", "--max-tokens", type=int, default=128)
+    demo.add_argument("-p", "--n-prompts", type=int, default=8, help="how many embedded prompts to run")
+    demo.add_argument("-b", "--block-size", type=int, default=None)
+    demo.add_argument("-t", "--threads", type=int, default=None)
+    demo.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -87,3 +87,49 @@ def test_llama_cpp_converted_gguf_in_ours(checkpoint_of, llama_cpp_dir, tmp_path
         with pydflash.Model(path, n_ctx=256) as m:
             outputs.append(m._session.generate(m.tokenize(PROMPT), max_tokens=48, stop_tokens=[])["tokens"])
     assert outputs[0] == outputs[1]
+
+
+PAIRS_DIR = Path(__file__).resolve().parent / "data" / "pairs"
+
+
+def _llama_dflash(binary: Path, target: Path, draft: Path, prompt_file: Path, n: int) -> tuple[str, int, int]:
+    """(stdout text, n_drafted, n_accept) of llama-speculative-simple --spec-type draft-dflash, greedy"""
+    res = subprocess.run([str(binary), "-m", str(target), "-md", str(draft), "--spec-type", "draft-dflash",
+                          "--spec-draft-n-max", "15", "-f", str(prompt_file), "-n", str(n), "--temp", "0", "-c", "1024",
+                          "-t", "2"], capture_output=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    log = res.stderr.decode(errors="replace") + res.stdout.decode(errors="replace")
+    drafted = int(log.split("n_drafted =")[1].split()[0])
+    accepted = int(log.split("n_accept  =")[1].split()[0])
+    return res.stdout.decode(errors="replace"), drafted, accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_committed_pair_in_llama_speculative_simple(kind, tmp_path):
+    """llama.cpp's own DFlash loop runs our committed f32 pair and accepts about as much as ours (and the
+    reference loop, which ours equals: tests/test_pairs.py) on held-out code prompts."""
+    import json
+
+    binary = peer.binary("llama-speculative-simple")
+    if binary is None:
+        pytest.skip("llama.cpp is not built (python benchmarks/peer.py build)")
+    target, draft = PAIRS_DIR / f"{kind}-target-f32.gguf", PAIRS_DIR / f"{kind}-dflash-f32.gguf"
+    rows = [json.loads(line) for line in (PAIRS_DIR / "prompts_code.jsonl").read_text().splitlines() if line][:6]
+    n = 96
+    ours_drafted = ours_accepted = theirs_drafted = theirs_accepted = 0
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024) as m:
+        for row in rows:
+            c = m.generate(row["text"], max_tokens=n)
+            ours_drafted += c.timings["draft_n"]
+            ours_accepted += c.timings["draft_n_accepted"]
+            prompt_file = tmp_path / f"{row['id']}.txt"
+            prompt_file.write_text(row["text"])
+            text, drafted, accepted = _llama_dflash(binary, target, draft, prompt_file, n)
+            assert c.text[:40] in text  # same greedy continuation
+            theirs_drafted += drafted
+            theirs_accepted += accepted
+    ours_rate, theirs_rate = ours_accepted / ours_drafted, theirs_accepted / theirs_drafted
+    print(f"{kind}: acceptance ours {ours_rate:.3f} ({ours_accepted}/{ours_drafted}), llama.cpp {theirs_rate:.3f} "
+          f"({theirs_accepted}/{theirs_drafted})")
+    assert theirs_rate == pytest.approx(ours_rate, abs=0.1)

@@ -100,21 +100,23 @@ CHATML_TEMPLATE = (
 FULL = dict(
     vocab=4096,                 # tokenizer size incl. added tokens is a bit less; model rows = 4096
     holdout_pct={"code": 4, "prose": 7},
-    seq_len=256, target_batch=8, target_lr=3e-3,
+    train_chars={"code": 600_000, "prose": 600_000},
+    seq_len=256, target_batch=8, target_lr=3e-3, amp=True, unlikelihood=1.0,
+    seq_ul_steps=150, seq_ul_prompt=48, seq_ul_new=64,
     qwen3=dict(hidden=192, layers=4, heads=3, kv_heads=1, head_dim=64, ffn=512, steps=450),
     qwen35=dict(hidden=192, layers=4, heads=3, kv_heads=1, head_dim=64, ffn=512, steps=280,
                 lin_k_heads=2, lin_v_heads=4, lin_head_dim=32),
     target_layer_ids=[0, 1, 2],
     draft_layers=2,
-    cont_len=256, cont_prompt_lens=[48, 64, 96, 128], n_cont=3072, n_cont_val=64, gen_batch=128,
-    draft_steps=900, draft_batch=8, anchors=16, draft_lr=1e-3,
+    cont_len=256, cont_prompt_lens=[48, 64, 96, 128], n_cont=5120, n_cont_val=64, gen_batch=128,
+    draft_steps=2000, draft_batch=8, anchors=16, draft_lr=1e-3,
     n_prompts=32, eval_prompts=24, eval_tokens=128,
     log_every=25,
 )
 QUICK = dict(
-    FULL,
+    FULL, train_chars={"code": None, "prose": None},
     vocab=512, max_docs=60, holdout_pct={"code": 10, "prose": 20},
-    seq_len=64, target_batch=8,
+    seq_len=64, target_batch=8, seq_ul_steps=20, seq_ul_prompt=16, seq_ul_new=24,
     qwen3=dict(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=32, ffn=128, steps=150),
     qwen35=dict(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=64, ffn=128, steps=120,
                 lin_k_heads=2, lin_v_heads=4, lin_head_dim=16),
@@ -137,6 +139,7 @@ def stable_hash(s: str) -> int:
 # --------------------------------------------------------------------------------------------------
 # 1. corpus
 
+DOC_PACKAGE_CAP = 300_000      # characters of /usr/share/doc text per package
 _CODE_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "encodings", "pydoc_data",
                    "__pycache__"}
 
@@ -216,8 +219,13 @@ def prose_documents() -> list[tuple[str, str]]:
         if text is None or not 500 <= len(text) <= 200_000:
             continue
         docs.append((f"doc/{p.relative_to(doc_root).as_posix()}", text))
-    out, seen = [], set()
+    out, seen, per_pkg = [], set(), {}
     for key, text in docs:
+        if key.startswith("doc/"):                     # a few packages (nodejs, git) would dominate otherwise
+            pkg = key.split("/")[1]
+            if per_pkg.get(pkg, 0) + len(text) > DOC_PACKAGE_CAP:
+                continue
+            per_pkg[pkg] = per_pkg.get(pkg, 0) + len(text)
         text = text.replace("\r\n", "\n")
         h = hashlib.sha1(text.encode("utf-8")).hexdigest()
         if h in seen or not _mostly_text(text) or len(text) < 200 or len(_LETTERS.findall(text)) < 0.75 * len(text):
@@ -225,6 +233,19 @@ def prose_documents() -> list[tuple[str, str]]:
         seen.add(h)
         out.append((key, text))
     return out
+
+
+def take_chars(docs, limit: int | None):
+    """The documents, in a fixed hash order, until `limit` characters (None: all)."""
+    if limit is None:
+        return docs
+    out, n = [], 0
+    for key, text in sorted(docs, key=lambda kv: stable_hash("train:" + kv[0])):
+        if n + len(text) > limit:
+            continue
+        out.append((key, text))
+        n += len(text)
+    return sorted(out)
 
 
 def split_holdout(docs, pct: int):
@@ -476,9 +497,61 @@ def eval_lm_loss(model, streams: dict[str, np.ndarray], seq_len: int, n_windows:
     return out
 
 
+def unlikelihood_loss(logp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Token-level unlikelihood (Welleck et al. 2019, "Neural text generation with unlikelihood training"):
+    -sum log(1 - p(c)) over the candidates c = tokens already in the context that are not the next token.
+    With the sequence-level term below, it keeps greedy decoding of a briefly trained small model out of
+    repetition loops. logp [N, T, V]: log-probabilities for the tokens x[:, 1:] of x [N, T+1]."""
+    inp, y = x[:, :-1], x[:, 1:]
+    n, t = inp.shape
+    pos = torch.arange(t)
+    total = logp.new_zeros(())
+    for r in range(n):
+        uniq, inv = torch.unique(inp[r], return_inverse=True)                    # the row's distinct tokens
+        first = torch.full((len(uniq),), t, dtype=torch.long).scatter_reduce(0, inv, pos, reduce="amin")
+        cand = (first[None, :] <= pos[:, None]) & (uniq[None, :] != y[r][:, None])   # [T, U]
+        lp = logp[r][:, uniq]
+        total = total - ((-lp.exp()).log1p().clamp(min=-20.0) * cand).sum()
+    return total / (n * t)
+
+
+def repeated_ngram_mask(seq: list[int], start: int, n: int = 4) -> list[bool]:
+    """True for the tokens at or after `start` that belong to an n-gram seen earlier in `seq`."""
+    seen, mask = set(), [False] * len(seq)
+    for j in range(n - 1, len(seq)):
+        g = tuple(seq[j - n + 1:j + 1])
+        if j >= start and g in seen:
+            for k in range(max(start, j - n + 1), j + 1):
+                mask[k] = True
+        seen.add(g)
+    return mask
+
+
+SEQ_UL_STATS: list[float] = []     # repeated share of the sequence-unlikelihood generations (for the log)
+
+
+def sequence_unlikelihood_loss(model, prompts: torch.Tensor, n_new: int, amp: bool) -> torch.Tensor:
+    """Sequence-level unlikelihood (Welleck et al. 2019): continue `prompts` greedily with the model itself,
+    then push down the probability of every generated token that repeats an earlier 4-gram."""
+    was_training = model.training
+    model.eval()
+    cont = greedy_batch(model, prompts, n_new)
+    model.train(was_training)
+    seq = torch.cat([prompts, cont], dim=1)
+    p = prompts.shape[1]
+    mask = torch.tensor([repeated_ngram_mask(row, p) for row in seq.tolist()])[:, 1:]   # targets of positions 0..
+    SEQ_UL_STATS.append(float(mask.sum()) / (seq.shape[0] * n_new))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        logits = model(input_ids=seq[:, :-1]).logits
+    logp = F.log_softmax(logits.float(), dim=-1).gather(-1, seq[:, 1:, None])[..., 0]
+    one_minus_p = (-logp.exp()).log1p().clamp(min=-20.0)
+    return -(one_minus_p * mask).sum() / (seq.shape[0] * n_new)
+
+
 def train_target(kind, c, ids, cfg, train_streams, held_streams, seed, log_rows):
     torch.manual_seed(seed)
     model = make_target(kind, c, ids).float().train()
+    SEQ_UL_STATS.clear()
     n_params = sum(p.numel() for p in model.parameters())
     log(f"[{kind}] target: {n_params / 1e6:.2f}M parameters, {c['steps']} steps x {cfg['target_batch']} x "
         f"{cfg['seq_len']} tokens")
@@ -495,17 +568,25 @@ def train_target(kind, c, ids, cfg, train_streams, held_streams, seed, log_rows)
         for g in opt.param_groups:
             g["lr"] = lr
         x = sampler.batch(cfg["target_batch"])
-        logits = model(input_ids=x[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg["amp"]):
+            logits = model(input_ids=x[:, :-1]).logits
+        logp = F.log_softmax(logits.float(), dim=-1)
+        loss = F.nll_loss(logp.flatten(0, 1), x[:, 1:].flatten())
+        ce = loss.detach()
+        if cfg["unlikelihood"] > 0:
+            loss = loss + cfg["unlikelihood"] * unlikelihood_loss(logp, x)
+        if step >= steps - cfg["seq_ul_steps"]:
+            loss = loss + sequence_unlikelihood_loss(model, x[:, :cfg["seq_ul_prompt"]], cfg["seq_ul_new"], cfg["amp"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        run = loss.item() if step == 0 else 0.9 * run + 0.1 * loss.item()
+        run = ce.item() if step == 0 else 0.9 * run + 0.1 * ce.item()
         if (step + 1) % cfg["log_every"] == 0 or step + 1 == steps:
             el = time.time() - t0
+            rep = f"  own-continuation repeat4 {np.mean(SEQ_UL_STATS[-cfg['log_every']:]):.2f}" if SEQ_UL_STATS else ""
             log(f"[{kind}] step {step + 1:5d}/{steps}  loss {run:.3f}  lr {lr:.2e}  "
-                f"{(step + 1) * x.numel() / el:6.0f} tok/s  {el:6.0f}s")
+                f"{(step + 1) * x.numel() / el:6.0f} tok/s  {el:6.0f}s{rep}")
             log_rows.append({"phase": f"{kind}-target", "step": step + 1, "loss": round(run, 4), "lr": lr,
                              "elapsed_s": round(el, 1)})
     model.eval()
@@ -592,17 +673,18 @@ def sample_anchors(plens: torch.Tensor, s_len: int, n_anchors: int, gen: torch.G
     return torch.stack(rows)
 
 
-def draft_step(draft, target, toks, feats, anchors, weights):
+def draft_step(draft, target, toks, feats, anchors, weights, amp=False):
     embed = target.get_input_embeddings()
     head = target.get_output_embeddings()
     block_ids, pos, mask, labels = R.block_train_batch(toks, anchors, draft.block_size, draft.mask_token_id)
     with torch.no_grad():
         noise = embed(block_ids)
-    h = draft(noise, feats.float(), pos, mask)
-    n, a = anchors.shape
-    h = h.view(n, a, draft.block_size, -1)[:, :, 1:]
-    logits = head(h)
-    return R.dflash_loss(logits, labels, weights)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        h = draft(noise, feats.float(), pos, mask)
+        n, a = anchors.shape
+        h = h.view(n, a, draft.block_size, -1)[:, :, 1:]
+        logits = head(h)
+    return R.dflash_loss(logits.float(), labels, weights)
 
 
 @torch.no_grad()
@@ -649,7 +731,7 @@ def train_draft(kind, target, ids, cfg, data, val, seed, log_rows):
         idx = order[cursor:cursor + cfg["draft_batch"]]
         cursor += cfg["draft_batch"]
         anchors = sample_anchors(plens[idx], toks.shape[1], cfg["anchors"], gen)
-        loss, _, tau = draft_step(draft, target, toks[idx], feats[idx], anchors, weights)
+        loss, _, tau = draft_step(draft, target, toks[idx], feats[idx], anchors, weights, cfg["amp"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         opt.step()
@@ -701,7 +783,8 @@ def evaluate_pair(kind, target, draft, tok, ids, prompts: dict[str, list[dict]],
             n_gen += len(greedy)
             per.append({"id": pr["id"], "prompt_tokens": len(p_ids), "generated": len(greedy),
                         "tau_dflash": round(d.tau, 3), "tau_lookup": round(lk.tau, 3),
-                        "repeat4_share": round(rep[-1], 3), "dflash_equals_greedy": d.tokens == greedy})
+                        "repeat4_share": round(rep[-1], 3), "dflash_equals_greedy": d.tokens == greedy,
+                        "accept_lengths": d.accept_lengths, "greedy_tokens": greedy})
             if len(per) <= 2:
                 log(f"[{kind}] {pr['id']} tau {d.tau:.2f} (lookup {lk.tau:.2f}) continuation: "
                     + json.dumps(tok.decode(greedy)[:300]))
@@ -787,6 +870,8 @@ def main(argv=None) -> int:
     prose_train, prose_held = split_holdout(prose, cfg["holdout_pct"]["prose"])
     if "max_docs" in cfg:
         code_train, prose_train = code_train[: cfg["max_docs"]], prose_train[: cfg["max_docs"]]
+    code_train = take_chars(code_train, cfg["train_chars"]["code"])
+    prose_train = take_chars(prose_train, cfg["train_chars"]["prose"])
     prompts = {"code": code_prompts(code_held, cfg["n_prompts"]), "prose": prose_prompts(prose_held, cfg["n_prompts"])}
     attach_reference(prompts["code"], code_held)
     attach_reference(prompts["prose"], prose_held)

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Turn the trained pairs of tools/train_pairs.py (Hugging Face layout) into the committed GGUF fixtures.
+
+    python tools/train_pairs.py --out build/pairs          # ~1 h on 2 cores
+    python tools/export_pairs.py build/pairs               # -> tests/data/pairs/, pydflash/data/
+
+Writes, with pydflash's own converter (the same path real z-lab drafts take):
+    tests/data/pairs/{qwen3,qwen35}-{target,dflash}-{f32,f16,q8_0}.gguf
+        except the qwen3 f16 pair, which ships inside the package as the `pydflash demo` default:
+    pydflash/data/demo-qwen3-{target,dflash}-f16.gguf
+    tests/data/pairs/prompts_{code,prose}.jsonl        held-out prompts (never seen in training)
+    tests/data/pairs/reference.json                    the reference loop's results per prompt (tools/dflash_ref.py
+                                                       on the f32 PyTorch weights: tau, accept lengths, greedy tokens)
+    pydflash/data/demo-prompts.json                    the first held-out code prompts, for the demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TYPES = ("f32", "f16", "q8_0")
+N_DEMO_PROMPTS = 8
+
+
+def pair_file(kind: str, role: str, outtype: str) -> Path:
+    """Where the committed GGUF of one pair member lives (role: target | dflash)."""
+    if kind == "qwen3" and outtype == "f16":
+        return ROOT / "pydflash" / "data" / f"demo-{kind}-{role}-{outtype}.gguf"
+    return ROOT / "tests" / "data" / "pairs" / f"{kind}-{role}-{outtype}.gguf"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pairs", type=Path, help="train_pairs.py output folder")
+    args = ap.parse_args(argv)
+
+    from pydflash.convert import convert_hf_to_gguf
+
+    results = json.loads((args.pairs / "results.json").read_text())
+    for kind in results["results"]:
+        target_dir, draft_dir = args.pairs / kind / "target", args.pairs / kind / "draft"
+        for outtype in TYPES:
+            t = pair_file(kind, "target", outtype)
+            d = pair_file(kind, "dflash", outtype)
+            t.parent.mkdir(parents=True, exist_ok=True)
+            convert_hf_to_gguf(target_dir, t, outtype=outtype, progress=False)
+            convert_hf_to_gguf(draft_dir, d, outtype=outtype, target_model_dir=target_dir, progress=False)
+            print(f"{t.relative_to(ROOT)} {t.stat().st_size / 1e6:.1f} MB, {d.relative_to(ROOT)} "
+                  f"{d.stat().st_size / 1e6:.1f} MB")
+    dest = ROOT / "tests" / "data" / "pairs"
+    for genre in ("code", "prose"):
+        shutil.copy(args.pairs / f"prompts_{genre}.jsonl", dest / f"prompts_{genre}.jsonl")
+    (dest / "reference.json").write_text(json.dumps(
+        {"block_size": results["block_size"], "eval_tokens": results["eval_tokens"], "results": results["results"]},
+        indent=1))
+    code = [json.loads(line)["text"] for line in (dest / "prompts_code.jsonl").read_text().splitlines() if line]
+    (ROOT / "pydflash" / "data" / "demo-prompts.json").write_text(json.dumps(code[:N_DEMO_PROMPTS], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
