@@ -165,15 +165,26 @@ generate_result generate_dflash(session & s, draft_session & d, const std::vecto
             if (room <= 0) {
                 break;  // context full: "length"
             }
-            // draft: [anchor, MASK x (B-1)] -> proposals for start+1 .. start+B-1
-            auto t1 = clock_type::now();
-            const std::vector<int32_t> & proposals = d.draft(pos.data(), new_rows, anchor, start);
+            // draft: [anchor, MASK x (nb-1)] -> proposals for start+1 .. start+nb-1. The last round drafts only
+            // what max_tokens leaves room for (as the reference loops do: the drafter sees fewer masks).
+            const int remaining = params.max_tokens - (int) r.tokens.size();  // >= 1
+            const int nb        = std::min(B, remaining);
+            auto      t1        = clock_type::now();
+            const std::vector<int32_t> * proposals = nullptr;
+            if (nb >= 2) {
+                proposals = &d.draft(pos.data(), new_rows, anchor, start, nb);
+            } else {
+                d.append(pos.data(), new_rows);
+            }
             t.draft_ms += ms_since(t1);
 
-            // verify [anchor, proposals] in one target pass (shorter only at the end of the context)
+            // verify [anchor, proposals] in one target pass of the usual B rows (shorter only at the end of the
+            // context); rows past the proposals are filler that is never accepted
             const int n = std::min(B, room);
             block[0] = anchor;
-            std::copy(proposals.begin(), proposals.begin() + (n - 1), block.begin() + 1);
+            for (int i = 1; i < n; ++i) {
+                block[i] = proposals && i - 1 < (int) proposals->size() ? (*proposals)[i - 1] : anchor;
+            }
             t1 = clock_type::now();
             s.eval(block.data(), nullptr, n, nullptr, ARGMAX_ALL, capture, &ring);
             t.verify_ms += ms_since(t1);

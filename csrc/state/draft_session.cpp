@@ -141,8 +141,13 @@ void draft_session::run(const int32_t * positions, int m, int n_rows, int n_bloc
         // rows are appended in position order; a gap would leave missing rows below n_valid
         n_valid_ = positions[0] <= n_valid_ ? positions[m - 1] + 1 : std::min(n_valid_, positions[0]);
     }
+    // the block's slots and the padding rows hold transient rows: context only once appended from the ring
+    for (int i = m; i < n_rows; ++i) {
+        if (slot_pos_[slot(start + (i - m))] >= n_valid_) {
+            slot_pos_[slot(start + (i - m))] = -1;
+        }
+    }
     if (n_block > 0) {
-        // the block's slots hold transient rows: they are context only once appended from the ring
         for (int i = 0; i < n_block; ++i) {
             if (slot_pos_[slot(start + i)] >= n_valid_) {
                 slot_pos_[slot(start + i)] = -1;
@@ -161,11 +166,14 @@ void draft_session::append(const int32_t * positions, int m) {
     }
 }
 
-const std::vector<int32_t> & draft_session::draft(const int32_t * positions, int m, int32_t anchor, int start) {
-    if (m > block_) {
-        throw std::invalid_argument(format("draft: %d new context rows, at most %d per round", m, block_));
+const std::vector<int32_t> & draft_session::draft(const int32_t * positions, int m, int32_t anchor, int start,
+                                                  int n_block) {
+    n_block = n_block > 0 ? n_block : block_;
+    if (m > block_ || n_block < 2 || n_block > block_) {
+        throw std::invalid_argument(format("draft: %d new context rows (at most %d) and a block of %d (2..%d)", m,
+                                           block_, n_block, block_));
     }
-    run(positions, m, block_, block_, anchor, start);
+    run(positions, m, block_, n_block, anchor, start);
     return proposals_;
 }
 

@@ -32,9 +32,10 @@ class draft_session {
 
     // project the ring rows of m committed tokens (position order) into the context cache
     void append(const int32_t * positions, int m);
-    // append m ring rows (m <= block), then draft the block [anchor, MASK x (block-1)] at start..; returns the
-    // argmax of slots 1..block-1 (the proposals for positions start+1 ..)
-    const std::vector<int32_t> & draft(const int32_t * positions, int m, int32_t anchor, int start);
+    // append m ring rows (m <= block), then draft the block [anchor, MASK x (n_block-1)] at start..; returns
+    // the argmax of slots 1..n_block-1 (the proposals for positions start+1 ..). n_block 0 = block(); a
+    // shorter block is how the last round of a generation drafts only what max_tokens leaves room for.
+    const std::vector<int32_t> & draft(const int32_t * positions, int m, int32_t anchor, int start, int n_block = 0);
     // forget context rows at positions >= n_past (the target cut its cache back)
     void truncate(int n_past);
 

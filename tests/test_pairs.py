@@ -1,0 +1,185 @@
+"""The committed trained pairs (tools/train_pairs.py -> tools/export_pairs.py): our engine's acceptance equals
+the reference loop's (tools/dflash_ref.py on the PyTorch weights, recorded in tests/data/pairs/reference.json),
+speculative output stays identical to plain decoding on f16 and q8_0 weights, and stop tokens / max_tokens
+that fall inside an accepted block end generation at the right token."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pydflash
+from pydflash import _core
+from pydflash.demo import demo_paths
+from pydflash.model import _timings
+
+DATA = Path(__file__).resolve().parent / "data" / "pairs"
+REFERENCE = json.loads((DATA / "reference.json").read_text())
+KINDS = sorted(REFERENCE["results"])
+GENRES = ("code", "prose")
+# issue 3: mean acceptance length of the reference loop on held-out code, greedy, block 16
+TAU_CODE_MIN = {"qwen3": 4.0, "qwen35": 3.0}
+
+
+def pair_file(kind: str, role: str, outtype: str) -> Path:
+    if kind == "qwen3" and outtype == "f16":
+        target, draft = demo_paths()  # this one ships inside the package
+        return target if role == "target" else draft
+    return DATA / f"{kind}-{role}-{outtype}.gguf"
+
+
+def prompts(genre: str) -> dict[str, str]:
+    rows = [json.loads(line) for line in (DATA / f"prompts_{genre}.jsonl").read_text().splitlines() if line]
+    return {r["id"]: r["text"] for r in rows}
+
+
+def tie_gap(model, prompt_ids, tokens, other, k) -> float:
+    """|logit(tokens[k]) - logit(other[k])| after prompt + tokens[:k], from one batched evaluation of ours."""
+    s = _core.Session(model._model, n_ctx=model.n_ctx)
+    logits, _ = s.eval(np.array(list(prompt_ids) + list(tokens[:k]), dtype=np.int32), all_logits=True)
+    return float(abs(logits[-1][tokens[k]] - logits[-1][other[k]]))
+
+
+def first_difference(a, b) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
+# Batched (verify, prefill) and single-token evaluations round differently (matmul kernels, f16 KV rounding);
+# where two tokens' logits are closer than this, either is the target's greedy choice (measured: 2e-3, 8e-3
+# on the q8_0 qwen3 pair; llama-simple vs ours in tests/test_peer.py uses the same bound)
+TIE = 1e-2
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request):
+    return request.param
+
+
+def test_reference_fixtures_clear_the_thresholds(kind):
+    """What the fixtures issue asks of the trained pairs, as measured by the reference loop: tau on code, and
+    DFlash clearly beating a prompt-lookup drafter there (the targets' continuations are not dominated by
+    loops). Prose is kept as it came out (lower, about even with lookup: see the README's table)."""
+    res = REFERENCE["results"][kind]
+    assert res["code"]["tau_dflash"] >= TAU_CODE_MIN[kind]
+    assert res["code"]["tau_dflash"] > 1.25 * res["code"]["tau_lookup"], res["code"]
+    for genre in GENRES:
+        assert all(p["dflash_equals_greedy"] for p in res[genre]["per_prompt"])
+
+
+@pytest.mark.parametrize("genre", GENRES)
+def test_tau_equals_the_reference_loop(kind, genre):
+    """f32 pair, block 16, the reference's prompts and length: same greedy tokens as transformers, and the same
+    acceptance length per prompt (rounds end the same way), so the same tau."""
+    res = REFERENCE["results"][kind][genre]
+    texts = prompts(genre)
+    n_tokens = REFERENCE["eval_tokens"]
+    ours_lengths, ref_lengths, differing, n_rounds_total = [], [], [], [0, 0]
+    with pydflash.Model(pair_file(kind, "target", "f32"), draft_model_path=pair_file(kind, "dflash", "f32"),
+                        n_ctx=1024) as m:
+        assert m.block_size == REFERENCE["block_size"]
+        (eot,) = m.tokenize("<|endoftext|>", add_special=False, parse_special=True)
+        for row in res["per_prompt"]:
+            ids = m.tokenize(texts[row["id"]], add_special=False)
+            r = m._session.generate(ids, max_tokens=n_tokens, stop_tokens=[eot], draft=m._draft)
+            c = _timings(r["timings"])
+            ref = row["greedy_tokens"]
+            if ref and ref[-1] == eot:
+                ref = ref[:-1]  # the reference keeps the end-of-text token it stopped at; ours does not
+            if r["tokens"] != ref:
+                # f32 GGUF vs f32 PyTorch (and, for qwen35, a recurrent vs a chunked delta rule): a different
+                # greedy token only at a near-tie
+                k = first_difference(r["tokens"], ref)
+                assert tie_gap(m, ids, r["tokens"], ref, k) < TIE, (row["id"], k)
+                differing.append(row["id"])
+                continue
+            ours_lengths.append(c["draft_n_accepted"] + c["n_rounds"])
+            ref_lengths.append(sum(row["accept_lengths"]))
+            assert c["n_rounds"] == len(row["accept_lengths"]), row["id"]
+            n_rounds_total[0] += c["n_rounds"]
+            n_rounds_total[1] += len(row["accept_lengths"])
+            assert c["tau"] == pytest.approx(row["tau_dflash"], abs=5e-3), row["id"]
+    print(f"{kind} {genre}: tau ours {sum(ours_lengths) / n_rounds_total[0]:.3f}, reference "
+          f"{sum(ref_lengths) / n_rounds_total[1]:.3f} over {len(ours_lengths)} prompts; {len(differing)} "
+          f"prompts part at a near-tie: {differing}")
+    assert len(differing) <= len(res["per_prompt"]) // 4, differing
+    assert sum(ours_lengths) == sum(ref_lengths)
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+def test_speculative_equals_plain_on_committed_pairs(kind, outtype):
+    texts = list(prompts("code").values())[:6] + list(prompts("prose").values())[:6]
+    with pydflash.Model(pair_file(kind, "target", outtype), draft_model_path=pair_file(kind, "dflash", outtype),
+                        n_ctx=1024) as m:
+        taus = []
+        ties = 0
+        for text in texts:
+            spec = m.generate(text, max_tokens=96)
+            plain = m.generate(text, max_tokens=96, speculative=False)
+            if spec.tokens != plain.tokens:
+                k = first_difference(spec.tokens, plain.tokens)
+                assert tie_gap(m, m.tokenize(text), spec.tokens, plain.tokens, k) < TIE, (text[:40], k)
+                ties += 1
+                continue
+            assert spec.finish_reason == plain.finish_reason
+            assert spec.timings["n_target_evals"] == spec.timings["n_rounds"]
+            taus.append(spec.timings["tau"])
+        assert ties <= 2
+        assert sum(taus) / len(taus) > 2.0  # trained drafts are accepted, so rollback is exercised mid-block
+
+
+def test_stop_token_and_max_tokens_inside_accepted_blocks(kind):
+    """Stop at a token the drafter got accepted in the middle of a block, and cut max_tokens there: the
+    speculative loop must end exactly where plain decoding does."""
+    target, draft = pair_file(kind, "target", "f16"), pair_file(kind, "dflash", "f16")
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024) as m:
+        ids = m.tokenize(list(prompts("code").values())[0], add_special=False)
+        full = m._session.generate(ids, max_tokens=96, draft=m._draft)
+        # rounds: which generated tokens were accepted drafts rather than a round's first (bonus) token
+        seen = set()
+        checked = 0
+        for k, tok in enumerate(full["tokens"][1:], start=1):
+            if tok in seen or k % 3:
+                continue
+            seen.add(tok)
+            first = full["tokens"].index(tok)
+            spec = m._session.generate(ids, max_tokens=96, stop_tokens=[tok], draft=m._draft)
+            plain = m._session.generate(ids, max_tokens=96, stop_tokens=[tok])
+            assert spec["tokens"] == plain["tokens"] == full["tokens"][:first]
+            assert spec["finish_reason"] == plain["finish_reason"] == "stop"
+            checked += 1
+        assert checked >= 5
+        accepted = full["timings"]["draft_n_accepted"]
+        assert accepted > 10  # the blocks above really were accepted drafts
+        for n in (1, 2, 5, 17, 18, 31, 50):
+            spec = m._session.generate(ids, max_tokens=n, draft=m._draft)
+            assert spec["tokens"] == full["tokens"][:n] and spec["finish_reason"] == "length"
+
+
+def test_small_draft_window_stays_lossless_and_costs_acceptance(kind):
+    """A 32-position draft window over a 300-token generation: lossless, and the drafter still works."""
+    target, draft = pair_file(kind, "target", "f16"), pair_file(kind, "dflash", "f16")
+    text = list(prompts("code").values())[1]
+    with pydflash.Model(target, n_ctx=1024) as m:
+        plain = m.generate(text, max_tokens=300)
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, draft_window=32, n_ubatch=64) as m:
+        spec = m.generate(text, max_tokens=300)
+    assert spec.tokens == plain.tokens
+    assert spec.timings["tau"] > 1.5
+
+
+def test_demo_model_and_command():
+    target, draft = demo_paths()
+    assert target.is_file() and draft.is_file()
+    with pydflash.Model.demo(n_ctx=512) as m:
+        assert m.arch == "qwen3" and m.block_size == 16
+        c = m.generate("def main():\n", max_tokens=24)
+        assert c.tokens == m.generate("def main():\n", max_tokens=24, speculative=False).tokens
+    out = subprocess.run([sys.executable, "-m", "pydflash.cli", "demo", "-n", "32", "-p", "2"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "outputs identical: yes" in out.stdout and "tau" in out.stdout
