@@ -204,6 +204,10 @@ def e2e_pair(arch: str, wtype: str, args, tmp: Path) -> list[dict]:
     """Table-1 rows for one committed pair: per prompt set, the four engines."""
     target = args.pairs_dir / f"{arch}-target-{wtype}.gguf"
     draft = args.pairs_dir / f"{arch}-dflash-{wtype}.gguf"
+    if not target.exists() and arch == "qwen3" and wtype == "f16":
+        from pydflash.demo import demo_paths  # the f16 qwen3 pair ships inside the package (`pydflash demo`)
+
+        target, draft = demo_paths()
     missing = [p.name for p in (target, draft) if not p.exists()]
     if missing:
         print(f"{arch + ' ' + wtype:<12} (missing in {args.pairs_dir}: {', '.join(missing)})")
