@@ -20,6 +20,9 @@ ggml_tensor * build_rope_neox(ggml_context * ctx, ggml_tensor * x, ggml_tensor *
                          /*beta_slow*/ 0.0f);
 }
 
+// the attended V window (bytes per layer) up to which the CPU uses plain matmul attention (see below)
+static constexpr size_t SMALL_WINDOW_BYTES = 256 * 1024;
+
 ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const kv_cache & kv,
                                  int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale) {
     const int64_t hd  = q->ne[0];
@@ -44,7 +47,26 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eva
     v_view = ggml_permute(ctx, v_view, 0, 2, 1, 3);
 
     ggml_tensor * q_perm = ggml_permute(ctx, q, 0, 2, 1, 3);  // [hd, n, H]
-    ggml_tensor * out    = ggml_flash_attn_ext(ctx, q_perm, k_view, v_view, in.kq_mask, scale, 0.0f, 0.0f);
+
+    // Small attention windows on the CPU: matmuls + softmax (f32 accumulation) instead of ggml's CPU flash
+    // attention, whose path for 1..63 queries converts every K/V row per query head and accumulates an f16 V
+    // in f16: ~45% of a DFlash round on the trained qwen3 pair. The choice depends only on the window, never
+    // on the batch size, so a verify block and single-token decoding round alike (mixing the two kernels
+    // made speculative output part from plain decoding on 10 of 16 prompts, q8_0 pair, f16 cache). The
+    // transposed V copy this needs is what bounds the window (quantized V rows cannot be transposed).
+    const bool   cpu_cache  = ggml_backend_buffer_is_host(k_cache->buffer);
+    const bool   plain_kv   = (k_cache->type == GGML_TYPE_F16 || k_cache->type == GGML_TYPE_F32) &&
+                          (v_cache->type == GGML_TYPE_F16 || v_cache->type == GGML_TYPE_F32);
+    const size_t v_window   = (size_t) in.n_kv * ggml_row_size(v_cache->type, hdv * Hkv);
+    if (cpu_cache && plain_kv && n < 64 && v_window <= SMALL_WINDOW_BYTES) {
+        ggml_tensor * kq = ggml_mul_mat(ctx, k_view, q_perm);  // [n_kv, n, H]
+        ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
+        kq                = ggml_soft_max_ext(ctx, kq, in.kq_mask, scale, 0.0f);
+        ggml_tensor * v_t = ggml_cont(ctx, ggml_transpose(ctx, v_view));             // [n_kv, hdv, Hkv]
+        ggml_tensor * kqv = ggml_mul_mat(ctx, v_t, kq);                             // [hdv, n, H]
+        return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hdv * H, n);  // [hdv*H, n]
+    }
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, q_perm, k_view, v_view, in.kq_mask, scale, 0.0f, 0.0f);
     ggml_prec_set_acc(out, GGML_PREC_F32);
     return ggml_reshape_2d(ctx, out, hdv * H, n);  // out: [hdv, H, n]
 }
