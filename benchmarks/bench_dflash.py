@@ -248,7 +248,7 @@ def e2e_pair(arch: str, wtype: str, args, tmp: Path) -> list[dict]:
             files = []
             for i, p in enumerate(prompts):
                 f = tmp / f"{arch}-{pset}-{i}.txt"
-                f.write_text(p["text"], encoding="utf-8")
+                f.write_text(p["text"] + "\n", encoding="utf-8")  # llama.cpp's -f drops one trailing newline
                 files.append(f)
             for name, fn in (("llama.cpp AR", lambda f: llama_ar(target, f, args.max_tokens, args.threads, n_ctx)),
                              ("llama.cpp DFlash", lambda f: llama_dflash(target, draft, f, args.max_tokens,
@@ -402,7 +402,7 @@ def run_ratios(args) -> list[dict]:
     prompt_text = " ".join((words * (1 + args.ratio_prompt // len(words)))[: max(1, int(args.ratio_prompt * 0.8))])
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompt.txt"
-        prompt_file.write_text(prompt_text, encoding="utf-8")
+        prompt_file.write_text(prompt_text + "\n", encoding="utf-8")  # llama.cpp's -f drops one trailing newline
         for shape in args.ratio_shapes.split(","):
             for arch in ARCHS:
                 if shape not in (SHAPES if arch == "qwen3" else HYBRID_SHAPES):
