@@ -43,6 +43,7 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 128, n_threads:
         model.generate(prompts[0], max_tokens=8)
         totals = {"ar": [0, 0.0], "dflash": [0, 0.0]}
         rounds = committed = 0
+        draft_ms = verify_ms = 0.0
         identical = True
         for i, prompt in enumerate(prompts):
             ar = model.generate(prompt, max_tokens=max_tokens, speculative=False)
@@ -55,6 +56,8 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 128, n_threads:
             totals["dflash"][1] += spec.timings["predicted_ms"] / 1e3
             rounds += spec.timings["n_rounds"]
             committed += spec.timings["draft_n_accepted"] + spec.timings["n_rounds"]
+            draft_ms += spec.timings["draft_ms"]
+            verify_ms += spec.timings["verify_ms"]
             if i < show:
                 out("")
                 out(prompt.rstrip("\n")[-300:] + "\033[1m" + spec.text + "\033[0m")
@@ -71,5 +74,11 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 128, n_threads:
         out(f"{'DFlash':8} {totals['dflash'][0]:7d} {dflash_tps:9.1f} {1 / max(tau, 1e-9):20.2f}")
         out(f"tau (tokens per target pass) {tau:.2f}, speed-up {dflash_tps / max(ar_tps, 1e-9):.2f}x, "
             f"outputs identical: {'yes' if identical else 'NO'}")
+        ar_ms = 1000.0 / max(ar_tps, 1e-9)
+        out(f"one round = draft {draft_ms / max(rounds, 1):.2f} ms + verify of {model.block_size} tokens "
+            f"{verify_ms / max(rounds, 1):.2f} ms = {(draft_ms + verify_ms) / max(rounds, 1) / ar_ms:.1f} AR steps "
+            f"({ar_ms:.2f} ms); speculative decoding pays off once tau exceeds that. A model this small is "
+            f"compute-bound on a CPU, so a 16-token verify costs several AR steps; on larger, memory-bound models "
+            f"and on GPUs it costs about one (benchmarks/bench_dflash.py).")
         return {"ar_tokens_per_s": ar_tps, "dflash_tokens_per_s": dflash_tps, "speedup": dflash_tps / max(ar_tps, 1e-9),
                 "tau": tau, "identical": identical}
