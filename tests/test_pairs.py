@@ -174,14 +174,15 @@ def test_small_draft_window_stays_lossless_and_costs_acceptance(kind):
     assert spec.timings["tau"] > 1.5
 
 
-def test_demo_model_and_command():
+def test_demo_model_and_command(tmp_path):
     target, draft = demo_paths()
     assert target.is_file() and draft.is_file()
     with pydflash.Model.demo(n_ctx=512) as m:
         assert m.arch == "qwen3" and m.block_size == 16
         c = m.generate("def main():\n", max_tokens=24)
         assert c.tokens == m.generate("def main():\n", max_tokens=24, speculative=False).tokens
+    # outside the source tree, so that the installed package (with its compiled core) is the one imported
     out = subprocess.run([sys.executable, "-m", "pydflash.cli", "demo", "-n", "32", "-p", "2"], capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "outputs identical: yes" in out.stdout and "tau" in out.stdout
