@@ -194,7 +194,7 @@ generate_result generate_dflash(session & s, draft_session & d, const std::vecto
             // accept the longest prefix the target agrees with, plus the target's own next token. The graph
             // keeps its B rows, but no more drafts are accepted than max_tokens leaves room for.
             const std::vector<int32_t> & target_next = s.argmax();
-            const int n_useful = std::min(n, params.max_tokens - (int) r.tokens.size());
+            const int n_useful = std::min(n, remaining);
             int a = 0;
             while (a < n_useful - 1 && block[a + 1] == target_next[a]) {
                 ++a;
