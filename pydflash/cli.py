@@ -23,8 +23,9 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import demo_prompts, run_demo
 
     prompts = [args.prompt] if args.prompt else demo_prompts()[: args.n_prompts]
-    summary = run_demo(prompts, max_tokens=args.max_tokens, n_threads=args.threads, block_size=args.block_size)
-    return 0 if summary["identical"] else 1
+    # the identity of the two outputs is printed; it is a demonstration, not a test (tests/test_pairs.py)
+    run_demo(prompts, max_tokens=args.max_tokens, n_threads=args.threads, block_size=args.block_size)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
