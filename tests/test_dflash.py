@@ -146,6 +146,20 @@ def test_block_size_beyond_training(pair):
         pydflash.Model(target, block_size=4)
 
 
+def test_ring_and_window_limits(pair):
+    target, draft, _ = pair
+    model = _core.Model(str(target))
+    small_ring = _core.DraftSession(model, str(draft), n_ctx=256, ring_capacity=8)
+    assert small_ring.ring_capacity == 16  # never below the block
+    session = _core.Session(model, n_ctx=256, n_ubatch=64)
+    with pytest.raises(ValueError, match="n_ubatch = 64 exceeds the feature ring's 16 rows"):
+        session.generate(PROMPTS[0], max_tokens=4, draft=small_ring)
+    with pytest.raises(ValueError, match="must be positive"):
+        _core.DraftSession(model, str(draft), n_ctx=256, window=0)
+    with pytest.raises(ValueError, match="feats rows have 3 floats"):
+        small_ring.draft(np.zeros((2, 3), dtype=np.float32), np.arange(2, dtype=np.int32), 5, 2)
+
+
 def test_draft_keys_out_of_range(pair, tmp_path):
     from test_model import rewrite
 
