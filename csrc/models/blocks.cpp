@@ -126,11 +126,8 @@ ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const 
     // out: [S*Hv, n + K*S]: the outputs, then K states (state after token n-s in slot s)
     const size_t  f = ggml_element_size(out);
     ggml_tensor * snapshots = ggml_view_2d(ctx, out, D, K, D * f, S * Hv * n * f);
-    ggml_build_forward_expand(gf, ggml_cpy(ctx, snapshots, ggml_view_2d(ctx, buf, D, K, buf->nb[1], 0)));
-    if (K == n) {
-        // every token is kept: the input state goes to row n, so that committing none is possible too
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, state, ggml_view_2d(ctx, buf, D, 1, buf->nb[1], n * buf->nb[1])));
-    }
+    // into rows other than the input's, which thus stays the state "as of no token" without a copy
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, buf, snapshots, in.ssm_snapshot_rows));
     return ggml_view_3d(ctx, out, S, Hv, n, S * f, S * Hv * f, 0);
 }
 

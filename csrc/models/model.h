@@ -54,7 +54,8 @@ struct model_info {
 //   tokens, positions: I32 [n_tokens]; kv_slots: I64 [n_tokens] (cache rows written);
 //   kq_mask: F16 [n_kv, n_tokens] (0 = visible, -inf = hidden), over cache rows 0..n_kv-1;
 //   positions holds n_pos_per_token * n_tokens entries (section-major for M-RoPE);
-//   ssm_row: I32 [1], conv_rows: I32 [d_conv-1]: the recurrent state rows to start from (hybrid models)
+//   ssm_row: I32 [1], conv_rows: I32 [d_conv-1]: the recurrent state rows to start from (hybrid models);
+//   ssm_snapshot_rows: I64 [K]: the rows the K state snapshots go to (never ssm_row)
 struct eval_inputs {
     ggml_tensor *    tokens    = nullptr;
     ggml_tensor *    positions = nullptr;
@@ -62,6 +63,7 @@ struct eval_inputs {
     ggml_tensor *    kq_mask   = nullptr;
     ggml_tensor *    ssm_row   = nullptr;
     ggml_tensor *    conv_rows = nullptr;
+    ggml_tensor *    ssm_snapshot_rows = nullptr;
     int              n_tokens  = 0;
     int              n_kv      = 0;
     bool             all_logits = false;  // logits for every token, else for the last one only

@@ -2,10 +2,11 @@
 // to n_rollback tokens can be committed at ANY token without re-running the target.
 //
 // Per layer:
-//   ssm  [D, n_rollback+1]              D = S_v*S_v*H_v. An evaluation of n tokens writes the state after
-//                                       token n-s into row s (s < K = min(n, n_rollback), ggml_gated_delta_net's
-//                                       snapshots, most recent first) and, when K == n, its input state into
-//                                       row n. The next evaluation reads one row (an input index).
+//   ssm  [D, n_rollback+1]              D = S_v*S_v*H_v. An evaluation reads its input state from one row
+//                                       and writes the state after token n-s (s < K = min(n, n_rollback),
+//                                       ggml_gated_delta_net's snapshots, most recent first) into the s-th of
+//                                       the other rows, so the input state stays where it was (committing 0
+//                                       tokens costs nothing, and nothing copies it).
 //   conv [conv_channels, d_conv-1+n_rollback]  the tail of [conv window ‖ new conv inputs] (time = rows);
 //                                       the next evaluation reads d_conv-1 consecutive rows.
 // Committing i of the n tokens is then only a choice of rows: no copy, no replay, no host round trip.
@@ -14,6 +15,7 @@
 #include "models/model.h"
 
 #include <map>
+#include <vector>
 
 namespace pdf {
 
@@ -37,6 +39,8 @@ class recurrent_state {
 
     // snapshots an evaluation of n tokens keeps
     int n_snapshots(int n_tokens) const { return std::min<int>(n_tokens, (int) n_rollback_); }
+    // the rows the next evaluation of n tokens writes its snapshots to (most recent first); set before it
+    const std::vector<int64_t> & snapshot_rows(int n_tokens);
     // first row of [window ‖ inputs] that an evaluation of n tokens keeps in the conv buffer
     int conv_keep_from(int n_tokens) const { return std::max<int>(0, n_tokens - (int) n_rollback_); }
 
@@ -49,6 +53,7 @@ class recurrent_state {
     uint32_t                                              n_rollback_;
     int32_t                                               ssm_row_  = 0;
     int32_t                                               conv_row_ = 0;
+    std::vector<int64_t>                                  snapshot_rows_;
     ggml_context *                                        ctx_      = nullptr;
     std::vector<ggml_backend_buffer_t>                    buffers_;
     std::map<int, std::pair<ggml_tensor *, ggml_tensor *>> layers_;

@@ -87,8 +87,10 @@ void session::prepare_graph(const graph_key & key) {
         const int64_t d_conv = model_->info().recurrent_layers[0].d_conv;
         in_.ssm_row          = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, 1);
         in_.conv_rows        = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, d_conv - 1);
+        in_.ssm_snapshot_rows = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, rs_->n_snapshots(key.n_tokens));
         ggml_set_input(in_.ssm_row);
         ggml_set_input(in_.conv_rows);
+        ggml_set_input(in_.ssm_snapshot_rows);
     }
 
     out_ = model_->build_eval(graph_ctx_, gf_, in_, *kv_, rs_.get());
@@ -194,6 +196,8 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
         const int32_t ssm_row = rs_->ssm_row();
         ggml_backend_tensor_set(in_.ssm_row, &ssm_row, 0, sizeof(int32_t));
         ggml_backend_tensor_set(in_.conv_rows, conv_rows.data(), 0, sizeof(int32_t) * conv_rows.size());
+        const std::vector<int64_t> & snap = rs_->snapshot_rows(n);
+        ggml_backend_tensor_set(in_.ssm_snapshot_rows, snap.data(), 0, sizeof(int64_t) * snap.size());
     }
     ggml_backend_tensor_set(in_.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
     ggml_backend_tensor_set(in_.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
