@@ -8,7 +8,7 @@ Writes, with pydflash's own converter (the same path real z-lab drafts take):
     tests/data/pairs/{qwen3,qwen35}-{target,dflash}-{f32,f16,q8_0}.gguf
         except the qwen3 f16 pair, which ships inside the package as the `pydflash demo` default:
     pydflash/data/demo-qwen3-{target,dflash}-f16.gguf
-    tests/data/pairs/prompts_{code,prose}.jsonl        held-out prompts (never seen in training)
+    tests/data/pairs/prompts_{code,prose}.jsonl        held-out prompts (never seen in training): id, source, text
     tests/data/pairs/reference.json                    the reference loop's results per prompt (tools/dflash_ref.py
                                                        on the f32 PyTorch weights: tau, accept lengths, greedy tokens)
     pydflash/data/demo-prompts.json                    the first held-out code prompts, for the demo
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -54,7 +53,11 @@ def main(argv=None) -> int:
                   f"{d.stat().st_size / 1e6:.1f} MB")
     dest = ROOT / "tests" / "data" / "pairs"
     for genre in ("code", "prose"):
-        shutil.copy(args.pairs / f"prompts_{genre}.jsonl", dest / f"prompts_{genre}.jsonl")
+        # id, source and text; the held-out continuation ("reference", for the training log's repeat share of
+        # real text) stays out of the repository
+        rows = [json.loads(line) for line in (args.pairs / f"prompts_{genre}.jsonl").read_text().splitlines() if line]
+        (dest / f"prompts_{genre}.jsonl").write_text(
+            "".join(json.dumps({k: r[k] for k in ("id", "source", "text")}) + "\n" for r in rows))
     (dest / "reference.json").write_text(json.dumps(
         {"block_size": results["block_size"], "eval_tokens": results["eval_tokens"], "results": results["results"]},
         indent=1))

@@ -3,7 +3,7 @@
 
     python tools/train_pairs.py                          # full run -> build/pairs/ (~1 h on 2 cores)
     python tools/train_pairs.py --prompts-dir tests/data # ... and (re)write the committed held-out prompts
-    python tools/train_pairs.py --quick --out /tmp/pairs # smoke test, ~1-2 min
+    python tools/train_pairs.py --quick --out build/pairs-quick   # smoke test, ~1-2 min
 
 Everything is made here, offline, on the CPU, with torch + transformers + tokenizers (no downloads):
 
