@@ -13,6 +13,16 @@ static double ms_since(clock_type::time_point t0) {
     return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
 }
 
+// the cached prefix a prompt can reuse; at least the last prompt token is always evaluated (its logits)
+static size_t reusable_prefix(const session & s, const std::vector<int32_t> & prompt) {
+    const std::vector<int32_t> & cached = s.tokens();
+    size_t common = 0;
+    while (common < cached.size() && common + 1 < prompt.size() && cached[common] == prompt[common]) {
+        ++common;
+    }
+    return common;
+}
+
 void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch, generate_timings & t,
              const std::vector<int> & capture_layers, feature_ring * ring,
              const std::function<void(int first, int n)> & on_chunk) {
@@ -23,13 +33,8 @@ void prefill(session & s, const std::vector<int32_t> & prompt, uint32_t n_ubatch
         throw context_overflow_error(format("prompt has %zu tokens but n_ctx = %u", prompt.size(), s.n_ctx()),
                                      (long long) prompt.size(), s.n_ctx());
     }
-    // reuse the cached prefix, but always evaluate at least the last prompt token (its logits are needed)
-    const std::vector<int32_t> & cached = s.tokens();
-    size_t common = 0;
-    while (common < cached.size() && common + 1 < prompt.size() && cached[common] == prompt[common]) {
-        ++common;
-    }
-    if (s.is_recurrent() && common < cached.size()) {
+    size_t common = reusable_prefix(s, prompt);
+    if (s.is_recurrent() && common < s.tokens().size()) {
         common = 0;  // a recurrent state can only be continued, not cut back
     }
     s.truncate((int) common);
@@ -90,10 +95,6 @@ generate_result generate_greedy(session & s, const std::vector<int32_t> & prompt
     return r;
 }
 
-}  // namespace pdf
-
-namespace pdf {
-
 generate_result generate_dflash(session & s, draft_session & d, const std::vector<int32_t> & prompt,
                                 const generate_params & params, const token_callback & on_tokens) {
     const std::vector<int> & capture = d.model().capture_layers();
@@ -108,16 +109,10 @@ generate_result generate_dflash(session & s, draft_session & d, const std::vecto
     }
     // prefill: the target writes the draft's layers into the ring; the drafter projects every prompt row
     // once. A reused prefix already has its rows in the draft cache.
-    {
-        const std::vector<int32_t> & cached = s.tokens();
-        size_t common = 0;
-        while (common < cached.size() && common + 1 < prompt.size() && cached[common] == prompt[common]) {
-            ++common;
-        }
-        d.truncate((int) common);
-        if (d.n_valid() < (int) common) {
-            s.truncate(0);  // the target's cached prefix has no drafter rows (e.g. after plain decoding)
-        }
+    const int common = (int) reusable_prefix(s, prompt);
+    d.truncate(common);
+    if (d.n_valid() < common) {
+        s.truncate(0);  // the target's cached prefix has no drafter rows (e.g. after plain decoding)
     }
     std::vector<int32_t> pos;
     prefill(s, prompt, s.n_ubatch(), t, capture, &ring, [&](int first, int n) {

@@ -141,18 +141,14 @@ void draft_session::run(const int32_t * positions, int m, int n_rows, int n_bloc
         // rows are appended in position order; a gap would leave missing rows below n_valid
         n_valid_ = positions[0] <= n_valid_ ? positions[m - 1] + 1 : std::min(n_valid_, positions[0]);
     }
-    // the block's slots and the padding rows hold transient rows: context only once appended from the ring
-    for (int i = m; i < n_rows; ++i) {
-        if (slot_pos_[slot(start + (i - m))] >= n_valid_) {
-            slot_pos_[slot(start + (i - m))] = -1;
+    // the block's slots and the padding rows (positions start.. too) hold transient rows: they become
+    // context only once appended from the ring
+    for (int i = 0; i < std::max(n_rows - m, n_block); ++i) {
+        if (slot_pos_[slot(start + i)] >= n_valid_) {
+            slot_pos_[slot(start + i)] = -1;
         }
     }
     if (n_block > 0) {
-        for (int i = 0; i < n_block; ++i) {
-            if (slot_pos_[slot(start + i)] >= n_valid_) {
-                slot_pos_[slot(start + i)] = -1;
-            }
-        }
         std::vector<int32_t> all(n_block);
         ggml_backend_tensor_get(out_, all.data(), 0, sizeof(int32_t) * n_block);
         proposals_.assign(all.begin() + 1, all.end());
