@@ -16,20 +16,13 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import textwrap
 from pathlib import Path
 
-# The pre-tokenizer regex of Qwen2 / Qwen3 tokenizer.json files (llama.cpp `qwen2`).
-QWEN2_SPLIT_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-ENDOFTEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
-# Added but not special (Qwen3 has <think>/</think> like this): exercises USER_DEFINED token types.
-USER_TOKENS = ("<think>", "</think>")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from qwen2_bpe import (  # noqa: E402
+    ENDOFTEXT, IM_END, IM_START, QWEN2_SPLIT_REGEX, SPECIAL_TOKENS, USER_TOKENS, train_qwen2_bpe)
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -58,28 +51,7 @@ def _corpus() -> list[str]:
 @functools.lru_cache(maxsize=4)
 def _tokenizer_json(vocab_size: int) -> str:
     """Train (once per process) a Qwen2-style byte-level BPE; returns the tokenizer.json text."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    n_added = len(SPECIAL_TOKENS) + len(USER_TOKENS)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - n_added,
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    # Added after training so they get the highest ids, as in Qwen's vocab.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in USER_TOKENS])
+    tok = train_qwen2_bpe(_corpus(), vocab_size - len(SPECIAL_TOKENS) - len(USER_TOKENS))
     return tok.to_str(pretty=False)
 
 

@@ -80,13 +80,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import dflash_ref as R  # noqa: E402
+from qwen2_bpe import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKENS, USER_TOKENS, train_qwen2_bpe  # noqa: E402
 
-QWEN2_SPLIT_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-ENDOFTEXT, IM_START, IM_END, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
-USER_TOKENS = ("<think>", "</think>")
+MASK = "<|MASK|>"
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -344,25 +340,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def train_tokenizer(texts: list[str], vocab: int):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     n_added = len(SPECIAL_TOKENS) + len(USER_TOKENS) + 1
-    trainer = trainers.BpeTrainer(vocab_size=vocab - 32 - n_added, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    # added after training so they get the highest ids, as in Qwen's vocabulary
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in USER_TOKENS])
-    tok.add_special_tokens([AddedToken(MASK, special=True, normalized=False)])
-    return tok
+    return train_qwen2_bpe(texts, vocab - 32 - n_added, length=len(texts), extra_special=(MASK,))
 
 
 def save_tokenizer(tok, path: Path) -> None:
