@@ -2,7 +2,9 @@
 """Plain (autoregressive) decode and prefill speed: pydflash vs llama.cpp built from the same pinned sdist.
 
 Same GGUF, same thread count, same shapes of work as `llama-bench -p N_PROMPT -n N_GEN`: prefill of N_PROMPT
-tokens into an empty cache, and N_GEN decode steps from a one-token prompt. One run each; ratio printed.
+tokens into an empty cache, and N_GEN decode steps from a one-token prompt. The two engines run in turn,
+--reps times (default 3), and each figure is the median of its runs: on a small shared VM one run of either
+engine can be 20% off, which is larger than the differences being measured. Ratio printed.
 
     python benchmarks/bench_ar.py                  # tiny and ~0.6B random Qwen3, q4_0 and q8_0
     python benchmarks/bench_ar.py --arch qwen35    # tiny and ~0.8B random Qwen3.5 hybrids
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3, help="interleaved runs of each engine; medians printed")
     ap.add_argument("--peer", choices=["use", "build", "skip"], default="use",
                     help="use llama.cpp if built (default), build it first, or skip it")
     ap.add_argument("--out", type=Path, default=HERE / "out")
@@ -87,7 +90,7 @@ def main() -> None:
         vocab, shapes, write = models / "ggml-vocab-qwen35.gguf", HYBRID_SHAPES, write_random_qwen35
     args.out.mkdir(parents=True, exist_ok=True)
 
-    print(f"threads={args.threads}  pp{args.n_prompt}  tg{args.n_gen}  (tokens/s, one run)")
+    print(f"threads={args.threads}  pp{args.n_prompt}  tg{args.n_gen}  (tokens/s, median of {args.reps} interleaved runs)")
     header = f"{'model':<14} {'pp ours':>9} {'pp llama':>9} {'ratio':>6} | {'tg ours':>8} {'tg llama':>9} {'ratio':>6}"
     print(header)
     print("-" * len(header))
@@ -96,9 +99,14 @@ def main() -> None:
             path = args.out / f"random-{args.arch}-{shape}-{wtype}.gguf"
             if not path.exists():
                 write(path, shape, wtype, vocab)
-            pp, tg = ours(path, args.threads, args.n_prompt, args.n_gen)
-            peer_result = llama_cpp(path, args.threads, args.n_prompt, args.n_gen) if args.peer != "skip" else None
-            if peer_result:
+            runs_ours, runs_peer = [], []
+            for _ in range(args.reps):
+                runs_ours.append(ours(path, args.threads, args.n_prompt, args.n_gen))
+                if args.peer != "skip":
+                    runs_peer.append(llama_cpp(path, args.threads, args.n_prompt, args.n_gen))
+            pp, tg = np.median(np.array(runs_ours), axis=0)
+            peer_result = np.median(np.array(runs_peer), axis=0) if runs_peer and runs_peer[0] else None
+            if peer_result is not None:
                 lpp, ltg = peer_result
                 print(f"{shape + ' ' + wtype:<14} {pp:9.1f} {lpp:9.1f} {pp / lpp:6.2f} | {tg:8.1f} {ltg:9.1f} "
                       f"{tg / ltg:6.2f}")

@@ -80,6 +80,7 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eva
 
 #include "state/recurrent_state.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace pdf {
@@ -91,24 +92,44 @@ ggml_tensor * build_l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
 
 ggml_tensor * build_conv_with_state(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                     const recurrent_state & rs, int il, ggml_tensor * x, ggml_tensor * kernel) {
-    const int64_t channels = x->ne[0];
-    const int64_t n        = x->ne[1];
-    const int64_t d_conv   = kernel->ne[0];
-    ggml_tensor * buf      = rs.conv(il);  // [channels, d_conv-1+n_rollback]
+    // x: [C, n] (contiguous, time = rows); the buffer holds the last inputs as rows, the window is d_conv-1
+    // consecutive rows of it starting at in.conv_rows[0]
+    const int64_t C      = x->ne[0];
+    const int64_t n      = x->ne[1];
+    const int64_t W      = kernel->ne[0] - 1;
+    ggml_tensor * buf    = rs.conv(il);  // [C, W+n_rollback]
+    ggml_tensor * window = ggml_get_rows(ctx, buf, in.conv_rows);  // [C, W]
+    // the window is read out before the writes below overwrite buffer rows (graph order is execution order)
+    ggml_build_forward_expand(gf, window);
 
-    ggml_tensor * window = ggml_get_rows(ctx, buf, in.conv_rows);  // [channels, d_conv-1]
-    ggml_tensor * seq    = ggml_concat(ctx, window, x, 1);         // [channels, d_conv-1+n], time = rows
-
-    // keep the rows later commits can start from: the last d_conv-1+min(n, n_rollback)
+    // keep the rows of [window ‖ x] that later commits can start from: the last W+min(n, n_rollback)
     const int64_t from = rs.conv_keep_from((int) n);
-    const int64_t keep = seq->ne[1] - from;
-    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_view_2d(ctx, seq, channels, keep, seq->nb[1], from * seq->nb[1]),
-                                           ggml_view_2d(ctx, buf, channels, keep, buf->nb[1], 0)));
+    int64_t       row  = 0;  // next buffer row written
+    if (from < W) {
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_view_2d(ctx, window, C, W - from, window->nb[1],
+                                                                 from * window->nb[1]),
+                                               ggml_view_2d(ctx, buf, C, W - from, buf->nb[1], 0)));
+        row = W - from;
+    }
+    const int64_t x_from = std::max<int64_t>(0, from - W);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_view_2d(ctx, x, C, n - x_from, x->nb[1], x_from * x->nb[1]),
+                                           ggml_view_2d(ctx, buf, C, n - x_from, buf->nb[1], row * buf->nb[1])));
 
-    ggml_tensor * sx = ggml_cont(ctx, ggml_transpose(ctx, seq));  // [d_conv-1+n, channels]
-    sx               = ggml_reshape_3d(ctx, sx, d_conv - 1 + n, channels, 1);
-    ggml_tensor * y  = ggml_ssm_conv(ctx, sx, kernel);           // [channels, n, 1]
-    return ggml_silu(ctx, ggml_reshape_2d(ctx, y, channels, n));
+    // ssm_conv wants time innermost: [W+n, C]. One concat of the two transposed views builds it; split into
+    // [W+n, C/k, k] because ggml's CPU concat runs its outer dimension in parallel (and, unlike a copy of a
+    // transposed view, moves the elements in a typed loop rather than one memcpy each)
+    int64_t k = 16;
+    while (C % k != 0) {
+        k /= 2;
+    }
+    auto time_major = [&](ggml_tensor * t) {  // [C, T] -> [T, C/k, k]
+        ggml_tensor * t3 = ggml_view_3d(ctx, t, C / k, k, t->ne[1], (C / k) * t->nb[0], t->nb[1], 0);
+        return ggml_permute(ctx, t3, 1, 2, 0, 3);
+    };
+    ggml_tensor * sx = ggml_concat(ctx, time_major(window), time_major(x), 0);  // [W+n, C/k, k]
+    sx               = ggml_reshape_3d(ctx, sx, W + n, C, 1);
+    ggml_tensor * y  = ggml_ssm_conv(ctx, sx, kernel);  // [C, n, 1]
+    return ggml_silu(ctx, ggml_reshape_2d(ctx, y, C, n));
 }
 
 ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,

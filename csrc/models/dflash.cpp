@@ -172,13 +172,18 @@ ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const dr
         k = rope(ctx, build_rms_norm(ctx, k, l.k_norm, norm_eps_), in.pos);
         // block K/V go to the cache slots after the context; the next round overwrites them
         ggml_tensor * o = build_kv_attention(ctx, gf, att, kv, il, q, k, v, 1.0f / std::sqrt((float) hd));
+        if (il == info_.n_layer - 1) {
+            // past the last attention only the B-1 proposal rows matter (row 0 is the anchor, already known)
+            o = ggml_view_2d(ctx, o, o->ne[0], B - 1, o->nb[1], o->nb[1]);
+            h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);
+        }
         h = ggml_add(ctx, ggml_mul_mat(ctx, l.wo, o), h);
         h = ggml_add(ctx, build_swiglu_ffn(ctx, build_rms_norm(ctx, h, l.ffn_norm, norm_eps_), l.ffn_gate, l.ffn_up,
                                            l.ffn_down), h);
     }
     h = build_rms_norm(ctx, h, output_norm_, norm_eps_);
-    ggml_tensor * logits = ggml_mul_mat(ctx, target_->output_head(), h);  // [V, B]
-    return ggml_argmax(ctx, logits);  // [B]
+    ggml_tensor * logits = ggml_mul_mat(ctx, target_->output_head(), h);  // [V, B-1]
+    return ggml_argmax(ctx, logits);  // [B-1]: the proposals for positions start+1 ..
 }
 
 }  // namespace pdf

@@ -149,9 +149,8 @@ void draft_session::run(const int32_t * positions, int m, int n_rows, int n_bloc
         }
     }
     if (n_block > 0) {
-        std::vector<int32_t> all(n_block);
-        ggml_backend_tensor_get(out_, all.data(), 0, sizeof(int32_t) * n_block);
-        proposals_.assign(all.begin() + 1, all.end());
+        proposals_.resize(n_block - 1);
+        ggml_backend_tensor_get(out_, proposals_.data(), 0, sizeof(int32_t) * proposals_.size());
     }
 }
 
