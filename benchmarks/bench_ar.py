@@ -90,7 +90,8 @@ def main() -> None:
         vocab, shapes, write = models / "ggml-vocab-qwen35.gguf", HYBRID_SHAPES, write_random_qwen35
     args.out.mkdir(parents=True, exist_ok=True)
 
-    print(f"threads={args.threads}  pp{args.n_prompt}  tg{args.n_gen}  (tokens/s, median of {args.reps} interleaved runs)")
+    print(f"threads={args.threads}  pp{args.n_prompt}  tg{args.n_gen}  "
+          f"(tokens/s, median of {args.reps} interleaved runs)")
     header = f"{'model':<14} {'pp ours':>9} {'pp llama':>9} {'ratio':>6} | {'tg ours':>8} {'tg llama':>9} {'ratio':>6}"
     print(header)
     print("-" * len(header))
