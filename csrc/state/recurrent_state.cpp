@@ -70,29 +70,17 @@ void recurrent_state::reset() {
     conv_row_ = 0;
 }
 
-const std::vector<int64_t> & recurrent_state::snapshot_rows(int n_tokens) {
-    const int k = n_snapshots(n_tokens);
-    snapshot_rows_.clear();
-    for (int32_t r = 0; (int) snapshot_rows_.size() < k; ++r) {
-        if (r != ssm_row_) {
-            snapshot_rows_.push_back(r);
-        }
-    }
-    return snapshot_rows_;
-}
-
 void recurrent_state::commit(int n_tokens, int i) {
     const int k = n_snapshots(n_tokens);
     // the state after token i: the input row when i == 0, else snapshot n-i when it was kept (n-i < k)
     const int s = n_tokens - i;
     // (the conv window of a long evaluation keeps only its last n_rollback inputs: i >= conv_keep_from)
-    if (i < conv_keep_from(n_tokens) || i > n_tokens || (i > 0 && s >= k) ||
-        (s < k && s >= (int) snapshot_rows_.size())) {
+    if (i < conv_keep_from(n_tokens) || i > n_tokens || (i > 0 && s >= k)) {
         throw std::out_of_range(format("commit: cannot keep %d of %d evaluated tokens: the recurrent state is kept "
                                        "only for the last %u tokens of an evaluation", i, n_tokens, n_rollback_));
     }
     if (i > 0) {
-        ssm_row_ = (int32_t) snapshot_rows_[s];
+        ssm_row_ = snapshot_row(s);
     }
     conv_row_ = i - conv_keep_from(n_tokens);
 }

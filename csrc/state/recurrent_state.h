@@ -39,8 +39,9 @@ class recurrent_state {
 
     // snapshots an evaluation of n tokens keeps
     int n_snapshots(int n_tokens) const { return std::min<int>(n_tokens, (int) n_rollback_); }
-    // the rows the next evaluation of n tokens writes its snapshots to (most recent first); set before it
-    const std::vector<int64_t> & snapshot_rows(int n_tokens);
+    // the row the next evaluation writes its snapshot s to (most recent first): the s-th row that is not
+    // the input row, which thus keeps the state as of no token
+    int32_t snapshot_row(int s) const { return s < ssm_row_ ? s : s + 1; }
     // first row of [window ‖ inputs] that an evaluation of n tokens keeps in the conv buffer
     int conv_keep_from(int n_tokens) const { return std::max<int>(0, n_tokens - (int) n_rollback_); }
 
@@ -53,7 +54,6 @@ class recurrent_state {
     uint32_t                                              n_rollback_;
     int32_t                                               ssm_row_  = 0;
     int32_t                                               conv_row_ = 0;
-    std::vector<int64_t>                                  snapshot_rows_;
     ggml_context *                                        ctx_      = nullptr;
     std::vector<ggml_backend_buffer_t>                    buffers_;
     std::map<int, std::pair<ggml_tensor *, ggml_tensor *>> layers_;

@@ -196,8 +196,12 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
         const int32_t ssm_row = rs_->ssm_row();
         ggml_backend_tensor_set(in_.ssm_row, &ssm_row, 0, sizeof(int32_t));
         ggml_backend_tensor_set(in_.conv_rows, conv_rows.data(), 0, sizeof(int32_t) * conv_rows.size());
-        const std::vector<int64_t> & snap = rs_->snapshot_rows(n);
-        ggml_backend_tensor_set(in_.ssm_snapshot_rows, snap.data(), 0, sizeof(int64_t) * snap.size());
+        std::vector<int64_t> snapshot_rows(rs_->n_snapshots(n));
+        for (size_t s = 0; s < snapshot_rows.size(); ++s) {
+            snapshot_rows[s] = rs_->snapshot_row((int) s);
+        }
+        ggml_backend_tensor_set(in_.ssm_snapshot_rows, snapshot_rows.data(), 0,
+                                sizeof(int64_t) * snapshot_rows.size());
     }
     ggml_backend_tensor_set(in_.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
     ggml_backend_tensor_set(in_.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
