@@ -53,12 +53,13 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eva
     // in f16: ~45% of a DFlash round on the trained qwen3 pair. The choice depends only on the window, never
     // on the batch size, so a verify block and single-token decoding round alike (mixing the two kernels
     // made speculative output part from plain decoding on 10 of 16 prompts, q8_0 pair, f16 cache).
-    // P·V needs V with the cache rows innermost, i.e. a transposed copy of the window. It is made as a cast
-    // to f32: ggml's CPU copy between two types converts element by element in a loop, while a same-type
-    // copy of a transposed f16 view moves each element with its own memcpy (that took 17% of a tiny
-    // model's decode step at a 1K window; the cast made decoding on the demo pair 1.33x faster). P stays
-    // f32 too. The copy grows with the window, which is what bounds it (quantized V rows cannot be
-    // transposed at all).
+    // P·V needs V with the cache rows innermost, i.e. a transposed copy of the window. ggml's CPU copy of a
+    // transposed view of the same type moves each element with its own memcpy (17% of a tiny model's decode
+    // step at a 1K window), while a copy between two types is a typed loop: so an f16 V is transposed into
+    // f32 and converted back (contiguous, vectorized), which made decoding on the demo pair ~1.3x faster. It
+    // stays f16 for the matmul: the same numbers as before, which keep our greedy tokens equal to llama.cpp's
+    // (an all-f32 P·V parted from them beyond near-ties on q8_0 test models). The copy grows with the window,
+    // which is what bounds it (quantized V rows cannot be transposed at all).
     const bool   cpu_cache  = ggml_backend_buffer_is_host(k_cache->buffer);
     const bool   plain_kv   = (k_cache->type == GGML_TYPE_F16 || k_cache->type == GGML_TYPE_F32) &&
                           (v_cache->type == GGML_TYPE_F16 || v_cache->type == GGML_TYPE_F32);
@@ -67,8 +68,10 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eva
         ggml_tensor * kq = ggml_mul_mat(ctx, k_view, q_perm);  // [n_kv, n, H]
         ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
         kq                = ggml_soft_max_ext(ctx, kq, in.kq_mask, scale, 0.0f);
-        ggml_tensor * v_t = ggml_cast(ctx, ggml_transpose(ctx, v_view), GGML_TYPE_F32);  // [n_kv, hdv, Hkv]
-        ggml_tensor * kqv = ggml_mul_mat(ctx, v_t, kq);                                 // [hdv, n, H]
+        ggml_tensor * v_t = ggml_transpose(ctx, v_view);  // [n_kv, hdv, Hkv]
+        v_t = v_cache->type == GGML_TYPE_F16 ? ggml_cast(ctx, ggml_cast(ctx, v_t, GGML_TYPE_F32), GGML_TYPE_F16)
+                                             : ggml_cont(ctx, v_t);
+        ggml_tensor * kqv = ggml_mul_mat(ctx, v_t, kq);  // [hdv, n, H]
         return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hdv * H, n);  // [hdv*H, n]
     }
     ggml_tensor * out = ggml_flash_attn_ext(ctx, q_perm, k_view, v_view, in.kq_mask, scale, 0.0f, 0.0f);
