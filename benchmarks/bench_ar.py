@@ -14,9 +14,7 @@ engine can be 20% off, which is larger than the differences being measured. Rati
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,16 +52,10 @@ def ours(path: Path, threads: int, n_prompt: int, n_gen: int) -> tuple[float, fl
     return pp, tg
 
 
-def llama_cpp(path: Path, threads: int, n_prompt: int, n_gen: int) -> tuple[float, float] | None:
-    bench = peer.binary("llama-bench")
-    if bench is None:
-        return None
-    out = subprocess.run([str(bench), "-m", str(path), "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads),
-                          "-r", "1", "-o", "json"], check=True, capture_output=True, text=True)
-    rows = json.loads(out.stdout)
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == n_prompt and r["n_gen"] == 0)
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == n_gen and r["n_prompt"] == 0)
-    return pp, tg
+def llama_cpp(path: Path, threads: int, n_prompt: int, n_gen: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) from llama-bench"""
+    r = peer.llama_bench(path, threads, n_prompt, n_gen)
+    return 1000.0 * n_prompt / r["pp_ms"], 1000.0 / r["ar_ms"]
 
 
 def main() -> None:
@@ -82,8 +74,8 @@ def main() -> None:
 
     if args.peer == "build":
         peer.build()
-    models = Path(subprocess.run([sys.executable, str(HERE.parent / "vendor" / "ggml" / "fetch.py"), "llama.cpp"],
-                                 check=True, capture_output=True, text=True).stdout.strip()) / "models"
+    use_peer = args.peer != "skip" and peer.binary("llama-bench") is not None
+    models = peer.source_dir() / "models"
     if args.arch == "qwen3":
         vocab, shapes, write = models / "ggml-vocab-qwen2.gguf", SHAPES, write_random_qwen3
     else:
@@ -103,18 +95,17 @@ def main() -> None:
             runs_ours, runs_peer = [], []
             for _ in range(args.reps):
                 runs_ours.append(ours(path, args.threads, args.n_prompt, args.n_gen))
-                if args.peer != "skip":
+                if use_peer:
                     runs_peer.append(llama_cpp(path, args.threads, args.n_prompt, args.n_gen))
             pp, tg = np.median(np.array(runs_ours), axis=0)
-            peer_result = np.median(np.array(runs_peer), axis=0) if runs_peer and runs_peer[0] else None
-            if peer_result is not None:
-                lpp, ltg = peer_result
+            if use_peer:
+                lpp, ltg = np.median(np.array(runs_peer), axis=0)
                 print(f"{shape + ' ' + wtype:<14} {pp:9.1f} {lpp:9.1f} {pp / lpp:6.2f} | {tg:8.1f} {ltg:9.1f} "
                       f"{tg / ltg:6.2f}")
             else:
                 print(f"{shape + ' ' + wtype:<14} {pp:9.1f} {'-':>9} {'-':>6} | {tg:8.1f} {'-':>9} {'-':>6}")
             sys.stdout.flush()
-    if peer.binary("llama-bench") is None and args.peer != "skip":
+    if not use_peer and args.peer != "skip":
         print("(llama.cpp not built: run with --peer build for the ratios)")
 
 

@@ -44,9 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,8 +53,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tools"))
 
 import peer  # noqa: E402
+from export_pairs import PAIRS_DIR, pair_file, prompt_rows  # noqa: E402
 from random_gguf import (HYBRID_SHAPES, SHAPES, default_draft_layers, write_random_dflash,  # noqa: E402
                          write_random_qwen3, write_random_qwen35)
 
@@ -79,113 +79,7 @@ FILLER = ("The committee met on Tuesday to review the budget for the coming year
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# running and parsing llama.cpp
-
-
-class PeerError(RuntimeError):
-    pass
-
-
-def _run_peer(cmd: list[str], timeout: float) -> str:
-    """stderr of a llama.cpp tool (where it logs), raising PeerError with the reason on failure."""
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
-    except subprocess.TimeoutExpired:
-        raise PeerError(f"{Path(cmd[0]).name} timed out after {timeout:.0f} s") from None
-    if p.returncode != 0:
-        tail = [ln for ln in (p.stderr or "").splitlines() if ln.strip()][-3:]
-        raise PeerError(f"{Path(cmd[0]).name} exited {p.returncode}: {' | '.join(tail)[-300:]}")
-    return p.stderr + p.stdout
-
-
-def _run_and_parse(cmd: list[str], parse, attempts: int = 3) -> dict:
-    """Run and parse, again when the summary lines are missing: the tools log through an asynchronous logger and
-    now and then exit without its last lines (seen with llama-completion and llama-speculative-simple)."""
-    for attempt in range(attempts):
-        try:
-            return parse(_run_peer(cmd, timeout=600))
-        except PeerError as e:
-            if "could not find" not in str(e) or attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _search(pattern: str, text: str, what: str) -> re.Match:
-    m = re.search(pattern, text)
-    if m is None:
-        tail = [ln for ln in text.splitlines() if ln.strip()][-2:]
-        raise PeerError(f"could not find {what} in the llama.cpp output (ends: {' | '.join(tail)[-200:]!r})")
-    return m
-
-
-def llama_ar(target: Path, prompt_file: Path, max_tokens: int, threads: int, n_ctx: int) -> dict:
-    """llama-completion, greedy: (decode steps, decode ms) from its `eval time = T ms / N runs` line."""
-    exe = peer.binary("llama-completion")
-    if exe is None:
-        raise PeerError("llama-completion not built (python benchmarks/peer.py build)")
-    cmd = [str(exe), "-m", str(target), "-f", str(prompt_file), "-n", str(max_tokens), "--temp", "0", "--top-k", "1",
-           "--seed", "0", "-t", str(threads), "-c", str(n_ctx), "-no-cnv"]
-
-    def parse(out: str) -> dict:
-        m = _search(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs", out, "'eval time ... runs'")
-        return {"ms": float(m[1]), "tokens": int(m[2]), "passes": int(m[2])}
-
-    return _run_and_parse(cmd, parse)
-
-
-def llama_dflash(target: Path, draft: Path, prompt_file: Path, max_tokens: int, threads: int, n_ctx: int,
-                 n_draft: int) -> dict:
-    """llama-speculative-simple --spec-type draft-dflash, greedy, -lv 4 for its statistics line."""
-    exe = peer.binary("llama-speculative-simple")
-    if exe is None:
-        raise PeerError("llama-speculative-simple not built (python benchmarks/peer.py build)")
-    cmd = [str(exe), "-m", str(target), "-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max",
-           str(n_draft), "-f", str(prompt_file), "-n", str(max_tokens), "--temp", "0", "--top-k", "1", "--seed", "0",
-           "-t", str(threads), "-td", str(threads), "-c", str(n_ctx), "-lv", "4"]
-    return _run_and_parse(cmd, _parse_dflash)
-
-
-def _parse_dflash(out: str) -> dict:
-    dec = _search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out, "'decoded N tokens in S seconds'")
-    n_predict = int(_search(r"n_predict\s*=\s*(\d+)", out, "n_predict")[1])
-    n_drafted = int(_search(r"n_drafted\s*=\s*(\d+)", out, "n_drafted")[1])
-    n_accept = int(_search(r"n_accept\s*=\s*(\d+)", out, "n_accept")[1])
-    calls = _search(r"#calls\(b,g,a\)\s*=\s*(\d+)\s+(\d+)\s+(\d+)", out, "the '#calls(b,g,a)' statistics")
-    dur = _search(r"dur\(b,g,a\)\s*=\s*([\d.]+),\s*([\d.]+),\s*([\d.]+) ms", out, "the 'dur(b,g,a)' statistics")
-    pev = _search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out, "the target's 'prompt eval time'")
-    rounds = n_predict - n_accept
-    return {"ms": 1000.0 * float(dec[2]), "tokens": int(dec[1]), "n_predict": n_predict, "n_drafted": n_drafted,
-            "n_accept": n_accept, "rounds": rounds, "passes": rounds, "draft_calls": int(calls[2]),
-            "draft_ms": float(dur[2]), "target_multi_ms": float(pev[1]), "target_multi_tokens": int(pev[2]),
-            "checkpoints": "will use checkpoints" in out}
-
-
-def llama_bench(target: Path, threads: int, n_block: int, n_gen: int, depth: int, reps: int) -> dict:
-    exe = peer.binary("llama-bench")
-    if exe is None:
-        raise PeerError("llama-bench not built (python benchmarks/peer.py build)")
-    cmd = [str(exe), "-m", str(target), "-p", str(n_block), "-n", str(n_gen), "-d", str(depth), "-t", str(threads),
-           "-r", str(reps), "-o", "json"]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        raise PeerError("llama-bench timed out") from None
-    if p.returncode != 0:
-        raise PeerError(f"llama-bench exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
-    rows = json.loads(p.stdout)
-    pp = next(r for r in rows if r["n_prompt"] == n_block and r["n_gen"] == 0)
-    tg = next(r for r in rows if r["n_gen"] == n_gen and r["n_prompt"] == 0)
-    return {"pp_ms": pp["avg_ns"] / 1e6, "ar_ms": tg["avg_ns"] / 1e6 / n_gen}
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # table 1: end to end on the committed pairs
-
-
-def read_prompts(path: Path, n: int) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return rows[:n]
 
 
 def _agg(runs: list[dict], *, tau_from=None) -> dict:
@@ -202,12 +96,8 @@ def _agg(runs: list[dict], *, tau_from=None) -> dict:
 
 def e2e_pair(arch: str, wtype: str, args, tmp: Path) -> list[dict]:
     """Table-1 rows for one committed pair: per prompt set, the four engines."""
-    target = args.pairs_dir / f"{arch}-target-{wtype}.gguf"
-    draft = args.pairs_dir / f"{arch}-dflash-{wtype}.gguf"
-    if not target.exists() and arch == "qwen3" and wtype == "f16":
-        from pydflash.demo import demo_paths  # the f16 qwen3 pair ships inside the package (`pydflash demo`)
-
-        target, draft = demo_paths()
+    target = pair_file(arch, "target", wtype, args.pairs_dir)
+    draft = pair_file(arch, "dflash", wtype, args.pairs_dir)
     missing = [p.name for p in (target, draft) if not p.exists()]
     if missing:
         print(f"{arch + ' ' + wtype:<12} (missing in {args.pairs_dir}: {', '.join(missing)})")
@@ -223,7 +113,7 @@ def e2e_pair(arch: str, wtype: str, args, tmp: Path) -> list[dict]:
         if not pfile.exists():
             print(f"{arch + ' ' + wtype:<12} {pset:<6} (no {pfile.name} in {args.pairs_dir})")
             continue
-        prompts = read_prompts(pfile, args.n_prompts)
+        prompts = prompt_rows(pset, args.pairs_dir)[:args.n_prompts]
         ours_ar, ours_df, mismatched = [], [], []
         for p in prompts:
             ar = model.generate(p["text"], max_tokens=args.max_tokens, speculative=False)
@@ -245,17 +135,14 @@ def e2e_pair(arch: str, wtype: str, args, tmp: Path) -> list[dict]:
             eng["llama.cpp AR"] = {"error": "skipped (--skip-peer)"}
             eng["llama.cpp DFlash"] = {"error": "skipped (--skip-peer)"}
         else:
-            files = []
-            for i, p in enumerate(prompts):
-                f = tmp / f"{arch}-{pset}-{i}.txt"
-                f.write_text(p["text"] + "\n", encoding="utf-8")  # llama.cpp's -f drops one trailing newline
-                files.append(f)
-            for name, fn in (("llama.cpp AR", lambda f: llama_ar(target, f, args.max_tokens, args.threads, n_ctx)),
-                             ("llama.cpp DFlash", lambda f: llama_dflash(target, draft, f, args.max_tokens,
+            files = [peer.prompt_file(tmp / f"{arch}-{pset}-{i}.txt", p["text"]) for i, p in enumerate(prompts)]
+            for name, fn in (("llama.cpp AR",
+                              lambda f: peer.llama_ar(target, f, args.max_tokens, args.threads, n_ctx)),
+                             ("llama.cpp DFlash", lambda f: peer.llama_dflash(target, draft, f, args.max_tokens,
                                                                          args.threads, n_ctx, n_draft))):
                 try:
                     runs = [fn(f) for f in files]
-                except PeerError as e:
+                except peer.PeerError as e:
                     eng[name] = {"error": str(e)}
                     continue
                 if name == "llama.cpp AR":
@@ -357,14 +244,14 @@ def ours_ratios(target: Path, draft: Path, prompt_text: str, args) -> dict:
 
 
 def llama_ratios(target: Path, draft: Path, prompt_file: Path, n_prompt: int, args) -> dict:
-    bench = llama_bench(target, args.threads, args.block, args.ratio_gen, n_prompt, args.ratio_reps)
+    bench = peer.llama_bench(target, args.threads, args.block, args.ratio_gen, n_prompt, args.ratio_reps)
     n_ctx = n_prompt + args.ratio_gen + args.llama_spec_extra + 64
-    short = llama_dflash(target, draft, prompt_file, args.ratio_gen, args.threads, n_ctx, args.block - 1)
-    long = llama_dflash(target, draft, prompt_file, args.ratio_gen + args.llama_spec_extra, args.threads, n_ctx,
+    short = peer.llama_dflash(target, draft, prompt_file, args.ratio_gen, args.threads, n_ctx, args.block - 1)
+    long = peer.llama_dflash(target, draft, prompt_file, args.ratio_gen + args.llama_spec_extra, args.threads, n_ctx,
                         args.block - 1)
     d_rounds = long["rounds"] - short["rounds"]
     if d_rounds <= 0:
-        raise PeerError(f"the two speculative runs have {short['rounds']} and {long['rounds']} rounds")
+        raise peer.PeerError(f"the two speculative runs have {short['rounds']} and {long['rounds']} rounds")
     calls = short["draft_calls"] + long["draft_calls"]
     return {"ar_ms": bench["ar_ms"], "pp_ms": bench["pp_ms"],
             "verify_ms": (long["target_multi_ms"] - short["target_multi_ms"]) / d_rounds,
@@ -384,7 +271,7 @@ def ratio_row(label: str, engine: str, r: dict) -> str:
 
 
 def run_ratios(args) -> list[dict]:
-    vocab_dir = Path(peer.source_dir()) / "models"
+    vocab_dir = peer.source_dir() / "models"
     args.out.mkdir(parents=True, exist_ok=True)
     B = args.block
     print(f"\n2. Cost ratios on larger random-weight GGUFs of both architectures "
@@ -401,8 +288,7 @@ def run_ratios(args) -> list[dict]:
     words = FILLER.split()
     prompt_text = " ".join((words * (1 + args.ratio_prompt // len(words)))[: max(1, int(args.ratio_prompt * 0.8))])
     with tempfile.TemporaryDirectory() as tmp:
-        prompt_file = Path(tmp) / "prompt.txt"
-        prompt_file.write_text(prompt_text + "\n", encoding="utf-8")  # llama.cpp's -f drops one trailing newline
+        prompt_file = peer.prompt_file(Path(tmp) / "prompt.txt", prompt_text)
         for shape in args.ratio_shapes.split(","):
             for arch in ARCHS:
                 if shape not in (SHAPES if arch == "qwen3" else HYBRID_SHAPES):
@@ -425,7 +311,7 @@ def run_ratios(args) -> list[dict]:
                         try:
                             n_prompt = row["pydflash"].get("n_prompt", args.ratio_prompt)
                             row["llama.cpp"] = llama_ratios(target, draft, prompt_file, n_prompt, args)
-                        except (PeerError, StopIteration, json.JSONDecodeError) as e:
+                        except (peer.PeerError, StopIteration, json.JSONDecodeError) as e:
                             row["llama.cpp"] = {"error": f"llama.cpp: {e}"}
                     print(ratio_row("", "llama.cpp", row["llama.cpp"]), flush=True)
                     rows.append(row)
@@ -490,7 +376,7 @@ def run_projection(ratio_rows: list[dict], e2e_rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs-dir", type=Path, default=ROOT / "tests" / "data" / "pairs")
+    ap.add_argument("--pairs-dir", type=Path, default=PAIRS_DIR)
     ap.add_argument("--types", default="f16,q8_0", help="weight types of the committed pairs (table 1)")
     ap.add_argument("--n-prompts", type=int, default=8, help="prompts per set (table 1)")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per prompt (table 1)")

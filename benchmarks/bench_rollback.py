@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import peer  # noqa: E402
 from random_gguf import write_random_qwen35  # noqa: E402
 
 from pydflash import _core  # noqa: E402
@@ -51,8 +51,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", type=Path, default=HERE / "out")
     args = ap.parse_args()
-    models = Path(subprocess.run([sys.executable, str(HERE.parent / "vendor" / "ggml" / "fetch.py"), "llama.cpp"],
-                                 check=True, capture_output=True, text=True).stdout.strip()) / "models"
+    models = peer.source_dir() / "models"
     args.out.mkdir(parents=True, exist_ok=True)
 
     print(f"threads={args.threads}  N={args.n}  (median of {args.reps} evaluations)")

@@ -4,13 +4,16 @@
     python benchmarks/peer.py build     # configures and builds the tools below (CPU, ~11 min on 2 cores)
     python benchmarks/peer.py path      # prints the folder holding the binaries
 
-Used by the benchmarks and by the slow compatibility tests (which skip when the peer is not built).
+Used by the benchmarks and by the slow compatibility tests (which skip when the peer is not built), which
+run its tools through the helpers at the bottom.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +53,113 @@ def build(jobs: int | None = None) -> Path:
         cmd += ["-j", str(jobs)]
     subprocess.run(cmd, check=True)
     return bin_dir()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running the tools and reading their output
+
+
+class PeerError(RuntimeError):
+    pass
+
+
+def _exe(name: str) -> Path:
+    path = binary(name)
+    if path is None:
+        raise PeerError(f"{name} not built (python benchmarks/peer.py build)")
+    return path
+
+
+def prompt_file(path: Path, text: str) -> Path:
+    """Write a prompt for a tool's -f: llama.cpp drops one trailing newline of the file, so add one."""
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
+
+
+def _run(cmd: list[str], timeout: float) -> str:
+    """stderr + stdout of a llama.cpp tool (it logs to stderr), raising PeerError with the reason on failure."""
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
+    except subprocess.TimeoutExpired:
+        raise PeerError(f"{Path(cmd[0]).name} timed out after {timeout:.0f} s") from None
+    if p.returncode != 0:
+        tail = [ln for ln in (p.stderr or "").splitlines() if ln.strip()][-3:]
+        raise PeerError(f"{Path(cmd[0]).name} exited {p.returncode}: {' | '.join(tail)[-300:]}")
+    return p.stderr + p.stdout
+
+
+def _run_and_parse(cmd: list[str], parse, attempts: int = 5) -> dict:
+    """Run and parse, again when the summary lines are missing: the tools log through an asynchronous logger and
+    now and then exit without its last lines (seen with llama-completion and llama-speculative-simple, more
+    often under load)."""
+    for attempt in range(attempts):
+        try:
+            return parse(_run(cmd, timeout=600))
+        except PeerError as e:
+            if "could not find" not in str(e) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _search(pattern: str, text: str, what: str) -> re.Match:
+    m = re.search(pattern, text)
+    if m is None:
+        tail = [ln for ln in text.splitlines() if ln.strip()][-2:]
+        raise PeerError(f"could not find {what} in the llama.cpp output (ends: {' | '.join(tail)[-200:]!r})")
+    return m
+
+
+def llama_ar(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int) -> dict:
+    """llama-completion, greedy: (decode steps, decode ms) from its `eval time = T ms / N runs` line."""
+    cmd = [str(_exe("llama-completion")), "-m", str(target), "-f", str(prompt), "-n", str(max_tokens), "--temp",
+           "0", "--top-k", "1", "--seed", "0", "-t", str(threads), "-c", str(n_ctx), "-no-cnv"]
+
+    def parse(out: str) -> dict:
+        m = _search(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs", out, "'eval time ... runs'")
+        return {"ms": float(m[1]), "tokens": int(m[2]), "passes": int(m[2])}
+
+    return _run_and_parse(cmd, parse)
+
+
+def llama_dflash(target: Path, draft: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int,
+                 n_draft: int) -> dict:
+    """llama-speculative-simple --spec-type draft-dflash, greedy, -lv 4 for its statistics line; "output" holds
+    what it printed (the prompt and the continuation among the log lines)."""
+    cmd = [str(_exe("llama-speculative-simple")), "-m", str(target), "-md", str(draft), "--spec-type",
+           "draft-dflash", "--spec-draft-n-max", str(n_draft), "-f", str(prompt), "-n", str(max_tokens), "--temp",
+           "0", "--top-k", "1", "--seed", "0", "-t", str(threads), "-td", str(threads), "-c", str(n_ctx), "-lv", "4"]
+    return _run_and_parse(cmd, _parse_dflash)
+
+
+def _parse_dflash(out: str) -> dict:
+    dec = _search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out, "'decoded N tokens in S seconds'")
+    n_predict = int(_search(r"n_predict\s*=\s*(\d+)", out, "n_predict")[1])
+    n_drafted = int(_search(r"n_drafted\s*=\s*(\d+)", out, "n_drafted")[1])
+    n_accept = int(_search(r"n_accept\s*=\s*(\d+)", out, "n_accept")[1])
+    calls = _search(r"#calls\(b,g,a\)\s*=\s*(\d+)\s+(\d+)\s+(\d+)", out, "the '#calls(b,g,a)' statistics")
+    dur = _search(r"dur\(b,g,a\)\s*=\s*([\d.]+),\s*([\d.]+),\s*([\d.]+) ms", out, "the 'dur(b,g,a)' statistics")
+    pev = _search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out, "the target's 'prompt eval time'")
+    rounds = n_predict - n_accept
+    return {"ms": 1000.0 * float(dec[2]), "tokens": int(dec[1]), "n_predict": n_predict, "n_drafted": n_drafted,
+            "n_accept": n_accept, "rounds": rounds, "passes": rounds, "draft_calls": int(calls[2]),
+            "draft_ms": float(dur[2]), "target_multi_ms": float(pev[1]), "target_multi_tokens": int(pev[2]),
+            "checkpoints": "will use checkpoints" in out, "output": out}
+
+
+def llama_bench(target: Path, threads: int, n_prompt: int, n_gen: int, depth: int = 0, reps: int = 1) -> dict:
+    """llama-bench -p n_prompt -n n_gen at a cache depth: {"pp_ms": prefill of n_prompt, "ar_ms": one decode step}"""
+    cmd = [str(_exe("llama-bench")), "-m", str(target), "-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth),
+           "-t", str(threads), "-r", str(reps), "-o", "json"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise PeerError("llama-bench timed out") from None
+    if p.returncode != 0:
+        raise PeerError(f"llama-bench exited {p.returncode}: {p.stderr.strip().splitlines()[-1:]}")
+    rows = json.loads(p.stdout)
+    pp = next(r for r in rows if r["n_prompt"] == n_prompt and r["n_gen"] == 0)
+    tg = next(r for r in rows if r["n_gen"] == n_gen and r["n_prompt"] == 0)
+    return {"pp_ms": pp["avg_ns"] / 1e6, "ar_ms": tg["avg_ns"] / 1e6 / n_gen}
 
 
 def main() -> None:

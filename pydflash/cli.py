@@ -22,6 +22,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import demo_prompts, run_demo
 
+    if args.n_prompts < 1:
+        raise ValueError(f"--n-prompts must be at least 1, got {args.n_prompts}")
     prompts = [args.prompt] if args.prompt else demo_prompts()[: args.n_prompts]
     # the identity of the two outputs is printed; it is a demonstration, not a test (tests/test_pairs.py)
     run_demo(prompts, max_tokens=args.max_tokens, n_threads=args.threads, block_size=args.block_size)

@@ -30,19 +30,23 @@ def demo_prompts() -> list[str]:
 
 def run_demo(prompts: list[str] | None = None, max_tokens: int = 128, n_threads: int | None = None,
              block_size: int | None = None, show: int = 1, out=print) -> dict:
-    """Generate each prompt with the target alone and with DFlash, check the outputs agree, print speeds.
+    """Generate each prompt (default: the embedded held-out ones) with the target alone and with DFlash, check
+    the outputs agree, print speeds; `show` prompts are printed with their continuation, through `out`.
 
     Returns the totals: {"ar_tokens_per_s", "dflash_tokens_per_s", "speedup", "tau", "identical"}."""
     from .model import Model
 
-    prompts = prompts or demo_prompts()
+    if prompts is None:
+        prompts = demo_prompts()
+    if not prompts:
+        raise ValueError("run_demo: no prompts")
     target, draft = demo_paths()
-    with Model(target, draft_model_path=draft, n_ctx=2048, n_threads=n_threads, block_size=block_size) as model:
+    with Model.demo(n_ctx=2048, n_threads=n_threads, block_size=block_size) as model:
         out(f"pydflash demo: {target.name} + {draft.name} (block {model.block_size}, {model.n_threads} threads)")
         model.generate(prompts[0], max_tokens=8, speculative=False)      # warm up: graphs, caches, pages
         model.generate(prompts[0], max_tokens=8)
-        totals = {"ar": [0, 0.0], "dflash": [0, 0.0]}
-        rounds = committed = 0
+        ar_tokens = dflash_tokens = rounds = committed = 0
+        ar_s = dflash_s = 0.0
         draft_ms = verify_ms = 0.0
         identical = True
         for i, prompt in enumerate(prompts):
@@ -50,10 +54,10 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 128, n_threads:
             spec = model.generate(prompt, max_tokens=max_tokens)
             same = ar.tokens == spec.tokens
             identical &= same
-            totals["ar"][0] += len(ar.tokens)
-            totals["ar"][1] += ar.timings["predicted_ms"] / 1e3
-            totals["dflash"][0] += len(spec.tokens)
-            totals["dflash"][1] += spec.timings["predicted_ms"] / 1e3
+            ar_tokens += len(ar.tokens)
+            ar_s += ar.timings["predicted_ms"] / 1e3
+            dflash_tokens += len(spec.tokens)
+            dflash_s += spec.timings["predicted_ms"] / 1e3
             rounds += spec.timings["n_rounds"]
             committed += spec.timings["draft_n_accepted"] + spec.timings["n_rounds"]
             draft_ms += spec.timings["draft_ms"]
@@ -65,13 +69,13 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 128, n_threads:
             out(f"prompt {i + 1}/{len(prompts)}: {len(spec.tokens)} tokens, tau {spec.timings['tau']:.2f}, "
                 f"AR {ar.timings['predicted_per_second']:.0f} tok/s, DFlash {spec.timings['predicted_per_second']:.0f} tok/s "
                 f"(decoding, prompt excluded), same output as AR: {'yes' if same else 'NO'}")
-        ar_tps = totals["ar"][0] / max(totals["ar"][1], 1e-9)
-        dflash_tps = totals["dflash"][0] / max(totals["dflash"][1], 1e-9)
+        ar_tps = ar_tokens / max(ar_s, 1e-9)
+        dflash_tps = dflash_tokens / max(dflash_s, 1e-9)
         tau = committed / max(rounds, 1)
         out("")
         out(f"{'':8} {'tokens':>7} {'tok/s':>9} {'target passes/token':>20}")
-        out(f"{'AR':8} {totals['ar'][0]:7d} {ar_tps:9.1f} {1.0:20.2f}")
-        out(f"{'DFlash':8} {totals['dflash'][0]:7d} {dflash_tps:9.1f} {1 / max(tau, 1e-9):20.2f}")
+        out(f"{'AR':8} {ar_tokens:7d} {ar_tps:9.1f} {1.0:20.2f}")
+        out(f"{'DFlash':8} {dflash_tokens:7d} {dflash_tps:9.1f} {1 / max(tau, 1e-9):20.2f}")
         out(f"tau (tokens per target pass) {tau:.2f}, speed-up {dflash_tps / max(ar_tps, 1e-9):.2f}x, "
             f"outputs identical: {'yes' if identical else 'NO'}")
         ar_ms = 1000.0 / max(ar_tps, 1e-9)

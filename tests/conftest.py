@@ -8,8 +8,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))  # tests/hf_models.py
+for _path in (TESTS, ROOT / "tools", ROOT / "benchmarks"):  # hf_models; qwen2_bpe, dflash_ref, export_pairs; peer
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 
 def _shim_pydflash_convert() -> None:

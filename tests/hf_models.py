@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import textwrap
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from qwen2_bpe import (  # noqa: E402
-    ENDOFTEXT, IM_END, IM_START, QWEN2_SPLIT_REGEX, SPECIAL_TOKENS, USER_TOKENS, train_qwen2_bpe)
+from qwen2_bpe import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKENS, USER_TOKENS, train_qwen2_bpe
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"

@@ -186,13 +186,9 @@ def test_draft_proposals_match_the_pytorch_reference(pair, window, ring):
     reference) on the same HF weights and the transformers target's features. With a sliding window shorter
     than the prompt (and a feature ring and draft cache that wrap around), the reference is given only the
     last `window` context positions."""
-    import sys
-    from pathlib import Path
-
     import torch
     import transformers
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     from dflash_ref import DFlashDraftModel, extract_features
 
     target_gguf, draft_gguf, target_dir = pair

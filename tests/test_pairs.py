@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,24 +17,17 @@ from pydflash import _core
 from pydflash.demo import demo_paths
 from pydflash.model import _timings
 
-DATA = Path(__file__).resolve().parent / "data" / "pairs"
-REFERENCE = json.loads((DATA / "reference.json").read_text())
+from export_pairs import PAIRS_DIR, pair_file, prompt_rows
+
+REFERENCE = json.loads((PAIRS_DIR / "reference.json").read_text())
 KINDS = sorted(REFERENCE["results"])
 GENRES = ("code", "prose")
 # issue 3: mean acceptance length of the reference loop on held-out code, greedy, block 16
 TAU_CODE_MIN = {"qwen3": 4.0, "qwen35": 3.0}
 
 
-def pair_file(kind: str, role: str, outtype: str) -> Path:
-    if kind == "qwen3" and outtype == "f16":
-        target, draft = demo_paths()  # this one ships inside the package
-        return target if role == "target" else draft
-    return DATA / f"{kind}-{role}-{outtype}.gguf"
-
-
 def prompts(genre: str) -> dict[str, str]:
-    rows = [json.loads(line) for line in (DATA / f"prompts_{genre}.jsonl").read_text().splitlines() if line]
-    return {r["id"]: r["text"] for r in rows}
+    return {r["id"]: r["text"] for r in prompt_rows(genre)}
 
 
 def tie_gap(model, prompt_ids, tokens, other, k) -> float:
@@ -51,7 +43,7 @@ def first_difference(a, b) -> int:
 
 # Batched (verify, prefill) and single-token evaluations round differently (matmul kernels, f16 KV rounding);
 # where two tokens' logits are closer than this, either is the target's greedy choice (measured: 2e-3, 8e-3
-# on the q8_0 qwen3 pair; llama-simple vs ours in tests/test_peer.py uses the same bound)
+# on the q8_0 qwen3 pair; tests/test_peer.py uses it for llama-simple vs ours)
 TIE = 1e-2
 
 
@@ -129,19 +121,18 @@ def test_speculative_equals_plain_on_committed_pairs(kind, outtype):
             assert spec.timings["n_target_evals"] == spec.timings["n_rounds"]
             taus.append(spec.timings["tau"])
         # each parting was checked above to be a near-tie; with an f16 cache they are not rare on q8_0 weights
-        # (2 of 16 prompts x 128 tokens on the qwen3 pair, 1 with an f32 cache)
+        # (measured over 16 prompts x 128 tokens: 2 on the qwen3 pair, 1 with an f32 cache)
         assert ties <= len(texts) // 3
         assert sum(taus) / len(taus) > 2.0  # trained drafts are accepted, so rollback is exercised mid-block
 
 
 def test_stop_token_and_max_tokens_inside_accepted_blocks(kind):
-    """Stop at a token the drafter got accepted in the middle of a block, and cut max_tokens there: the
-    speculative loop must end exactly where plain decoding does."""
+    """Stop tokens and max_tokens spread over a generation whose drafts are mostly accepted, so that most of
+    them fall inside accepted blocks: the speculative loop must end exactly where plain decoding does."""
     target, draft = pair_file(kind, "target", "f16"), pair_file(kind, "dflash", "f16")
     with pydflash.Model(target, draft_model_path=draft, n_ctx=1024) as m:
         ids = m.tokenize(list(prompts("code").values())[0], add_special=False)
         full = m._session.generate(ids, max_tokens=96, draft=m._draft)
-        # rounds: which generated tokens were accepted drafts rather than a round's first (bonus) token
         seen = set()
         checked = 0
         for k, tok in enumerate(full["tokens"][1:], start=1):
@@ -162,7 +153,7 @@ def test_stop_token_and_max_tokens_inside_accepted_blocks(kind):
             assert spec["tokens"] == full["tokens"][:n] and spec["finish_reason"] == "length"
 
 
-def test_small_draft_window_stays_lossless_and_costs_acceptance(kind):
+def test_small_draft_window_stays_lossless_and_keeps_drafting(kind):
     """A 32-position draft window over a 300-token generation: lossless, and the drafter still works."""
     target, draft = pair_file(kind, "target", "f16"), pair_file(kind, "dflash", "f16")
     text = list(prompts("code").values())[1]

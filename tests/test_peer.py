@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +16,9 @@ import pydflash
 from pydflash import _core
 from pydflash.convert import convert_hf_to_gguf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import peer  # noqa: E402
+import peer
+from export_pairs import pair_file, prompt_rows
+from test_pairs import TIE
 
 PROMPT = "def add(a, b):\n    return"
 
@@ -66,11 +66,11 @@ def test_our_gguf_in_llama_cpp(checkpoint_of, llama_simple, tmp_path, arch, shap
     assert len(theirs_bytes) > 0
     if ours_bytes.startswith(theirs_bytes):
         return
-    # a divergence is acceptable only at a genuine tie: our top-1 / top-2 logit gap < 1e-2 at that step
+    # a divergence is acceptable only at a genuine tie: our top-1 / top-2 logit gap < TIE at that step
     first = next(i for i, (a, b) in enumerate(zip(ours_bytes, theirs_bytes)) if a != b)
     step = int(np.searchsorted(np.cumsum([len(p) for p in pieces]), first, side="right"))
     top2 = np.sort(logits[step])[-2:]
-    assert top2[1] - top2[0] < 1e-2, f"diverged at step {step} with a top-1/top-2 gap of {top2[1] - top2[0]}"
+    assert top2[1] - top2[0] < TIE, f"diverged at step {step} with a top-1/top-2 gap of {top2[1] - top2[0]}"
 
 
 @pytest.mark.parametrize("arch, shape", [("qwen3", "gqa4x2_hd64"), ("qwen35", "k2v4_hd32")])
@@ -89,37 +89,15 @@ def test_llama_cpp_converted_gguf_in_ours(checkpoint_of, llama_cpp_dir, tmp_path
     assert outputs[0] == outputs[1]
 
 
-PAIRS_DIR = Path(__file__).resolve().parent / "data" / "pairs"
-
-
-def _llama_dflash(binary: Path, target: Path, draft: Path, prompt_file: Path, n: int) -> tuple[str, int, int]:
-    """(stdout text, n_drafted, n_accept) of llama-speculative-simple --spec-type draft-dflash, greedy"""
-    # its logger is asynchronous and now and then loses the last lines at exit (more often under load): retry
-    for _ in range(5):
-        res = subprocess.run([str(binary), "-m", str(target), "-md", str(draft), "--spec-type", "draft-dflash",
-                              "--spec-draft-n-max", "15", "-f", str(prompt_file), "-n", str(n), "--temp", "0", "-c",
-                              "1024", "-t", "2"], capture_output=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-2000:]
-        log = res.stderr.decode(errors="replace") + res.stdout.decode(errors="replace")
-        if "n_accept  =" in log:
-            break
-    drafted = int(log.split("n_drafted =")[1].split()[0])
-    accepted = int(log.split("n_accept  =")[1].split()[0])
-    return res.stdout.decode(errors="replace"), drafted, accepted
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
 def test_committed_pair_in_llama_speculative_simple(kind, tmp_path):
     """llama.cpp's own DFlash loop runs our committed f32 pair and accepts about as much as ours (and the
     reference loop, which ours equals: tests/test_pairs.py) on held-out code prompts."""
-    import json
-
-    binary = peer.binary("llama-speculative-simple")
-    if binary is None:
+    if peer.binary("llama-speculative-simple") is None:
         pytest.skip("llama.cpp is not built (python benchmarks/peer.py build)")
-    target, draft = PAIRS_DIR / f"{kind}-target-f32.gguf", PAIRS_DIR / f"{kind}-dflash-f32.gguf"
-    rows = [json.loads(line) for line in (PAIRS_DIR / "prompts_code.jsonl").read_text().splitlines() if line][:6]
+    target, draft = pair_file(kind, "target", "f32"), pair_file(kind, "dflash", "f32")
+    rows = prompt_rows("code")[:6]
     n = 96
     ours_drafted = ours_accepted = theirs_drafted = theirs_accepted = 0
     with pydflash.Model(target, draft_model_path=draft, n_ctx=1024) as m:
@@ -127,12 +105,11 @@ def test_committed_pair_in_llama_speculative_simple(kind, tmp_path):
             c = m.generate(row["text"], max_tokens=n)
             ours_drafted += c.timings["draft_n"]
             ours_accepted += c.timings["draft_n_accepted"]
-            prompt_file = tmp_path / f"{row['id']}.txt"
-            prompt_file.write_text(row["text"] + "\n")  # llama.cpp's -f drops one trailing newline
-            text, drafted, accepted = _llama_dflash(binary, target, draft, prompt_file, n)
-            assert c.text[:40] in text  # same greedy continuation
-            theirs_drafted += drafted
-            theirs_accepted += accepted
+            prompt = peer.prompt_file(tmp_path / f"{row['id']}.txt", row["text"])
+            theirs = peer.llama_dflash(target, draft, prompt, n, threads=2, n_ctx=1024, n_draft=15)
+            assert c.text[:40] in theirs["output"]  # same greedy continuation
+            theirs_drafted += theirs["n_drafted"]
+            theirs_accepted += theirs["n_accept"]
     ours_rate, theirs_rate = ours_accepted / ours_drafted, theirs_accepted / theirs_drafted
     print(f"{kind}: acceptance ours {ours_rate:.3f} ({ours_accepted}/{ours_drafted}), llama.cpp {theirs_rate:.3f} "
           f"({theirs_accepted}/{theirs_drafted})")

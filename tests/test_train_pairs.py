@@ -21,8 +21,6 @@ pytest.importorskip("tokenizers")
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
 
 import dflash_ref as R  # noqa: E402
 

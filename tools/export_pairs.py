@@ -22,15 +22,29 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PAIRS_DIR = ROOT / "tests" / "data" / "pairs"
+DEMO_DIR = ROOT / "pydflash" / "data"
 TYPES = ("f32", "f16", "q8_0")
 N_DEMO_PROMPTS = 8
 
 
-def pair_file(kind: str, role: str, outtype: str) -> Path:
-    """Where the committed GGUF of one pair member lives (role: target | dflash)."""
+def pair_file(kind: str, role: str, outtype: str, pairs_dir: Path = PAIRS_DIR) -> Path:
+    """Where the committed GGUF of one pair member lives (role: target | dflash); the tests and benchmarks
+    read the pairs through this too."""
     if kind == "qwen3" and outtype == "f16":
-        return ROOT / "pydflash" / "data" / f"demo-{kind}-{role}-{outtype}.gguf"
-    return ROOT / "tests" / "data" / "pairs" / f"{kind}-{role}-{outtype}.gguf"
+        from pydflash.demo import DEMO_DRAFT, DEMO_TARGET  # this pair ships inside the package
+
+        return DEMO_DIR / (DEMO_TARGET if role == "target" else DEMO_DRAFT)
+    return pairs_dir / f"{kind}-{role}-{outtype}.gguf"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def prompt_rows(genre: str, pairs_dir: Path = PAIRS_DIR) -> list[dict]:
+    """The committed held-out prompts of one genre (code | prose): {id, source, text} each."""
+    return read_jsonl(pairs_dir / f"prompts_{genre}.jsonl")
 
 
 def main(argv=None) -> int:
@@ -51,18 +65,20 @@ def main(argv=None) -> int:
             convert_hf_to_gguf(draft_dir, d, outtype=outtype, target_model_dir=target_dir, progress=False)
             print(f"{t.relative_to(ROOT)} {t.stat().st_size / 1e6:.1f} MB, {d.relative_to(ROOT)} "
                   f"{d.stat().st_size / 1e6:.1f} MB")
-    dest = ROOT / "tests" / "data" / "pairs"
     for genre in ("code", "prose"):
         # id, source and text; the held-out continuation ("reference", for the training log's repeat share of
         # real text) stays out of the repository
-        rows = [json.loads(line) for line in (args.pairs / f"prompts_{genre}.jsonl").read_text().splitlines() if line]
-        (dest / f"prompts_{genre}.jsonl").write_text(
+        rows = read_jsonl(args.pairs / f"prompts_{genre}.jsonl")
+        (PAIRS_DIR / f"prompts_{genre}.jsonl").write_text(
             "".join(json.dumps({k: r[k] for k in ("id", "source", "text")}) + "\n" for r in rows))
-    (dest / "reference.json").write_text(json.dumps(
+        if genre == "code":
+            from pydflash.demo import DEMO_PROMPTS
+
+            demo = [r["text"] for r in rows[:N_DEMO_PROMPTS]]
+            (DEMO_DIR / DEMO_PROMPTS).write_text(json.dumps(demo, indent=1))
+    (PAIRS_DIR / "reference.json").write_text(json.dumps(
         {"block_size": results["block_size"], "eval_tokens": results["eval_tokens"], "results": results["results"]},
         indent=1))
-    code = [json.loads(line)["text"] for line in (dest / "prompts_code.jsonl").read_text().splitlines() if line]
-    (ROOT / "pydflash" / "data" / "demo-prompts.json").write_text(json.dumps(code[:N_DEMO_PROMPTS], indent=1))
     return 0
 
 
