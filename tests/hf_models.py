@@ -19,14 +19,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from qwen2_bpe import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKENS, USER_TOKENS, train_qwen2_bpe
-
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+from qwen2_bpe import ENDOFTEXT, IM_END, IM_START, train_qwen2_bpe, write_tokenizer_files
 
 # Offline training text: a few pure-Python stdlib modules (present in every CPython install).
 _CORPUS_MODULES = ("textwrap.py", "shlex.py", "string.py", "heapq.py", "json/decoder.py")
@@ -48,7 +41,7 @@ def _corpus() -> list[str]:
 @functools.lru_cache(maxsize=4)
 def _tokenizer_json(vocab_size: int) -> str:
     """Train (once per process) a Qwen2-style byte-level BPE; returns the tokenizer.json text."""
-    tok = train_qwen2_bpe(_corpus(), vocab_size - len(SPECIAL_TOKENS) - len(USER_TOKENS))
+    tok = train_qwen2_bpe(_corpus(), vocab_size)
     return tok.to_str(pretty=False)
 
 
@@ -58,34 +51,11 @@ def write_qwen_tokenizer(path: str | Path, *, vocab_size: int = 768, split_regex
     `split_regex` replaces the Split pattern (to test pre-tokenizer detection); `vocab_size` is the
     tokenizer's size including the added tokens.
     """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     data = json.loads(_tokenizer_json(vocab_size))
     if split_regex is not None:
         data["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": split_regex}
-    (path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
-
+    write_tokenizer_files(Path(path), data, eos_token=IM_END)
     ids = {t["content"]: t["id"] for t in data["added_tokens"]}
-    config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
-            for t in data["added_tokens"]
-        },
-        "additional_special_tokens": [IM_START, IM_END],
-        "bos_token": None,
-        "chat_template": CHATML_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": IM_END,
-        "errors": "replace",
-        "model_max_length": 4096,
-        "pad_token": ENDOFTEXT,
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return {"endoftext": ids[ENDOFTEXT], "im_start": ids[IM_START], "im_end": ids[IM_END], "n_tokens": len(data["model"]["vocab"]) + len(ids)}
 
 

@@ -80,16 +80,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import dflash_ref as R  # noqa: E402
-from qwen2_bpe import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKENS, USER_TOKENS, train_qwen2_bpe  # noqa: E402
+from qwen2_bpe import ENDOFTEXT, IM_END, IM_START, train_qwen2_bpe, write_tokenizer_files  # noqa: E402
 
 MASK = "<|MASK|>"
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
 # --------------------------------------------------------------------------------------------------
 # configuration
 
@@ -340,35 +333,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def train_tokenizer(texts: list[str], vocab: int):
-    n_added = len(SPECIAL_TOKENS) + len(USER_TOKENS) + 1
-    return train_qwen2_bpe(texts, vocab - 32 - n_added, length=len(texts), extra_special=(MASK,))
+    return train_qwen2_bpe(texts, vocab - 32, length=len(texts), extra_special=(MASK,))
 
 
 def save_tokenizer(tok, path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    data = json.loads(tok.to_str())
-    (path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
-    config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
-            for t in data["added_tokens"]
-        },
-        "additional_special_tokens": [IM_START, IM_END, MASK],
-        "bos_token": None,
-        "chat_template": CHATML_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": ENDOFTEXT,
-        "errors": "replace",
-        "mask_token": MASK,
-        "model_max_length": 4096,
-        "pad_token": ENDOFTEXT,
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_tokenizer_files(path, json.loads(tok.to_str()), eos_token=ENDOFTEXT, mask_token=MASK)
 
 
 def load_tokenizer(path: Path):
