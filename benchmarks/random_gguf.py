@@ -32,14 +32,20 @@ _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml
                    "tokenizer.ggml.bos_token_id")
 
 
+def _copy_keys(writer: gguf.GGUFWriter, meta: dict, keys) -> None:
+    """Copy the `keys` present in `meta` (a `_core.gguf_metadata` answer: key -> (type, sub type, value))."""
+    for key in keys:
+        if key in meta:
+            vtype, sub, value = meta[key]
+            writer.add_key_value(key, value, gguf.GGUFValueType(vtype),
+                                 sub_type=gguf.GGUFValueType(sub) if sub is not None else None)
+
+
 def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_gguf: Path) -> int:
-    reader = gguf.GGUFReader(vocab_gguf)
-    for key in _TOKENIZER_KEYS:
-        field = reader.fields[key]
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-    return len(reader.fields["tokenizer.ggml.tokens"].data)
+    # ggml's parser (pydflash._core): gguf.GGUFReader takes ~15 s over a 151,936-token vocabulary
+    meta = _core.gguf_metadata(str(vocab_gguf), list(_TOKENIZER_KEYS))
+    _copy_keys(writer, meta, _TOKENIZER_KEYS)
+    return len(meta["tokenizer.ggml.tokens"][2])
 
 
 class _RandomWriter:
@@ -58,6 +64,21 @@ class _RandomWriter:
             self.writer.add_tensor(name, w.astype(np.float16))
         else:
             self.writer.add_tensor(name, _core.quantize(w, int(self.qtype)), raw_dtype=self.qtype)
+
+    def qwen3_layer(self, il: int, E: int, hd: int, n_heads: int, n_kv: int, n_ff: int) -> None:
+        """One Qwen3 decoder layer (the target's and the DFlash draft's layers alike)."""
+        p = f"blk.{il}."
+        self.vector(p + "attn_norm.weight", E)
+        self.matrix(p + "attn_q.weight", hd * n_heads, E)
+        self.matrix(p + "attn_k.weight", hd * n_kv, E)
+        self.matrix(p + "attn_v.weight", hd * n_kv, E)
+        self.matrix(p + "attn_output.weight", E, hd * n_heads)
+        self.vector(p + "attn_q_norm.weight", hd)
+        self.vector(p + "attn_k_norm.weight", hd)
+        self.vector(p + "ffn_norm.weight", E)
+        self.matrix(p + "ffn_gate.weight", n_ff, E)
+        self.matrix(p + "ffn_up.weight", n_ff, E)
+        self.matrix(p + "ffn_down.weight", E, n_ff)
 
     def vector(self, name: str, n: int, center: float = 1.0, spread: float = 0.05) -> None:
         self.writer.add_tensor(name, (center + spread * self.rng.standard_normal(n)).astype(np.float32))
@@ -153,18 +174,7 @@ def write_random_qwen3(path: Path, shape: str, weight_type: str, vocab_gguf: Pat
     t.matrix("token_embd.weight", n_vocab, E)  # tied head, as in Qwen3-0.6B
     t.vector("output_norm.weight", E)
     for il in range(s["n_layers"]):
-        p = f"blk.{il}."
-        t.vector(p + "attn_norm.weight", E)
-        t.matrix(p + "attn_q.weight", hd * s["n_heads"], E)
-        t.matrix(p + "attn_k.weight", hd * s["n_kv_heads"], E)
-        t.matrix(p + "attn_v.weight", hd * s["n_kv_heads"], E)
-        t.matrix(p + "attn_output.weight", E, hd * s["n_heads"])
-        t.vector(p + "attn_q_norm.weight", hd)
-        t.vector(p + "attn_k_norm.weight", hd)
-        t.vector(p + "ffn_norm.weight", E)
-        t.matrix(p + "ffn_gate.weight", s["n_ff"], E)
-        t.matrix(p + "ffn_up.weight", s["n_ff"], E)
-        t.matrix(p + "ffn_down.weight", E, s["n_ff"])
+        t.qwen3_layer(il, E, hd, s["n_heads"], s["n_kv_heads"], s["n_ff"])
     _finish(writer)
     return path
 
@@ -205,7 +215,6 @@ def write_random_dflash(path: Path, target_gguf_path: Path, weight_type: str, n_
     1..n_layer-1, = HF ids + 1) to `default_target_layers`. The tokenizer keys are the target's; M-RoPE targets
     (qwen35) get `rope.dimension_sections = [head_dim/2, 0, 0, 0]`, as our converter and llama.cpp's write them.
     """
-    # ggml's parser (pydflash._core): gguf.GGUFReader takes ~15 s over a 151,936-token vocabulary
     arch = _core.gguf_metadata(str(target_gguf_path), ["general.architecture"])["general.architecture"][2]
     hparams = ("embedding_length", "block_count", "attention.head_count", "attention.head_count_kv",
                "attention.key_length", "feed_forward_length", "context_length", "rope.freq_base",
@@ -249,11 +258,7 @@ def write_random_dflash(path: Path, target_gguf_path: Path, weight_type: str, n_
     writer.add_array(a + "target_layers", target_layers)
     if tkey("rope.dimension_sections") is not None:
         writer.add_array(a + "rope.dimension_sections", [hd // 2, 0, 0, 0])
-    for key in _TARGET_TOKENIZER_KEYS:
-        if key in meta:
-            vtype, sub, value = meta[key]
-            writer.add_key_value(key, value, gguf.GGUFValueType(vtype),
-                                 sub_type=gguf.GGUFValueType(sub) if sub is not None else None)
+    _copy_keys(writer, meta, _TARGET_TOKENIZER_KEYS)
     writer.add_uint32("tokenizer.ggml.mask_token_id", mask_token_id)
 
     t = _RandomWriter(writer, weight_type, seed)
@@ -261,17 +266,6 @@ def write_random_dflash(path: Path, target_gguf_path: Path, weight_type: str, n_
     t.vector("enc.output_norm.weight", E)
     t.vector("output_norm.weight", E)
     for il in range(n_layers):
-        p = f"blk.{il}."
-        t.vector(p + "attn_norm.weight", E)
-        t.matrix(p + "attn_q.weight", hd * n_heads, E)
-        t.matrix(p + "attn_k.weight", hd * n_kv, E)
-        t.matrix(p + "attn_v.weight", hd * n_kv, E)
-        t.matrix(p + "attn_output.weight", E, hd * n_heads)
-        t.vector(p + "attn_q_norm.weight", hd)
-        t.vector(p + "attn_k_norm.weight", hd)
-        t.vector(p + "ffn_norm.weight", E)
-        t.matrix(p + "ffn_gate.weight", n_ff, E)
-        t.matrix(p + "ffn_up.weight", n_ff, E)
-        t.matrix(p + "ffn_down.weight", E, n_ff)
+        t.qwen3_layer(il, E, hd, n_heads, n_kv, n_ff)
     _finish(writer)
     return path
