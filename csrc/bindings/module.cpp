@@ -4,6 +4,7 @@
 #include "core/gguf_file.h"
 #include "core/log.h"
 #include "core/quantize.h"
+#include "models/argmax.h"
 #include "models/model.h"
 #include "spec/generate.h"
 #include "state/draft_session.h"
@@ -191,6 +192,23 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             return out;
         },
         py::arg("data"), py::arg("type"), "Quantize float32 rows with ggml's quantizer; returns uint8 (n_rows, row_bytes).");
+
+    m.def(
+        "argmax_rows",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, int n_threads, bool stock) {
+            if (logits.ndim() != 2) {
+                throw std::invalid_argument("argmax_rows: logits must be 2-D (n_rows, n_vocab)");
+            }
+            const float * data = logits.data();
+            std::vector<int32_t> out;
+            {
+                py::gil_scoped_release nogil;
+                out = argmax_rows_on_cpu(data, logits.shape(0), logits.shape(1), n_threads, stock);
+            }
+            return out;
+        },
+        py::arg("logits"), py::arg("n_threads"), py::arg("stock") = false,
+        "The greedy pick of the CPU graphs (stock=True: ggml_argmax) on a float32 (n_rows, n_vocab) array.");
 
     py::class_<py_model>(m, "Model")
         .def(py::init([](const std::string & path, int n_gpu_layers, int n_threads) {

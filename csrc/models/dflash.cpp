@@ -2,6 +2,7 @@
 // rows, B = block length, hd = head dim, H / Hkv = query / KV heads.
 #include "models/dflash.h"
 #include "core/error.h"
+#include "models/argmax.h"
 #include "models/blocks.h"
 #include "state/kv_cache.h"
 
@@ -183,7 +184,7 @@ ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const dr
     }
     h = build_rms_norm(ctx, h, output_norm_, norm_eps_);
     ggml_tensor * logits = ggml_mul_mat(ctx, target_->output_head(), h);  // [V, B-1]
-    return ggml_argmax(ctx, logits);  // [B-1]: the proposals for positions start+1 ..
+    return build_argmax_rows(ctx, logits, target_->head_on_host());  // [B-1]: the proposals for start+1 ..
 }
 
 }  // namespace pdf

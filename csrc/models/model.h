@@ -86,6 +86,8 @@ class target_model {
     // shared with a DFlash draft, which has neither of its own
     ggml_tensor *      token_embedding() const { return tok_embd_; }
     ggml_tensor *      output_head() const { return output_; }
+    // the head (and so the logits) on the CPU backend
+    bool               head_on_host() const { return !backends_->on_gpu(info_.n_layer); }
 
     // rs is null for models without recurrent layers
     virtual eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,

@@ -2,6 +2,7 @@
 // Per layer: x -> attn_norm -> GQA attention (per-head q/k RMSNorm, NEOX RoPE) -> +x -> ffn_norm -> SwiGLU -> +.
 // Legend: n = tokens in the batch, hd = head dim, H / Hkv = query / KV heads, V = vocab.
 #include "core/error.h"
+#include "models/argmax.h"
 #include "models/blocks.h"
 #include "models/model.h"
 
@@ -184,7 +185,7 @@ class qwen3_model : public target_model {
         x          = build_rms_norm(ctx, x, output_norm_, hp_.norm_eps);
         out.logits = ggml_mul_mat(ctx, output_, x);  // [V, n_outputs]
         ggml_set_name(out.logits, "logits");
-        out.argmax = ggml_argmax(ctx, out.logits);   // [n_outputs]
+        out.argmax = build_argmax_rows(ctx, out.logits, head_on_host());  // [n_outputs]
         return out;
     }
 

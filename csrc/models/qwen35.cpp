@@ -5,6 +5,7 @@
 //         S = GDN head dim (k = v), Hk / Hv = GDN key / value heads, C = conv channels = 2*S*Hk + S*Hv.
 // MTP blocks (indices >= n_layer) are not run and not loaded.
 #include "core/error.h"
+#include "models/argmax.h"
 #include "models/blocks.h"
 #include "models/model.h"
 #include "state/recurrent_state.h"
@@ -224,7 +225,7 @@ class qwen35_model : public target_model {
         x          = build_rms_norm(ctx, x, output_norm_, hp_.norm_eps);
         out.logits = ggml_mul_mat(ctx, output_, x);  // [V, n_outputs]
         ggml_set_name(out.logits, "logits");
-        out.argmax = ggml_argmax(ctx, out.logits);
+        out.argmax = build_argmax_rows(ctx, out.logits, head_on_host());  // [n_outputs]
         return out;
     }
 
