@@ -37,7 +37,9 @@ def ours(path: Path, threads: int, n_prompt: int, n_gen: int) -> tuple[float, fl
     prompt = rng.integers(0, 150000, n_prompt).astype(np.int32)
 
     session = _core.Session(model, n_ctx=n_prompt + n_gen + 16, n_ubatch=n_prompt)
-    session.eval(prompt[:8])  # warm-up: first-touch of weights, graph allocation
+    # warm-up with the same prompt, as llama-bench does: first touch of the weights, and the graph and compute
+    # buffer for a 512-token batch allocated outside the timed pass
+    session.eval(prompt, all_logits=False)
     session.truncate(0)
     t0 = time.perf_counter()
     session.eval(prompt, all_logits=False)

@@ -162,6 +162,12 @@ def test_rollback_limits_are_typed_errors(checkpoint):
         s.truncate(3)
     s.truncate(0)  # a reset is fine
     assert s.n_past == 0
+    # also straight after an uncommitted eval longer than the snapshots reach, and the state is the empty one
+    fresh_logits, _ = session(gguf_path, n_rollback=4).eval(np.arange(3, 6, dtype=np.int32))
+    s.eval(np.arange(1, 9, dtype=np.int32))
+    s.truncate(0)
+    logits, _ = s.eval(np.arange(3, 6, dtype=np.int32))
+    np.testing.assert_array_equal(logits, fresh_logits)
 
 
 def test_generate_with_prompt_cache(checkpoint):

@@ -1,5 +1,7 @@
 #include "models/blocks.h"
 
+#include <algorithm>
+
 namespace pdf {
 
 ggml_tensor * build_rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w, float eps) {
@@ -20,23 +22,45 @@ ggml_tensor * build_rope_neox(ggml_context * ctx, ggml_tensor * x, ggml_tensor *
                          /*beta_slow*/ 0.0f);
 }
 
+ggml_tensor * last_token(ggml_context * ctx, ggml_tensor * x) {
+    const int     d = ggml_n_dims(x) - 1;  // the token dimension
+    const int64_t n = x->ne[d];
+    if (d == 1) {
+        return ggml_view_2d(ctx, x, x->ne[0], 1, x->nb[1], (n - 1) * x->nb[1]);
+    }
+    GGML_ASSERT(d == 2);
+    return ggml_view_3d(ctx, x, x->ne[0], x->ne[1], 1, x->nb[1], x->nb[2], (n - 1) * x->nb[2]);
+}
+
+eval_inputs last_query_inputs(ggml_context * ctx, const eval_inputs & in) {
+    eval_inputs last = in;
+    last.kq_mask     = last_token(ctx, in.kq_mask);
+    return last;
+}
+
+bool last_layer_for_last_token_only(const eval_inputs & in, int n_layer) {
+    const auto & c = in.capture_layers;
+    return !in.all_logits && in.n_tokens > 1 && std::find(c.begin(), c.end(), n_layer) == c.end();
+}
+
 // the attended V window (bytes per layer) up to which the CPU uses plain matmul attention (see below)
 static constexpr size_t SMALL_WINDOW_BYTES = 256 * 1024;
 
 ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const kv_cache & kv,
                                  int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale) {
-    const int64_t hd  = q->ne[0];
-    const int64_t H   = q->ne[1];
-    const int64_t hdv = v->ne[0];
-    const int64_t Hkv = k->ne[1];
-    const int64_t n   = q->ne[2];
+    const int64_t hd    = q->ne[0];
+    const int64_t H     = q->ne[1];
+    const int64_t hdv   = v->ne[0];
+    const int64_t Hkv   = k->ne[1];
+    const int64_t n     = q->ne[2];  // queries: the new tokens, or the last of them only
+    const int64_t n_new = k->ne[2];
 
     ggml_tensor * k_cache = kv.k(il);  // [hd*Hkv, n_ctx]
     ggml_tensor * v_cache = kv.v(il);  // [hdv*Hkv, n_ctx]
 
     // the writes come first in the graph so the reads below see them
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, hd * Hkv, n), in.kv_slots));
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, ggml_reshape_2d(ctx, v, hdv * Hkv, n), in.kv_slots));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, hd * Hkv, n_new), in.kv_slots));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, ggml_reshape_2d(ctx, v, hdv * Hkv, n_new), in.kv_slots));
 
     // cache rows 0..n_kv-1 as [hd, n_kv, Hkv]
     ggml_tensor * k_view = ggml_view_3d(ctx, k_cache, hd, Hkv, in.n_kv, ggml_row_size(k_cache->type, hd),

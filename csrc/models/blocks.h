@@ -18,9 +18,19 @@ ggml_tensor * build_swiglu_ffn(ggml_context * ctx, ggml_tensor * x, ggml_tensor 
 ggml_tensor * build_rope_neox(ggml_context * ctx, ggml_tensor * x, ggml_tensor * positions, int n_rot,
                               float freq_base, int n_ctx_orig);
 
-// q: [hd, H, n], k: [hd, Hkv, n], v: [hdv, Hkv, n] (already normed and rotated)
+// An evaluation that returns only the last token's logits needs, past the last layer's K/V (and recurrent
+// state) writes, only that token: its query, residual and FFN (llama.cpp's inp_out_ids). Not when the final
+// hidden state (capture index n_layer) is wanted for every token.
+bool last_layer_for_last_token_only(const eval_inputs & in, int n_layer);
+// x: [d0, n] or [d0, d1, n] -> the last token's slice (a view) [d0, 1] / [d0, d1, 1]
+ggml_tensor * last_token(ggml_context * ctx, ggml_tensor * x);
+// in, with kq_mask cut to the last token's row: the inputs of an attention that has only that query
+eval_inputs last_query_inputs(ggml_context * ctx, const eval_inputs & in);
+
+// q: [hd, H, nq], k: [hd, Hkv, n], v: [hdv, Hkv, n] (already normed and rotated), nq = n or 1 (the last
+// token's query, with last_query_inputs)
 // writes k, v into cache slots in.kv_slots, then attends over cache rows 0..in.n_kv-1 with in.kq_mask.
-// returns [hdv*H, n]
+// returns [hdv*H, nq]
 ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const kv_cache & kv,
                                  int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale);
 

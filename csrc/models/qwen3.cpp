@@ -126,6 +126,7 @@ class qwen3_model : public target_model {
         eval_outputs  out;
         out.captured.assign(in.capture_layers.size(), nullptr);
 
+        const bool    last_only = last_layer_for_last_token_only(in, hp_.n_layer);
         ggml_tensor * x = ggml_get_rows(ctx, tok_embd_, in.tokens);  // [n_embd, n]
         for (int il = 0; il <= hp_.n_layer; ++il) {
             // DFlash reads layer inputs (llama.cpp's t_layer_inp); index n_layer is the final pre-norm output
@@ -167,7 +168,13 @@ class qwen3_model : public target_model {
             ggml_format_name(q, "Qcur-%d", il);
             ggml_format_name(k, "Kcur-%d", il);
 
-            cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, scale);  // [hd*H, n]
+            if (il == hp_.n_layer - 1 && last_only) {
+                q   = last_token(ctx, q);
+                x   = last_token(ctx, x);
+                cur = build_kv_attention(ctx, gf, last_query_inputs(ctx, in), kv, il, q, k, v, scale);  // [hd*H, 1]
+            } else {
+                cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, scale);  // [hd*H, n]
+            }
             cur = ggml_mul_mat(ctx, l.wo, cur);
             x   = ggml_add(ctx, cur, x);
             ggml_format_name(x, "ffn_inp-%d", il);
@@ -179,8 +186,8 @@ class qwen3_model : public target_model {
             ggml_format_name(x, "l_out-%d", il);
         }
 
-        if (!in.all_logits && n > 1) {
-            x = ggml_view_2d(ctx, x, hp_.n_embd, 1, x->nb[1], (n - 1) * x->nb[1]);  // last token only
+        if (!in.all_logits && x->ne[1] > 1) {
+            x = last_token(ctx, x);  // the final hidden state was captured for every token
         }
         x          = build_rms_norm(ctx, x, output_norm_, hp_.norm_eps);
         out.logits = ggml_mul_mat(ctx, output_, x);  // [V, n_outputs]

@@ -192,10 +192,10 @@ class qwen35_model : public target_model {
     eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const kv_cache & kv,
                             const recurrent_state * rs) const override {
         GGML_ASSERT(rs != nullptr);
-        const int64_t n = in.n_tokens;
         eval_outputs  out;
         out.captured.assign(in.capture_layers.size(), nullptr);
 
+        const bool    last_only = last_layer_for_last_token_only(in, hp_.n_layer);
         ggml_tensor * x = ggml_get_rows(ctx, tok_embd_, in.tokens);  // [E, n]
         for (int il = 0; il <= hp_.n_layer; ++il) {
             for (size_t c = 0; c < in.capture_layers.size(); ++c) {
@@ -208,8 +208,12 @@ class qwen35_model : public target_model {
             }
             const qwen35_layer & l   = layers_[il];
             ggml_tensor *        cur = build_rms_norm(ctx, x, l.attn_norm, hp_.norm_eps);
-            cur = hp_.recurrent[il] ? build_gdn_layer(ctx, gf, in, *rs, l, il, cur)
-                                    : build_attention_layer(ctx, gf, in, kv, l, il, cur);
+            const bool last_token_only = il == hp_.n_layer - 1 && last_only;
+            cur = hp_.recurrent[il] ? build_gdn_layer(ctx, gf, in, *rs, l, il, cur, last_token_only)
+                                    : build_attention_layer(ctx, gf, in, kv, l, il, cur, last_token_only);
+            if (last_token_only) {
+                x = last_token(ctx, x);
+            }
             x   = ggml_add(ctx, cur, x);
             ggml_format_name(x, "attn_residual-%d", il);
 
@@ -219,8 +223,8 @@ class qwen35_model : public target_model {
             ggml_format_name(x, "l_out-%d", il);
         }
 
-        if (!in.all_logits && n > 1) {
-            x = ggml_view_2d(ctx, x, hp_.n_embd, 1, x->nb[1], (n - 1) * x->nb[1]);
+        if (!in.all_logits && x->ne[1] > 1) {
+            x = last_token(ctx, x);  // the final hidden state was captured for every token
         }
         x          = build_rms_norm(ctx, x, output_norm_, hp_.norm_eps);
         out.logits = ggml_mul_mat(ctx, output_, x);  // [V, n_outputs]
@@ -230,9 +234,10 @@ class qwen35_model : public target_model {
     }
 
   private:
-    // x: [E, n] -> [E, n]
+    // x: [E, n] -> [E, n], or [E, 1] for the last token only (the state still takes all n)
     ggml_tensor * build_gdn_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                                  const recurrent_state & rs, const qwen35_layer & l, int il, ggml_tensor * x) const {
+                                  const recurrent_state & rs, const qwen35_layer & l, int il, ggml_tensor * x,
+                                  bool last_token_only) const {
         const int64_t n = x->ne[1], S = hp_.S, Hk = hp_.Hk, Hv = hp_.Hv;
 
         ggml_tensor * qkv  = ggml_mul_mat(ctx, l.wqkv, x);   // [C, n]
@@ -257,12 +262,16 @@ class qwen35_model : public target_model {
         o = ggml_mul(ctx, build_rms_norm(ctx, o, l.ssm_norm, hp_.norm_eps),
                      ggml_silu(ctx, ggml_reshape_3d(ctx, z, S, Hv, n)));
         ggml_format_name(o, "gdn_out-%d", il);
-        return ggml_mul_mat(ctx, l.ssm_out, ggml_reshape_2d(ctx, o, S * Hv, n));
+        if (last_token_only) {
+            o = last_token(ctx, o);
+        }
+        return ggml_mul_mat(ctx, l.ssm_out, ggml_reshape_2d(ctx, o, S * Hv, o->ne[2]));
     }
 
-    // x: [E, n] -> [E, n]
+    // x: [E, n] -> [E, n], or [E, 1] for the last token only (K/V still written for all n)
     ggml_tensor * build_attention_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                                        const kv_cache & kv, const qwen35_layer & l, int il, ggml_tensor * x) const {
+                                        const kv_cache & kv, const qwen35_layer & l, int il, ggml_tensor * x,
+                                        bool last_token_only) const {
         const int64_t n = x->ne[1], hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv;
         ggml_tensor * qg = ggml_mul_mat(ctx, l.wq, x);  // [2*hd*H, n]: per head [q | gate]
         const size_t  f  = ggml_element_size(qg);
@@ -278,7 +287,15 @@ class qwen35_model : public target_model {
                             (int) hp_.n_ctx_train, hp_.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
         k = ggml_rope_multi(ctx, k, in.positions, nullptr, hp_.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
                             (int) hp_.n_ctx_train, hp_.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
-        ggml_tensor * cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, 1.0f / std::sqrt((float) hd));
+        const float   scale = 1.0f / std::sqrt((float) hd);
+        ggml_tensor * cur;
+        if (last_token_only) {  // the projections above ran for all n: M-RoPE positions are section-major
+            q    = last_token(ctx, q);
+            gate = last_token(ctx, gate);
+            cur  = build_kv_attention(ctx, gf, last_query_inputs(ctx, in), kv, il, q, k, v, scale);
+        } else {
+            cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, scale);
+        }
         cur               = ggml_mul(ctx, cur, ggml_sigmoid(ctx, gate));
         return ggml_mul_mat(ctx, l.wo, cur);
     }

@@ -251,12 +251,11 @@ void session::truncate(int n_past) {
     if (n_past < 0 || n_past > n_past_) {
         throw std::out_of_range(format("truncate: %d is outside [0, %d]", n_past, n_past_));
     }
-    if (rs_ && n_past != n_past_) {
-        if (n_past != 0) {
-            throw std::invalid_argument(format("truncate: a recurrent state cannot be cut back to %d tokens (only "
-                                               "reset to 0, or rolled back by commit after an eval)", n_past));
-        }
-        rs_->reset();
+    if (rs_ && n_past == 0) {
+        rs_->reset();  // always possible, also after an uncommitted eval longer than the snapshots reach
+    } else if (rs_ && n_past != n_past_) {
+        throw std::invalid_argument(format("truncate: a recurrent state cannot be cut back to %d tokens (only "
+                                           "reset to 0, or rolled back by commit after an eval)", n_past));
     } else if (rs_ && !pending_.empty()) {
         rs_->commit((int) pending_.size(), 0);
     }
