@@ -3,8 +3,10 @@
 
 Same GGUF, same thread count, same shapes of work as `llama-bench -p N_PROMPT -n N_GEN`: prefill of N_PROMPT
 tokens into an empty cache, and N_GEN decode steps from a one-token prompt. The two engines run in turn,
---reps times (default 3), and each figure is the median of its runs: on a small shared VM one run of either
-engine can be 20% off, which is larger than the differences being measured. Ratio printed.
+--reps times (default 5): each speed is the median of its runs, each ratio the median of the ratios of
+runs made one after the other (on a small shared VM one run of either engine can be 20-40% off, more than
+the differences being measured, and the machine's speed drifts between runs). Beside the decode ratio: the
+spread of those paired ratios (min-max), and the ratio of each engine's best run (the least disturbed one).
 
     python benchmarks/bench_ar.py                  # tiny and ~0.6B random Qwen3, q4_0 and q8_0
     python benchmarks/bench_ar.py --arch qwen35    # tiny and ~0.8B random Qwen3.5 hybrids
@@ -68,7 +70,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3, help="interleaved runs of each engine; medians printed")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved runs of each engine; medians printed")
     ap.add_argument("--peer", choices=["use", "build", "skip"], default="use",
                     help="use llama.cpp if built (default), build it first, or skip it")
     ap.add_argument("--out", type=Path, default=HERE / "out")
@@ -85,8 +87,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     print(f"threads={args.threads}  pp{args.n_prompt}  tg{args.n_gen}  "
-          f"(tokens/s, median of {args.reps} interleaved runs)")
-    header = f"{'model':<14} {'pp ours':>9} {'pp llama':>9} {'ratio':>6} | {'tg ours':>8} {'tg llama':>9} {'ratio':>6}"
+          f"(tokens/s: medians of {args.reps} interleaved runs; ratio: median of run-by-run ratios)")
+    header = (f"{'model':<14} {'pp ours':>9} {'pp llama':>9} {'ratio':>6} | {'tg ours':>8} {'tg llama':>9} {'ratio':>6} "
+              f"{'(min-max)':>11} {'best':>5}")
     print(header)
     print("-" * len(header))
     for shape in (args.shapes or ",".join(shapes)).split(","):
@@ -102,8 +105,12 @@ def main() -> None:
             pp, tg = np.median(np.array(runs_ours), axis=0)
             if use_peer:
                 lpp, ltg = np.median(np.array(runs_peer), axis=0)
-                print(f"{shape + ' ' + wtype:<14} {pp:9.1f} {lpp:9.1f} {pp / lpp:6.2f} | {tg:8.1f} {ltg:9.1f} "
-                      f"{tg / ltg:6.2f}")
+                ratios = np.array(runs_ours) / np.array(runs_peer)  # [reps, (pp, tg)], each run vs its neighbour
+                rpp, rtg = np.median(ratios, axis=0)
+                spread = f"{ratios[:, 1].min():.2f}-{ratios[:, 1].max():.2f}"
+                best = np.array(runs_ours)[:, 1].max() / np.array(runs_peer)[:, 1].max()
+                print(f"{shape + ' ' + wtype:<14} {pp:9.1f} {lpp:9.1f} {rpp:6.2f} | {tg:8.1f} {ltg:9.1f} "
+                      f"{rtg:6.2f} {spread:>11} {best:5.2f}")
             else:
                 print(f"{shape + ' ' + wtype:<14} {pp:9.1f} {'-':>9} {'-':>6} | {tg:8.1f} {'-':>9} {'-':>6}")
             sys.stdout.flush()
