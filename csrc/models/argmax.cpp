@@ -89,7 +89,7 @@ static void argmax_reduce(ggml_tensor * dst, int ith, int nth, void * userdata) 
         const float *   x    = (const float *) ((const char *) logits->data + row * logits->nb[1]);
         int32_t         best = cand[0];
         for (int64_t c = 1; c < part->ne[0]; ++c) {
-            if (x[cand[c]] > x[best] || std::isnan(x[best])) {  // a chunk of NaN only yields its first
+            if (x[cand[c]] > x[best] || std::isnan(x[best])) {  // an all-NaN chunk's pick gives way
                 best = cand[c];
             }
         }
