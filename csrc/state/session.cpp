@@ -12,6 +12,7 @@ namespace pdf {
 // still cost time in the CPU's small-window attention (matmul + softmax + the V transpose run over the whole
 // window), so the step is small: 64 instead of 256 took ~5% off a tiny 4-layer Qwen3's decode step over 128
 // tokens (perf samples per token), while its rebuilds (~0.5 ms each there, a fifth of one step) cost < 0.5%.
+// Which attention kernel runs is still decided on 256-slot windows (models/blocks.cpp).
 static constexpr int KV_WINDOW_STEP = 64;
 
 session::session(std::shared_ptr<const target_model> model, const session_params & params) : model_(std::move(model)) {
