@@ -526,3 +526,28 @@ def make_dflash_checkpoint(
             cfg[k] = v
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# references read out of a transformers model
+
+
+def final_pre_norm_hidden(ref, tokens: list[int]):
+    """transformers' final hidden state of every token before the output norm, [n_tokens, hidden] (its
+    hidden_states[-1] is after the norm): the input of the text model's `norm`."""
+    import torch
+
+    modules = dict(ref.named_modules())
+    norm = modules.get("model.norm") or modules["model.language_model.norm"]
+    seen = {}
+
+    def keep_input(module, args, output):
+        seen["x"] = args[0][0].numpy()  # returns None: the output stays as it is
+
+    hook = norm.register_forward_hook(keep_input)
+    try:
+        with torch.no_grad():
+            ref(torch.tensor([tokens]))
+    finally:
+        hook.remove()
+    return seen["x"]

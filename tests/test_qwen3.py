@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import QWEN3_SHAPES, make_qwen3_shape  # noqa: E402
+from hf_models import QWEN3_SHAPES, final_pre_norm_hidden, make_qwen3_shape  # noqa: E402
 
 import pydflash  # noqa: E402
 from pydflash import _core  # noqa: E402
@@ -40,6 +40,29 @@ def test_logits_match_transformers(checkpoint):
     rel = np.abs(ours - theirs).max() / np.abs(theirs).max()
     print(f"max relative error vs transformers: {rel:.2e}")
     assert rel <= 1e-4
+
+
+def test_last_token_only_prefill_matches_transformers(checkpoint):
+    """all_logits=False runs the last layer past its K/V writes for the last token only; the cache still holds
+    every token's K/V (the next token reads them), and capturing the final hidden state keeps the layer whole."""
+    _, gguf_path, ref = checkpoint
+    model = _core.Model(str(gguf_path))
+    session = _core.Session(model, n_ctx=128, type_k="f32", type_v="f32")
+    theirs = ref_logits(ref, PROMPT + [7])
+    scale = np.abs(theirs).max()
+    last, _ = session.eval(np.array(PROMPT, dtype=np.int32), all_logits=False)
+    assert last.shape == (1, model.n_vocab)
+    assert np.abs(last[0] - theirs[-2]).max() <= 1e-4 * scale
+    session.commit(len(PROMPT))
+    nxt, _ = session.eval(np.array([7], dtype=np.int32), all_logits=False)
+    assert np.abs(nxt[0] - theirs[-1]).max() <= 1e-4 * scale
+
+    session.truncate(0)
+    last, (final,) = session.eval(np.array(PROMPT, dtype=np.int32), all_logits=False, capture_layers=[model.n_layer])
+    assert np.abs(last[0] - theirs[-2]).max() <= 1e-4 * scale
+    pre_norm = final_pre_norm_hidden(ref, PROMPT)  # every token's, as DFlash may read it
+    assert final.shape == pre_norm.shape
+    assert np.abs(final - pre_norm).max() <= 1e-4 * np.abs(pre_norm).max()
 
 
 def test_hidden_state_capture_matches_transformers(checkpoint):

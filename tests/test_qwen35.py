@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import QWEN35_SHAPES, make_qwen35_shape  # noqa: E402
+from hf_models import QWEN35_SHAPES, final_pre_norm_hidden, make_qwen35_shape  # noqa: E402
 
 import pydflash  # noqa: E402
 from pydflash import _core  # noqa: E402
@@ -57,6 +57,31 @@ def test_hidden_state_capture_matches_transformers(checkpoint):
         hs = ref(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
     for il, ours in enumerate(captured):
         assert close(ours, hs[il][0].numpy()), il
+
+
+def test_last_token_only_prefill_matches_transformers(checkpoint):
+    """all_logits=False runs the last layer (attention or GDN) past its K/V and state writes for the last token
+    only; the next token still reads every token's K/V and state, and capturing the final hidden state keeps
+    the layer whole."""
+    _, gguf_path, ref = checkpoint
+    s = session(gguf_path)
+    n_layer = _core.Model(str(gguf_path)).n_layer
+    with torch.no_grad():
+        theirs = ref(torch.tensor([PROMPT + [7]])).logits[0].numpy()
+    scale = np.abs(theirs).max()
+    last, _ = s.eval(np.array(PROMPT, dtype=np.int32), all_logits=False)
+    assert last.shape == (1, theirs.shape[1])
+    assert close(last[0], theirs[-2], scale)
+    s.commit(len(PROMPT))
+    nxt, _ = s.eval(np.array([7], dtype=np.int32), all_logits=False)
+    assert close(nxt[0], theirs[-1], scale)
+
+    s.truncate(0)
+    last, (final,) = s.eval(np.array(PROMPT, dtype=np.int32), all_logits=False, capture_layers=[n_layer])
+    assert close(last[0], theirs[-2], scale)
+    pre_norm = final_pre_norm_hidden(ref, PROMPT)
+    assert final.shape == pre_norm.shape
+    assert close(final, pre_norm)
 
 
 def test_greedy_continuation_matches_transformers(checkpoint):
