@@ -32,12 +32,6 @@ ggml_tensor * last_token(ggml_context * ctx, ggml_tensor * x) {
     return ggml_view_3d(ctx, x, x->ne[0], x->ne[1], 1, x->nb[1], x->nb[2], (n - 1) * x->nb[2]);
 }
 
-eval_inputs last_query_inputs(ggml_context * ctx, const eval_inputs & in) {
-    eval_inputs last = in;
-    last.kq_mask     = last_token(ctx, in.kq_mask);
-    return last;
-}
-
 bool last_layer_for_last_token_only(const eval_inputs & in, int n_layer) {
     const auto & c = in.capture_layers;
     return !in.all_logits && in.n_tokens > 1 && std::find(c.begin(), c.end(), n_layer) == c.end();
@@ -51,13 +45,19 @@ static constexpr size_t SMALL_WINDOW_BYTES = 256 * 1024;
 static constexpr int    SMALL_WINDOW_STEP  = 256;
 
 ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const kv_cache & kv,
-                                 int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale) {
+                                 int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale,
+                                 bool last_query_only) {
     const int64_t hd    = q->ne[0];
     const int64_t H     = q->ne[1];
     const int64_t hdv   = v->ne[0];
     const int64_t Hkv   = k->ne[1];
-    const int64_t n     = q->ne[2];  // queries: the new tokens, or the last of them only
     const int64_t n_new = k->ne[2];
+    ggml_tensor * kq_mask = in.kq_mask;  // [n_kv, n_new]
+    if (last_query_only) {
+        q       = last_token(ctx, q);
+        kq_mask = last_token(ctx, kq_mask);
+    }
+    const int64_t n = q->ne[2];  // queries
 
     ggml_tensor * k_cache = kv.k(il);  // [hd*Hkv, n_ctx]
     ggml_tensor * v_cache = kv.v(il);  // [hdv*Hkv, n_ctx]
@@ -95,14 +95,14 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eva
     if (cpu_cache && plain_kv && n < 64 && v_window <= SMALL_WINDOW_BYTES) {
         ggml_tensor * kq = ggml_mul_mat(ctx, k_view, q_perm);  // [n_kv, n, H]
         ggml_mul_mat_set_prec(kq, GGML_PREC_F32);
-        kq                = ggml_soft_max_ext(ctx, kq, in.kq_mask, scale, 0.0f);
+        kq                = ggml_soft_max_ext(ctx, kq, kq_mask, scale, 0.0f);
         ggml_tensor * v_t = ggml_transpose(ctx, v_view);  // [n_kv, hdv, Hkv]
         v_t = v_cache->type == GGML_TYPE_F16 ? ggml_cast(ctx, ggml_cast(ctx, v_t, GGML_TYPE_F32), GGML_TYPE_F16)
                                              : ggml_cont(ctx, v_t);
         ggml_tensor * kqv = ggml_mul_mat(ctx, v_t, kq);  // [hdv, n, H]
         return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hdv * H, n);  // [hdv*H, n]
     }
-    ggml_tensor * out = ggml_flash_attn_ext(ctx, q_perm, k_view, v_view, in.kq_mask, scale, 0.0f, 0.0f);
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, q_perm, k_view, v_view, kq_mask, scale, 0.0f, 0.0f);
     ggml_prec_set_acc(out, GGML_PREC_F32);
     return ggml_reshape_2d(ctx, out, hdv * H, n);  // out: [hdv, H, n]
 }

@@ -24,15 +24,13 @@ ggml_tensor * build_rope_neox(ggml_context * ctx, ggml_tensor * x, ggml_tensor *
 bool last_layer_for_last_token_only(const eval_inputs & in, int n_layer);
 // x: [d0, n] or [d0, d1, n] -> the last token's slice (a view) [d0, 1] / [d0, d1, 1]
 ggml_tensor * last_token(ggml_context * ctx, ggml_tensor * x);
-// in, with kq_mask cut to the last token's row: the inputs of an attention that has only that query
-eval_inputs last_query_inputs(ggml_context * ctx, const eval_inputs & in);
 
-// q: [hd, H, nq], k: [hd, Hkv, n], v: [hdv, Hkv, n] (already normed and rotated), nq = n or 1 (the last
-// token's query, with last_query_inputs)
-// writes k, v into cache slots in.kv_slots, then attends over cache rows 0..in.n_kv-1 with in.kq_mask.
-// returns [hdv*H, nq]
+// q: [hd, H, n], k: [hd, Hkv, n], v: [hdv, Hkv, n] (already normed and rotated)
+// writes k, v into cache slots in.kv_slots, then attends over cache rows 0..in.n_kv-1 with in.kq_mask: all n
+// queries, or with last_query_only the last token's alone. returns [hdv*H, n] / [hdv*H, 1]
 ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const kv_cache & kv,
-                                 int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale);
+                                 int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, float scale,
+                                 bool last_query_only = false);
 
 }  // namespace pdf
 

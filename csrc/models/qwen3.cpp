@@ -168,12 +168,10 @@ class qwen3_model : public target_model {
             ggml_format_name(q, "Qcur-%d", il);
             ggml_format_name(k, "Kcur-%d", il);
 
-            if (il == hp_.n_layer - 1 && last_only) {
-                q   = last_token(ctx, q);
-                x   = last_token(ctx, x);
-                cur = build_kv_attention(ctx, gf, last_query_inputs(ctx, in), kv, il, q, k, v, scale);  // [hd*H, 1]
-            } else {
-                cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, scale);  // [hd*H, n]
+            const bool last_token_only = il == hp_.n_layer - 1 && last_only;
+            cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, scale, last_token_only);  // [hd*H, n or 1]
+            if (last_token_only) {
+                x = last_token(ctx, x);
             }
             cur = ggml_mul_mat(ctx, l.wo, cur);
             x   = ggml_add(ctx, cur, x);

@@ -287,16 +287,13 @@ class qwen35_model : public target_model {
                             (int) hp_.n_ctx_train, hp_.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
         k = ggml_rope_multi(ctx, k, in.positions, nullptr, hp_.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
                             (int) hp_.n_ctx_train, hp_.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
-        const float   scale = 1.0f / std::sqrt((float) hd);
-        ggml_tensor * cur;
-        if (last_token_only) {  // the projections above ran for all n: M-RoPE positions are section-major
-            q    = last_token(ctx, q);
+        // the projections above ran for all n even for the last token only: M-RoPE positions are section-major
+        ggml_tensor * cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, 1.0f / std::sqrt((float) hd),
+                                               last_token_only);
+        if (last_token_only) {
             gate = last_token(ctx, gate);
-            cur  = build_kv_attention(ctx, gf, last_query_inputs(ctx, in), kv, il, q, k, v, scale);
-        } else {
-            cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, scale);
         }
-        cur               = ggml_mul(ctx, cur, ggml_sigmoid(ctx, gate));
+        cur = ggml_mul(ctx, cur, ggml_sigmoid(ctx, gate));
         return ggml_mul_mat(ctx, l.wo, cur);
     }
 
