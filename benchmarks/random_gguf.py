@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 
 from pydflash import _core
+from pydflash.convert.dflash import default_target_layer_ids
 
 SHAPES = {
     # name: hidden, layers, heads, kv heads, head dim, ffn
@@ -195,8 +196,6 @@ def default_target_layers(n_target_layers: int, n_ext: int = 5) -> list[int]:
     """`dflash.target_layers` (layer *inputs*, = HF `target_layer_ids` + 1) as z-lab picks them: `n_ext` ids spread
     uniformly over target layers 1..T-3 (`build_target_layer_ids`); targets too shallow for that get ids 0.. T-2."""
     if n_target_layers >= 8:
-        from pydflash.convert.dflash import default_target_layer_ids
-
         ids = default_target_layer_ids(n_target_layers, n_ext)
     else:
         ids = list(range(min(n_ext, n_target_layers - 1)))

@@ -80,6 +80,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import dflash_ref as R  # noqa: E402
+from export_pairs import read_jsonl  # noqa: E402
 from qwen2_bpe import ENDOFTEXT, IM_END, IM_START, train_qwen2_bpe, write_tokenizer_files  # noqa: E402
 
 MASK = "<|MASK|>"
@@ -322,10 +323,6 @@ def attach_reference(prompts: list[dict], held) -> None:
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 # --------------------------------------------------------------------------------------------------
