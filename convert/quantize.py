@@ -208,9 +208,11 @@ def _quantize_fn(core: Any, data: np.ndarray, cur: gguf.GGMLQuantizationType, ne
     return run
 
 
-def _copy_kv(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, path: Path) -> None:
+def _copy_kv(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, path: Path, also_skip: frozenset = frozenset()) -> None:
+    """Every metadata key of `reader` but the file-level ones (and `also_skip`) into `writer`."""
     skip = {gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.QUANTIZATION_VERSION, gguf.Keys.General.FILE_TYPE,
-            gguf.Keys.Split.LLM_KV_SPLIT_NO, gguf.Keys.Split.LLM_KV_SPLIT_COUNT, gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT}
+            gguf.Keys.Split.LLM_KV_SPLIT_NO, gguf.Keys.Split.LLM_KV_SPLIT_COUNT, gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+            *also_skip}
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in skip:
             continue

@@ -34,6 +34,14 @@ _core.set_log_callback(_forward_core_log)
 atexit.register(_core.set_log_callback, None)
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+SPEC_MODES = ("auto", "tree", "chain")
+# tree / auto: candidates the drafter returns per position (DDTree's K; trees rarely take a sibling ranked lower)
+DRAFT_TOP_K = 8
+# the most draft nodes one verify may hold (a verify of 64 tokens)
+MAX_TREE_BUDGET = 63
+# hybrid targets keep one recurrent state per verified node: by default auto's trees stay within this share of
+# the weights' memory (or 512 MiB, whichever is more)
+TREE_STATE_SHARE = 0.25
 
 
 @dataclass
@@ -53,11 +61,14 @@ def _timings(raw: dict) -> dict:
         t[f"{kind}_per_token_ms"] = ms / n if n else 0.0
         t[f"{kind}_per_second"] = 1000.0 * n / ms if ms > 0 else 0.0
     if "n_rounds" in t:
-        # tau: tokens committed per target verify (accepted drafts + the target's bonus token)
+        # tau: tokens committed per verify round (accepted drafts + the target's bonus token)
         rounds = t["n_rounds"]
         t["tau"] = (t["draft_n_accepted"] + rounds) / rounds if rounds else 0.0
+        # by depth: of the rounds that verified a draft at depth k+1, the share whose accepted path reached it
         t["acceptance_by_position"] = [a / p if p else 0.0 for a, p in zip(t.pop("accepted_at"), t.pop("proposed_at"))]
         t["draft_acceptance_rate"] = t["draft_n_accepted"] / t["draft_n"] if t["draft_n"] else 0.0
+        # verified tokens per committed token over the speculative rounds
+        t["verified_per_token"] = t["verify_n"] / (t["draft_n_accepted"] + rounds) if rounds else 0.0
     return t
 
 
@@ -120,6 +131,9 @@ class Model:
         n_ubatch: int = 512,
         draft_model_path: str | os.PathLike | None = None,
         block_size: int | None = None,
+        spec_mode: str = "auto",
+        tree_budget: int | None = None,
+        tree_seed: str = "chain",
         draft_window: int = 4096,
         seed: int = 0,
         verbose: bool = False,
@@ -147,24 +161,53 @@ class Model:
                     kv_bytes / 2**20)
         self._draft = None
         n_rollback = 16
+        if spec_mode not in SPEC_MODES:
+            raise ValueError(f"spec_mode={spec_mode!r} is not one of {', '.join(SPEC_MODES)}")
+        if tree_seed not in ("chain", "best_first"):
+            raise ValueError(f"tree_seed={tree_seed!r} is not one of chain, best_first")
+        if tree_budget is not None and not 1 <= tree_budget <= MAX_TREE_BUDGET:
+            raise ValueError(f"tree_budget={tree_budget} must be in [1, {MAX_TREE_BUDGET}]")
+        self.spec_mode = spec_mode
+        self.tree_seed = tree_seed
+        self.tree_budget = None
         if draft_model_path is not None:
             draft_path = os.fspath(draft_model_path)
             if not os.path.exists(draft_path):
                 raise ModelLoadError(f"{draft_path}: no such file")
-            # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify block
+            # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify
             self._draft = _core.DraftSession(self._model, draft_path, n_ctx=n_ctx, block_size=block_size or 0,
-                                             window=draft_window, ring_capacity=n_ubatch)
-            n_rollback = max(n_rollback, self._draft.block_size)
+                                             window=draft_window, ring_capacity=max(n_ubatch, MAX_TREE_BUDGET + 1),
+                                             top_k=1 if spec_mode == "chain" else DRAFT_TOP_K,
+                                             max_verify=MAX_TREE_BUDGET + 1)
+            self.tree_budget = tree_budget or self._default_tree_budget()
+            # a hybrid target keeps the state of every token (chain) or node (tree) of a verify
+            n_rollback = max(n_rollback, self._draft.block_size,
+                             1 + self.tree_budget if spec_mode != "chain" else 0)
             logger.info("%s: DFlash draft, block %d (trained %d), target layers %s, weights %.1f MiB, "
                         "context cache (window %d) %.1f MiB, feature ring (%d rows) %.1f MiB", draft_path,
                         self._draft.block_size, self._draft.trained_block_size, self._draft.capture_layers,
                         self._draft.weight_bytes / 2**20, self._draft.window, self._draft.kv_bytes / 2**20,
                         self._draft.ring_capacity, self._draft.ring_bytes / 2**20)
-        elif block_size is not None:
-            raise ValueError("block_size needs a draft model (draft_model_path)")
+        elif block_size is not None or tree_budget is not None:
+            raise ValueError("block_size and tree_budget need a draft model (draft_model_path)")
         self._session = _core.Session(self._model, n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch,
                                       n_rollback=n_rollback)
         self._lock = threading.Lock()
+
+    def _default_tree_budget(self) -> int:
+        """Draft nodes per verify when tree_budget is not given: tree mode verifies four blocks' worth; auto may
+        go up to 63, on hybrid targets only as far as the per-node recurrent states stay within
+        max(512 MiB, a quarter of the weights)."""
+        block = self._draft.block_size
+        if self.spec_mode == "chain":
+            return block - 1
+        budget = 4 * (block - 1) if self.spec_mode == "tree" else MAX_TREE_BUDGET
+        budget = min(budget, MAX_TREE_BUDGET)
+        if self._model.is_recurrent:
+            per_node = self._model.recurrent_bytes_for(2) - self._model.recurrent_bytes_for(1)
+            allowed = max(512 * 2**20, TREE_STATE_SHARE * self._model.weight_bytes)
+            budget = max(block - 1, min(budget, int(allowed // per_node) - 2))
+        return budget
 
     @classmethod
     def demo(cls, **kwargs) -> "Model":
@@ -278,7 +321,8 @@ class Model:
                                     "predicted_ms": 0.0, "n_target_evals": 0}}
             result = self._session.generate(tokens, max_tokens=max_tokens,
                                             stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
-                                            draft=self._draft if speculative else None)
+                                            draft=self._draft if speculative else None, spec_mode=self.spec_mode,
+                                            tree_budget=self.tree_budget or 0, tree_seed=self.tree_seed)
         if stops.stopped:
             result["finish_reason"] = "stop"
         else:

@@ -6,7 +6,8 @@
 #include "core/quantize.h"
 #include "models/argmax.h"
 #include "models/model.h"
-#include "spec/generate.h"
+#include "spec/driver.h"
+#include "spec/proposer.h"
 #include "state/draft_session.h"
 #include "state/session.h"
 
@@ -99,7 +100,37 @@ struct py_model {
     std::shared_ptr<const target_model> model;
 };
 
-static py::dict timings_dict(const generate_timings & t, bool speculative) {
+// A drafter for one target session, with what the decode loop learns about it on this machine (costs, how far
+// its probabilities can be trusted), kept across generate calls
+struct py_draft {
+    std::unique_ptr<draft_session> session;
+    std::unique_ptr<cost_model>    costs;
+};
+
+static spec_mode parse_spec_mode(const std::string & name) {
+    if (name == "auto") {
+        return spec_mode::automatic;
+    }
+    if (name == "tree") {
+        return spec_mode::tree;
+    }
+    if (name == "chain") {
+        return spec_mode::chain;
+    }
+    throw std::invalid_argument("spec_mode = '" + name + "' is not one of 'auto', 'tree', 'chain'");
+}
+
+static tree_seed parse_tree_seed(const std::string & name) {
+    if (name == "chain") {
+        return tree_seed::chain;
+    }
+    if (name == "best_first") {
+        return tree_seed::best_first;
+    }
+    throw std::invalid_argument("tree_seed = '" + name + "' is not one of 'chain', 'best_first'");
+}
+
+static py::dict timings_dict(const generate_timings & t, bool speculative, const auto_stats * a) {
     py::dict d;
     d["prompt_n"]       = t.prompt_n;
     d["cached_n"]       = t.cached_n;
@@ -108,15 +139,38 @@ static py::dict timings_dict(const generate_timings & t, bool speculative) {
     d["predicted_ms"]   = t.predicted_ms;
     d["n_target_evals"] = t.n_target_evals;
     if (speculative) {
+        d["warm_up_ms"]       = t.warm_up_ms;
         d["draft_n"]          = t.draft_n;
         d["draft_n_accepted"] = t.draft_n_accepted;
         d["n_rounds"]         = t.n_rounds;
+        d["verify_n"]         = t.verify_n;
         d["draft_ms"]         = t.draft_ms;
         d["verify_ms"]        = t.verify_ms;
         d["accepted_at"]      = t.accepted_at;
         d["proposed_at"]      = t.proposed_at;
+        if (a) {
+            d["auto_skipped"] = a->n_skipped;
+            d["auto_plain"]   = a->n_plain;
+            d["auto_chain"]   = a->n_chain;
+            d["auto_tree"]    = a->n_tree;
+        }
     }
     return d;
+}
+
+// rows [first, first + n) of a 2-D state tensor, as raw bytes [n, row bytes]
+static py::array_t<uint8_t> tensor_rows(const ggml_tensor * t, int64_t first, int64_t n) {
+    py::array_t<uint8_t> out({(py::ssize_t) n, (py::ssize_t) t->nb[1]});
+    ggml_backend_tensor_get(t, out.mutable_data(), (size_t) first * t->nb[1], (size_t) n * t->nb[1]);
+    return out;
+}
+
+static py::array_t<float> f32_rows(const ggml_tensor * t, const std::vector<int32_t> & rows) {
+    py::array_t<float> out({(py::ssize_t) rows.size(), (py::ssize_t) t->ne[0]});
+    for (size_t i = 0; i < rows.size(); ++i) {
+        ggml_backend_tensor_get(t, out.mutable_data() + i * t->ne[0], (size_t) rows[i] * t->nb[1], t->nb[1]);
+    }
+    return out;
 }
 
 PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
@@ -230,13 +284,17 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def_property_readonly("n_ctx_train", [](const py_model & m) { return m.model->info().n_ctx_train; })
         .def_property_readonly("n_threads", [](const py_model & m) { return m.model->devices().n_threads(); })
         .def_property_readonly("weight_bytes", [](const py_model & m) { return m.model->weight_bytes(); })
+        .def_property_readonly("is_recurrent", [](const py_model & m) { return !m.model->info().recurrent_layers.empty(); })
+        .def("recurrent_bytes_for", [](const py_model & m, uint32_t n_rollback) {
+            return m.model->info().recurrent_layers.empty() ? 0 : recurrent_state::n_bytes_for(m.model->info(), n_rollback);
+        }, py::arg("n_rollback"), "Bytes of the recurrent state that keeps n_rollback per-token (or per-node) states.")
         .def("kv_bytes_for", [](const py_model & m, uint32_t n_ctx, const std::string & tk, const std::string & tv) {
             return kv_cache::n_bytes_for(m.model->info(), n_ctx, parse_kv_type(tk), parse_kv_type(tv));
         });
 
-    py::class_<draft_session>(m, "DraftSession")
+    py::class_<py_draft>(m, "DraftSession")
         .def(py::init([](const py_model & target, const std::string & path, uint32_t n_ctx, int block_size, int window,
-                         int ring_capacity) {
+                         int ring_capacity, int top_k, int max_verify) {
                  std::shared_ptr<const dflash_draft> draft;
                  {
                      py::gil_scoped_release nogil;
@@ -246,51 +304,106 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  params.block         = block_size;
                  params.window        = window;
                  params.ring_capacity = ring_capacity;
-                 return std::make_unique<draft_session>(draft, n_ctx, params);
+                 params.top_k         = top_k;
+                 py_draft d;
+                 d.session = std::make_unique<draft_session>(draft, n_ctx, params);
+                 if (max_verify == 0) {
+                     max_verify = std::min(64, d.session->ring().capacity());
+                 }
+                 if (max_verify < 1 || max_verify > d.session->ring().capacity()) {
+                     throw std::invalid_argument(format("max_verify = %d must be in [1, %d] (the feature ring's rows)",
+                                                        max_verify, d.session->ring().capacity()));
+                 }
+                 d.costs = std::make_unique<cost_model>(max_verify, d.session->block() - 1);
+                 return d;
              }),
              py::arg("target"), py::arg("path"), py::arg("n_ctx"), py::arg("block_size") = 0,
              py::arg("window") = draft_params{}.window, py::arg("ring_capacity") = draft_params{}.ring_capacity,
-             py::keep_alive<1, 2>())
-        .def_property_readonly("block_size", &draft_session::block)
-        .def_property_readonly("trained_block_size", [](const draft_session & d) { return d.model().block_size(); })
-        .def_property_readonly("mask_token", [](const draft_session & d) { return d.model().mask_token(); })
-        .def_property_readonly("capture_layers", [](const draft_session & d) { return d.model().capture_layers(); })
-        .def_property_readonly("weight_bytes", [](const draft_session & d) { return d.model().weight_bytes(); })
-        .def_property_readonly("kv_bytes", &draft_session::kv_bytes)
-        .def_property_readonly("window", &draft_session::window)
-        .def_property_readonly("ring_capacity", [](draft_session & d) { return d.ring().capacity(); })
-        .def_property_readonly("ring_bytes", [](draft_session & d) { return d.ring().n_bytes(); })
+             py::arg("top_k") = draft_params{}.top_k, py::arg("max_verify") = 0, py::keep_alive<1, 2>())
+        .def_property_readonly("block_size", [](const py_draft & d) { return d.session->block(); })
+        .def_property_readonly("trained_block_size", [](const py_draft & d) { return d.session->model().block_size(); })
+        .def_property_readonly("mask_token", [](const py_draft & d) { return d.session->model().mask_token(); })
+        .def_property_readonly("capture_layers", [](const py_draft & d) { return d.session->model().capture_layers(); })
+        .def_property_readonly("weight_bytes", [](const py_draft & d) { return d.session->model().weight_bytes(); })
+        .def_property_readonly("kv_bytes", [](const py_draft & d) { return d.session->kv_bytes(); })
+        .def_property_readonly("window", [](const py_draft & d) { return d.session->window(); })
+        .def_property_readonly("top_k", [](const py_draft & d) { return d.session->top_k(); })
+        .def_property_readonly("ring_capacity", [](py_draft & d) { return d.session->ring().capacity(); })
+        .def_property_readonly("ring_bytes", [](py_draft & d) { return d.session->ring().n_bytes(); })
+        .def(
+            "costs",
+            [](const py_draft & d) {
+                // what the decode loop measured and learnt (auto mode): ms per verify width, draft ms, rates
+                const cost_model & c = *d.costs;
+                py::dict           out;
+                py::dict           chain, tree;
+                for (int w : c.grid()) {
+                    chain[py::int_(w)] = c.verify_ms(w, false);
+                    tree[py::int_(w)]  = c.verify_ms(w, true);
+                }
+                std::vector<double> cal;
+                for (int depth = 1; depth < d.session->block(); ++depth) {
+                    cal.push_back(c.calibration(depth));
+                }
+                out["calibrated"]  = c.calibrated();
+                out["verify_ms"]   = chain;
+                out["tree_verify_ms"] = tree;
+                out["draft_ms"]    = c.draft_ms();
+                out["plain_rate"]  = c.plain_rate();
+                out["spec_rate"]   = c.spec_rate();
+                out["calibration"] = cal;
+                return out;
+            },
+            "The speculation cost model: measured verify times per width, draft time, rates (tokens/ms), and the "
+            "drafter's calibration per depth.")
         .def(
             "draft",
-            [](draft_session & d, py::array_t<float, py::array::c_style | py::array::forcecast> feats,
-               py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions, int32_t anchor, int start) {
+            [](py_draft & pd, py::array_t<float, py::array::c_style | py::array::forcecast> feats,
+               py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions, int32_t anchor, int start,
+               bool with_logprobs) -> py::object {
                 // feats [m, n_ext*E] of context rows not yet appended (any number: appended in chunks first)
-                const int m = (int) positions.size();
+                draft_session & d = *pd.session;
+                const int       m = (int) positions.size();
                 if (feats.ndim() != 2 || feats.shape(0) != m) {
                     throw std::invalid_argument("draft: feats must be (len(positions), n_ext * n_embd)");
                 }
-                std::vector<int32_t> out;
                 if (m > 0 && feats.shape(1) != d.ring().row_width()) {
                     throw std::invalid_argument(format("draft: feats rows have %lld floats, the drafter reads %lld",
                                                        (long long) feats.shape(1), (long long) d.ring().row_width()));
                 }
+                draft_proposals out;
                 {
                     py::gil_scoped_release nogil;
                     // through the ring, in pieces it can hold, like the target's own writes
-                    const int tail = std::min(m, d.block());
-                    for (int i = 0; i < m - tail; i += d.ring().capacity()) {
-                        const int k = std::min(d.ring().capacity(), m - tail - i);
+                    for (int i = 0; i < m; i += d.ring().capacity()) {
+                        const int k = std::min(d.ring().capacity(), m - i);
+                        d.flush();
                         d.ring().write(feats.data() + (size_t) i * feats.shape(1), positions.data() + i, k);
-                        d.append(positions.data() + i, k);
+                        std::vector<int32_t> rows(k);
+                        for (int j = 0; j < k; ++j) {
+                            rows[j] = d.ring().slot(positions.data()[i + j]);
+                        }
+                        d.queue(rows.data(), positions.data() + i, k);
                     }
-                    d.ring().write(feats.data() + (size_t) (m - tail) * feats.shape(1), positions.data() + (m - tail),
-                                   tail);
-                    out = d.draft(positions.data() + (m - tail), tail, anchor, start);
+                    out = d.draft(anchor, start);
                 }
-                return out;
+                if (!with_logprobs) {
+                    std::vector<int32_t> top1(out.n_positions);
+                    for (int i = 0; i < out.n_positions; ++i) {
+                        top1[i] = out.id(i, 0);
+                    }
+                    return py::cast(top1);
+                }
+                py::array_t<int32_t> ids({out.n_positions, out.top_k});
+                py::array_t<float>   lps({out.n_positions, out.top_k});
+                std::copy(out.ids.begin(), out.ids.end(), ids.mutable_data());
+                std::copy(out.logprobs.begin(), out.logprobs.end(), lps.mutable_data());
+                return py::make_tuple(ids, lps);
             },
             py::arg("feats"), py::arg("positions"), py::arg("anchor"), py::arg("start"),
-            "Append context rows and draft one block [anchor, MASK x (B-1)] at start; returns B-1 proposals.");
+            py::arg("with_logprobs") = false,
+            "Append context rows and draft one block [anchor, MASK x (B-1)] at start; returns the B-1 proposals, "
+            "or with_logprobs: (ids, logprobs) [B-1, top_k], most likely first.");
 
     py::class_<session>(m, "Session")
         .def(py::init([](const py_model & m, uint32_t n_ctx, const std::string & type_k, const std::string & type_v,
@@ -299,31 +412,40 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  p.n_ctx      = n_ctx;
                  p.n_ubatch   = n_ubatch;
                  p.n_rollback = n_rollback;
-                 p.type_k   = parse_kv_type(type_k);
-                 p.type_v   = parse_kv_type(type_v);
+                 p.type_k     = parse_kv_type(type_k);
+                 p.type_v     = parse_kv_type(type_v);
                  return std::make_unique<session>(m.model, p);
              }),
              py::arg("model"), py::arg("n_ctx") = 4096, py::arg("type_k") = "f16", py::arg("type_v") = "f16",
              py::arg("n_ubatch") = 512, py::arg("n_rollback") = 16, py::keep_alive<1, 2>())
         .def_property_readonly("n_past", &session::n_past)
         .def_property_readonly("n_ctx", &session::n_ctx)
+        .def_property_readonly("n_rollback", &session::n_rollback)
         .def_property_readonly("kv_bytes", &session::kv_bytes)
         .def_property_readonly("recurrent_bytes", &session::recurrent_bytes)
         .def_property_readonly("tokens", &session::tokens)
+        .def_property_readonly("argmax", &session::argmax, "The greedy pick of each row read by the last eval.")
         .def(
             "eval",
             [](session & s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
-               py::object positions, py::object mask, bool all_logits, std::vector<int> capture_layers) {
+               py::object positions, py::object mask, py::object parents, bool all_logits,
+               std::vector<int> capture_layers, int top_k) -> py::tuple {
                 const int n = (int) tokens.size();
-                std::vector<int32_t> pos;
-                if (!positions.is_none()) {
-                    auto p = positions.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>();
-                    if ((int) p.size() != n) {
-                        throw std::invalid_argument("eval: positions must have one entry per token");
+                auto      as_rows = [n](py::object o, const char * what) {
+                    auto a = o.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>();
+                    if ((int) a.size() != n) {
+                        throw std::invalid_argument(format("eval: %s must have one entry per token", what));
                     }
-                    pos.assign(p.data(), p.data() + n);
-                }
+                    return std::vector<int32_t>(a.data(), a.data() + n);
+                };
+                std::vector<int32_t> pos, par;
                 std::vector<uint8_t> mk;
+                if (!positions.is_none()) {
+                    pos = as_rows(positions, "positions");
+                }
+                if (!parents.is_none()) {
+                    par = as_rows(parents, "parents");
+                }
                 if (!mask.is_none()) {
                     auto a = mask.cast<py::array_t<uint8_t, py::array::c_style | py::array::forcecast>>();
                     if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != n) {
@@ -332,10 +454,13 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                     mk.assign(a.data(), a.data() + (size_t) n * n);
                 }
                 std::vector<int32_t> toks(tokens.data(), tokens.data() + n);
+                batch_layout         layout;
+                layout.positions = pos.empty() ? nullptr : pos.data();
+                layout.mask      = mk.empty() ? nullptr : mk.data();
+                layout.parents   = par.empty() ? nullptr : par.data();
                 {
                     py::gil_scoped_release nogil;
-                    s.eval(toks.data(), pos.empty() ? nullptr : pos.data(), n, mk.empty() ? nullptr : mk.data(),
-                           all_logits ? LOGITS_ALL : LOGITS_LAST, capture_layers);
+                    s.eval(toks.data(), n, layout, readout{all_logits, true, top_k}, capture_layers);
                 }
                 const int64_t n_vocab = s.model().info().n_vocab, n_embd = s.model().info().n_embd;
                 py::array_t<float> logits({(py::ssize_t) s.n_outputs(), (py::ssize_t) n_vocab});
@@ -346,21 +471,63 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                     std::copy(s.captured(c).begin(), s.captured(c).end(), h.mutable_data());
                     captured.append(h);
                 }
-                return py::make_tuple(logits, captured);
+                if (top_k > 0) {
+                    py::array_t<int32_t> ids({s.n_outputs(), top_k});
+                    py::array_t<float>   lps({s.n_outputs(), top_k});
+                    std::copy(s.top_ids().begin(), s.top_ids().end(), ids.mutable_data());
+                    std::copy(s.top_logprobs().begin(), s.top_logprobs().end(), lps.mutable_data());
+                    return py::tuple(py::make_tuple(logits, captured, ids, lps));
+                }
+                return py::tuple(py::make_tuple(logits, captured));
             },
             py::arg("tokens"), py::arg("positions") = py::none(), py::arg("mask") = py::none(),
-            py::arg("all_logits") = true, py::arg("capture_layers") = std::vector<int>{},
-            "Evaluate tokens into cache slots n_past..; returns (logits [n_out, n_vocab], [hidden [n, n_embd] ...]).")
-        .def("commit", &session::commit, py::arg("n"))
+            py::arg("parents") = py::none(), py::arg("all_logits") = true,
+            py::arg("capture_layers") = std::vector<int>{}, py::arg("top_k") = 0,
+            "Evaluate tokens into cache slots n_past..; returns (logits [n_out, n_vocab], [hidden [n, n_embd] ...]) "
+            "(and top_k ids, log-probabilities [n_out, top_k] when top_k > 0). parents: a tree (parent row per row, "
+            "-1: the committed past); mask: any visibility (attention-only models).")
+        .def("commit", py::overload_cast<int>(&session::commit), py::arg("n"))
+        .def("commit", py::overload_cast<const std::vector<int> &>(&session::commit), py::arg("rows"))
+        .def("eval_slot", &session::eval_slot, py::arg("row"))
         .def("truncate", &session::truncate, py::arg("n_past"))
         .def("abort", [](session & s) { s.abort.store(true); })
         .def(
+            "read_state",
+            [](const session & s) {
+                // the committed state as the next evaluation reads it: K and V rows of the committed slots (raw
+                // bytes, per attention layer), the SSM state and conv window (per recurrent layer)
+                py::dict   d;
+                py::list   k, v, ssm, conv;
+                const auto & info = s.model().info();
+                for (const kv_layer_desc & l : info.kv_layers) {
+                    k.append(tensor_rows(s.kv().k(l.il), 0, s.n_past()));
+                    v.append(tensor_rows(s.kv().v(l.il), 0, s.n_past()));
+                }
+                if (const recurrent_state * rs = s.recurrent()) {
+                    for (const recurrent_layer_desc & l : info.recurrent_layers) {
+                        ssm.append(f32_rows(rs->ssm(l.il), {rs->ssm_row()}).attr("reshape")(-1));
+                        conv.append(f32_rows(rs->conv(l.il), rs->conv_rows()));
+                    }
+                }
+                d["k"] = k;
+                d["v"] = v;
+                d["ssm"] = ssm;
+                d["conv"] = conv;
+                return d;
+            },
+            "The committed KV rows and recurrent state (for tests).")
+        .def(
             "generate",
             [](session & s, std::vector<int32_t> prompt, int max_tokens, std::vector<int32_t> stop_tokens,
-               py::object callback, draft_session * draft) {
+               py::object callback, py_draft * draft, const std::string & mode, int tree_budget,
+               const std::string & seed) {
                 generate_params p;
                 p.max_tokens  = max_tokens;
                 p.stop_tokens = std::move(stop_tokens);
+                spec_params sp;
+                sp.mode        = parse_spec_mode(mode);
+                sp.tree_budget = tree_budget;
+                sp.seed        = parse_tree_seed(seed);
                 token_callback cb;
                 if (!callback.is_none()) {
                     cb = [&callback](const int32_t * toks, int n) {
@@ -373,18 +540,28 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                     };
                 }
                 generate_result r;
+                auto_stats      stats;
                 {
                     py::gil_scoped_release nogil;
-                    r = draft ? generate_dflash(s, *draft, prompt, p, cb) : generate_greedy(s, prompt, p, cb);
+                    if (draft) {
+                        dflash_proposer dp(*draft->session, *draft->costs, sp, s.is_recurrent());
+                        r     = generate(s, dp, prompt, p, cb);
+                        stats = dp.stats();
+                    } else {
+                        plain_proposer pp;
+                        r = generate(s, pp, prompt, p, cb);
+                    }
                 }
                 py::dict d;
                 d["tokens"]        = r.tokens;
                 d["finish_reason"] = r.finish_reason;
-                d["timings"]       = timings_dict(r.timings, draft != nullptr);
+                d["timings"]       = timings_dict(r.timings, draft != nullptr,
+                                                  draft && sp.mode == spec_mode::automatic ? &stats : nullptr);
                 return d;
             },
             py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = std::vector<int32_t>{},
-            py::arg("callback") = py::none(), py::arg("draft") = nullptr,
-            "Greedy generation (DFlash speculative when a DraftSession is given); callback(list[int]) -> bool is "
-            "called (with the GIL) per committed token batch.");
+            py::arg("callback") = py::none(), py::arg("draft") = nullptr, py::arg("spec_mode") = "chain",
+            py::arg("tree_budget") = 0, py::arg("tree_seed") = "chain",
+            "Greedy generation (speculative with a DraftSession: spec_mode 'chain', 'tree' or 'auto'); "
+            "callback(list[int]) -> bool is called (with the GIL) per batch of committed tokens.");
 }

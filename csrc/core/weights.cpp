@@ -17,16 +17,33 @@ weights::~weights() {
     }
 }
 
-ggml_tensor * weights::add(ggml_tensor * meta, int il, weight_use use) {
-    ggml_backend_buffer_type_t buft = be_.weight_buft(il, use, meta);
-    ggml_context *&            ctx  = ctx_by_buft_[buft];
+ggml_context * weights::context_for(ggml_backend_buffer_type_t buft) {
+    ggml_context *& ctx = ctx_by_buft_[buft];
     if (!ctx) {
-        ggml_init_params params = {ggml_tensor_overhead() * (file_.n_tensors() + 1), nullptr, true};
+        // every file tensor at most once, and each may have a transposed copy
+        ggml_init_params params = {ggml_tensor_overhead() * (2 * file_.n_tensors() + 1), nullptr, true};
         ctx                     = ggml_init(params);
     }
-    ggml_tensor * t = ggml_dup_tensor(ctx, meta);
+    return ctx;
+}
+
+ggml_tensor * weights::add(ggml_tensor * meta, int il, weight_use use) {
+    ggml_tensor * t = ggml_dup_tensor(context_for(be_.weight_buft(il, use, meta)), meta);
     ggml_set_name(t, ggml_get_name(meta));
     to_load_.emplace_back(t, meta);
+    return t;
+}
+
+ggml_tensor * weights::transposed_copy(const std::string & name, int il, weight_use use) {
+    ggml_tensor * meta = file_.find_tensor(name);
+    if (!meta || meta->type != GGML_TYPE_F32 || ggml_n_dims(meta) > 2) {
+        throw format_error(format("%s: tensor '%s' %s, expected a 2-D f32 tensor", file_.path().c_str(), name.c_str(),
+                                  meta ? "has another type or shape" : "is missing"));
+    }
+    ggml_context * ctx = context_for(be_.weight_buft(il, use, meta));
+    ggml_tensor *  t   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, meta->ne[1], meta->ne[0]);
+    ggml_format_name(t, "%s.T", name.c_str());
+    to_transpose_.emplace_back(t, meta);
     return t;
 }
 
@@ -56,6 +73,19 @@ void weights::load() {
         ggml_backend_tensor_set(p.first, file_.tensor_data(p.second), 0, ggml_nbytes(p.second));
     }
     to_load_.clear();
+    std::vector<float> tmp;
+    for (auto & p : to_transpose_) {
+        const int64_t a = p.second->ne[0], b = p.second->ne[1];
+        const float * src = (const float *) file_.tensor_data(p.second);
+        tmp.resize((size_t) a * b);
+        for (int64_t i = 0; i < b; ++i) {
+            for (int64_t j = 0; j < a; ++j) {
+                tmp[(size_t) j * b + i] = src[(size_t) i * a + j];
+            }
+        }
+        ggml_backend_tensor_set(p.first, tmp.data(), 0, tmp.size() * sizeof(float));
+    }
+    to_transpose_.clear();
 }
 
 size_t weights::n_bytes() const {

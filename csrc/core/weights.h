@@ -22,17 +22,22 @@ class weights {
     // declare a weight of layer `il` (-1: input embeddings, n_layer: output head); shape in ggml order
     ggml_tensor * require(const std::string & name, std::initializer_list<int64_t> ne, int il, weight_use use);
     ggml_tensor * optional(const std::string & name, std::initializer_list<int64_t> ne, int il, weight_use use);
+    // a second copy of a 2-D F32 weight, transposed ([ne1, ne0]), for a graph block that needs the other
+    // layout (per-channel conv kernel taps): made once at load
+    ggml_tensor * transposed_copy(const std::string & name, int il, weight_use use);
     // allocate the backend buffers and copy every declared tensor in
     void   load();
     size_t n_bytes() const;
 
   private:
-    ggml_tensor * add(ggml_tensor * meta, int il, weight_use use);
+    ggml_context * context_for(ggml_backend_buffer_type_t buft);
+    ggml_tensor *  add(ggml_tensor * meta, int il, weight_use use);
 
     const gguf_file &                                   file_;
     const backends &                                    be_;
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_by_buft_;
-    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_load_;  // (ours, file metadata)
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_load_;       // (ours, file metadata)
+    std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_transpose_;  // (ours, file metadata)
     std::vector<ggml_backend_buffer_t>                  buffers_;
 };
 

@@ -2,9 +2,7 @@
 // rows, B = block length, hd = head dim, H / Hkv = query / KV heads.
 #include "models/dflash.h"
 #include "core/error.h"
-#include "models/argmax.h"
 #include "models/blocks.h"
-#include "state/kv_cache.h"
 
 #include <cmath>
 
@@ -24,12 +22,7 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
     const int64_t      E = f.u32(a + "embedding_length");
     const int      n_layer = (int) f.u32(a + "block_count");
     n_ff_           = f.u32(a + "feed_forward_length");
-    n_head_         = f.u32(a + "attention.head_count");
-    n_head_kv_      = f.u32_or(a + "attention.head_count_kv", (uint32_t) n_head_);
-    head_dim_       = f.u32_or(a + "attention.key_length", (uint32_t) (E / std::max<int64_t>(1, n_head_)));
-    n_rot_          = (int) f.u32_or(a + "rope.dimension_count", (uint32_t) head_dim_);
-    rope_freq_base_ = f.f32_or(a + "rope.freq_base", 10000.0f);
-    norm_eps_       = f.f32(a + "attention.layer_norm_rms_epsilon");
+    att_            = load_attention_hparams(f, a, E);
     block_size_     = (int) f.u32_or(a + "block_size", 16);
     causal_         = f.boolean_or(a + "attention.causal", false);
     if (!f.has_key("tokenizer.ggml.mask_token_id")) {
@@ -85,10 +78,6 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
                                            path.c_str(), name));
         }
     }
-    if (n_head_ == 0 || n_head_kv_ == 0 || n_head_ % n_head_kv_ != 0) {
-        throw format_error(format("%s: attention.head_count = %lld must be a positive multiple of head_count_kv = %lld",
-                                  path.c_str(), (long long) n_head_, (long long) n_head_kv_));
-    }
 
     info_.arch        = "dflash";
     info_.path        = path;
@@ -96,15 +85,16 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
     info_.n_embd      = E;
     info_.n_layer     = n_layer;
     info_.n_ctx_train = f.u32_or(a + "context_length", 0);
+    const int64_t hd = att_.head_dim, n_head = att_.n_head, n_head_kv = att_.n_head_kv;
     for (int il = 0; il < n_layer; ++il) {
-        info_.kv_layers.push_back({il, head_dim_ * n_head_kv_, head_dim_ * n_head_kv_, head_dim_, head_dim_});
+        info_.kv_layers.push_back({il, hd * n_head_kv, hd * n_head_kv, hd, hd});
     }
 
     // the draft's layers live with the target's last layers (same device when offloaded)
     weights_ = std::make_unique<weights>(f, target_->devices());
     weights & w = *weights_;
     const int place = t.n_layer;
-    const int64_t n_ext = (int64_t) capture_layers_.size(), hd = head_dim_;
+    const int64_t n_ext = (int64_t) capture_layers_.size();
     fc_          = w.require("fc.weight", {n_ext * E, E}, place, WEIGHT_USE_MATMUL);
     hidden_norm_ = w.require("enc.output_norm.weight", {E}, place, WEIGHT_USE_OTHER);
     output_norm_ = w.require("output_norm.weight", {E}, place, WEIGHT_USE_OTHER);
@@ -113,10 +103,10 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
         layer & l = layers_[il];
         auto name = [il](const char * s) { return format("blk.%d.%s", il, s); };
         l.attn_norm = w.require(name("attn_norm.weight"), {E}, place, WEIGHT_USE_OTHER);
-        l.wq        = w.require(name("attn_q.weight"), {E, hd * n_head_}, place, WEIGHT_USE_MATMUL);
-        l.wk        = w.require(name("attn_k.weight"), {E, hd * n_head_kv_}, place, WEIGHT_USE_MATMUL);
-        l.wv        = w.require(name("attn_v.weight"), {E, hd * n_head_kv_}, place, WEIGHT_USE_MATMUL);
-        l.wo        = w.require(name("attn_output.weight"), {hd * n_head_, E}, place, WEIGHT_USE_MATMUL);
+        l.wq        = w.require(name("attn_q.weight"), {E, hd * n_head}, place, WEIGHT_USE_MATMUL);
+        l.wk        = w.require(name("attn_k.weight"), {E, hd * n_head_kv}, place, WEIGHT_USE_MATMUL);
+        l.wv        = w.require(name("attn_v.weight"), {E, hd * n_head_kv}, place, WEIGHT_USE_MATMUL);
+        l.wo        = w.require(name("attn_output.weight"), {hd * n_head, E}, place, WEIGHT_USE_MATMUL);
         l.q_norm    = w.require(name("attn_q_norm.weight"), {hd}, place, WEIGHT_USE_OTHER);
         l.k_norm    = w.require(name("attn_k_norm.weight"), {hd}, place, WEIGHT_USE_OTHER);
         l.ffn_norm  = w.require(name("ffn_norm.weight"), {E}, place, WEIGHT_USE_OTHER);
@@ -131,25 +121,24 @@ dflash_draft::~dflash_draft() = default;
 
 size_t dflash_draft::weight_bytes() const { return weights_->n_bytes(); }
 
-ggml_tensor * dflash_draft::rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const {
-    return build_rope_neox(ctx, x, pos, n_rot_, rope_freq_base_, (int) info_.n_ctx_train);
-}
-
+// ctx_feats: [n_ext*E, m] -> context K/V rows in the draft cache; block: [anchor, MASK x (B-1)] -> [E, B-1]
 ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in,
-                                  const kv_cache & kv) const {
-    const int64_t hd = head_dim_, H = n_head_, Hkv = n_head_kv_;
+                                  const state_tensors & st) const {
+    const int64_t hd = att_.head_dim, H = att_.n_head, Hkv = att_.n_head_kv;
+    const float   eps = att_.norm_eps;
 
     // context rows: fused features -> per layer K (k_norm, RoPE at their positions) and V, written once
     if (in.n_ctx_rows > 0) {
         const int64_t m = in.n_ctx_rows;
-        ggml_tensor * c = build_rms_norm(ctx, ggml_mul_mat(ctx, fc_, in.ctx_feats), hidden_norm_, norm_eps_);  // [E, m]
+        ggml_tensor * c = build_rms_norm(ctx, ggml_mul_mat(ctx, fc_, in.ctx_feats), hidden_norm_, eps);  // [E, m]
         for (int il = 0; il < info_.n_layer; ++il) {
             const layer & l = layers_[il];
             ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, c), hd, Hkv, m);
-            k = rope(ctx, build_rms_norm(ctx, k, l.k_norm, norm_eps_), in.ctx_pos);
+            k = build_rope(ctx, build_rms_norm(ctx, k, l.k_norm, eps), in.ctx_pos, att_.rope);
             ggml_tensor * v = ggml_mul_mat(ctx, l.wv, c);  // [hd*Hkv, m]
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, kv.k(il), ggml_reshape_2d(ctx, k, hd * Hkv, m), in.ctx_slots));
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, kv.v(il), v, in.ctx_slots));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, st.k[il], ggml_reshape_2d(ctx, k, hd * Hkv, m),
+                                                        in.ctx_slots));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, st.v[il], v, in.ctx_slots));
         }
     }
     if (in.n_block == 0) {
@@ -165,26 +154,23 @@ ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const dr
     ggml_tensor * h = ggml_get_rows(ctx, target_->token_embedding(), in.tokens);  // [E, B]
     for (int il = 0; il < info_.n_layer; ++il) {
         const layer & l  = layers_[il];
-        ggml_tensor * hn = build_rms_norm(ctx, h, l.attn_norm, norm_eps_);
+        ggml_tensor * hn = build_rms_norm(ctx, h, l.attn_norm, eps);
         ggml_tensor * q  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wq, hn), hd, H, B);
         ggml_tensor * k  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, hn), hd, Hkv, B);
         ggml_tensor * v  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, hn), hd, Hkv, B);
-        q = rope(ctx, build_rms_norm(ctx, q, l.q_norm, norm_eps_), in.pos);
-        k = rope(ctx, build_rms_norm(ctx, k, l.k_norm, norm_eps_), in.pos);
+        build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, eps, in.pos, att_.rope);
         // block K/V go to the cache slots after the context; the next round overwrites them
-        ggml_tensor * o = build_kv_attention(ctx, gf, att, kv, il, q, k, v, 1.0f / std::sqrt((float) hd));
+        ggml_tensor * o = build_kv_attention(ctx, gf, att, st, il, q, k, v, 1.0f / std::sqrt((float) hd));
         if (il == info_.n_layer - 1) {
             // past the last attention only the B-1 proposal rows matter (row 0 is the anchor, already known)
             o = ggml_view_2d(ctx, o, o->ne[0], B - 1, o->nb[1], o->nb[1]);
             h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);
         }
         h = ggml_add(ctx, ggml_mul_mat(ctx, l.wo, o), h);
-        h = ggml_add(ctx, build_swiglu_ffn(ctx, build_rms_norm(ctx, h, l.ffn_norm, norm_eps_), l.ffn_gate, l.ffn_up,
+        h = ggml_add(ctx, build_swiglu_ffn(ctx, build_rms_norm(ctx, h, l.ffn_norm, eps), l.ffn_gate, l.ffn_up,
                                            l.ffn_down), h);
     }
-    h = build_rms_norm(ctx, h, output_norm_, norm_eps_);
-    ggml_tensor * logits = ggml_mul_mat(ctx, target_->output_head(), h);  // [V, B-1]
-    return build_argmax_rows(ctx, logits, target_->head_on_host());  // [B-1]: the proposals for start+1 ..
+    return build_rms_norm(ctx, h, output_norm_, eps);  // [E, B-1]: the target's head turns it into proposals
 }
 
 }  // namespace pdf

@@ -5,11 +5,10 @@
 // the tokens at positions start+1 .. start+B-1 (same-position prediction).
 #pragma once
 
+#include "models/attention.h"
 #include "models/model.h"
 
 namespace pdf {
-
-class kv_cache;
 
 // inputs of one draft graph, set by the drafter session
 //   ctx_feats: F32 [n_ext*E, n_ctx_rows]  target features of newly committed tokens (may be 0 rows)
@@ -44,16 +43,15 @@ class dflash_draft {
     size_t                   weight_bytes() const;
     size_t                   max_graph_nodes() const { return 128 + 64 * (size_t) info_.n_layer; }
 
-    // appends context K/V rows; when in.n_block > 0 also runs the block and returns its argmax [B]
-    ggml_tensor * build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in, const kv_cache & kv) const;
+    // appends context K/V rows (into the draft cache st.k / st.v); when in.n_block > 0 also runs the block and
+    // returns the final normed hidden states of its proposal rows 1..B-1: [E, B-1], for the target's head
+    ggml_tensor * build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in, const state_tensors & st) const;
 
   private:
     struct layer {
         ggml_tensor * attn_norm, * wq, * wk, * wv, * wo, * q_norm, * k_norm;
         ggml_tensor * ffn_norm, * ffn_gate, * ffn_up, * ffn_down;
     };
-
-    ggml_tensor * rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * pos) const;
 
     std::shared_ptr<const target_model> target_;
     std::unique_ptr<gguf_file>          file_;
@@ -63,9 +61,8 @@ class dflash_draft {
     int                                 block_size_ = 16;
     int32_t                             mask_token_ = -1;
     bool                                causal_     = false;
-    int64_t                             n_head_ = 0, n_head_kv_ = 0, head_dim_ = 0, n_ff_ = 0;
-    int                                 n_rot_  = 0;
-    float                               rope_freq_base_ = 10000.0f, norm_eps_ = 1e-6f;
+    attention_hparams                   att_;
+    int64_t                             n_ff_ = 0;
     ggml_tensor *                       fc_ = nullptr, * hidden_norm_ = nullptr, * output_norm_ = nullptr;
     std::vector<layer>                  layers_;
 };

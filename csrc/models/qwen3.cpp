@@ -2,7 +2,7 @@
 // Per layer: x -> attn_norm -> GQA attention (per-head q/k RMSNorm, NEOX RoPE) -> +x -> ffn_norm -> SwiGLU -> +.
 // Legend: n = tokens in the batch, hd = head dim, H / Hkv = query / KV heads, V = vocab.
 #include "core/error.h"
-#include "models/argmax.h"
+#include "models/attention.h"
 #include "models/blocks.h"
 #include "models/model.h"
 
@@ -11,16 +11,11 @@
 namespace pdf {
 
 struct qwen3_hparams {
-    int64_t  n_embd;
-    int64_t  n_ff;
-    int      n_layer;
-    int64_t  n_head;
-    int64_t  n_head_kv;
-    int64_t  head_dim;
-    int      n_rot;
-    float    rope_freq_base;
-    float    norm_eps;
-    uint32_t n_ctx_train;
+    int64_t           n_embd;
+    int64_t           n_ff;
+    int               n_layer;
+    uint32_t          n_ctx_train;
+    attention_hparams att;
 };
 
 struct qwen3_layer {
@@ -49,26 +44,7 @@ class qwen3_model : public target_model {
         hp_.n_layer          = (int) f.u32(a + "block_count");
         hp_.n_ctx_train      = f.u32(a + "context_length");
         hp_.n_ff             = f.u32(a + "feed_forward_length");
-        hp_.n_head           = f.u32(a + "attention.head_count");
-        hp_.n_head_kv        = f.u32_or(a + "attention.head_count_kv", (uint32_t) hp_.n_head);
-        hp_.head_dim         = f.u32_or(a + "attention.key_length", (uint32_t) (hp_.n_embd / std::max<int64_t>(1, hp_.n_head)));
-        const uint32_t v_len = f.u32_or(a + "attention.value_length", (uint32_t) hp_.head_dim);
-        hp_.n_rot            = (int) f.u32_or(a + "rope.dimension_count", (uint32_t) hp_.head_dim);
-        hp_.rope_freq_base   = f.f32_or(a + "rope.freq_base", 10000.0f);
-        hp_.norm_eps         = f.f32(a + "attention.layer_norm_rms_epsilon");
-        if (hp_.n_head == 0 || hp_.n_head_kv == 0 || hp_.n_head % hp_.n_head_kv != 0) {
-            throw format_error(format("%s: attention.head_count = %lld must be a positive multiple of "
-                                      "attention.head_count_kv = %lld", f.path().c_str(), (long long) hp_.n_head,
-                                      (long long) hp_.n_head_kv));
-        }
-        if (v_len != hp_.head_dim) {
-            throw unsupported_error(format("%s: qwen3.attention.value_length = %u differs from key_length = %lld",
-                                           f.path().c_str(), v_len, (long long) hp_.head_dim));
-        }
-        if (hp_.n_rot > hp_.head_dim || hp_.n_rot % 2 != 0) {
-            throw format_error(format("%s: qwen3.rope.dimension_count = %d must be even and <= head dim %lld",
-                                      f.path().c_str(), hp_.n_rot, (long long) hp_.head_dim));
-        }
+        hp_.att              = load_attention_hparams(f, a, hp_.n_embd);
 
         ggml_tensor * embd = f.find_tensor("token_embd.weight");
         if (!embd) {
@@ -82,9 +58,9 @@ class qwen3_model : public target_model {
         info_.n_embd      = hp_.n_embd;
         info_.n_layer     = hp_.n_layer;
         info_.n_ctx_train = hp_.n_ctx_train;
-        const int64_t hd = hp_.head_dim, E = hp_.n_embd;
+        const int64_t hd = hp_.att.head_dim, E = hp_.n_embd;
         for (int il = 0; il < hp_.n_layer; ++il) {
-            info_.kv_layers.push_back({il, hd * hp_.n_head_kv, hd * hp_.n_head_kv, hd, hd});
+            info_.kv_layers.push_back({il, hd * hp_.att.n_head_kv, hd * hp_.att.n_head_kv, hd, hd});
         }
 
         backends_ = std::make_unique<backends>(params.n_threads, params.n_gpu_layers, hp_.n_layer);
@@ -93,7 +69,7 @@ class qwen3_model : public target_model {
         const int out_il = hp_.n_layer;
         load_embedding_and_head(E, n_vocab);
         output_norm_ = w.require("output_norm.weight", {E}, out_il, WEIGHT_USE_OTHER);
-        const int64_t q_dim = hd * hp_.n_head, kv_dim = hd * hp_.n_head_kv;
+        const int64_t q_dim = hd * hp_.att.n_head, kv_dim = hd * hp_.att.n_head_kv;
         layers_.resize(hp_.n_layer);
         for (int il = 0; il < hp_.n_layer; ++il) {
             qwen3_layer & l = layers_[il];
@@ -119,15 +95,17 @@ class qwen3_model : public target_model {
         w.load();
     }
 
+    // x: [E, n] -> hidden [E, n_outputs] after the final norm (n_outputs = n, or 1 without in.all_outputs)
     eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                            const kv_cache & kv, const recurrent_state * /*rs*/) const override {
-        const int64_t hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv, n = in.n_tokens;
+                            const state_tensors & st) const override {
+        const int64_t hd = hp_.att.head_dim, H = hp_.att.n_head, Hkv = hp_.att.n_head_kv, n = in.n_tokens;
+        const float   eps   = hp_.att.norm_eps;
         const float   scale = 1.0f / std::sqrt((float) hd);
         eval_outputs  out;
         out.captured.assign(in.capture_layers.size(), nullptr);
 
         const bool    last_only = last_layer_for_last_token_only(in, hp_.n_layer);
-        ggml_tensor * x = ggml_get_rows(ctx, tok_embd_, in.tokens);  // [n_embd, n]
+        ggml_tensor * x = ggml_get_rows(ctx, tok_embd_, in.tokens);  // [E, n]
         for (int il = 0; il <= hp_.n_layer; ++il) {
             // DFlash reads layer inputs (llama.cpp's t_layer_inp); index n_layer is the final pre-norm output
             for (size_t c = 0; c < in.capture_layers.size(); ++c) {
@@ -139,7 +117,7 @@ class qwen3_model : public target_model {
                 break;
             }
             const qwen3_layer & l = layers_[il];
-            ggml_tensor *       cur = build_rms_norm(ctx, x, l.attn_norm, hp_.norm_eps);
+            ggml_tensor *       cur = build_rms_norm(ctx, x, l.attn_norm, eps);
             ggml_format_name(cur, "attn_norm-%d", il);
 
             // self-attention
@@ -161,15 +139,12 @@ class qwen3_model : public target_model {
                 k = ggml_reshape_3d(ctx, k, hd, Hkv, n);
                 v = ggml_reshape_3d(ctx, v, hd, Hkv, n);
             }
-            q = build_rms_norm(ctx, q, l.q_norm, hp_.norm_eps);
-            k = build_rms_norm(ctx, k, l.k_norm, hp_.norm_eps);
-            q = build_rope_neox(ctx, q, in.positions, hp_.n_rot, hp_.rope_freq_base, (int) hp_.n_ctx_train);
-            k = build_rope_neox(ctx, k, in.positions, hp_.n_rot, hp_.rope_freq_base, (int) hp_.n_ctx_train);
+            build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, eps, in.positions, hp_.att.rope);
             ggml_format_name(q, "Qcur-%d", il);
             ggml_format_name(k, "Kcur-%d", il);
 
             const bool last_token_only = il == hp_.n_layer - 1 && last_only;
-            cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, scale, last_token_only);  // [hd*H, n or 1]
+            cur = build_kv_attention(ctx, gf, in, st, il, q, k, v, scale, last_token_only);  // [hd*H, n or 1]
             if (last_token_only) {
                 x = last_token(ctx, x);
             }
@@ -178,19 +153,16 @@ class qwen3_model : public target_model {
             ggml_format_name(x, "ffn_inp-%d", il);
 
             // feed-forward
-            cur = build_rms_norm(ctx, x, l.ffn_norm, hp_.norm_eps);
+            cur = build_rms_norm(ctx, x, l.ffn_norm, eps);
             cur = build_swiglu_ffn(ctx, cur, l.ffn_gate, l.ffn_up, l.ffn_down);
             x   = ggml_add(ctx, cur, x);
             ggml_format_name(x, "l_out-%d", il);
         }
 
-        if (!in.all_logits && x->ne[1] > 1) {
+        if (!in.all_outputs && x->ne[1] > 1) {
             x = last_token(ctx, x);  // the final hidden state was captured for every token
         }
-        x          = build_rms_norm(ctx, x, output_norm_, hp_.norm_eps);
-        out.logits = ggml_mul_mat(ctx, output_, x);  // [V, n_outputs]
-        ggml_set_name(out.logits, "logits");
-        out.argmax = build_argmax_rows(ctx, out.logits, head_on_host());  // [n_outputs]
+        out.hidden = build_rms_norm(ctx, x, output_norm_, eps);
         return out;
     }
 

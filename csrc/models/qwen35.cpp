@@ -5,31 +5,25 @@
 //         S = GDN head dim (k = v), Hk / Hv = GDN key / value heads, C = conv channels = 2*S*Hk + S*Hv.
 // MTP blocks (indices >= n_layer) are not run and not loaded.
 #include "core/error.h"
-#include "models/argmax.h"
+#include "models/attention.h"
 #include "models/blocks.h"
+#include "models/delta_net.h"
 #include "models/model.h"
-#include "state/recurrent_state.h"
 
 #include <cmath>
 
 namespace pdf {
 
 struct qwen35_hparams {
-    int64_t  n_embd;
-    int64_t  n_ff;
-    int      n_layer;      // main-pass layers (block_count minus nextn_predict_layers)
-    int64_t  n_head;
-    int64_t  n_head_kv;
-    int64_t  head_dim;
-    int      n_rot;
-    int      rope_sections[GGML_MROPE_SECTIONS];
-    float    rope_freq_base;
-    float    norm_eps;
-    uint32_t n_ctx_train;
-    int64_t  d_conv;       // ssm.conv_kernel
-    int64_t  S;            // ssm.state_size: GDN head dim (k and v)
-    int64_t  Hk;           // ssm.group_count
-    int64_t  Hv;           // ssm.time_step_rank
+    int64_t           n_embd;
+    int64_t           n_ff;
+    int               n_layer;      // main-pass layers (block_count minus nextn_predict_layers)
+    uint32_t          n_ctx_train;
+    attention_hparams att;          // the full-attention layers (M-RoPE); att.norm_eps is every RMSNorm's
+    int64_t           d_conv;       // ssm.conv_kernel
+    int64_t           S;            // ssm.state_size: GDN head dim (k and v)
+    int64_t           Hk;           // ssm.group_count
+    int64_t           Hv;           // ssm.time_step_rank
     std::vector<bool> recurrent;
 };
 
@@ -41,6 +35,7 @@ struct qwen35_layer {
     ggml_tensor * wqkv;       // [E, C]
     ggml_tensor * wgate;      // [E, S*Hv]   (z)
     ggml_tensor * ssm_conv1d; // [d_conv, C]
+    ggml_tensor * ssm_conv1d_t; // [C, d_conv]: the same, per channel (tree evaluation)
     ggml_tensor * ssm_dt;     // [Hv]
     ggml_tensor * ssm_a;      // [Hv]  (-exp(A_log))
     ggml_tensor * ssm_beta;   // [E, Hv]
@@ -66,12 +61,7 @@ class qwen35_model : public target_model {
         hp_.n_embd         = f.u32(a + "embedding_length");
         hp_.n_ctx_train    = f.u32(a + "context_length");
         hp_.n_ff           = f.u32(a + "feed_forward_length");
-        hp_.n_head         = f.u32(a + "attention.head_count");
-        hp_.n_head_kv      = f.u32_or(a + "attention.head_count_kv", (uint32_t) hp_.n_head);
-        hp_.head_dim       = f.u32_or(a + "attention.key_length", (uint32_t) (hp_.n_embd / std::max<int64_t>(1, hp_.n_head)));
-        hp_.n_rot          = (int) f.u32_or(a + "rope.dimension_count", (uint32_t) hp_.head_dim);
-        hp_.rope_freq_base = f.f32_or(a + "rope.freq_base", 10000.0f);
-        hp_.norm_eps       = f.f32(a + "attention.layer_norm_rms_epsilon");
+        hp_.att            = load_attention_hparams(f, a, hp_.n_embd);
         hp_.d_conv         = f.u32(a + "ssm.conv_kernel");
         hp_.S              = f.u32(a + "ssm.state_size");
         hp_.Hk             = f.u32(a + "ssm.group_count");
@@ -82,7 +72,8 @@ class qwen35_model : public target_model {
             throw format_error(format("%s: key '%srope.dimension_sections' has %zu entries, expected %d",
                                       f.path().c_str(), a.c_str(), sections.size(), GGML_MROPE_SECTIONS));
         }
-        std::copy(sections.begin(), sections.end(), hp_.rope_sections);
+        std::copy(sections.begin(), sections.end(), hp_.att.rope.sections);
+        hp_.att.rope.multi = true;
 
         const std::string & path = f.path();
         if (hp_.n_layer <= 0) {
@@ -96,14 +87,6 @@ class qwen35_model : public target_model {
         if (d_inner != hp_.S * hp_.Hv) {
             throw format_error(format("%s: ssm.inner_size = %lld, expected ssm.state_size * ssm.time_step_rank = %lld",
                                       path.c_str(), (long long) d_inner, (long long) (hp_.S * hp_.Hv)));
-        }
-        if (hp_.n_head == 0 || hp_.n_head_kv == 0 || hp_.n_head % hp_.n_head_kv != 0) {
-            throw format_error(format("%s: attention.head_count = %lld must be a positive multiple of head_count_kv = %lld",
-                                      path.c_str(), (long long) hp_.n_head, (long long) hp_.n_head_kv));
-        }
-        if (hp_.n_rot > hp_.head_dim || hp_.n_rot % 2 != 0) {
-            throw format_error(format("%s: rope.dimension_count = %d must be even and <= head dim %lld", path.c_str(),
-                                      hp_.n_rot, (long long) hp_.head_dim));
         }
         // which layers are recurrent: the explicit list, else every layer but each interval-th
         if (f.has_key(a + "attention.recurrent_layers")) {
@@ -128,7 +111,7 @@ class qwen35_model : public target_model {
             throw format_error(format("%s: missing required tensor 'token_embd.weight'", path.c_str()));
         }
         const int64_t n_vocab = embd->ne[1];
-        const int64_t E = hp_.n_embd, hd = hp_.head_dim, S = hp_.S;
+        const int64_t E = hp_.n_embd, hd = hp_.att.head_dim, S = hp_.S;
         const int64_t C = 2 * S * hp_.Hk + S * hp_.Hv;
 
         info_.arch            = "qwen35";
@@ -142,7 +125,7 @@ class qwen35_model : public target_model {
             if (hp_.recurrent[il]) {
                 info_.recurrent_layers.push_back({il, S * S * hp_.Hv, C, hp_.d_conv});
             } else {
-                info_.kv_layers.push_back({il, hd * hp_.n_head_kv, hd * hp_.n_head_kv, hd, hd});
+                info_.kv_layers.push_back({il, hd * hp_.att.n_head_kv, hd * hp_.att.n_head_kv, hd, hd});
             }
         }
 
@@ -175,11 +158,12 @@ class qwen35_model : public target_model {
                     throw format_error(format("%s: tensor '%s' has type %s, expected f32", path.c_str(),
                                               name("ssm_conv1d.weight").c_str(), ggml_type_name(l.ssm_conv1d->type)));
                 }
+                l.ssm_conv1d_t = w.transposed_copy(name("ssm_conv1d.weight"), il, WEIGHT_USE_OTHER);
             } else {
-                l.wq     = w.require(name("attn_q.weight"), {E, 2 * hd * hp_.n_head}, il, WEIGHT_USE_MATMUL);
-                l.wk     = w.require(name("attn_k.weight"), {E, hd * hp_.n_head_kv}, il, WEIGHT_USE_MATMUL);
-                l.wv     = w.require(name("attn_v.weight"), {E, hd * hp_.n_head_kv}, il, WEIGHT_USE_MATMUL);
-                l.wo     = w.require(name("attn_output.weight"), {hd * hp_.n_head, E}, il, WEIGHT_USE_MATMUL);
+                l.wq     = w.require(name("attn_q.weight"), {E, 2 * hd * hp_.att.n_head}, il, WEIGHT_USE_MATMUL);
+                l.wk     = w.require(name("attn_k.weight"), {E, hd * hp_.att.n_head_kv}, il, WEIGHT_USE_MATMUL);
+                l.wv     = w.require(name("attn_v.weight"), {E, hd * hp_.att.n_head_kv}, il, WEIGHT_USE_MATMUL);
+                l.wo     = w.require(name("attn_output.weight"), {hd * hp_.att.n_head, E}, il, WEIGHT_USE_MATMUL);
                 l.q_norm = w.require(name("attn_q_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
                 l.k_norm = w.require(name("attn_k_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
             }
@@ -187,11 +171,14 @@ class qwen35_model : public target_model {
         w.load();
     }
 
-    size_t max_graph_nodes() const override { return 128 + 96 * (size_t) hp_.n_layer; }
+    size_t max_graph_nodes(int n_tree_levels) const override {
+        return 128 + (96 + DELTA_NET_TREE_NODES_PER_LEVEL * (size_t) n_tree_levels) * (size_t) hp_.n_layer;
+    }
 
-    eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const kv_cache & kv,
-                            const recurrent_state * rs) const override {
-        GGML_ASSERT(rs != nullptr);
+    // x: [E, n] -> hidden [E, n_outputs] after the final norm (n_outputs = n, or 1 without in.all_outputs)
+    eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                            const state_tensors & st) const override {
+        const float   eps = hp_.att.norm_eps;
         eval_outputs  out;
         out.captured.assign(in.capture_layers.size(), nullptr);
 
@@ -207,38 +194,38 @@ class qwen35_model : public target_model {
                 break;
             }
             const qwen35_layer & l   = layers_[il];
-            ggml_tensor *        cur = build_rms_norm(ctx, x, l.attn_norm, hp_.norm_eps);
+            ggml_tensor *        cur = build_rms_norm(ctx, x, l.attn_norm, eps);
             const bool last_token_only = il == hp_.n_layer - 1 && last_only;
-            cur = hp_.recurrent[il] ? build_gdn_layer(ctx, gf, in, *rs, l, il, cur, last_token_only)
-                                    : build_attention_layer(ctx, gf, in, kv, l, il, cur, last_token_only);
+            cur = hp_.recurrent[il] ? build_gdn_layer(ctx, gf, in, st, l, il, cur, last_token_only)
+                                    : build_attention_layer(ctx, gf, in, st, l, il, cur, last_token_only);
             if (last_token_only) {
                 x = last_token(ctx, x);
             }
             x   = ggml_add(ctx, cur, x);
             ggml_format_name(x, "attn_residual-%d", il);
 
-            cur = build_rms_norm(ctx, x, l.post_attention_norm, hp_.norm_eps);
+            cur = build_rms_norm(ctx, x, l.post_attention_norm, eps);
             cur = build_swiglu_ffn(ctx, cur, l.ffn_gate, l.ffn_up, l.ffn_down);
             x   = ggml_add(ctx, cur, x);
             ggml_format_name(x, "l_out-%d", il);
         }
 
-        if (!in.all_logits && x->ne[1] > 1) {
+        if (!in.all_outputs && x->ne[1] > 1) {
             x = last_token(ctx, x);  // the final hidden state was captured for every token
         }
-        x          = build_rms_norm(ctx, x, output_norm_, hp_.norm_eps);
-        out.logits = ggml_mul_mat(ctx, output_, x);  // [V, n_outputs]
-        ggml_set_name(out.logits, "logits");
-        out.argmax = build_argmax_rows(ctx, out.logits, head_on_host());  // [n_outputs]
+        out.hidden = build_rms_norm(ctx, x, output_norm_, eps);
         return out;
     }
 
   private:
-    // x: [E, n] -> [E, n], or [E, 1] for the last token only (the state still takes all n)
+    // x: [E, n] -> [E, n], or [E, 1] for the last token only (the state still takes all n). A tree evaluation
+    // (in.tree_levels) runs the conv and the delta rule along parent links.
     ggml_tensor * build_gdn_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                                  const recurrent_state & rs, const qwen35_layer & l, int il, ggml_tensor * x,
+                                  const state_tensors & st, const qwen35_layer & l, int il, ggml_tensor * x,
                                   bool last_token_only) const {
         const int64_t n = x->ne[1], S = hp_.S, Hk = hp_.Hk, Hv = hp_.Hv;
+        const float   eps  = hp_.att.norm_eps;
+        const bool    tree = !in.tree_levels.empty();
 
         ggml_tensor * qkv  = ggml_mul_mat(ctx, l.wqkv, x);   // [C, n]
         ggml_tensor * z    = ggml_mul_mat(ctx, l.wgate, x);  // [S*Hv, n]
@@ -249,18 +236,19 @@ class qwen35_model : public target_model {
         beta = ggml_reshape_4d(ctx, beta, 1, Hv, n, 1);
         g    = ggml_reshape_4d(ctx, g, 1, Hv, n, 1);
 
-        ggml_tensor * conv = build_conv_with_state(ctx, gf, in, rs, il, qkv, l.ssm_conv1d);  // [C, n]
+        ggml_tensor * conv = tree ? build_conv_tree(ctx, gf, in, st, il, qkv, l.ssm_conv1d_t)
+                                  : build_conv_chain(ctx, gf, in, st, il, qkv, l.ssm_conv1d);  // [C, n]
         const size_t  f    = ggml_element_size(conv);
         ggml_tensor * q = ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], 0);
         ggml_tensor * k = ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], S * Hk * f);
         ggml_tensor * v = ggml_view_3d(ctx, conv, S, Hv, n, S * f, conv->nb[1], 2 * S * Hk * f);
-        q = build_l2_norm(ctx, q, hp_.norm_eps);
-        k = build_l2_norm(ctx, k, hp_.norm_eps);
+        q = build_l2_norm(ctx, q, eps);
+        k = build_l2_norm(ctx, k, eps);
 
-        ggml_tensor * o = build_gated_delta_net(ctx, gf, in, rs, il, q, k, v, g, beta);  // [S, Hv, n]
+        ggml_tensor * o = tree ? build_gated_delta_net_tree(ctx, gf, in, st, il, q, k, v, g, beta)
+                               : build_gated_delta_net(ctx, gf, in, st, il, q, k, v, g, beta);  // [S, Hv, n]
         // gated RMSNorm per head: rms(o) * ssm_norm * silu(z)
-        o = ggml_mul(ctx, build_rms_norm(ctx, o, l.ssm_norm, hp_.norm_eps),
-                     ggml_silu(ctx, ggml_reshape_3d(ctx, z, S, Hv, n)));
+        o = ggml_mul(ctx, build_rms_norm(ctx, o, l.ssm_norm, eps), ggml_silu(ctx, ggml_reshape_3d(ctx, z, S, Hv, n)));
         ggml_format_name(o, "gdn_out-%d", il);
         if (last_token_only) {
             o = last_token(ctx, o);
@@ -270,25 +258,18 @@ class qwen35_model : public target_model {
 
     // x: [E, n] -> [E, n], or [E, 1] for the last token only (K/V still written for all n)
     ggml_tensor * build_attention_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                                        const kv_cache & kv, const qwen35_layer & l, int il, ggml_tensor * x,
+                                        const state_tensors & st, const qwen35_layer & l, int il, ggml_tensor * x,
                                         bool last_token_only) const {
-        const int64_t n = x->ne[1], hd = hp_.head_dim, H = hp_.n_head, Hkv = hp_.n_head_kv;
+        const int64_t n = x->ne[1], hd = hp_.att.head_dim, H = hp_.att.n_head, Hkv = hp_.att.n_head_kv;
         ggml_tensor * qg = ggml_mul_mat(ctx, l.wq, x);  // [2*hd*H, n]: per head [q | gate]
         const size_t  f  = ggml_element_size(qg);
         ggml_tensor * q    = ggml_view_3d(ctx, qg, hd, H, n, 2 * hd * f, qg->nb[1], 0);
         ggml_tensor * gate = ggml_cont_2d(ctx, ggml_view_3d(ctx, qg, hd, H, n, 2 * hd * f, qg->nb[1], hd * f), hd * H, n);
         ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, x), hd, Hkv, n);
         ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, x), hd, Hkv, n);
-        q = build_rms_norm(ctx, q, l.q_norm, hp_.norm_eps);
-        k = build_rms_norm(ctx, k, l.k_norm, hp_.norm_eps);
-        int sections[GGML_MROPE_SECTIONS];
-        std::copy(hp_.rope_sections, hp_.rope_sections + GGML_MROPE_SECTIONS, sections);
-        q = ggml_rope_multi(ctx, q, in.positions, nullptr, hp_.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
-                            (int) hp_.n_ctx_train, hp_.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
-        k = ggml_rope_multi(ctx, k, in.positions, nullptr, hp_.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
-                            (int) hp_.n_ctx_train, hp_.rope_freq_base, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+        build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, hp_.att.norm_eps, in.positions, hp_.att.rope);
         // the projections above ran for all n even for the last token only: M-RoPE positions are section-major
-        ggml_tensor * cur = build_kv_attention(ctx, gf, in, kv, il, q, k, v, 1.0f / std::sqrt((float) hd),
+        ggml_tensor * cur = build_kv_attention(ctx, gf, in, st, il, q, k, v, 1.0f / std::sqrt((float) hd),
                                                last_token_only);
         if (last_token_only) {
             gate = last_token(ctx, gate);

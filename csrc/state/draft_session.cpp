@@ -1,5 +1,6 @@
 #include "state/draft_session.h"
 #include "core/error.h"
+#include "models/head.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,7 +10,7 @@ namespace pdf {
 static constexpr int KV_WINDOW_STEP = 256;
 
 draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params)
-    : draft_(std::move(draft)) {
+    : draft_(std::move(draft)), graph_(draft_->target().devices()) {
     block_ = params.block > 0 ? params.block : draft_->block_size();
     if (block_ < 2 || block_ > draft_->block_size()) {
         throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)",
@@ -19,93 +20,95 @@ draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t
         throw std::invalid_argument(format("draft window (%d) and feature ring capacity (%d) must be positive",
                                            params.window, params.ring_capacity));
     }
+    const target_model & target = draft_->target();
+    if (params.top_k < 1 || params.top_k > target.info().n_vocab) {
+        throw std::invalid_argument(format("draft top_k = %d must be in [1, %lld]", params.top_k,
+                                           (long long) target.info().n_vocab));
+    }
+    top_k_   = params.top_k;
     window_  = (int) std::min<int64_t>(params.window, n_ctx);
     n_slots_ = window_ + block_;
     slot_pos_.assign(n_slots_, -1);
-    const target_model & target = draft_->target();
     ring_ = std::make_unique<feature_ring>(target.devices(), target.info().n_layer - 1,
                                            (int) draft_->capture_layers().size(), draft_->info().n_embd,
                                            std::max(params.ring_capacity, block_));
     // f32 draft cache: the drafter's proposals are decided by argmax over small margins
-    kv_    = std::make_unique<kv_cache>(draft_->info(), target.devices(), n_slots_, GGML_TYPE_F32, GGML_TYPE_F32);
-    sched_ = target.devices().new_sched(draft_->max_graph_nodes());
+    kv_ = std::make_unique<kv_cache>(draft_->info(), target.devices(), n_slots_, GGML_TYPE_F32, GGML_TYPE_F32);
 }
 
-draft_session::~draft_session() {
-    if (sched_) {
-        ggml_backend_sched_free(sched_);
-    }
-    if (graph_ctx_) {
-        ggml_free(graph_ctx_);
-    }
-}
+draft_session::~draft_session() = default;
 
-void draft_session::run(const int32_t * positions, int m, int n_rows, int n_block, int32_t anchor, int start) {
-    const int end  = n_block > 0 ? start + n_block : (m > 0 ? positions[m - 1] + 1 : 0);
+void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int start) {
+    // padding rows (beyond m) sit at the positions right after the appended ones (the block's, when drafting)
+    const int pad_from = n_block > 0 ? start : (m > 0 ? queued_pos_[m - 1] + 1 : 0);
     // slots are position % n_slots: while nothing has wrapped, only the first `end` slots are in use
-    const int n_kv = std::min(n_slots_, (int) GGML_PAD(end, KV_WINDOW_STEP));
-    if (!(graph_ctx_ && key_rows_ == n_rows && key_block_ == n_block && key_kv_ == n_kv)) {
-        if (graph_ctx_) {
-            ggml_free(graph_ctx_);
-        }
-        ggml_backend_sched_reset(sched_);
-        const size_t n_nodes = draft_->max_graph_nodes();
-        graph_buf_.resize(ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false));
-        ggml_init_params params = {graph_buf_.size(), graph_buf_.data(), true};
-        graph_ctx_ = ggml_init(params);
-        gf_        = ggml_new_graph_custom(graph_ctx_, n_nodes, false);
-        in_        = draft_inputs{};
-        in_.n_ctx_rows = n_rows;
-        in_.n_block    = n_block;
-        in_.n_kv       = n_kv;
-        ring_rows_     = nullptr;
+    const int n_kv = n_block > 0 ? std::min(n_slots_, (int) GGML_PAD(start + n_block, KV_WINDOW_STEP)) : 0;
+    if (!(graph_.ready() && key_rows_ == n_rows && key_block_ == n_block && key_kv_ == n_kv)) {
+        ggml_context * ctx = graph_.begin(draft_->max_graph_nodes());
+        ggml_cgraph *  gf  = graph_.graph();
+        in_                = draft_inputs{};
+        in_.n_ctx_rows     = n_rows;
+        in_.n_block        = n_block;
+        in_.n_kv           = n_kv;
+        ring_rows_         = nullptr;
         if (n_rows > 0) {
             // the context features come straight from the ring, on the device
-            ring_rows_    = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, n_rows);
-            in_.ctx_feats = ggml_get_rows(graph_ctx_, ring_->rows(), ring_rows_);  // [n_ext*E, n_rows]
-            in_.ctx_pos   = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, n_rows);
-            in_.ctx_slots = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, n_rows);
+            ring_rows_    = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
+            in_.ctx_feats = ggml_get_rows(ctx, ring_->rows(), ring_rows_);  // [n_ext*E, n_rows]
+            in_.ctx_pos   = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
+            in_.ctx_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_rows);
             for (ggml_tensor * t : {ring_rows_, in_.ctx_pos, in_.ctx_slots}) {
                 ggml_set_input(t);
             }
         }
         if (n_block > 0) {
-            in_.tokens  = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, n_block);
-            in_.pos     = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, n_block);
-            in_.slots   = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, n_block);
-            in_.kq_mask = ggml_new_tensor_2d(graph_ctx_, GGML_TYPE_F16, n_kv, n_block);
+            in_.tokens  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+            in_.pos     = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+            in_.slots   = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_block);
+            in_.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_block);
             for (ggml_tensor * t : {in_.tokens, in_.pos, in_.slots, in_.kq_mask}) {
                 ggml_set_input(t);
             }
         }
-        out_ = draft_->build(graph_ctx_, gf_, in_, *kv_);
-        if (out_) {
-            ggml_set_output(out_);
-            ggml_build_forward_expand(gf_, out_);
+        state_tensors st;
+        kv_->fill(st, draft_->info().n_layer);
+        ggml_tensor * hidden = draft_->build(ctx, gf, in_, st);  // [E, n_block-1]
+        top_ids_t_ = top_logprobs_t_ = nullptr;
+        if (hidden) {
+            const target_model & target = draft_->target();
+            const head_outputs   head   = build_head(ctx, target.output_head(), hidden, target.head_on_host(), top_k_);
+            top_ids_t_      = head.top_ids;
+            top_logprobs_t_ = head.top_logprobs;
+            for (ggml_tensor * t : {top_ids_t_, top_logprobs_t_}) {
+                ggml_set_output(t);
+                ggml_build_forward_expand(gf, t);
+            }
         }
-        if (!ggml_backend_sched_alloc_graph(sched_, gf_)) {
-            graph_ctx_ = nullptr;
-            throw backend_error("could not allocate the draft graph");
-        }
+        key_rows_  = -1;
+        graph_.allocate("the draft graph");
         key_rows_  = n_rows;
         key_block_ = n_block;
         key_kv_    = n_kv;
     }
 
     if (n_rows > 0) {
-        // rows beyond m are padding: they read any ring row and land in slots of this round's block, which
-        // the block overwrites right after (they are never read as context)
+        // rows beyond m are padding: they read any ring row and land in slots of positions right after, which
+        // are never read as context before real rows (or this round's block) overwrite them
         std::vector<int32_t> r(n_rows), p(n_rows);
         std::vector<int64_t> s(n_rows);
         for (int i = 0; i < n_rows; ++i) {
-            p[i] = i < m ? positions[i] : start + (i - m);
-            r[i] = ring_->slot(p[i]);
+            p[i] = i < m ? queued_pos_[i] : pad_from + (i - m);
+            r[i] = i < m ? queued_rows_[i] : ring_->slot(p[i]);
             s[i] = slot(p[i]);
             slot_pos_[s[i]] = p[i];
         }
         ggml_backend_tensor_set(ring_rows_, r.data(), 0, sizeof(int32_t) * n_rows);
         ggml_backend_tensor_set(in_.ctx_pos, p.data(), 0, sizeof(int32_t) * n_rows);
         ggml_backend_tensor_set(in_.ctx_slots, s.data(), 0, sizeof(int64_t) * n_rows);
+    }
+    if (m > 0) {
+        // rows are appended in position order; a gap would leave missing rows below n_valid
+        n_valid_ = queued_pos_[0] <= n_valid_ ? queued_pos_[m - 1] + 1 : std::min(n_valid_, queued_pos_[0]);
     }
     if (n_block > 0) {
         std::vector<int32_t> toks(n_block, draft_->mask_token()), pos(n_block);
@@ -134,45 +137,106 @@ void draft_session::run(const int32_t * positions, int m, int n_rows, int n_bloc
         ggml_backend_tensor_set(in_.slots, slots.data(), 0, sizeof(int64_t) * n_block);
         ggml_backend_tensor_set(in_.kq_mask, mask.data(), 0, sizeof(ggml_fp16_t) * mask.size());
     }
-    if (ggml_backend_sched_graph_compute(sched_, gf_) != GGML_STATUS_SUCCESS) {
-        throw backend_error("draft graph computation failed");
-    }
-    if (m > 0) {
-        // rows are appended in position order; a gap would leave missing rows below n_valid
-        n_valid_ = positions[0] <= n_valid_ ? positions[m - 1] + 1 : std::min(n_valid_, positions[0]);
-    }
-    // the block's slots and the padding rows (positions start.. too) hold transient rows: they become
-    // context only once appended from the ring
+    graph_.compute("the draft graph");
+    // the block's slots and the padding rows hold transient rows: they become context only once appended
     for (int i = 0; i < std::max(n_rows - m, n_block); ++i) {
-        if (slot_pos_[slot(start + i)] >= n_valid_) {
-            slot_pos_[slot(start + i)] = -1;
+        const int s = slot(pad_from + i);
+        if (slot_pos_[s] >= n_valid_) {
+            slot_pos_[s] = -1;
         }
     }
+    queued_rows_.erase(queued_rows_.begin(), queued_rows_.begin() + m);
+    queued_pos_.erase(queued_pos_.begin(), queued_pos_.begin() + m);
     if (n_block > 0) {
-        proposals_.resize(n_block - 1);
-        ggml_backend_tensor_get(out_, proposals_.data(), 0, sizeof(int32_t) * proposals_.size());
+        proposals_.n_positions = n_block - 1;
+        proposals_.top_k       = top_k_;
+        proposals_.ids.resize((size_t) (n_block - 1) * top_k_);
+        proposals_.logprobs.resize(proposals_.ids.size());
+        ggml_backend_tensor_get(top_ids_t_, proposals_.ids.data(), 0, sizeof(int32_t) * proposals_.ids.size());
+        ggml_backend_tensor_get(top_logprobs_t_, proposals_.logprobs.data(), 0,
+                                sizeof(float) * proposals_.logprobs.size());
+        // ggml's top-k leaves its k in no particular order: most likely first (ties: lower id)
+        std::vector<std::pair<float, int32_t>> row(top_k_);
+        for (int p = 0; p < n_block - 1; ++p) {
+            for (int j = 0; j < top_k_; ++j) {
+                row[j] = {proposals_.logprob(p, j), proposals_.id(p, j)};
+            }
+            std::sort(row.begin(), row.end(), [](const auto & a, const auto & b) {
+                return a.first != b.first ? a.first > b.first : a.second < b.second;
+            });
+            for (int j = 0; j < top_k_; ++j) {
+                proposals_.logprobs[(size_t) p * top_k_ + j] = row[j].first;
+                proposals_.ids[(size_t) p * top_k_ + j]      = row[j].second;
+            }
+        }
     }
 }
 
-void draft_session::append(const int32_t * positions, int m) {
-    for (int i = 0; i < m; i += block_) {
-        const int n = std::min(block_, m - i);
-        run(positions + i, n, n, 0, 0, 0);
+void draft_session::queue(const int32_t * ring_rows, const int32_t * positions, int m) {
+    for (int i = 0; i < m; ++i) {
+        if (ring_rows[i] < 0 || ring_rows[i] >= ring_->capacity()) {
+            throw std::out_of_range(format("draft: ring row %d is outside [0, %d)", ring_rows[i], ring_->capacity()));
+        }
+        if (positions[i] < 0 || (!queued_pos_.empty() && positions[i] != queued_pos_.back() + 1)) {
+            throw std::invalid_argument(format("draft: context position %d does not follow the queued ones",
+                                               positions[i]));
+        }
+        queued_rows_.push_back(ring_rows[i]);
+        queued_pos_.push_back(positions[i]);
     }
 }
 
-const std::vector<int32_t> & draft_session::draft(const int32_t * positions, int m, int32_t anchor, int start,
-                                                  int n_block) {
+void draft_session::queue_positions(int first, int m) {
+    std::vector<int32_t> rows(m), pos(m);
+    for (int i = 0; i < m; ++i) {
+        pos[i]  = first + i;
+        rows[i] = ring_->slot(first + i);
+    }
+    queue(rows.data(), pos.data(), m);
+}
+
+void draft_session::flush() {
+    while (!queued_rows_.empty()) {
+        run(std::min<int>(block_, (int) queued_rows_.size()), block_, 0, 0, 0);
+    }
+}
+
+void draft_session::protect(int first, int n) {
+    const int cap = ring_->capacity();
+    for (int32_t r : queued_rows_) {
+        if (n >= cap || (r - ring_->slot(first) + cap) % cap < n) {
+            flush();
+            return;
+        }
+    }
+}
+
+const draft_proposals & draft_session::draft(int32_t anchor, int start, int n_block) {
     n_block = n_block > 0 ? n_block : block_;
-    if (m > block_ || n_block < 2 || n_block > block_) {
-        throw std::invalid_argument(format("draft: %d new context rows (at most %d) and a block of %d (2..%d)", m,
-                                           block_, n_block, block_));
+    if (n_block < 2 || n_block > block_ || start < 0) {
+        throw std::invalid_argument(format("draft: a block of %d (2..%d) at position %d", n_block, block_, start));
     }
-    run(positions, m, block_, n_block, anchor, start);
+    if (anchor < 0 || anchor >= draft_->target().info().n_vocab) {
+        throw std::out_of_range(format("draft: anchor token %d is outside the vocabulary [0, %lld)", anchor,
+                                       (long long) draft_->target().info().n_vocab));
+    }
+    while ((int) queued_rows_.size() > block_) {  // more than one graph appends: the oldest first, alone
+        run(block_, block_, 0, 0, 0);
+    }
+    if (!queued_pos_.empty() && queued_pos_.back() >= start) {
+        throw std::invalid_argument(format("draft: queued context reaches position %d, the block starts at %d",
+                                           queued_pos_.back(), start));
+    }
+    run((int) queued_rows_.size(), block_, n_block, anchor, start);
     return proposals_;
 }
 
 void draft_session::truncate(int n_past) {
+    while (!queued_pos_.empty() && queued_pos_.back() >= n_past) {
+        queued_pos_.pop_back();
+        queued_rows_.pop_back();
+    }
+    flush();
     if (n_past >= n_valid_) {
         return;
     }

@@ -45,7 +45,7 @@ size_t kv_cache::n_bytes_for(const model_info & info, uint32_t n_ctx, ggml_type 
 }
 
 kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx, ggml_type type_k, ggml_type type_v)
-    : n_ctx_(n_ctx) {
+    : devices_(be), n_ctx_(n_ctx) {
     check_types(info, type_k, type_v);
     ggml_init_params params = {ggml_tensor_overhead() * (2 * info.kv_layers.size() + 1), nullptr, true};
     ctx_                    = ggml_init(params);
@@ -84,6 +84,57 @@ kv_cache::~kv_cache() {
 
 ggml_tensor * kv_cache::k(int il) const { return layers_.at(il).first; }
 ggml_tensor * kv_cache::v(int il) const { return layers_.at(il).second; }
+
+void kv_cache::fill(state_tensors & st, int n_layer) const {
+    st.k.assign(n_layer, nullptr);
+    st.v.assign(n_layer, nullptr);
+    for (const auto & kv : layers_) {
+        st.k[kv.first] = kv.second.first;
+        st.v[kv.first] = kv.second.second;
+    }
+}
+
+void kv_cache::move_rows(const std::vector<std::pair<int, int>> & moves) {
+    if (moves.empty()) {
+        return;
+    }
+    // one small graph of row copies (same type: a plain copy, also of quantized rows) per device that holds
+    // cache layers; the copies of one graph run in order
+    for (ggml_backend_t backend : {devices_.gpu(), devices_.cpu()}) {
+        if (!backend) {
+            continue;
+        }
+        std::vector<ggml_tensor *> tensors;
+        for (const auto & kv : layers_) {
+            for (ggml_tensor * t : {kv.second.first, kv.second.second}) {
+                if (ggml_backend_supports_buft(backend, ggml_backend_buffer_get_type(t->buffer)) &&
+                    (backend == devices_.cpu()) == ggml_backend_buffer_is_host(t->buffer)) {
+                    tensors.push_back(t);
+                }
+            }
+        }
+        if (tensors.empty()) {
+            continue;
+        }
+        const size_t         n_nodes = 3 * tensors.size() * moves.size() + 16;
+        std::vector<uint8_t> meta(ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false));
+        ggml_init_params     params = {meta.size(), meta.data(), true};
+        ggml_context *       ctx    = ggml_init(params);
+        ggml_cgraph *        gf     = ggml_new_graph_custom(ctx, n_nodes, false);
+        for (ggml_tensor * t : tensors) {
+            for (const auto & m : moves) {
+                ggml_tensor * src = ggml_view_1d(ctx, t, t->ne[0], (size_t) m.first * t->nb[1]);
+                ggml_tensor * dst = ggml_view_1d(ctx, t, t->ne[0], (size_t) m.second * t->nb[1]);
+                ggml_build_forward_expand(gf, ggml_cpy(ctx, src, dst));
+            }
+        }
+        const ggml_status status = ggml_backend_graph_compute(backend, gf);
+        ggml_free(ctx);
+        if (status != GGML_STATUS_SUCCESS) {
+            throw backend_error("could not move KV cache rows");
+        }
+    }
+}
 
 size_t kv_cache::n_bytes() const {
     size_t n = 0;

@@ -3,9 +3,12 @@
 // inside the graph with ggml_set_rows, so the graph does not depend on where it writes.
 #pragma once
 
-#include "models/model.h"
+#include "core/backend.h"
+#include "core/model_desc.h"
 
 #include <map>
+#include <utility>
+#include <vector>
 
 namespace pdf {
 
@@ -23,10 +26,16 @@ class kv_cache {
 
     ggml_tensor * k(int il) const;
     ggml_tensor * v(int il) const;
+    // the K/V tensors by layer index, for the graph builders
+    void          fill(state_tensors & st, int n_layer) const;
+    // copy the rows of every layer's K and V from slot `first` to slot `second` of each pair, in order (a
+    // row is read before any later pair overwrites it only if the caller orders them so), on the device
+    void          move_rows(const std::vector<std::pair<int, int>> & moves);
     uint32_t      n_ctx() const { return n_ctx_; }
     size_t        n_bytes() const;
 
   private:
+    const backends &                            devices_;
     uint32_t                                    n_ctx_;
     ggml_context *                              ctx_ = nullptr;
     std::vector<ggml_backend_buffer_t>          buffers_;

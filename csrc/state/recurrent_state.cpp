@@ -16,11 +16,15 @@ size_t recurrent_state::n_bytes_for(const model_info & info, uint32_t n_rollback
     return n;
 }
 
-recurrent_state::recurrent_state(const target_model & model, uint32_t n_rollback) : n_rollback_(n_rollback) {
-    const model_info & info = model.info();
+recurrent_state::recurrent_state(const model_info & info, const backends & devices, uint32_t n_rollback)
+    : n_rollback_(n_rollback) {
     if (n_rollback == 0) {
         throw std::invalid_argument("n_rollback must be at least 1");
     }
+    if (info.recurrent_layers.empty()) {
+        throw std::invalid_argument("recurrent state for a model without recurrent layers");
+    }
+    conv_window_            = (int) info.recurrent_layers[0].d_conv - 1;
     ggml_init_params params = {ggml_tensor_overhead() * (2 * info.recurrent_layers.size() + 1), nullptr, true};
     ctx_                    = ggml_init(params);
     std::map<ggml_backend_buffer_type_t, std::vector<ggml_tensor *>> by_buft;
@@ -30,7 +34,7 @@ recurrent_state::recurrent_state(const target_model & model, uint32_t n_rollback
         ggml_format_name(ssm, "ssm_states_l%d", l.il);
         ggml_format_name(conv, "conv_states_l%d", l.il);
         layers_[l.il] = {ssm, conv};
-        ggml_backend_buffer_type_t buft = model.devices().state_buft(l.il);
+        ggml_backend_buffer_type_t buft = devices.state_buft(l.il);
         by_buft[buft].push_back(ssm);
         by_buft[buft].push_back(conv);
     }
@@ -54,6 +58,15 @@ recurrent_state::~recurrent_state() {
     }
 }
 
+void recurrent_state::fill(state_tensors & st, int n_layer) const {
+    st.ssm.assign(n_layer, nullptr);
+    st.conv.assign(n_layer, nullptr);
+    for (const auto & kv : layers_) {
+        st.ssm[kv.first]  = kv.second.first;
+        st.conv[kv.first] = kv.second.second;
+    }
+}
+
 size_t recurrent_state::n_bytes() const {
     size_t n = 0;
     for (ggml_backend_buffer_t b : buffers_) {
@@ -66,8 +79,11 @@ void recurrent_state::reset() {
     for (ggml_backend_buffer_t b : buffers_) {
         ggml_backend_buffer_clear(b, 0);
     }
-    ssm_row_  = 0;
-    conv_row_ = 0;
+    ssm_row_ = 0;
+    conv_rows_.resize(conv_window_);
+    for (int j = 0; j < conv_window_; ++j) {
+        conv_rows_[j] = j;
+    }
 }
 
 void recurrent_state::commit(int n_tokens, int i) {
@@ -82,7 +98,26 @@ void recurrent_state::commit(int n_tokens, int i) {
     if (i > 0) {
         ssm_row_ = snapshot_row(s);
     }
-    conv_row_ = i - conv_keep_from(n_tokens);
+    const int first = i - conv_keep_from(n_tokens);
+    for (int j = 0; j < conv_window_; ++j) {
+        conv_rows_[j] = first + j;
+    }
+}
+
+void recurrent_state::commit_node(int j, const int32_t * taps) {
+    if (j < 0 || j >= (int) n_rollback_) {
+        throw std::out_of_range(format("commit: tree node %d has no kept state (%u nodes are kept)", j, n_rollback_));
+    }
+    ssm_row_ = snapshot_row(j);
+    for (int t = 0; t < conv_window_; ++t) {
+        conv_rows_[t] = taps[t + 1];
+    }
+}
+
+void recurrent_state::commit_no_node() {
+    for (int t = 0; t < conv_window_; ++t) {
+        conv_rows_[t] = t;
+    }
 }
 
 }  // namespace pdf

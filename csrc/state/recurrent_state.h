@@ -1,18 +1,20 @@
 // Gated-delta-net state of every recurrent layer of one session, kept so that a batched evaluation of up
-// to n_rollback tokens can be committed at ANY token without re-running the target.
+// to n_rollback tokens (a chain, or a tree of nodes) can be committed at ANY token without re-running the
+// target.
 //
 // Per layer:
-//   ssm  [D, n_rollback+1]              D = S_v*S_v*H_v. An evaluation reads its input state from one row
-//                                       and writes the state after token n-s (s < K = min(n, n_rollback),
-//                                       ggml_gated_delta_net's snapshots, most recent first) into the s-th of
-//                                       the other rows, so the input state stays where it was (committing 0
-//                                       tokens costs nothing, and nothing copies it).
-//   conv [conv_channels, d_conv-1+n_rollback]  the tail of [conv window ‖ new conv inputs] (time = rows);
-//                                       the next evaluation reads d_conv-1 consecutive rows.
-// Committing i of the n tokens is then only a choice of rows: no copy, no replay, no host round trip.
+//   ssm  [D, n_rollback+1]              D = S_v*S_v*H_v. An evaluation reads its input state from one row and
+//                                       writes per-token states into the other rows, so the input state
+//                                       stays where it was (committing no token costs nothing, and nothing
+//                                       copies it). Chain: ggml_gated_delta_net's snapshots, the state after
+//                                       token n-1-s in the s-th other row; tree: node j's state in the j-th.
+//   conv [conv_channels, d_conv-1+n_rollback]  rows of [conv window ‖ new conv inputs] (time = rows); the next
+//                                       evaluation reads the d_conv-1 rows named by conv_rows().
+// Committing is then only a choice of rows: no copy, no replay, no host round trip.
 #pragma once
 
-#include "models/model.h"
+#include "core/backend.h"
+#include "core/model_desc.h"
 
 #include <map>
 #include <vector>
@@ -21,7 +23,7 @@ namespace pdf {
 
 class recurrent_state {
   public:
-    recurrent_state(const target_model & model, uint32_t n_rollback);
+    recurrent_state(const model_info & info, const backends & devices, uint32_t n_rollback);
     ~recurrent_state();
     recurrent_state(const recurrent_state &)             = delete;
     recurrent_state & operator=(const recurrent_state &) = delete;
@@ -30,32 +32,39 @@ class recurrent_state {
 
     ggml_tensor * ssm(int il) const { return layers_.at(il).first; }
     ggml_tensor * conv(int il) const { return layers_.at(il).second; }
+    // the state tensors by layer index, for the graph builders
+    void          fill(state_tensors & st, int n_layer) const;
     uint32_t      n_rollback() const { return n_rollback_; }
+    int           conv_window() const { return conv_window_; }  // d_conv - 1
     size_t        n_bytes() const;
 
     // rows the next evaluation reads
-    int32_t ssm_row() const { return ssm_row_; }
-    int32_t conv_row() const { return conv_row_; }  // first of d_conv-1 consecutive rows
+    int32_t                      ssm_row() const { return ssm_row_; }
+    const std::vector<int32_t> & conv_rows() const { return conv_rows_; }  // oldest first
 
-    // snapshots an evaluation of n tokens keeps
-    int n_snapshots(int n_tokens) const { return std::min<int>(n_tokens, (int) n_rollback_); }
-    // the row the next evaluation writes its snapshot s to (most recent first): the s-th row that is not
-    // the input row, which thus keeps the state as of no token
+    // chain evaluation of n tokens: the snapshots it keeps, the row of snapshot s (most recent first: the s-th
+    // row that is not the input row), and the first row of [window ‖ inputs] it writes back to the conv buffer
+    int     n_snapshots(int n_tokens) const { return std::min<int>(n_tokens, (int) n_rollback_); }
     int32_t snapshot_row(int s) const { return s < ssm_row_ ? s : s + 1; }
-    // first row of [window ‖ inputs] that an evaluation of n tokens keeps in the conv buffer
-    int conv_keep_from(int n_tokens) const { return std::max<int>(0, n_tokens - (int) n_rollback_); }
+    int     conv_keep_from(int n_tokens) const { return std::max<int>(0, n_tokens - (int) n_rollback_); }
 
-    // after an evaluation of n tokens, keep the state as of its first i tokens (throws if not kept)
+    // after a chain evaluation of n tokens, keep the state as of its first i tokens (throws if not kept)
     void commit(int n_tokens, int i);
+    // after a tree evaluation (n <= n_rollback nodes): keep node j's state (row snapshot_row(j)) and its conv
+    // window, i.e. the last d_conv-1 of the node's conv taps (rows of [window ‖ inputs], oldest first)
+    void commit_node(int j, const int32_t * taps);
+    // after a tree evaluation, keep none of it: the input state, and the window it wrote back to rows 0..W-1
+    void commit_no_node();
     // back to the empty state (zeros)
     void reset();
 
   private:
-    uint32_t                                              n_rollback_;
-    int32_t                                               ssm_row_  = 0;
-    int32_t                                               conv_row_ = 0;
-    ggml_context *                                        ctx_      = nullptr;
-    std::vector<ggml_backend_buffer_t>                    buffers_;
+    uint32_t                                               n_rollback_;
+    int                                                    conv_window_ = 0;
+    int32_t                                                ssm_row_     = 0;
+    std::vector<int32_t>                                   conv_rows_;
+    ggml_context *                                         ctx_         = nullptr;
+    std::vector<ggml_backend_buffer_t>                     buffers_;
     std::map<int, std::pair<ggml_tensor *, ggml_tensor *>> layers_;
 };
 

@@ -1,9 +1,11 @@
 #include "state/session.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "models/head.h"
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <stdexcept>
 
 namespace pdf {
@@ -12,10 +14,11 @@ namespace pdf {
 // still cost time in the CPU's small-window attention (matmul + softmax + the V transpose run over the whole
 // window), so the step is small: 64 instead of 256 took ~5% off a tiny 4-layer Qwen3's decode step over 128
 // tokens (perf samples per token), while its rebuilds (~0.5 ms each there, a fifth of one step) cost < 0.5%.
-// Which attention kernel runs is still decided on 256-slot windows (models/blocks.cpp).
+// Which attention kernel runs is still decided on 256-slot windows (models/attention.cpp).
 static constexpr int KV_WINDOW_STEP = 64;
 
-session::session(std::shared_ptr<const target_model> model, const session_params & params) : model_(std::move(model)) {
+session::session(std::shared_ptr<const target_model> model, const session_params & params)
+    : model_(std::move(model)), graph_(model_->devices()) {
     const model_info & info = model_->info();
     if (params.n_ctx == 0 || params.n_ubatch == 0) {
         throw std::invalid_argument(format("n_ctx (%u) and n_ubatch (%u) must be positive", params.n_ctx,
@@ -28,7 +31,7 @@ session::session(std::shared_ptr<const target_model> model, const session_params
     }
     kv_cache::check_types(info, params.type_k, params.type_v);
     const size_t kv_need = kv_cache::n_bytes_for(info, params.n_ctx, params.type_k, params.type_v);
-    const size_t rs_need = recurrent_state::n_bytes_for(info, params.n_rollback);
+    const size_t rs_need = info.recurrent_layers.empty() ? 0 : recurrent_state::n_bytes_for(info, params.n_rollback);
     const size_t have    = model_->devices().free_memory(info.n_layer - 1);
     PDF_LOG_INFO("KV cache: n_ctx = %u, K %s, V %s: %.2f MiB; recurrent state (rollback over %u tokens): %.2f MiB",
                  params.n_ctx, ggml_type_name(params.type_k), ggml_type_name(params.type_v), kv_need / 1048576.0,
@@ -42,92 +45,107 @@ session::session(std::shared_ptr<const target_model> model, const session_params
     }
     kv_ = std::make_unique<kv_cache>(info, model_->devices(), params.n_ctx, params.type_k, params.type_v);
     if (!info.recurrent_layers.empty()) {
-        rs_ = std::make_unique<recurrent_state>(*model_, params.n_rollback);
-    }
-    sched_ = model_->devices().new_sched(model_->max_graph_nodes());
-    if (!sched_) {
-        throw backend_error("could not create the backend scheduler");
+        rs_ = std::make_unique<recurrent_state>(info, model_->devices(), params.n_rollback);
     }
 }
 
-session::~session() {
-    if (sched_) {
-        ggml_backend_sched_free(sched_);
-    }
-    if (graph_ctx_) {
-        ggml_free(graph_ctx_);
-    }
-}
+session::~session() = default;
 
 void session::prepare_graph(const graph_key & key) {
-    if (have_graph_ && key == key_) {
+    if (graph_.ready() && key == key_) {
         return;
     }
-    if (graph_ctx_) {
-        ggml_free(graph_ctx_);
-        graph_ctx_ = nullptr;
-    }
-    ggml_backend_sched_reset(sched_);
-    const size_t n_nodes = model_->max_graph_nodes();
-    graph_buf_.resize(ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false));
-    ggml_init_params params = {graph_buf_.size(), graph_buf_.data(), true};
-    graph_ctx_              = ggml_init(params);
-    gf_                     = ggml_new_graph_custom(graph_ctx_, n_nodes, false);
+    const model_info & info = model_->info();
+    ggml_context *     ctx  = graph_.begin(model_->max_graph_nodes((int) key.tree_levels.size()));
+    ggml_cgraph *      gf   = graph_.graph();
 
     in_                = eval_inputs{};
     in_.n_tokens       = key.n_tokens;
     in_.n_kv           = key.n_kv;
-    in_.all_logits     = key.all_logits;
+    in_.all_outputs    = key.what.all_rows;
     in_.capture_layers = key.capture;
-    in_.tokens         = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, key.n_tokens);
-    in_.positions = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32,
-                                       (int64_t) key.n_tokens * model_->info().n_pos_per_token);
-    in_.kv_slots       = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, key.n_tokens);
-    in_.kq_mask        = ggml_new_tensor_2d(graph_ctx_, GGML_TYPE_F16, key.n_kv, key.n_tokens);
+    in_.tokens         = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, key.n_tokens);
+    in_.positions      = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) key.n_tokens * info.n_pos_per_token);
+    in_.kv_slots       = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
+    in_.kq_mask        = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, key.n_kv, key.n_tokens);
     for (ggml_tensor * t : {in_.tokens, in_.positions, in_.kv_slots, in_.kq_mask}) {
         ggml_set_input(t);
     }
     if (rs_) {
-        const int64_t d_conv = model_->info().recurrent_layers[0].d_conv;
-        in_.ssm_row          = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, 1);
-        in_.conv_rows        = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I32, d_conv - 1);
-        in_.ssm_snapshot_rows = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, rs_->n_snapshots(key.n_tokens));
-        ggml_set_input(in_.ssm_row);
+        const int W    = rs_->conv_window();
+        in_.conv_rows  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, W);
         ggml_set_input(in_.conv_rows);
-        ggml_set_input(in_.ssm_snapshot_rows);
+        if (key.tree_levels.empty()) {
+            in_.ssm_row           = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
+            in_.ssm_snapshot_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, rs_->n_snapshots(key.n_tokens));
+            in_.conv_keep_from    = rs_->conv_keep_from(key.n_tokens);
+            ggml_set_input(in_.ssm_row);
+            ggml_set_input(in_.ssm_snapshot_rows);
+        } else {
+            const int n0         = key.tree_levels[0];
+            in_.tree_levels      = key.tree_levels;
+            in_.tree_root_state  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n0);
+            in_.tree_parent      = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, std::max(1, key.n_tokens - n0));
+            in_.tree_state_rows  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
+            in_.tree_out_rows    = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
+            in_.conv_taps        = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) (W + 1) * key.n_tokens);
+            for (ggml_tensor * t : {in_.tree_root_state, in_.tree_parent, in_.tree_state_rows, in_.tree_out_rows,
+                                    in_.conv_taps}) {
+                ggml_set_input(t);
+            }
+        }
     }
 
-    out_ = model_->build_eval(graph_ctx_, gf_, in_, *kv_, rs_.get());
-    ggml_set_output(out_.logits);
-    ggml_set_output(out_.argmax);
-    ggml_build_forward_expand(gf_, out_.argmax);
+    state_tensors st;
+    kv_->fill(st, info.n_layer);
+    if (rs_) {
+        rs_->fill(st, info.n_layer);
+    }
+    out_ = model_->build_eval(ctx, gf, in_, st);
+    const head_outputs head = build_head(ctx, model_->output_head(), out_.hidden, model_->head_on_host(),
+                                         key.what.top_k);
+    argmax_t_       = head.argmax;
+    logits_t_       = key.what.logits ? head.logits : nullptr;
+    top_ids_t_      = head.top_ids;
+    top_logprobs_t_ = head.top_logprobs;
+    for (ggml_tensor * t : {argmax_t_, logits_t_, top_ids_t_, top_logprobs_t_}) {
+        if (t) {
+            ggml_set_output(t);
+            ggml_build_forward_expand(gf, t);
+        }
+    }
     ring_slots_ = nullptr;
     if (key.ring && !out_.captured.empty()) {
-        ring_slots_ = ggml_new_tensor_1d(graph_ctx_, GGML_TYPE_I64, key.n_tokens);
+        ring_slots_ = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
         ggml_set_input(ring_slots_);
     }
     for (size_t c = 0; c < out_.captured.size(); ++c) {
         ggml_tensor * t = out_.captured[c];
         GGML_ASSERT(t != nullptr);
         if (ring_slots_) {
-            ggml_build_forward_expand(gf_, ggml_set_rows(graph_ctx_, key.ring->layer_view(graph_ctx_, (int) c), t,
-                                                         ring_slots_));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, key.ring->layer_view(ctx, (int) c), t, ring_slots_));
         } else {
             ggml_set_output(t);
-            ggml_build_forward_expand(gf_, t);
+            ggml_build_forward_expand(gf, t);
         }
     }
-    if (!ggml_backend_sched_alloc_graph(sched_, gf_)) {
-        have_graph_ = false;
-        throw backend_error(format("could not allocate the compute graph for %d tokens over %d cache slots",
-                                   key.n_tokens, key.n_kv));
-    }
-    key_        = key;
-    have_graph_ = true;
+    graph_.allocate(format("the compute graph for %d tokens over %d cache slots", key.n_tokens, key.n_kv).c_str());
+    key_ = key;
 }
 
-void session::eval(const int32_t * tokens, const int32_t * positions, int n, const uint8_t * batch_mask,
-                   logits_mode mode, const std::vector<int> & capture_layers, feature_ring * ring) {
+void session::rollback_pending() {
+    if (!rs_ || pending_.empty()) {
+        return;
+    }
+    if (pending_tree_) {
+        rs_->commit_no_node();
+    } else {
+        rs_->commit((int) pending_.size(), 0);
+    }
+}
+
+void session::eval(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
+                   const std::vector<int> & capture_layers, feature_ring * ring) {
     const model_info & info = model_->info();
     if (n <= 0) {
         throw std::invalid_argument("eval: no tokens");
@@ -153,102 +171,281 @@ void session::eval(const int32_t * tokens, const int32_t * positions, int n, con
                                            "(%d rows of %lld floats)", n, capture_layers.size(), ring->capacity(),
                                            (long long) ring->row_width()));
     }
+    if (what.top_k < 0 || what.top_k > info.n_vocab) {
+        throw std::invalid_argument(format("eval: top_k = %d is outside [0, %lld]", what.top_k,
+                                           (long long) info.n_vocab));
+    }
+    if (layout.mask && layout.parents) {
+        throw std::invalid_argument("eval: give a mask or parents, not both");
+    }
+    if (layout.mask && rs_) {
+        throw std::invalid_argument("eval: a recurrent model's batch is a chain or a tree (parents), not a mask");
+    }
+    // depth of each row (trees), and whether the batch is a chain after all
+    std::vector<int> depth(n, 0);
+    bool             chain = true;
+    if (layout.parents) {
+        for (int i = 0; i < n; ++i) {
+            const int p = layout.parents[i];
+            if (p < -1 || p >= i) {
+                throw std::invalid_argument(format("eval: parents[%d] = %d; a parent must be an earlier row or -1",
+                                                   i, p));
+            }
+            depth[i] = p < 0 ? 0 : depth[p] + 1;
+            chain    = chain && p == i - 1;
+        }
+    }
+    const bool tree = rs_ && !chain;  // the recurrent layers follow parent links, depth by depth
+    if (tree && (uint32_t) n > rs_->n_rollback()) {
+        throw std::invalid_argument(format("eval: a tree of %d nodes needs n_rollback >= %d (the session keeps the "
+                                           "state of %u)", n, n, rs_->n_rollback()));
+    }
 
-    if (rs_ && !pending_.empty()) {
-        rs_->commit((int) pending_.size(), 0);  // the last eval was never committed: start from before it
+    rollback_pending();  // the last eval was never committed: start from before it
+
+    // slots: rows in level order for a recurrent tree (the nodes of one depth side by side), else as given
+    std::vector<int> row_of(n);  // slot -> batch row
+    std::iota(row_of.begin(), row_of.end(), 0);
+    slot_of_.clear();
+    std::vector<int> levels;
+    if (tree) {
+        std::stable_sort(row_of.begin(), row_of.end(), [&](int a, int b) { return depth[a] < depth[b]; });
+        slot_of_.assign(n, 0);
+        for (int s = 0; s < n; ++s) {
+            slot_of_[row_of[s]] = s;
+        }
+        levels.assign(depth[row_of[n - 1]] + 1, 0);
+        for (int i = 0; i < n; ++i) {
+            levels[depth[i]]++;
+        }
+    }
+    parent_slot_.assign(n, -1);
+    for (int s = 0; s < n; ++s) {
+        const int p     = layout.parents ? layout.parents[row_of[s]] : s - 1;
+        parent_slot_[s] = p < 0 ? -1 : (slot_of_.empty() ? p : slot_of_[p]);
     }
 
     graph_key key;
-    key.n_tokens   = n;
-    key.n_kv       = (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP));
-    key.all_logits = mode == LOGITS_ALL || mode == ARGMAX_ALL;
-    key.capture    = capture_layers;
-    key.ring       = capture_layers.empty() ? nullptr : ring;
+    key.n_tokens    = n;
+    key.n_kv        = (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP));
+    key.what        = what;
+    key.capture     = capture_layers;
+    key.ring        = capture_layers.empty() ? nullptr : ring;
+    key.tree_levels = levels;
     prepare_graph(key);
 
-    // inputs
+    // inputs, by slot
+    pending_.resize(n);
+    pending_pos_.resize(n);
     slots_host_.resize(n);
     const int            n_pos = info.n_pos_per_token;
     std::vector<int32_t> pos_host((size_t) n * n_pos, 0);
-    for (int i = 0; i < n; ++i) {
-        slots_host_[i]   = n_past_ + i;
-        const int32_t p  = positions ? positions[i] : n_past_ + i;
+    for (int s = 0; s < n; ++s) {
+        const int     i = row_of[s];
+        pending_[s]     = tokens[i];
+        slots_host_[s]  = n_past_ + s;
+        pending_pos_[s] = layout.positions ? layout.positions[i] : n_past_ + (layout.parents ? depth[i] : i);
         // M-RoPE for text: the first three sections all take the token position, the fourth stays 0
         for (int j = 0; j < std::min(n_pos, 3); ++j) {
-            pos_host[(size_t) j * n + i] = p;
+            pos_host[(size_t) j * n + s] = pending_pos_[s];
         }
     }
     const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
     mask_host_.assign((size_t) key.n_kv * n, ninf);
-    for (int i = 0; i < n; ++i) {
-        ggml_fp16_t * row = mask_host_.data() + (size_t) i * key.n_kv;
+    for (int s = 0; s < n; ++s) {
+        ggml_fp16_t * row = mask_host_.data() + (size_t) s * key.n_kv;
         std::fill(row, row + n_past_, zero);
-        for (int j = 0; j < n; ++j) {
-            const bool visible = batch_mask ? batch_mask[(size_t) i * n + j] != 0 : j <= i;
-            if (visible) {
-                row[n_past_ + j] = zero;
+        if (layout.parents) {
+            for (int a = s; a >= 0; a = parent_slot_[a]) {  // itself and its ancestors
+                row[n_past_ + a] = zero;
+            }
+        } else {
+            for (int j = 0; j < n; ++j) {
+                if (layout.mask ? layout.mask[(size_t) s * n + j] != 0 : j <= s) {
+                    row[n_past_ + j] = zero;
+                }
             }
         }
     }
-    ggml_backend_tensor_set(in_.tokens, tokens, 0, sizeof(int32_t) * n);
+    ggml_backend_tensor_set(in_.tokens, pending_.data(), 0, sizeof(int32_t) * n);
     ggml_backend_tensor_set(in_.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
-    if (rs_) {
-        std::vector<int32_t> conv_rows(in_.conv_rows->ne[0]);
-        for (size_t j = 0; j < conv_rows.size(); ++j) {
-            conv_rows[j] = rs_->conv_row() + (int32_t) j;
-        }
-        const int32_t ssm_row = rs_->ssm_row();
-        ggml_backend_tensor_set(in_.ssm_row, &ssm_row, 0, sizeof(int32_t));
-        ggml_backend_tensor_set(in_.conv_rows, conv_rows.data(), 0, sizeof(int32_t) * conv_rows.size());
-        std::vector<int64_t> snapshot_rows(rs_->n_snapshots(n));
-        for (size_t s = 0; s < snapshot_rows.size(); ++s) {
-            snapshot_rows[s] = rs_->snapshot_row((int) s);
-        }
-        ggml_backend_tensor_set(in_.ssm_snapshot_rows, snapshot_rows.data(), 0,
-                                sizeof(int64_t) * snapshot_rows.size());
-    }
     ggml_backend_tensor_set(in_.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
     ggml_backend_tensor_set(in_.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
+    if (rs_) {
+        const int W = rs_->conv_window();
+        ggml_backend_tensor_set(in_.conv_rows, rs_->conv_rows().data(), 0, sizeof(int32_t) * W);
+        if (!tree) {
+            const int32_t        ssm_row = rs_->ssm_row();
+            std::vector<int64_t> snapshot_rows(rs_->n_snapshots(n));
+            for (size_t s = 0; s < snapshot_rows.size(); ++s) {
+                snapshot_rows[s] = rs_->snapshot_row((int) s);
+            }
+            ggml_backend_tensor_set(in_.ssm_row, &ssm_row, 0, sizeof(int32_t));
+            ggml_backend_tensor_set(in_.ssm_snapshot_rows, snapshot_rows.data(), 0,
+                                    sizeof(int64_t) * snapshot_rows.size());
+            conv_taps_.clear();
+        } else {
+            // per slot: the rows of [window ‖ inputs] under its kernel, oldest first (ancestors, then the window)
+            conv_taps_.assign((size_t) n * (W + 1), 0);
+            for (int s = 0; s < n; ++s) {
+                int32_t * taps = conv_taps_.data() + (size_t) s * (W + 1);
+                int       cur = s, w = W - 1;
+                for (int t = W; t >= 0; --t) {
+                    if (cur >= 0) {
+                        taps[t] = W + cur;
+                        cur     = parent_slot_[cur];
+                    } else {
+                        taps[t] = w--;
+                    }
+                }
+            }
+            std::vector<int32_t> root_state(levels[0], rs_->ssm_row());
+            std::vector<int32_t> parent_in_level(std::max(1, n - levels[0]), 0);
+            std::vector<int64_t> state_rows(n), out_rows(n);
+            std::vector<int>     level_start(levels.size(), 0);
+            for (size_t d = 1; d < levels.size(); ++d) {
+                level_start[d] = level_start[d - 1] + levels[d - 1];
+            }
+            for (int s = 0; s < n; ++s) {
+                state_rows[s] = rs_->snapshot_row(s);
+                out_rows[s]   = s;
+                if (s >= levels[0]) {
+                    const int p                    = parent_slot_[s];
+                    parent_in_level[s - levels[0]] = p - level_start[depth[row_of[p]]];
+                }
+            }
+            ggml_backend_tensor_set(in_.tree_root_state, root_state.data(), 0, sizeof(int32_t) * root_state.size());
+            ggml_backend_tensor_set(in_.tree_parent, parent_in_level.data(), 0,
+                                    sizeof(int32_t) * parent_in_level.size());
+            ggml_backend_tensor_set(in_.tree_state_rows, state_rows.data(), 0, sizeof(int64_t) * n);
+            ggml_backend_tensor_set(in_.tree_out_rows, out_rows.data(), 0, sizeof(int64_t) * n);
+            ggml_backend_tensor_set(in_.conv_taps, conv_taps_.data(), 0, sizeof(int32_t) * conv_taps_.size());
+        }
+    }
     if (ring_slots_) {
         std::vector<int64_t> ring_rows(n);
-        for (int i = 0; i < n; ++i) {
-            ring_rows[i] = ring->slot(n_past_ + i);
+        for (int s = 0; s < n; ++s) {
+            ring_rows[s] = ring->slot(n_past_ + s);
         }
         ggml_backend_tensor_set(ring_slots_, ring_rows.data(), 0, sizeof(int64_t) * n);
     }
+    pending_tree_ = tree;
 
-    if (ggml_backend_sched_graph_compute(sched_, gf_) != GGML_STATUS_SUCCESS) {
-        throw backend_error("graph computation failed");
-    }
+    graph_.compute("the target graph");
 
-    // outputs
-    n_outputs_ = (int) out_.argmax->ne[0];
+    // outputs, back in batch order
+    n_outputs_ = (int) argmax_t_->ne[0];
+    std::vector<int32_t> by_slot(n_outputs_);
+    ggml_backend_tensor_get(argmax_t_, by_slot.data(), 0, sizeof(int32_t) * n_outputs_);
     argmax_.resize(n_outputs_);
-    ggml_backend_tensor_get(out_.argmax, argmax_.data(), 0, sizeof(int32_t) * n_outputs_);
-    if (mode == LOGITS_NONE || mode == ARGMAX_ALL) {
-        logits_.clear();
-    } else {
-        logits_.resize((size_t) n_outputs_ * info.n_vocab);
-        ggml_backend_tensor_get(out_.logits, logits_.data(), 0, sizeof(float) * logits_.size());
+    const auto slot = [&](int i) { return n_outputs_ == n ? eval_slot(i) : 0; };
+    for (int i = 0; i < n_outputs_; ++i) {
+        argmax_[i] = by_slot[slot(i)];
+    }
+    const int64_t V = info.n_vocab;
+    logits_.clear();
+    if (logits_t_) {
+        std::vector<float> raw((size_t) n_outputs_ * V);
+        ggml_backend_tensor_get(logits_t_, raw.data(), 0, sizeof(float) * raw.size());
+        logits_.resize(raw.size());
+        for (int i = 0; i < n_outputs_; ++i) {
+            std::copy_n(raw.data() + (size_t) slot(i) * V, V, logits_.data() + (size_t) i * V);
+        }
+    }
+    top_k_ = what.top_k;
+    top_ids_.clear();
+    top_logprobs_.clear();
+    if (top_ids_t_) {
+        const int            k = top_k_;
+        std::vector<int32_t> ids((size_t) n_outputs_ * k);
+        std::vector<float>   lps((size_t) n_outputs_ * k);
+        ggml_backend_tensor_get(top_ids_t_, ids.data(), 0, sizeof(int32_t) * ids.size());
+        ggml_backend_tensor_get(top_logprobs_t_, lps.data(), 0, sizeof(float) * lps.size());
+        top_ids_.resize(ids.size());
+        top_logprobs_.resize(lps.size());
+        std::vector<int> order(k);
+        for (int i = 0; i < n_outputs_; ++i) {
+            const int32_t * r_ids = ids.data() + (size_t) slot(i) * k;
+            const float *   r_lps = lps.data() + (size_t) slot(i) * k;
+            std::iota(order.begin(), order.end(), 0);
+            std::sort(order.begin(), order.end(), [&](int a, int b) {  // most likely first; ties: lower id
+                return r_lps[a] != r_lps[b] ? r_lps[a] > r_lps[b] : r_ids[a] < r_ids[b];
+            });
+            for (int j = 0; j < k; ++j) {
+                top_ids_[(size_t) i * k + j]      = r_ids[order[j]];
+                top_logprobs_[(size_t) i * k + j] = r_lps[order[j]];
+            }
+        }
     }
     captured_.resize(ring_slots_ ? 0 : out_.captured.size());
     for (size_t c = 0; c < captured_.size(); ++c) {
-        captured_[c].resize((size_t) n * info.n_embd);
-        ggml_backend_tensor_get(out_.captured[c], captured_[c].data(), 0, sizeof(float) * captured_[c].size());
+        std::vector<float> raw((size_t) n * info.n_embd);
+        ggml_backend_tensor_get(out_.captured[c], raw.data(), 0, sizeof(float) * raw.size());
+        captured_[c].resize(raw.size());
+        for (int i = 0; i < n; ++i) {
+            std::copy_n(raw.data() + (size_t) eval_slot(i) * info.n_embd, info.n_embd,
+                        captured_[c].data() + (size_t) i * info.n_embd);
+        }
     }
-    pending_.assign(tokens, tokens + n);
 }
 
 void session::commit(int n) {
     if (n < 0 || n > (int) pending_.size()) {
         throw std::out_of_range(format("commit: %d tokens, but the last eval had %zu", n, pending_.size()));
     }
-    if (rs_) {
-        rs_->commit((int) pending_.size(), n);
+    std::vector<int> rows(n);
+    std::iota(rows.begin(), rows.end(), 0);
+    commit(rows);
+}
+
+void session::commit(const std::vector<int> & rows) {
+    const int n = (int) pending_.size();
+    const int m = (int) rows.size();
+    if (m > n) {
+        throw std::out_of_range(format("commit: %d rows, but the last eval had %d", m, n));
     }
-    tokens_.insert(tokens_.end(), pending_.begin(), pending_.begin() + n);
-    n_past_ += n;
+    std::vector<int> slots(m);
+    for (int d = 0; d < m; ++d) {
+        if (rows[d] < 0 || rows[d] >= n) {
+            throw std::out_of_range(format("commit: row %d is outside the last eval's [0, %d)", rows[d], n));
+        }
+        slots[d] = eval_slot(rows[d]);
+        if (pending_pos_[slots[d]] != n_past_ + d) {
+            throw std::invalid_argument(format("commit: row %d was evaluated at position %d, but would be committed "
+                                               "at %d", rows[d], pending_pos_[slots[d]], n_past_ + d));
+        }
+        const bool follows = rs_ ? parent_slot_[slots[d]] == (d == 0 ? -1 : slots[d - 1])
+                                 : d == 0 || slots[d] > slots[d - 1];
+        if (!follows) {
+            throw std::invalid_argument(format("commit: rows must form a path from a depth-0 row down the tree "
+                                               "(row %d does not continue row %d)", rows[d], d ? rows[d - 1] : -1));
+        }
+    }
+    if (rs_) {
+        if (m == 0) {
+            rollback_pending();
+        } else if (pending_tree_) {
+            rs_->commit_node(slots[m - 1], conv_taps_.data() + (size_t) slots[m - 1] * (rs_->conv_window() + 1));
+        } else {
+            rs_->commit(n, m);  // a chain prefix: slots[d] == d
+        }
+    }
+    // the kept rows move to consecutive slots; slots only grow along the path, so in order no source is
+    // overwritten before it is read
+    std::vector<std::pair<int, int>> moves;
+    for (int d = 0; d < m; ++d) {
+        if (slots[d] != d) {
+            moves.emplace_back(n_past_ + slots[d], n_past_ + d);
+        }
+    }
+    kv_->move_rows(moves);
+    for (int d = 0; d < m; ++d) {
+        tokens_.push_back(pending_[slots[d]]);
+    }
+    n_past_ += m;
     pending_.clear();
+    slot_of_.clear();
+    pending_tree_ = false;
 }
 
 void session::truncate(int n_past) {
@@ -260,12 +457,14 @@ void session::truncate(int n_past) {
     } else if (rs_ && n_past != n_past_) {
         throw std::invalid_argument(format("truncate: a recurrent state cannot be cut back to %d tokens (only "
                                            "reset to 0, or rolled back by commit after an eval)", n_past));
-    } else if (rs_ && !pending_.empty()) {
-        rs_->commit((int) pending_.size(), 0);
+    } else {
+        rollback_pending();
     }
     n_past_ = n_past;
     tokens_.resize(n_past);
     pending_.clear();
+    slot_of_.clear();
+    pending_tree_ = false;
 }
 
 }  // namespace pdf

@@ -1,14 +1,19 @@
-// Everything mutable about one conversation with a target model: the KV cache, the committed length,
-// the scheduler and the current evaluation graph. The model is shared and read-only.
+// Everything mutable about one conversation with a target model: the KV cache, the recurrent state, the
+// committed tokens and the current evaluation graph. The model is shared and read-only.
 //
 // Basic usage:
 //   pdf::session s(model, params);
-//   s.eval(tokens, positions, n, /*batch_mask*/ nullptr, ...);  // writes cache slots n_past .. n_past+n-1
-//   s.commit(n_accepted);                                       // keeps the first n_accepted of them
+//   s.eval(tokens, n, {}, read_argmax_all);  // writes cache slots n_past .. n_past+n-1
+//   s.commit(n_accepted);                    // keeps the first n_accepted of them (a chain)
+// Tree verification:
+//   s.eval(tokens, n, {positions, nullptr, parents}, read_argmax_all);  // node i sees its ancestors only
+//   s.commit({0, 3, 7});                      // keeps the path root -> 3 -> 7: KV rows compacted, recurrent
+//                                             // state of node 7, no replay
 //
 // A session is not thread-safe; use one per thread (several may share one model).
 #pragma once
 
+#include "core/graph_cache.h"
 #include "models/model.h"
 #include "state/feature_ring.h"
 #include "state/kv_cache.h"
@@ -22,18 +27,32 @@
 namespace pdf {
 
 struct session_params {
-    uint32_t  n_ctx    = 4096;
-    uint32_t  n_ubatch = 512;  // prefill micro-batch
-    uint32_t  n_rollback = 16;  // hybrid models: an eval of up to this many tokens can be committed at any token
-    ggml_type type_k   = GGML_TYPE_F16;
-    ggml_type type_v   = GGML_TYPE_F16;
+    uint32_t  n_ctx      = 4096;
+    uint32_t  n_ubatch   = 512;  // prefill micro-batch
+    uint32_t  n_rollback = 16;   // hybrid models: an eval of up to this many tokens (or tree nodes) can be
+                                 // committed at any token
+    ggml_type type_k     = GGML_TYPE_F16;
+    ggml_type type_v     = GGML_TYPE_F16;
 };
 
-enum logits_mode {
-    LOGITS_NONE,  // only the argmax of the last token is read back
-    ARGMAX_ALL,   // only the argmax of every token (verification)
-    LOGITS_LAST,  // logits of the last token
-    LOGITS_ALL,   // logits of every token
+// What an evaluation reads back (the greedy pick of the read rows always comes with it)
+struct readout {
+    bool all_rows = false;  // every token's, else the last token's only
+    bool logits   = false;  // the full logits
+    int  top_k    = 0;      // the k most likely tokens with their log-probabilities
+};
+inline constexpr readout read_argmax_last{false, false, 0};
+inline constexpr readout read_argmax_all{true, false, 0};
+inline constexpr readout read_logits_last{false, true, 0};
+inline constexpr readout read_logits_all{true, true, 0};
+
+// How the batch of one evaluation relates to the committed past and to itself (all optional)
+struct batch_layout {
+    const int32_t * positions = nullptr;  // RoPE positions; default n_past + i (chain) / n_past + depth (tree)
+    const uint8_t * mask      = nullptr;  // [n, n]: token i sees batch token j iff mask[i*n + j] != 0;
+                                          // attention-only models (a recurrent state follows parents only)
+    const int32_t * parents   = nullptr;  // a tree: parent row of each row (-1: the committed past), parents
+                                          // before children; a row sees its ancestors and itself
 };
 
 class session {
@@ -43,75 +62,100 @@ class session {
     session(const session &)             = delete;
     session & operator=(const session &) = delete;
 
-    // Evaluate n tokens at the given positions (RoPE) into cache slots n_past .. n_past+n-1. Token i sees
-    // every committed slot and batch token j iff batch_mask[i*n + j] != 0 (nullptr: causal, j <= i).
-    // capture_layers: layer-input indices whose hidden states are kept: read back to the host ([n, n_embd]
-    // each, captured()) or, with a ring, written by the graph itself into ring rows slot % capacity (the
-    // layers side by side in each row), never leaving the device.
-    void eval(const int32_t * tokens, const int32_t * positions, int n, const uint8_t * batch_mask,
-              logits_mode mode, const std::vector<int> & capture_layers = {}, feature_ring * ring = nullptr);
-    // keep the first n tokens of the last eval as committed (chain acceptance); recurrent state included
+    // Evaluate n tokens into the cache slots after n_past (every token sees the committed past). capture_layers:
+    // layer-input indices whose hidden states are kept: read back to the host ([n, n_embd] each, captured()) or,
+    // with a ring, written by the graph itself into ring rows ring->slot(n_past + eval_slot(i)) (the layers side
+    // by side in each row), never leaving the device.
+    void eval(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
+              const std::vector<int> & capture_layers = {}, feature_ring * ring = nullptr);
+    // keep the first n tokens of the last eval as committed (a chain prefix)
     void commit(int n);
+    // keep the batch rows `rows` of the last eval, in order, as the next committed tokens: a path from a
+    // depth-0 row down the tree (or a chain prefix); their KV rows move to consecutive slots, the recurrent
+    // state becomes that of the last row. Attention-only models accept any increasing rows whose positions
+    // continue the committed ones.
+    void commit(const std::vector<int> & rows);
     // forget committed tokens from position n_past on (recurrent models: only back to 0, i.e. a reset)
     void truncate(int n_past);
-    bool is_recurrent() const { return rs_ != nullptr; }
+    bool   is_recurrent() const { return rs_ != nullptr; }
     size_t recurrent_bytes() const { return rs_ ? rs_->n_bytes() : 0; }
 
     int      n_past() const { return n_past_; }
     uint32_t n_ctx() const { return kv_->n_ctx(); }
     uint32_t n_ubatch() const { return n_ubatch_; }
+    uint32_t n_rollback() const { return rs_ ? rs_->n_rollback() : n_ctx(); }
     size_t   kv_bytes() const { return kv_->n_bytes(); }
 
-    // results of the last eval
-    int                         n_outputs() const { return n_outputs_; }
-    const std::vector<float> &  logits() const { return logits_; }  // [n_outputs, n_vocab] row-major
+    // results of the last eval, by batch row (the last row only without readout::all_rows)
+    int                          n_outputs() const { return n_outputs_; }
     const std::vector<int32_t> & argmax() const { return argmax_; }
-    const std::vector<float> &  captured(size_t c) const { return captured_[c]; }  // [n, n_embd]
+    const std::vector<float> &   logits() const { return logits_; }  // [n_outputs, n_vocab] row-major
+    int                          top_k() const { return top_k_; }
+    const std::vector<int32_t> & top_ids() const { return top_ids_; }       // [n_outputs, k], most likely first
+    const std::vector<float> &   top_logprobs() const { return top_logprobs_; }
+    const std::vector<float> &   captured(size_t c) const { return captured_[c]; }  // [n, n_embd]
+    // where batch row i of the last eval went: cache slot n_past + eval_slot(i) (tree evaluations of recurrent
+    // models run their nodes depth by depth)
+    int eval_slot(int i) const { return slot_of_.empty() ? i : slot_of_[i]; }
 
-    const target_model &          model() const { return *model_; }
-    const std::vector<int32_t> &  tokens() const { return tokens_; }  // committed token ids
+    const target_model &         model() const { return *model_; }
+    const std::vector<int32_t> & tokens() const { return tokens_; }  // committed token ids
+    const kv_cache &             kv() const { return *kv_; }
+    const recurrent_state *      recurrent() const { return rs_.get(); }
 
     std::atomic<bool> abort{false};  // checked between graph computes
 
   private:
     struct graph_key {
-        int              n_tokens;
-        int              n_kv;
-        bool             all_logits;
+        int              n_tokens = 0;
+        int              n_kv     = 0;
+        readout          what;
         std::vector<int> capture;
         feature_ring *   ring = nullptr;
+        std::vector<int> tree_levels;
         bool operator==(const graph_key & o) const {
-            return n_tokens == o.n_tokens && n_kv == o.n_kv && all_logits == o.all_logits && capture == o.capture &&
-                   ring == o.ring;
+            return n_tokens == o.n_tokens && n_kv == o.n_kv && what.all_rows == o.what.all_rows &&
+                   what.logits == o.what.logits && what.top_k == o.what.top_k && capture == o.capture &&
+                   ring == o.ring && tree_levels == o.tree_levels;
         }
     };
     void prepare_graph(const graph_key & key);
+    // the recurrent state as of before the last (uncommitted) eval
+    void rollback_pending();
 
     std::shared_ptr<const target_model> model_;
     std::unique_ptr<kv_cache>           kv_;
     std::unique_ptr<recurrent_state>    rs_;
-    ggml_backend_sched_t                sched_ = nullptr;
     int                                 n_past_ = 0;
     uint32_t                            n_ubatch_;
 
-    // the current graph; rebuilt only when its key changes (batch size, KV window, outputs)
-    bool                  have_graph_ = false;
-    graph_key             key_{};
-    ggml_context *        graph_ctx_ = nullptr;
-    ggml_cgraph *         gf_        = nullptr;
-    eval_inputs           in_;
-    eval_outputs          out_;
-    ggml_tensor *         ring_slots_ = nullptr;  // I64 [n_tokens]: feature-ring rows written (with a ring)
-    std::vector<uint8_t>  graph_buf_;
+    // the current graph; rebuilt only when its key changes (batch size, KV window, outputs, tree shape)
+    graph_cache   graph_;
+    graph_key     key_{};
+    eval_inputs   in_;
+    eval_outputs  out_;
+    ggml_tensor * argmax_t_       = nullptr;  // I32 [n_outputs]
+    ggml_tensor * logits_t_       = nullptr;  // F32 [V, n_outputs]
+    ggml_tensor * top_ids_t_      = nullptr;  // I32 [k, n_outputs]
+    ggml_tensor * top_logprobs_t_ = nullptr;  // F32 [k, n_outputs]
+    ggml_tensor * ring_slots_     = nullptr;  // I64 [n_tokens]: feature-ring rows written (with a ring)
 
-    std::vector<int32_t>              tokens_;   // committed token ids
-    std::vector<int32_t>              pending_;  // token ids of the last eval, until commit
-    int                               n_outputs_ = 0;
-    std::vector<float>                logits_;
-    std::vector<int32_t>              argmax_;
-    std::vector<std::vector<float>>   captured_;
-    std::vector<ggml_fp16_t>          mask_host_;
-    std::vector<int64_t>              slots_host_;
+    std::vector<int32_t>            tokens_;      // committed token ids
+    std::vector<int32_t>            pending_;     // token ids of the last eval by slot, until commit
+    std::vector<int32_t>            pending_pos_; // their positions
+    std::vector<int32_t>            parent_slot_; // tree evals: parent slot of each slot (-1: committed past)
+    std::vector<int32_t>            conv_taps_;   // tree evals of recurrent models: [n, d_conv] per slot
+    std::vector<int32_t>            slot_of_;     // batch row -> slot (empty: the identity)
+    bool                            pending_tree_ = false;  // the last eval ran the tree graph
+    int                             n_outputs_    = 0;
+    int                             top_k_        = 0;
+    std::vector<int32_t>            argmax_;
+    std::vector<float>              logits_;
+    std::vector<int32_t>            top_ids_;
+    std::vector<float>              top_logprobs_;
+    std::vector<std::vector<float>> captured_;
+    std::vector<ggml_fp16_t>        mask_host_;
+    std::vector<int64_t>            slots_host_;
 };
 
 }  // namespace pdf

@@ -1,0 +1,126 @@
+#include "models/attention.h"
+#include "core/error.h"
+#include "models/blocks.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace pdf {
+
+attention_hparams load_attention_hparams(const gguf_file & f, const std::string & prefix, int64_t n_embd) {
+    const std::string & path = f.path();
+    attention_hparams   hp;
+    hp.n_head    = f.u32(prefix + "attention.head_count");
+    hp.n_head_kv = f.u32_or(prefix + "attention.head_count_kv", (uint32_t) hp.n_head);
+    if (hp.n_head == 0 || hp.n_head_kv == 0 || hp.n_head % hp.n_head_kv != 0) {
+        throw format_error(format("%s: %sattention.head_count = %lld must be a positive multiple of "
+                                  "attention.head_count_kv = %lld", path.c_str(), prefix.c_str(),
+                                  (long long) hp.n_head, (long long) hp.n_head_kv));
+    }
+    hp.head_dim = f.u32_or(prefix + "attention.key_length", (uint32_t) (n_embd / hp.n_head));
+    const uint32_t v_len = f.u32_or(prefix + "attention.value_length", (uint32_t) hp.head_dim);
+    if (v_len != hp.head_dim) {
+        throw unsupported_error(format("%s: %sattention.value_length = %u differs from key_length = %lld",
+                                       path.c_str(), prefix.c_str(), v_len, (long long) hp.head_dim));
+    }
+    hp.norm_eps       = f.f32(prefix + "attention.layer_norm_rms_epsilon");
+    hp.rope.n_rot     = (int) f.u32_or(prefix + "rope.dimension_count", (uint32_t) hp.head_dim);
+    hp.rope.freq_base = f.f32_or(prefix + "rope.freq_base", 10000.0f);
+    hp.rope.n_ctx_orig = (int) f.u32_or(prefix + "context_length", 0);
+    if (hp.rope.n_rot > hp.head_dim || hp.rope.n_rot % 2 != 0) {
+        throw format_error(format("%s: %srope.dimension_count = %d must be even and <= head dim %lld", path.c_str(),
+                                  prefix.c_str(), hp.rope.n_rot, (long long) hp.head_dim));
+    }
+    return hp;
+}
+
+ggml_tensor * build_rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * positions, const rope_params & rope) {
+    if (rope.multi) {
+        int sections[GGML_MROPE_SECTIONS];
+        std::copy(rope.sections, rope.sections + GGML_MROPE_SECTIONS, sections);
+        return ggml_rope_multi(ctx, x, positions, nullptr, rope.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
+                               rope.n_ctx_orig, rope.freq_base, /*freq_scale*/ 1.0f, /*ext_factor*/ 0.0f,
+                               /*attn_factor*/ 1.0f, /*beta_fast*/ 0.0f, /*beta_slow*/ 0.0f);
+    }
+    return ggml_rope_ext(ctx, x, positions, nullptr, rope.n_rot, GGML_ROPE_TYPE_NEOX, rope.n_ctx_orig, rope.freq_base,
+                         /*freq_scale*/ 1.0f, /*ext_factor*/ 0.0f, /*attn_factor*/ 1.0f, /*beta_fast*/ 0.0f,
+                         /*beta_slow*/ 0.0f);
+}
+
+void build_qk_norm_rope(ggml_context * ctx, ggml_tensor *& q, ggml_tensor *& k, ggml_tensor * q_norm,
+                        ggml_tensor * k_norm, float eps, ggml_tensor * positions, const rope_params & rope) {
+    q = build_rope(ctx, ggml_mul(ctx, ggml_rms_norm(ctx, q, eps), q_norm), positions, rope);
+    k = build_rope(ctx, ggml_mul(ctx, ggml_rms_norm(ctx, k, eps), k_norm), positions, rope);
+}
+
+// the attended V window (bytes per layer) up to which the CPU uses plain matmul attention (see below), for
+// windows counted in steps of SMALL_WINDOW_STEP slots: the bound was chosen with the windows of 256-slot steps,
+// and a session attending in finer steps must not move a model onto this path where flash attention is
+// faster for it (Qwen3-0.6B decode over its first 128 tokens: ~12% slower)
+static constexpr size_t SMALL_WINDOW_BYTES = 256 * 1024;
+static constexpr int    SMALL_WINDOW_STEP  = 256;
+
+ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                 const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
+                                 float scale, bool last_query_only) {
+    const int64_t hd    = q->ne[0];
+    const int64_t H     = q->ne[1];
+    const int64_t hdv   = v->ne[0];
+    const int64_t Hkv   = k->ne[1];
+    const int64_t n_new = k->ne[2];
+    ggml_tensor * kq_mask = in.kq_mask;  // [n_kv, n_new]
+    if (last_query_only) {
+        q       = last_token(ctx, q);
+        kq_mask = last_token(ctx, kq_mask);
+    }
+    const int64_t n = q->ne[2];  // queries
+
+    ggml_tensor * k_cache = st.k[il];  // [hd*Hkv, n_ctx]
+    ggml_tensor * v_cache = st.v[il];  // [hdv*Hkv, n_ctx]
+
+    // the writes come first in the graph so the reads below see them
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, hd * Hkv, n_new), in.kv_slots));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, ggml_reshape_2d(ctx, v, hdv * Hkv, n_new), in.kv_slots));
+
+    // cache rows 0..n_kv-1 as [hd, n_kv, Hkv]
+    ggml_tensor * k_view = ggml_view_3d(ctx, k_cache, hd, Hkv, in.n_kv, ggml_row_size(k_cache->type, hd),
+                                        k_cache->nb[1], 0);
+    ggml_tensor * v_view = ggml_view_3d(ctx, v_cache, hdv, Hkv, in.n_kv, ggml_row_size(v_cache->type, hdv),
+                                        v_cache->nb[1], 0);
+    k_view = ggml_permute(ctx, k_view, 0, 2, 1, 3);
+    v_view = ggml_permute(ctx, v_view, 0, 2, 1, 3);
+
+    ggml_tensor * q_perm = ggml_permute(ctx, q, 0, 2, 1, 3);  // [hd, n, H]
+
+    // Small attention windows on the CPU: matmuls + softmax (f32 accumulation) instead of ggml's CPU flash
+    // attention, whose path for 1..63 queries converts every K/V row per query head and accumulates an f16 V
+    // in f16: ~45% of a DFlash round on the trained qwen3 pair. The choice depends only on the window, never
+    // on the batch size, so a verify block and single-token decoding round alike (mixing the two kernels
+    // made speculative output part from plain decoding on 10 of 16 prompts, q8_0 pair, f16 cache).
+    // P·V needs V with the cache rows innermost, i.e. a transposed copy of the window. ggml's CPU copy of a
+    // transposed view of the same type moves each element with its own memcpy (17% of a tiny model's decode
+    // step at a 1K window), while a copy between two types is a typed loop: so an f16 V is transposed into
+    // f32 and converted back (contiguous, vectorized), which made decoding on the demo pair ~1.3x faster. It
+    // stays f16 for the matmul: the same numbers as before, which keep our greedy tokens equal to llama.cpp's
+    // (an all-f32 P·V parted from them beyond near-ties on q8_0 test models). The copy grows with the window,
+    // which is what bounds it (quantized V rows cannot be transposed at all).
+    const bool   cpu_cache = ggml_backend_buffer_is_host(k_cache->buffer);
+    const bool   plain_kv  = (k_cache->type == GGML_TYPE_F16 || k_cache->type == GGML_TYPE_F32) &&
+                          (v_cache->type == GGML_TYPE_F16 || v_cache->type == GGML_TYPE_F32);
+    const size_t v_window  = (size_t) GGML_PAD(in.n_kv, SMALL_WINDOW_STEP) * ggml_row_size(v_cache->type, hdv * Hkv);
+    if (cpu_cache && plain_kv && n < 64 && v_window <= SMALL_WINDOW_BYTES) {
+        ggml_tensor * kq = ggml_mul_mat(ctx, k_view, q_perm);  // [n_kv, n, H]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        kq                = ggml_soft_max_ext(ctx, kq, kq_mask, scale, 0.0f);
+        ggml_tensor * v_t = ggml_transpose(ctx, v_view);  // [n_kv, hdv, Hkv]
+        v_t = v_cache->type == GGML_TYPE_F16 ? ggml_cast(ctx, ggml_cast(ctx, v_t, GGML_TYPE_F32), GGML_TYPE_F16)
+                                             : ggml_cont(ctx, v_t);
+        ggml_tensor * kqv = ggml_mul_mat(ctx, v_t, kq);  // [hdv, n, H]
+        return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hdv * H, n);  // [hdv*H, n]
+    }
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, q_perm, k_view, v_view, kq_mask, scale, 0.0f, 0.0f);
+    ggml_prec_set_acc(out, GGML_PREC_F32);
+    return ggml_reshape_2d(ctx, out, hdv * H, n);  // out: [hdv, H, n]
+}
+
+}  // namespace pdf

@@ -1,0 +1,25 @@
+#include "models/head.h"
+#include "models/argmax.h"
+
+namespace pdf {
+
+head_outputs build_head(ggml_context * ctx, ggml_tensor * head, ggml_tensor * hidden, bool logits_on_host,
+                        int top_k) {
+    head_outputs out;
+    const int64_t n = hidden->ne[1];
+    out.logits      = ggml_mul_mat(ctx, head, hidden);  // [V, n]
+    ggml_set_name(out.logits, "logits");
+    out.argmax = build_argmax_rows(ctx, out.logits, logits_on_host);  // [n]
+    if (top_k > 0) {
+        const int64_t V = out.logits->ne[0];
+        // k = 1 is the greedy pick itself, so a chain's proposals are exactly the argmax (same tie rule)
+        out.top_ids = top_k == 1 ? ggml_reshape_2d(ctx, out.argmax, 1, n) : ggml_top_k(ctx, out.logits, top_k);
+        // probabilities of the picked entries: softmax over the row, gathered ([1, V, n] rows by [k, n] ids)
+        ggml_tensor * probs = ggml_soft_max(ctx, out.logits);
+        ggml_tensor * picked = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, V, n), out.top_ids);  // [1, k, n]
+        out.top_logprobs = ggml_log(ctx, ggml_reshape_2d(ctx, picked, top_k, n));
+    }
+    return out;
+}
+
+}  // namespace pdf

@@ -1,0 +1,104 @@
+#include "spec/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace pdf {
+
+// weight of a new measurement in a running average: recent rounds dominate (context grows, caches warm)
+static constexpr double AVERAGE_WEIGHT = 0.2;
+// per round, the calibration sums decay by this factor (about the last 50 rounds count)
+static constexpr double CALIBRATION_DECAY = 0.98;
+// prior: one pseudo-round in which the drafter's probabilities were exactly right
+static constexpr double CALIBRATION_PRIOR = 1.0;
+
+cost_model::cost_model(int max_width, int max_depth) : max_width_(std::max(1, max_width)) {
+    for (int w = 1; w < max_width_; w *= 2) {
+        grid_.push_back(w);
+    }
+    grid_.push_back(max_width_);
+    chain_ms_.assign(grid_.size(), 0.0);
+    tree_ms_.assign(grid_.size(), 0.0);
+    chain_seen_.assign(grid_.size(), false);
+    tree_seen_.assign(grid_.size(), false);
+    cal_pred_.assign(max_depth + 1, CALIBRATION_PRIOR);
+    cal_acc_.assign(max_depth + 1, CALIBRATION_PRIOR);
+}
+
+int cost_model::grid_index(int n) const {
+    return (int) (std::lower_bound(grid_.begin(), grid_.end(), n) - grid_.begin());
+}
+
+double cost_model::verify_ms(int n, bool tree) const {
+    n = std::clamp(n, 1, max_width_);
+    const std::vector<double> & ms   = tree ? tree_ms_ : chain_ms_;
+    const std::vector<bool> &   seen = tree ? tree_seen_ : chain_seen_;
+    // linear between the nearest measured grid points around n (a tree falls back on the chain's time)
+    int lo = -1, hi = -1;
+    for (int i = 0; i < (int) grid_.size(); ++i) {
+        if (!seen[i]) {
+            continue;
+        }
+        if (grid_[i] <= n) {
+            lo = i;
+        }
+        if (grid_[i] >= n && hi < 0) {
+            hi = i;
+        }
+    }
+    if (lo < 0 && hi < 0) {
+        return tree ? verify_ms(n, false) : 1.0 * n;  // nothing measured: proportional to the width
+    }
+    if (lo < 0) {
+        return ms[hi] * n / grid_[hi];
+    }
+    if (hi < 0) {
+        return ms[lo] * n / grid_[lo];
+    }
+    if (lo == hi) {
+        return ms[lo];
+    }
+    const double t = double(n - grid_[lo]) / double(grid_[hi] - grid_[lo]);
+    return ms[lo] + t * (ms[hi] - ms[lo]);
+}
+
+void cost_model::observe_verify(int n, bool tree, double ms) {
+    // a measurement at n counts for the grid point at or above it, scaled by the width ratio when off-grid
+    const int i = std::min(grid_index(n), (int) grid_.size() - 1);
+    const double at_grid = ms * grid_[i] / std::max(1, n);
+    std::vector<double> & v    = tree ? tree_ms_ : chain_ms_;
+    std::vector<bool> &   seen = tree ? tree_seen_ : chain_seen_;
+    if (n != grid_[i] && seen[i]) {
+        return;  // an off-grid width only seeds an unmeasured point
+    }
+    v[i]    = seen[i] ? (1 - AVERAGE_WEIGHT) * v[i] + AVERAGE_WEIGHT * at_grid : at_grid;
+    seen[i] = true;
+}
+
+void cost_model::observe_draft(double ms) {
+    draft_ms_   = draft_seen_ ? (1 - AVERAGE_WEIGHT) * draft_ms_ + AVERAGE_WEIGHT * ms : ms;
+    draft_seen_ = true;
+}
+
+double cost_model::calibration(int depth) const {
+    depth = std::clamp(depth, 1, (int) cal_pred_.size() - 1);
+    return cal_acc_[depth] / cal_pred_[depth];
+}
+
+void cost_model::observe_round(const std::vector<double> & q_by_depth, int accepted_depth) {
+    for (size_t d = 1; d < cal_pred_.size(); ++d) {
+        const double q = d < q_by_depth.size() ? q_by_depth[d] : 0.0;
+        if (q <= 0.0) {
+            continue;  // nothing verified at this depth: nothing learnt
+        }
+        cal_pred_[d] = CALIBRATION_DECAY * cal_pred_[d] + q;
+        cal_acc_[d]  = CALIBRATION_DECAY * cal_acc_[d] + ((int) d <= accepted_depth ? 1.0 : 0.0);
+    }
+}
+
+void cost_model::observe_spec_round(int committed, double ms) {
+    const double rate = committed / std::max(ms, 1e-6);
+    spec_rate_        = spec_rate_ > 0 ? (1 - AVERAGE_WEIGHT) * spec_rate_ + AVERAGE_WEIGHT * rate : rate;
+}
+
+}  // namespace pdf

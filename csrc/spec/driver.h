@@ -1,0 +1,57 @@
+// The decode loop, entirely in C++: prefill (reusing the longest cached prefix), then rounds of
+// propose -> verify in one batched target evaluation -> accept -> commit (no replay), until a stop token,
+// max_tokens, the context limit or an abort. What a round verifies is the proposer's choice
+// (spec/proposer.h): the root alone (plain decoding), a chain or a tree of drafts. Committed tokens reach the
+// caller in one batch per round.
+#pragma once
+
+#include "spec/proposer.h"
+#include "state/session.h"
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace pdf {
+
+struct generate_params {
+    int                  max_tokens = 128;
+    std::vector<int32_t> stop_tokens;  // end-of-generation ids; not included in the output
+};
+
+struct generate_timings {
+    int    prompt_n       = 0;  // prompt tokens evaluated (after prefix reuse)
+    int    cached_n       = 0;  // prompt tokens taken from the cache
+    double prompt_ms      = 0;
+    int    predicted_n    = 0;
+    double predicted_ms   = 0;
+    int    n_target_evals = 0;  // target forward passes during generation
+    double warm_up_ms     = 0;  // one-time measurements before the first round (not in predicted_ms)
+    // speculative decoding
+    int              draft_n          = 0;  // draft tokens verified (tree nodes below the root)
+    int              draft_n_accepted = 0;  // of which the target agreed with (on the accepted path)
+    int              n_rounds         = 0;  // rounds that verified drafts
+    int              verify_n         = 0;  // tokens those rounds verified (roots included)
+    double           draft_ms         = 0;
+    double           verify_ms        = 0;
+    std::vector<int> accepted_at;           // accepted_at[k]: rounds whose path reached depth k+1
+    std::vector<int> proposed_at;           // proposed_at[k]: rounds that verified a draft at depth k+1
+};
+
+struct generate_result {
+    std::vector<int32_t> tokens;
+    std::string          finish_reason;  // "stop", "length" (max_tokens or n_ctx), "abort"
+    generate_timings     timings;
+};
+
+// called with each batch of newly committed tokens; return false to stop
+using token_callback = std::function<bool(const int32_t * tokens, int n)>;
+
+generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,
+                         const generate_params & params, const token_callback & on_tokens);
+
+// evaluate `prompt` after reusing the longest cached prefix; leaves the last token's greedy pick in
+// s.argmax(). The proposer captures what it needs of each chunk.
+void prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t);
+
+}  // namespace pdf

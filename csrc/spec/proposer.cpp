@@ -1,0 +1,184 @@
+#include "spec/proposer.h"
+#include "core/error.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+namespace pdf {
+
+using clock_type = std::chrono::steady_clock;
+
+static double ms_since(clock_type::time_point t0) {
+    return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+}
+
+// auto: after a round whose running speculative rate fell below plain decoding's by this fraction, decode
+// plainly for a cool-down that doubles each time speculation fails again (a probe round ends each one)
+static constexpr double SLOWER_THAN_PLAIN = 0.02;
+static constexpr int    COOLDOWN_MIN      = 4;
+static constexpr int    COOLDOWN_MAX      = 128;
+
+dflash_proposer::dflash_proposer(draft_session & d, cost_model & costs, const spec_params & params,
+                                 bool recurrent_target)
+    : d_(d), costs_(costs), params_(params), recurrent_(recurrent_target), cool_len_(COOLDOWN_MIN) {
+    if (params.tree_budget < 0) {
+        throw std::invalid_argument(format("tree_budget = %d must be >= 0", params.tree_budget));
+    }
+}
+
+void dflash_proposer::before_prefill(session & s, int reusable) {
+    // a reused prefix already has its rows in the draft cache, unless plain decoding extended it
+    d_.truncate(reusable);
+    if (d_.n_valid() < reusable) {
+        s.truncate(0);
+    }
+}
+
+void dflash_proposer::after_prefill_chunk(int first, int n) {
+    d_.queue_positions(first, n);  // appended by the next draft, or before an evaluation overwrites them
+}
+
+double dflash_proposer::warm_up(session & s, int32_t anchor) {
+    if (params_.mode != spec_mode::automatic || costs_.calibrated()) {
+        return 0.0;
+    }
+    // the time of one evaluation per grid width, chain and (recurrent targets) tree graph, each shape run
+    // once to build its graph and twice timed (the faster counts); uncommitted, so the session is unchanged
+    const auto t_all = clock_type::now();
+    const int  limit = std::min<int>({costs_.max_width(), (int) s.n_ctx() - s.n_past(), (int) s.n_rollback()});
+    for (int w : costs_.grid()) {
+        if (w > limit) {
+            break;
+        }
+        for (bool tree : {false, true}) {
+            if (tree && (!recurrent_ || w < 3)) {
+                continue;
+            }
+            // a tree as deep as a block, the rest as siblings spread along it (the most depths: the most levels)
+            std::vector<int32_t> tokens(w, anchor), parents(w);
+            const int            spine = std::min(w - 1, d_.block() - 1);
+            for (int i = 0; i < w; ++i) {
+                parents[i] = i <= spine ? i - 1 : (i - spine - 1) % spine;
+            }
+            batch_layout layout;
+            layout.parents = tree ? parents.data() : nullptr;
+            double best    = 1e30;
+            for (int rep = 0; rep < 3; ++rep) {
+                d_.protect(s.n_past(), w);
+                const auto t0 = clock_type::now();
+                s.eval(tokens.data(), w, layout, read_argmax_all, capture(), ring());
+                if (rep > 0) {
+                    best = std::min(best, ms_since(t0));
+                }
+            }
+            costs_.observe_verify(w, tree, best);
+        }
+    }
+    costs_.set_calibrated();
+    return ms_since(t_all);
+}
+
+void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
+    drafted_     = false;
+    draft_ms_    = 0.0;
+    speculative_ = params_.mode != spec_mode::automatic;
+    out.reset(anchor);
+    max_depth = std::min({max_depth, d_.block() - 1, max_nodes - 1});
+    if (max_depth <= 0) {
+        return;
+    }
+    const bool automatic = params_.mode == spec_mode::automatic;
+    if (automatic && cooldown_ > 0) {
+        cooldown_--;
+        stats_.n_skipped++;
+        return;
+    }
+    const auto              t0 = clock_type::now();
+    const draft_proposals & p  = d_.draft(anchor, start, max_depth + 1);
+    draft_ms_                  = ms_since(t0);
+    drafted_                   = true;
+    const int limit            = params_.tree_budget > 0 ? std::min(params_.tree_budget, max_nodes - 1) : max_nodes - 1;
+    switch (params_.mode) {
+        case spec_mode::chain:
+            build_draft_chain(p, anchor, max_depth, out);
+            break;
+        case spec_mode::tree:
+            build_draft_tree(p, anchor, limit, max_depth, params_.seed, out);
+            break;
+        case spec_mode::automatic: {
+            build_draft_tree(p, anchor, limit, max_depth, params_.seed, full_);
+            const int b = choose_budget(full_);
+            out         = full_;
+            out.truncate(1 + b);
+            speculative_ = b > 0;
+            auto & n = b == 0 ? stats_.n_plain : out.is_chain() ? stats_.n_chain : stats_.n_tree;
+            n++;
+            break;
+        }
+    }
+}
+
+int dflash_proposer::choose_budget(const draft_tree & full) const {
+    // Each node b of `full` (in order) may be added to the verify. Maximise expected committed tokens minus the
+    // best achievable rate times the verify's time (Dinkelbach): a node is worth verifying when what it is
+    // expected to add exceeds what its share of the verify would have produced elsewhere.
+    const double rate = std::max(costs_.plain_rate(), costs_.spec_rate());
+    int          best_b = 0;
+    double       best   = 1.0 - rate * costs_.verify_ms(1, false);
+    // expected accepted drafts: sum over depths of min(1, calibration(d) * sum of Q over the depth's nodes)
+    std::vector<double> q(full.max_depth() + 1, 0.0);
+    double              expected = 0.0;
+    bool                chain    = true;
+    for (int b = 1; b < full.size(); ++b) {
+        const int    d   = full.depth[b];
+        const double c   = costs_.calibration(d);
+        const double was = std::min(1.0, c * q[d]);
+        q[d] += std::exp((double) full.logq[b]);
+        expected += std::min(1.0, c * q[d]) - was;
+        chain       = chain && full.parents[b] == b - 1;
+        const double gain = 1.0 + expected - rate * costs_.verify_ms(1 + b, recurrent_ && !chain);
+        if (gain > best) {
+            best   = gain;
+            best_b = b;
+        }
+    }
+    return best_b;
+}
+
+void dflash_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
+                                   double verify_ms) {
+    // the accepted nodes' features (written by the verify at their evaluation slots) become context rows
+    const int m = (int) rows.size();
+    ring_rows_.resize(m);
+    positions_.resize(m);
+    for (int i = 0; i < m; ++i) {
+        ring_rows_[i] = d_.ring().slot(start + s.eval_slot(rows[i]));
+        positions_[i] = start + i;
+    }
+    d_.queue(ring_rows_.data(), positions_.data(), m);
+
+    costs_.observe_verify(t.size(), recurrent_ && !t.is_chain(), verify_ms);
+    if (!drafted_) {
+        return;
+    }
+    costs_.observe_draft(draft_ms_);
+    if (t.size() > 1) {
+        std::vector<double> q(t.max_depth() + 1, 0.0);
+        for (int b = 1; b < t.size(); ++b) {
+            q[t.depth[b]] += std::exp((double) t.logq[b]);
+        }
+        costs_.observe_round(q, m - 1);
+    }
+    costs_.observe_spec_round(m, draft_ms_ + verify_ms);
+    if (params_.mode == spec_mode::automatic) {
+        if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
+            cooldown_ = cool_len_;
+            cool_len_ = std::min(2 * cool_len_, COOLDOWN_MAX);
+        } else {
+            cool_len_ = COOLDOWN_MIN;
+        }
+    }
+}
+
+}  // namespace pdf

@@ -1,0 +1,129 @@
+// Proposers: what the decode loop (spec/driver.h) verifies each round. A proposal is a tree of drafts below
+// the round's root (the anchor token): just the root (plain decoding), a chain, or a DDTree tree.
+//   plain_proposer   no drafter: every round is one target step
+//   dflash_proposer  a DFlash drafter, in one of three modes:
+//                      chain  the drafter's top-1 chain of block-1 tokens (DFlash as published)
+//                      tree   the best-first tree of `tree_budget` nodes (DDTree)
+//                      auto   per round, whatever maximises expected committed tokens per unit of time:
+//                             no draft at all, a chain or a tree of any size, from the drafter's own
+//                             probabilities and the measured costs (spec/cost_model.h)
+#pragma once
+
+#include "spec/cost_model.h"
+#include "spec/tree.h"
+#include "state/draft_session.h"
+#include "state/session.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace pdf {
+
+class proposer {
+  public:
+    virtual ~proposer() = default;
+
+    // the target layers to capture during evaluations and the ring they go to (none: empty / nullptr)
+    virtual const std::vector<int> & capture() const = 0;
+    virtual feature_ring *           ring()          = 0;
+    // before prefill: cut the session's cache back to what this proposer can continue from
+    virtual void before_prefill(session & s, int reusable) = 0;
+    // a target evaluation is about to write the capture rows of positions [first, first + n)
+    virtual void before_eval(int first, int n) = 0;
+    // prefill committed positions [first, first + n) (captured into the ring)
+    virtual void after_prefill_chunk(int first, int n) = 0;
+    // before the first round (after prefill): measure what is needed; returns the ms it took
+    virtual double warm_up(session & s, int32_t anchor) = 0;
+    // the tree to verify in a round whose root `anchor` sits at position `start`: drafts at most `max_depth`
+    // deep, at most `max_nodes` nodes in all (root included)
+    virtual void propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) = 0;
+    // the target evaluated `t` (verify_ms) and is about to commit `rows` (root first) of it
+    virtual void after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
+                              double verify_ms) = 0;
+    // the drafter time of the last propose() (0 when it did not draft)
+    virtual double last_draft_ms() const = 0;
+    // the deepest draft a round can verify (0: no drafter)
+    virtual int max_depth() const = 0;
+    // whether the last propose() began a speculative round (counted in n_rounds / tau): chain and tree modes
+    // count every round, as the reference loops do (also a last one that drafts nothing), auto only the rounds
+    // it chose to verify drafts in
+    virtual bool speculative_round() const = 0;
+    // generation ended: bring every state level with the target's cache
+    virtual void finish() = 0;
+};
+
+class plain_proposer : public proposer {
+  public:
+    const std::vector<int> & capture() const override { return none_; }
+    feature_ring *           ring() override { return nullptr; }
+    void   before_prefill(session &, int) override {}
+    void   before_eval(int, int) override {}
+    void   after_prefill_chunk(int, int) override {}
+    double warm_up(session &, int32_t) override { return 0.0; }
+    void   propose(int32_t anchor, int, int, int, draft_tree & out) override { out.reset(anchor); }
+    void   after_verify(const session &, const draft_tree &, int, const std::vector<int> &, double) override {}
+    double last_draft_ms() const override { return 0.0; }
+    int    max_depth() const override { return 0; }
+    bool   speculative_round() const override { return false; }
+    void   finish() override {}
+
+  private:
+    std::vector<int> none_;
+};
+
+enum class spec_mode { chain, tree, automatic };
+
+struct spec_params {
+    spec_mode mode        = spec_mode::automatic;
+    int       tree_budget = 0;  // tree: draft nodes verified per round; auto: the most it may verify (0: the
+                                // session's limit)
+    tree_seed seed        = tree_seed::chain;
+};
+
+// what auto decided, for the timings
+struct auto_stats {
+    int n_skipped = 0;  // rounds that decoded plainly without drafting (speculation was not paying)
+    int n_plain   = 0;  // rounds that drafted but verified nothing (the drafter was not sure enough)
+    int n_chain   = 0;  // rounds that verified a chain
+    int n_tree    = 0;  // rounds that verified a branching tree
+};
+
+class dflash_proposer : public proposer {
+  public:
+    dflash_proposer(draft_session & d, cost_model & costs, const spec_params & params, bool recurrent_target);
+
+    const std::vector<int> & capture() const override { return d_.model().capture_layers(); }
+    feature_ring *           ring() override { return &d_.ring(); }
+    void   before_prefill(session & s, int reusable) override;
+    void   before_eval(int first, int n) override { d_.protect(first, n); }
+    void   after_prefill_chunk(int first, int n) override;
+    double warm_up(session & s, int32_t anchor) override;
+    void   propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) override;
+    void   after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
+                        double verify_ms) override;
+    double last_draft_ms() const override { return draft_ms_; }
+    int    max_depth() const override { return d_.block() - 1; }
+    bool   speculative_round() const override { return speculative_; }
+    void   finish() override { d_.flush(); }
+
+    const auto_stats & stats() const { return stats_; }
+
+  private:
+    // auto: how many nodes of `full` (in its order) to verify
+    int choose_budget(const draft_tree & full) const;
+
+    draft_session &  d_;
+    cost_model &     costs_;
+    spec_params      params_;
+    bool             recurrent_;
+    draft_tree       full_;
+    double           draft_ms_  = 0.0;
+    bool             drafted_   = false;
+    bool             speculative_ = false;
+    int              cooldown_  = 0;  // auto: rounds left to decode plainly before drafting again
+    int              cool_len_  = 0;  // auto: the next cool-down's length
+    auto_stats       stats_;
+    std::vector<int32_t> ring_rows_, positions_;
+};
+
+}  // namespace pdf

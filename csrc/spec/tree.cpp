@@ -1,0 +1,135 @@
+#include "spec/tree.h"
+#include "core/error.h"
+
+#include <algorithm>
+#include <queue>
+
+namespace pdf {
+
+int draft_tree::max_depth() const {
+    return depth.empty() ? 0 : *std::max_element(depth.begin(), depth.end());
+}
+
+bool draft_tree::is_chain() const {
+    for (int i = 0; i < size(); ++i) {
+        if (parents[i] != i - 1) {
+            return false;
+        }
+    }
+    return true;
+}
+
+void draft_tree::reset(int32_t root) {
+    tokens.assign(1, root);
+    parents.assign(1, -1);
+    depth.assign(1, 0);
+    logq.assign(1, 0.0f);
+}
+
+int draft_tree::add(int32_t token, int parent, float lq) {
+    tokens.push_back(token);
+    parents.push_back(parent);
+    depth.push_back(depth[parent] + 1);
+    logq.push_back(lq);
+    return size() - 1;
+}
+
+void draft_tree::truncate(int n) {
+    tokens.resize(n);
+    parents.resize(n);
+    depth.resize(n);
+    logq.resize(n);
+}
+
+namespace {
+
+// a candidate prefix: the node of rank `rank` at depth `depth` (1-based) below `parent`
+struct candidate {
+    float logq;
+    int   depth;
+    int   rank;
+    int   parent;
+    bool operator<(const candidate & o) const {  // priority_queue: highest Q first; ties: shallower, lower rank
+        if (logq != o.logq) {
+            return logq < o.logq;
+        }
+        return depth != o.depth ? depth > o.depth : rank > o.rank;
+    }
+};
+
+}  // namespace
+
+void build_draft_chain(const draft_proposals & p, int32_t root, int depth, draft_tree & out) {
+    out.reset(root);
+    depth = std::min(depth, p.n_positions);
+    float lq = 0.0f;
+    for (int d = 1; d <= depth; ++d) {
+        lq += p.logprob(d - 1, 0);
+        out.add(p.id(d - 1, 0), d - 1, lq);
+    }
+}
+
+void build_draft_tree(const draft_proposals & p, int32_t root, int budget, int max_depth, tree_seed seed,
+                      draft_tree & out) {
+    max_depth = std::min(max_depth, p.n_positions);
+    out.reset(root);
+    if (budget <= 0 || max_depth <= 0) {
+        return;
+    }
+    const int                      K = p.top_k;
+    std::priority_queue<candidate> heap;
+    // taking a node makes two new prefixes candidates: its next sibling and its first child
+    auto take = [&](const candidate & c) {
+        const int node = out.add(p.id(c.depth - 1, c.rank), c.parent, c.logq);
+        if (c.rank + 1 < K) {
+            heap.push({c.logq - p.logprob(c.depth - 1, c.rank) + p.logprob(c.depth - 1, c.rank + 1), c.depth,
+                       c.rank + 1, c.parent});
+        }
+        return node;
+    };
+    if (seed == tree_seed::chain) {
+        // the top-1 chain as deep as the budget allows; its siblings stay candidates, its last node's child too
+        int   parent = 0;
+        float lq     = 0.0f;
+        for (int d = 1; d <= std::min(max_depth, budget); ++d) {
+            lq += p.logprob(d - 1, 0);
+            parent = take({lq, d, 0, parent});
+        }
+        const int d_last = out.depth[parent];
+        if (d_last < max_depth) {
+            heap.push({lq + p.logprob(d_last, 0), d_last + 1, 0, parent});
+        }
+    } else {
+        heap.push({p.logprob(0, 0), 1, 0, 0});
+    }
+    while (out.size() - 1 < budget && !heap.empty()) {
+        const candidate c = heap.top();
+        heap.pop();
+        const int node = take(c);
+        if (c.depth < max_depth) {
+            heap.push({c.logq + p.logprob(c.depth, 0), c.depth + 1, 0, node});
+        }
+    }
+}
+
+void walk_greedy(const draft_tree & t, const int32_t * target_pick, std::vector<int> & rows, int32_t & bonus) {
+    rows.assign(1, 0);
+    int32_t next = target_pick[0];
+    int     cur  = 0;
+    for (bool moved = true; moved;) {
+        moved = false;
+        // children come after their parent: scan forward for the child carrying `next`
+        for (int c = cur + 1; c < t.size(); ++c) {
+            if (t.parents[c] == cur && t.tokens[c] == next) {
+                rows.push_back(c);
+                cur   = c;
+                next  = target_pick[c];
+                moved = true;
+                break;
+            }
+        }
+    }
+    bonus = next;
+}
+
+}  // namespace pdf

@@ -1,0 +1,46 @@
+// The tree of drafts one round verifies (DDTree, arXiv:2604.12989): the root is the anchor (the last committed
+// token, at position start), every other node a drafted token at position start + depth. Nodes are kept in
+// the order they were chosen, so parents come before children and every prefix of the order is a tree.
+#pragma once
+
+#include "state/draft_session.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace pdf {
+
+struct draft_tree {
+    std::vector<int32_t> tokens;   // [root, nodes...]
+    std::vector<int32_t> parents;  // -1 for the root
+    std::vector<int32_t> depth;    // 0 for the root
+    std::vector<float>   logq;     // log of the drafter's path probability Q (0 for the root)
+
+    int  size() const { return (int) tokens.size(); }
+    int  max_depth() const;
+    bool is_chain() const;  // every node the child of the one before
+    void reset(int32_t root);
+    int  add(int32_t token, int parent, float logq);
+    void truncate(int n);   // keep the first n nodes (root included)
+};
+
+enum class tree_seed {
+    best_first,  // DDTree: the `budget` prefixes of highest Q, best first
+    chain,       // the drafter's top-1 chain first (as deep as the budget allows), then best first
+};
+
+// Up to `budget` nodes below `root` from the drafter's candidates for positions 1..max_depth (p: most likely
+// first per position): a best-first search over prefixes by Q = the product of the drafter's per-position
+// marginals along the path (sibling of rank r+1 and first child pushed when a node is taken).
+void build_draft_tree(const draft_proposals & p, int32_t root, int budget, int max_depth, tree_seed seed,
+                      draft_tree & out);
+
+// the top-1 chain of `depth` drafts (the chain DFlash verifies)
+void build_draft_chain(const draft_proposals & p, int32_t root, int depth, draft_tree & out);
+
+// The greedy acceptance walk: from the root, follow the child that carries the target's pick of the current
+// node (target_pick[i]: the target's token after node i). rows: the accepted nodes, root first; bonus: the
+// target's pick after the last of them (the next root).
+void walk_greedy(const draft_tree & t, const int32_t * target_pick, std::vector<int> & rows, int32_t & bonus);
+
+}  // namespace pdf
