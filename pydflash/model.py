@@ -174,11 +174,13 @@ class Model:
             draft_path = os.fspath(draft_model_path)
             if not os.path.exists(draft_path):
                 raise ModelLoadError(f"{draft_path}: no such file")
-            # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify
+            # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify (a chain's
+            # block, or a tree's root and nodes)
+            max_verify = 0 if spec_mode == "chain" else 1 + (tree_budget or MAX_TREE_BUDGET)
             self._draft = _core.DraftSession(self._model, draft_path, n_ctx=n_ctx, block_size=block_size or 0,
-                                             window=draft_window, ring_capacity=max(n_ubatch, MAX_TREE_BUDGET + 1),
+                                             window=draft_window, ring_capacity=max(n_ubatch, max_verify),
                                              top_k=1 if spec_mode == "chain" else DRAFT_TOP_K,
-                                             max_verify=MAX_TREE_BUDGET + 1)
+                                             max_verify=max_verify)
             self.tree_budget = tree_budget or self._default_tree_budget()
             # a hybrid target keeps the state of every token (chain) or node (tree) of a verify
             n_rollback = max(n_rollback, self._draft.block_size,

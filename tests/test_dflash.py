@@ -1,6 +1,6 @@
-"""DFlash speculative decoding (chain): lossless against plain greedy decoding of the same GGUF, on Qwen3 and
-Qwen3.5 targets, and typed errors for every pair mismatch. A random drafter is rejected at almost every round,
-which makes these runs the rollback stress test of the target's KV and recurrent state."""
+"""DFlash speculative decoding (chain, DDTree tree, auto): lossless against plain greedy decoding of the same GGUF,
+on Qwen3 and Qwen3.5 targets, and typed errors for every pair mismatch. A random drafter is rejected at almost
+every round, which makes these runs the rollback stress test of the target's KV and recurrent state."""
 
 from __future__ import annotations
 
@@ -42,36 +42,53 @@ def pair(request, tmp_path_factory):
     return target, draft, target_dir
 
 
-def generate(model_path, prompt, n, draft=None, block_size=None, kv_type="f16"):
+def generate(model_path, prompt, n, draft=None, block_size=None, kv_type="f16", **spec):
     with pydflash.Model(model_path, n_ctx=512, kv_type=kv_type, draft_model_path=draft,
-                        block_size=block_size) as m:
+                        block_size=block_size, **spec) as m:
         return m.generate(prompt, max_tokens=n)
 
 
-@pytest.mark.parametrize("block_size", [None, 4])
-def test_speculative_output_equals_plain_greedy(pair, block_size):
+# (spec_mode, tree_budget, block_size): the chain at the trained and a shorter block, DDTree at several budgets
+# (1 and 4: shallower than the block; 15: the chain seed fills it; 32, 63: siblings at many depths), auto
+MODES = [("chain", None, None), ("chain", None, 4), ("tree", 1, None), ("tree", 4, None), ("tree", 15, None),
+         ("tree", 32, None), ("tree", 63, None), ("tree", 20, 5), ("auto", None, None)]
+
+
+@pytest.mark.parametrize("mode,budget,block_size", MODES)
+def test_speculative_output_equals_plain_greedy(pair, mode, budget, block_size):
     target, draft, _ = pair
     for prompt in PROMPTS:
         plain = generate(target, prompt, 96)
-        spec = generate(target, prompt, 96, draft=draft, block_size=block_size)
+        spec = generate(target, prompt, 96, draft=draft, block_size=block_size, spec_mode=mode, tree_budget=budget)
         assert spec.tokens == plain.tokens
         assert spec.finish_reason == plain.finish_reason
         t = spec.timings
+        assert len(t["acceptance_by_position"]) == (block_size or 16) - 1
+        if mode == "auto":
+            # auto verifies drafts only in rounds it expects to pay: the others are plain target steps
+            assert t["n_target_evals"] >= t["n_rounds"]
+            assert t["auto_skipped"] + t["auto_plain"] + t["auto_chain"] + t["auto_tree"] >= t["n_rounds"]
+            continue
         # one target pass per round, a round commits accepted drafts + 1: passes per token = 1 / tau
         assert t["n_target_evals"] == t["n_rounds"]
         assert t["draft_n_accepted"] + t["n_rounds"] >= len(spec.tokens) - 1
-        assert len(t["acceptance_by_position"]) == (block_size or 16) - 1
         if t["n_rounds"]:  # (none when the first token already ends generation)
             assert t["tau"] >= 1.0
+            # a round verifies its root and at most `budget` drafts (fewer at the end of the generation)
+            nodes = budget if mode == "tree" else (block_size or 16) - 1
+            assert t["n_rounds"] < t["verify_n"] <= t["n_rounds"] * (1 + nodes)
 
 
-def test_wrapping_feature_ring_and_draft_window_stay_lossless(pair):
-    """A 16-row feature ring (n_ubatch 16: the 50-token prompt is prefilled in 4 chunks) and a 24-position
-    draft window, generating 160 tokens: both wrap many times over."""
+@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 15), ("tree", 24), ("auto", 24)])
+def test_wrapping_feature_ring_and_draft_window_stay_lossless(pair, mode, budget):
+    """A small feature ring (n_ubatch 16: the 50-token prompt is prefilled in 4 chunks; a chain's ring holds 16
+    rows, a tree's its verify width) and a 24-position draft window, generating 160 tokens: both wrap many times
+    over."""
     target, draft, _ = pair
     plain = generate(target, PROMPTS[3], 160)
-    with pydflash.Model(target, n_ctx=512, n_ubatch=16, draft_model_path=draft, draft_window=24) as m:
-        assert m._draft.ring_capacity == 16 and m._draft.window == 24
+    with pydflash.Model(target, n_ctx=512, n_ubatch=16, draft_model_path=draft, draft_window=24, spec_mode=mode,
+                        tree_budget=budget) as m:
+        assert m._draft.ring_capacity == (16 if mode == "chain" else 1 + budget) and m._draft.window == 24
         spec = m.generate(PROMPTS[3], max_tokens=160)
         assert spec.tokens == plain.tokens
         # the prompt cache is reused across calls; a shorter prompt cuts the drafter's rows back too
@@ -83,7 +100,9 @@ def test_quantized_target_and_draft_stay_lossless(pair, tmp_path):
     qt = quantize_gguf(target, tmp_path / "t.gguf", "q8_0", progress=False)
     qd = quantize_gguf(draft, tmp_path / "d.gguf", "q4_0", progress=False)
     for prompt in PROMPTS[:2]:
-        assert generate(qt, prompt, 64, draft=qd).tokens == generate(qt, prompt, 64).tokens
+        plain = generate(qt, prompt, 64).tokens
+        for mode, budget in (("chain", None), ("tree", 32)):
+            assert generate(qt, prompt, 64, draft=qd, spec_mode=mode, tree_budget=budget).tokens == plain
 
 
 def test_speculative_false_and_streaming(pair):
@@ -106,19 +125,21 @@ def test_stop_and_context_limits(pair):
     plain = _core.Session(model, n_ctx=512).generate(PROMPTS[1], max_tokens=60, **raw)["tokens"]
     ds = _core.DraftSession(model, str(draft), n_ctx=512)
     s = _core.Session(model, n_ctx=512)
-    # a stop token ends generation at the same token as plain decoding
-    stop_at = plain[25]
-    ours = s.generate(PROMPTS[1], max_tokens=60, stop_tokens=[stop_at], draft=ds)
-    assert ours["tokens"] == plain[:plain.index(stop_at)] and ours["finish_reason"] == "stop"
-    # max_tokens inside a round
-    for n in (1, 2, 17, 33):
-        assert s.generate(PROMPTS[1], max_tokens=n, draft=ds, **raw)["tokens"] == plain[:n]
-    # the context (40 tokens) ends generation
-    small, small_draft = _core.Session(model, n_ctx=40), _core.DraftSession(model, str(draft), n_ctx=40)
-    r = small.generate(PROMPTS[1], max_tokens=100, draft=small_draft, **raw)
-    assert r["finish_reason"] == "length"
-    assert r["tokens"] == plain[:len(r["tokens"])]
-    assert len(PROMPTS[1]) + len(r["tokens"]) == 40 + 1
+    for spec in (dict(spec_mode="chain"), dict(spec_mode="tree", tree_budget=20)):
+        # a stop token ends generation at the same token as plain decoding
+        stop_at = plain[25]
+        ours = s.generate(PROMPTS[1], max_tokens=60, stop_tokens=[stop_at], draft=ds, **spec)
+        assert ours["tokens"] == plain[:plain.index(stop_at)] and ours["finish_reason"] == "stop"
+        # max_tokens inside a round
+        for n in (1, 2, 17, 33):
+            assert s.generate(PROMPTS[1], max_tokens=n, draft=ds, **raw, **spec)["tokens"] == plain[:n]
+        # the context (40 tokens) ends generation
+        small = _core.Session(model, n_ctx=40, n_rollback=32)
+        small_draft = _core.DraftSession(model, str(draft), n_ctx=40, top_k=4)
+        r = small.generate(PROMPTS[1], max_tokens=100, draft=small_draft, **raw, **spec)
+        assert r["finish_reason"] == "length"
+        assert r["tokens"] == plain[:len(r["tokens"])]
+        assert len(PROMPTS[1]) + len(r["tokens"]) == 40 + 1
 
 
 # ---- pair mismatches: typed errors naming the field and both values ----
@@ -142,8 +163,14 @@ def test_block_size_beyond_training(pair):
     target, draft, _ = pair
     with pytest.raises(ValueError, match=r"block_size = 17 must be in \[2, 16\]"):
         pydflash.Model(target, draft_model_path=draft, block_size=17)
-    with pytest.raises(ValueError, match="needs a draft model"):
+    with pytest.raises(ValueError, match="need a draft model"):
         pydflash.Model(target, block_size=4)
+    with pytest.raises(ValueError, match="need a draft model"):
+        pydflash.Model(target, tree_budget=4)
+    with pytest.raises(ValueError, match=r"tree_budget=64 must be in \[1, 63\]"):
+        pydflash.Model(target, draft_model_path=draft, tree_budget=64)
+    with pytest.raises(ValueError, match="spec_mode='beam' is not one of auto, tree, chain"):
+        pydflash.Model(target, draft_model_path=draft, spec_mode="beam")
 
 
 def test_ring_and_window_limits(pair):
@@ -210,3 +237,37 @@ def test_draft_proposals_match_the_pytorch_reference(pair, window, ring):
     for k, (a, b) in enumerate(zip(ours, ref_logits.argmax(-1).tolist())):
         # a different choice only where the reference itself is tied
         assert a == b or float(top2[k, 0] - top2[k, 1]) < 1e-3, (k, a, b)
+
+
+def test_draft_top_k_logprobs_match_the_pytorch_reference(pair):
+    """What trees are built from: per drafted position the k most likely tokens and their log-probabilities
+    (log-softmax over the target's head), most likely first, against the reference drafter."""
+    import torch
+    import transformers
+
+    from dflash_ref import DFlashDraftModel, extract_features
+
+    target_gguf, draft_gguf, target_dir = pair
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = DFlashDraftModel.from_pretrained(target_dir.parent / "draft", dtype=torch.float32).eval()
+    prompt = PROMPTS[3]
+    P, n, k = len(prompt), 15, 8
+    with torch.no_grad():
+        out = target(torch.tensor([prompt]), output_hidden_states=True)
+        feats = extract_features(out.hidden_states, draft.target_layer_ids)
+        anchor = int(out.logits[0, -1].argmax())
+        block = torch.tensor([[anchor] + [draft.mask_token_id] * n])
+        h = draft(target.get_input_embeddings()(block), feats, torch.arange(0, P + n + 1)[None])
+        ref_lp = torch.log_softmax(target.get_output_embeddings()(h)[0, 1:], dim=-1)
+    ds = _core.DraftSession(_core.Model(str(target_gguf)), str(draft_gguf), n_ctx=256, top_k=k)
+    assert ds.top_k == k
+    ids, lps = ds.draft(feats[0].numpy(), np.arange(P, dtype=np.int32), anchor, P, with_logprobs=True)
+    assert ids.shape == lps.shape == (n, k)
+    for pos in range(n):
+        assert np.all(np.diff(lps[pos]) <= 0)  # most likely first
+        ref_vals, ref_ids = torch.topk(ref_lp[pos], k + 1)
+        np.testing.assert_allclose(lps[pos], ref_lp[pos][ids[pos]].numpy(), atol=1e-4)
+        np.testing.assert_allclose(lps[pos], ref_vals[:k].numpy(), atol=1e-4)
+        # the same set, up to entries the reference itself cannot tell apart
+        for tok, lp in zip(ids[pos], lps[pos]):
+            assert tok in ref_ids[:k].tolist() or abs(float(lp) - float(ref_vals[k - 1])) < 1e-4

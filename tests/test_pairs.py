@@ -102,11 +102,16 @@ def test_tau_equals_the_reference_loop(kind, genre):
     assert sum(ours_lengths) == sum(ref_lengths)
 
 
-@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
-def test_speculative_equals_plain_on_committed_pairs(kind, outtype):
+# (spec_mode, tree_budget): the published chain, DDTree's largest tree, and auto's per-round choice
+SPEC_MODES = [("chain", None), ("tree", 63), ("auto", None)]
+
+
+@pytest.mark.parametrize("mode,budget", SPEC_MODES)
+@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
+def test_speculative_equals_plain_on_committed_pairs(kind, outtype, mode, budget):
     texts = list(prompts("code").values())[:6] + list(prompts("prose").values())[:6]
     with pydflash.Model(pair_file(kind, "target", outtype), draft_model_path=pair_file(kind, "dflash", outtype),
-                        n_ctx=1024) as m:
+                        n_ctx=1024, spec_mode=mode, tree_budget=budget) as m:
         taus = []
         ties = 0
         for text in texts:
@@ -118,21 +123,47 @@ def test_speculative_equals_plain_on_committed_pairs(kind, outtype):
                 ties += 1
                 continue
             assert spec.finish_reason == plain.finish_reason
-            assert spec.timings["n_target_evals"] == spec.timings["n_rounds"]
-            taus.append(spec.timings["tau"])
+            if mode != "auto":
+                assert spec.timings["n_target_evals"] == spec.timings["n_rounds"]
+                taus.append(spec.timings["tau"])
         # each parting was checked above to be a near-tie; with an f16 cache they are not rare on q8_0 weights
-        # (measured over 16 prompts x 128 tokens: 3 on the qwen3 pair, 1 with an f32 cache)
-        assert ties <= len(texts) // 3
-        assert sum(taus) / len(taus) > 2.0  # trained drafts are accepted, so rollback is exercised mid-block
+        # (measured over 16 prompts x 128 tokens: 3 on the qwen3 pair, 1 with an f32 cache), more so with the
+        # 64-token verifies of a tree (here 5 of 12 on the qwen3 pair: wider batches tile the matmuls otherwise)
+        print(f"{kind} {outtype} {mode}: {ties} of {len(texts)} part at a near-tie")
+        assert ties <= len(texts) // (2 if outtype == "q8_0" else 3)
+        if taus:
+            assert sum(taus) / len(taus) > 2.0  # trained drafts are accepted, so rollback is exercised mid-block
 
 
-def test_stop_token_and_max_tokens_inside_accepted_blocks(kind):
+def test_tree_accepts_more_per_round_than_the_chain(kind):
+    """DDTree's point: verifying a tree of 63 drafts commits more tokens per round than the chain of 15 (the
+    issue's goals: >= 1.2x on the qwen3 pair, >= 1.1x on qwen35), with the same output."""
+    texts = list(prompts("code").values())[:12]
+    tau = {}
+    outputs = {}
+    for mode, budget in (("chain", None), ("tree", 63)):
+        with pydflash.Model(pair_file(kind, "target", "f32"), draft_model_path=pair_file(kind, "dflash", "f32"),
+                            n_ctx=1024, spec_mode=mode, tree_budget=budget) as m:
+            runs = [m.generate(text, max_tokens=96) for text in texts]
+        outputs[mode] = [r.tokens for r in runs]
+        committed = sum(r.timings["draft_n_accepted"] + r.timings["n_rounds"] for r in runs)
+        tau[mode] = committed / sum(r.timings["n_rounds"] for r in runs)
+    print(f"{kind}: tau chain {tau['chain']:.2f}, tree(63) {tau['tree']:.2f}: {tau['tree'] / tau['chain']:.2f}x")
+    assert outputs["tree"] == outputs["chain"]
+    assert tau["tree"] >= {"qwen3": 1.2, "qwen35": 1.1}[kind] * tau["chain"]
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 40)])
+def test_stop_token_and_max_tokens_inside_accepted_blocks(kind, mode, budget):
     """Stop tokens and max_tokens spread over a generation whose drafts are mostly accepted, so that most of
-    them fall inside accepted blocks: the speculative loop must end exactly where plain decoding does."""
+    them fall inside accepted blocks (chains) or paths (trees): the speculative loop must end exactly where plain
+    decoding does."""
     target, draft = pair_file(kind, "target", "f16"), pair_file(kind, "dflash", "f16")
-    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024) as m:
+    spec_args = dict(draft=None, spec_mode=mode, tree_budget=budget or 0)
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, spec_mode=mode, tree_budget=budget) as m:
+        spec_args["draft"] = m._draft
         ids = m.tokenize(list(prompts("code").values())[0], add_special=False)
-        full = m._session.generate(ids, max_tokens=96, draft=m._draft)
+        full = m._session.generate(ids, max_tokens=96, **spec_args)
         seen = set()
         checked = 0
         for k, tok in enumerate(full["tokens"][1:], start=1):
@@ -140,7 +171,7 @@ def test_stop_token_and_max_tokens_inside_accepted_blocks(kind):
                 continue
             seen.add(tok)
             first = full["tokens"].index(tok)
-            spec = m._session.generate(ids, max_tokens=96, stop_tokens=[tok], draft=m._draft)
+            spec = m._session.generate(ids, max_tokens=96, stop_tokens=[tok], **spec_args)
             plain = m._session.generate(ids, max_tokens=96, stop_tokens=[tok])
             assert spec["tokens"] == plain["tokens"] == full["tokens"][:first]
             assert spec["finish_reason"] == plain["finish_reason"] == "stop"
@@ -149,20 +180,23 @@ def test_stop_token_and_max_tokens_inside_accepted_blocks(kind):
         accepted = full["timings"]["draft_n_accepted"]
         assert accepted > 10  # the blocks above really were accepted drafts
         for n in (1, 2, 5, 17, 18, 31, 50):
-            spec = m._session.generate(ids, max_tokens=n, draft=m._draft)
+            spec = m._session.generate(ids, max_tokens=n, **spec_args)
             assert spec["tokens"] == full["tokens"][:n] and spec["finish_reason"] == "length"
 
 
-def test_small_draft_window_stays_lossless_and_keeps_drafting(kind):
+@pytest.mark.parametrize("mode,budget", SPEC_MODES)
+def test_small_draft_window_stays_lossless_and_keeps_drafting(kind, mode, budget):
     """A 32-position draft window over a 300-token generation: lossless, and the drafter still works."""
     target, draft = pair_file(kind, "target", "f16"), pair_file(kind, "dflash", "f16")
     text = list(prompts("code").values())[1]
     with pydflash.Model(target, n_ctx=1024) as m:
         plain = m.generate(text, max_tokens=300)
-    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, draft_window=32, n_ubatch=64) as m:
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, draft_window=32, n_ubatch=64, spec_mode=mode,
+                        tree_budget=budget) as m:
         spec = m.generate(text, max_tokens=300)
     assert spec.tokens == plain.tokens
-    assert spec.timings["tau"] > 1.5
+    if mode != "auto":
+        assert spec.timings["tau"] > 1.5
 
 
 def test_demo_model_and_command(tmp_path):

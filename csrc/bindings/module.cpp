@@ -264,6 +264,29 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         py::arg("logits"), py::arg("n_threads"), py::arg("stock") = false,
         "The greedy pick of the CPU graphs (stock=True: ggml_argmax) on a float32 (n_rows, n_vocab) array.");
 
+    m.def(
+        "build_draft_tree",
+        [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids,
+           py::array_t<float, py::array::c_style | py::array::forcecast> logprobs, int32_t root, int budget,
+           int max_depth, const std::string & seed) {
+            // ids, logprobs: [positions, k], most likely first per position
+            if (ids.ndim() != 2 || logprobs.ndim() != 2 || ids.shape(0) != logprobs.shape(0) ||
+                ids.shape(1) != logprobs.shape(1) || ids.shape(1) < 1) {
+                throw std::invalid_argument("build_draft_tree: ids and logprobs must both be (positions, k >= 1)");
+            }
+            draft_proposals p;
+            p.n_positions = (int) ids.shape(0);
+            p.top_k       = (int) ids.shape(1);
+            p.ids.assign(ids.data(), ids.data() + ids.size());
+            p.logprobs.assign(logprobs.data(), logprobs.data() + logprobs.size());
+            draft_tree t;
+            build_draft_tree(p, root, budget, max_depth, parse_tree_seed(seed), t);
+            return py::make_tuple(t.tokens, t.parents, t.depth, t.logq);
+        },
+        py::arg("ids"), py::arg("logprobs"), py::arg("root"), py::arg("budget"), py::arg("max_depth"),
+        py::arg("seed") = "best_first",
+        "The DDTree tree the loop verifies: (tokens, parents, depth, log Q) of [root, nodes...] in choice order.");
+
     py::class_<py_model>(m, "Model")
         .def(py::init([](const std::string & path, int n_gpu_layers, int n_threads) {
                  model_params p;

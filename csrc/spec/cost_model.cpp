@@ -29,7 +29,7 @@ int cost_model::grid_index(int n) const {
     return (int) (std::lower_bound(grid_.begin(), grid_.end(), n) - grid_.begin());
 }
 
-double cost_model::verify_ms(int n, bool tree) const {
+double cost_model::curve_ms(int n, bool tree) const {
     n = std::clamp(n, 1, max_width_);
     const std::vector<double> & ms   = tree ? tree_ms_ : chain_ms_;
     const std::vector<bool> &   seen = tree ? tree_seen_ : chain_seen_;
@@ -47,7 +47,7 @@ double cost_model::verify_ms(int n, bool tree) const {
         }
     }
     if (lo < 0 && hi < 0) {
-        return tree ? verify_ms(n, false) : 1.0 * n;  // nothing measured: proportional to the width
+        return tree ? curve_ms(n, false) : 1.0 * n;  // nothing measured: proportional to the width
     }
     if (lo < 0) {
         return ms[hi] * n / grid_[hi];
@@ -62,17 +62,26 @@ double cost_model::verify_ms(int n, bool tree) const {
     return ms[lo] + t * (ms[hi] - ms[lo]);
 }
 
-void cost_model::observe_verify(int n, bool tree, double ms) {
-    // a measurement at n counts for the grid point at or above it, scaled by the width ratio when off-grid
-    const int i = std::min(grid_index(n), (int) grid_.size() - 1);
-    const double at_grid = ms * grid_[i] / std::max(1, n);
-    std::vector<double> & v    = tree ? tree_ms_ : chain_ms_;
-    std::vector<bool> &   seen = tree ? tree_seen_ : chain_seen_;
-    if (n != grid_[i] && seen[i]) {
-        return;  // an off-grid width only seeds an unmeasured point
+double cost_model::verify_ms(int n, bool tree) const {
+    return drift_ * curve_ms(n, tree);
+}
+
+void cost_model::calibrate_verify(int n, bool tree, double ms) {
+    const int i = grid_index(n);
+    if (i >= (int) grid_.size() || grid_[i] != n) {
+        return;  // calibration runs at grid widths
     }
-    v[i]    = seen[i] ? (1 - AVERAGE_WEIGHT) * v[i] + AVERAGE_WEIGHT * at_grid : at_grid;
-    seen[i] = true;
+    (tree ? tree_ms_ : chain_ms_)[i] = ms;
+    (tree ? tree_seen_ : chain_seen_)[i] = true;
+}
+
+void cost_model::observe_verify(int n, bool tree, double ms) {
+    if (!calibrated_) {
+        // no calibrated shape (chain and tree modes do not need one): the first time of a grid width stands
+        calibrate_verify(n, tree, ms);
+        return;
+    }
+    drift_ = (1 - AVERAGE_WEIGHT) * drift_ + AVERAGE_WEIGHT * ms / curve_ms(n, tree);
 }
 
 void cost_model::observe_draft(double ms) {

@@ -24,7 +24,11 @@ class cost_model {
     // tokens per ms of plain decoding
     double plain_rate() const { return 1.0 / verify_ms(1, false); }
 
-    // measurements; the first one of a grid point replaces the prior, later ones move it by an average
+    // calibration: the time of one evaluation of n tokens (a grid width), chain or tree graph
+    void calibrate_verify(int n, bool tree, double ms);
+    // a round's measurements. Verify times keep the calibrated shape over widths and move it as a whole by a
+    // running factor (the machine and the context change all widths alike), so widths a round does not use
+    // (e.g. plain decoding while speculating) stay current too.
     void observe_verify(int n, bool tree, double ms);
     void observe_draft(double ms);
 
@@ -40,12 +44,14 @@ class cost_model {
 
   private:
     int                 grid_index(int n) const;
+    double              curve_ms(int n, bool tree) const;  // calibrated, without the running factor
     std::vector<int>    grid_;
     std::vector<double> chain_ms_, tree_ms_;
     std::vector<bool>   chain_seen_, tree_seen_;
     std::vector<double> cal_pred_, cal_acc_;  // by depth: decayed sums of predicted and accepted
     int                 max_width_;
     bool                calibrated_ = false;
+    double              drift_      = 1.0;
     double              draft_ms_   = 0.0;
     bool                draft_seen_ = false;
     double              spec_rate_  = 0.0;

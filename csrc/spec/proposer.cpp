@@ -18,6 +18,8 @@ static double ms_since(clock_type::time_point t0) {
 static constexpr double SLOWER_THAN_PLAIN = 0.02;
 static constexpr int    COOLDOWN_MIN      = 4;
 static constexpr int    COOLDOWN_MAX      = 128;
+// auto's calibration: timed sweeps over the evaluation shapes
+static constexpr int    CALIBRATION_REPS  = 3;
 
 dflash_proposer::dflash_proposer(draft_session & d, cost_model & costs, const spec_params & params,
                                  bool recurrent_target)
@@ -43,37 +45,48 @@ double dflash_proposer::warm_up(session & s, int32_t anchor) {
     if (params_.mode != spec_mode::automatic || costs_.calibrated()) {
         return 0.0;
     }
-    // the time of one evaluation per grid width, chain and (recurrent targets) tree graph, each shape run
-    // once to build its graph and twice timed (the faster counts); uncommitted, so the session is unchanged
+    // The time of one evaluation per grid width, chain and (recurrent targets) tree graph: each shape once to
+    // build its graph, then CALIBRATION_REPS sweeps over all shapes (so that a slow moment of the machine does
+    // not hit one width only), the fastest time counting. Uncommitted, so the session is unchanged.
     const auto t_all = clock_type::now();
     const int  limit = std::min<int>({costs_.max_width(), (int) s.n_ctx() - s.n_past(), (int) s.n_rollback()});
+    struct shape {
+        int                  width;
+        bool                 tree;
+        std::vector<int32_t> parents;
+        double               best = 1e30;
+    };
+    std::vector<shape> shapes;
     for (int w : costs_.grid()) {
         if (w > limit) {
             break;
         }
-        for (bool tree : {false, true}) {
-            if (tree && (!recurrent_ || w < 3)) {
-                continue;
-            }
+        shapes.push_back({w, false, {}});
+        if (recurrent_ && w >= 3) {
             // a tree as deep as a block, the rest as siblings spread along it (the most depths: the most levels)
-            std::vector<int32_t> tokens(w, anchor), parents(w);
+            std::vector<int32_t> parents(w);
             const int            spine = std::min(w - 1, d_.block() - 1);
             for (int i = 0; i < w; ++i) {
                 parents[i] = i <= spine ? i - 1 : (i - spine - 1) % spine;
             }
-            batch_layout layout;
-            layout.parents = tree ? parents.data() : nullptr;
-            double best    = 1e30;
-            for (int rep = 0; rep < 3; ++rep) {
-                d_.protect(s.n_past(), w);
-                const auto t0 = clock_type::now();
-                s.eval(tokens.data(), w, layout, read_argmax_all, capture(), ring());
-                if (rep > 0) {
-                    best = std::min(best, ms_since(t0));
-                }
-            }
-            costs_.observe_verify(w, tree, best);
+            shapes.push_back({w, true, parents});
         }
+    }
+    std::vector<int32_t> tokens(limit, anchor);
+    for (int rep = 0; rep <= CALIBRATION_REPS; ++rep) {
+        for (shape & sh : shapes) {
+            batch_layout layout;
+            layout.parents = sh.tree ? sh.parents.data() : nullptr;
+            d_.protect(s.n_past(), sh.width);
+            const auto t0 = clock_type::now();
+            s.eval(tokens.data(), sh.width, layout, read_argmax_all, capture(), ring());
+            if (rep > 0) {
+                sh.best = std::min(sh.best, ms_since(t0));
+            }
+        }
+    }
+    for (const shape & sh : shapes) {
+        costs_.calibrate_verify(sh.width, sh.tree, sh.best);
     }
     costs_.set_calibrated();
     return ms_since(t_all);
