@@ -100,7 +100,7 @@ def test_committed_pair_in_llama_speculative_simple(kind, tmp_path):
     rows = prompt_rows("code")[:6]
     n = 96
     ours_drafted = ours_accepted = theirs_drafted = theirs_accepted = 0
-    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024) as m:
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, spec_mode="chain") as m:
         for row in rows:
             c = m.generate(row["text"], max_tokens=n)
             ours_drafted += c.timings["draft_n"]
