@@ -103,8 +103,9 @@ struct py_model {
 // A drafter for one target session, with what the decode loop learns about it on this machine (costs, how far
 // its probabilities can be trusted), kept across generate calls
 struct py_draft {
-    std::unique_ptr<draft_session> session;
-    std::unique_ptr<cost_model>    costs;
+    std::unique_ptr<draft_session>    session;
+    std::unique_ptr<cost_model>       costs;
+    std::unique_ptr<acceptance_model> acceptance;
 };
 
 static spec_mode parse_spec_mode(const std::string & name) {
@@ -337,7 +338,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                      throw std::invalid_argument(format("max_verify = %d must be in [1, %d] (the feature ring's rows)",
                                                         max_verify, d.session->ring().capacity()));
                  }
-                 d.costs = std::make_unique<cost_model>(max_verify, d.session->block() - 1);
+                 d.costs      = std::make_unique<cost_model>(max_verify);
+                 d.acceptance = std::make_unique<acceptance_model>();
                  return d;
              }),
              py::arg("target"), py::arg("path"), py::arg("n_ctx"), py::arg("block_size") = 0,
@@ -364,9 +366,10 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                     chain[py::int_(w)] = c.verify_ms(w, false);
                     tree[py::int_(w)]  = c.verify_ms(w, true);
                 }
-                std::vector<double> cal;
+                // P(accepted | parent accepted) of the drafter's first choice by depth, at drafter probability 0.5
+                std::vector<double> p_half;
                 for (int depth = 1; depth < d.session->block(); ++depth) {
-                    cal.push_back(c.calibration(depth));
+                    p_half.push_back(d.acceptance->p_accept(depth, 0, 0.55));
                 }
                 out["calibrated"]  = c.calibrated();
                 out["verify_ms"]   = chain;
@@ -374,11 +377,11 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 out["draft_ms"]    = c.draft_ms();
                 out["plain_rate"]  = c.plain_rate();
                 out["spec_rate"]   = c.spec_rate();
-                out["calibration"] = cal;
+                out["p_accept_at_half"] = p_half;
                 return out;
             },
             "The speculation cost model: measured verify times per width, draft time, rates (tokens/ms), and the "
-            "drafter's calibration per depth.")
+            "acceptance of the drafter's first choice by depth when it gives it probability 0.5-0.6.")
         .def(
             "draft",
             [](py_draft & pd, py::array_t<float, py::array::c_style | py::array::forcecast> feats,
@@ -567,7 +570,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 {
                     py::gil_scoped_release nogil;
                     if (draft) {
-                        dflash_proposer dp(*draft->session, *draft->costs, sp, s.is_recurrent());
+                        dflash_proposer dp(*draft->session, *draft->costs, *draft->acceptance, sp, s.is_recurrent());
                         r     = generate(s, dp, prompt, p, cb);
                         stats = dp.stats();
                     } else {

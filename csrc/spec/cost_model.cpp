@@ -7,12 +7,8 @@ namespace pdf {
 
 // weight of a new measurement in a running average: recent rounds dominate (context grows, caches warm)
 static constexpr double AVERAGE_WEIGHT = 0.2;
-// per round, the calibration sums decay by this factor (about the last 50 rounds count)
-static constexpr double CALIBRATION_DECAY = 0.98;
-// prior: one pseudo-round in which the drafter's probabilities were exactly right
-static constexpr double CALIBRATION_PRIOR = 1.0;
 
-cost_model::cost_model(int max_width, int max_depth) : max_width_(std::max(1, max_width)) {
+cost_model::cost_model(int max_width) : max_width_(std::max(1, max_width)) {
     for (int w = 1; w < max_width_; w *= 2) {
         grid_.push_back(w);
     }
@@ -21,8 +17,6 @@ cost_model::cost_model(int max_width, int max_depth) : max_width_(std::max(1, ma
     tree_ms_.assign(grid_.size(), 0.0);
     chain_seen_.assign(grid_.size(), false);
     tree_seen_.assign(grid_.size(), false);
-    cal_pred_.assign(max_depth + 1, CALIBRATION_PRIOR);
-    cal_acc_.assign(max_depth + 1, CALIBRATION_PRIOR);
 }
 
 int cost_model::grid_index(int n) const {
@@ -87,22 +81,6 @@ void cost_model::observe_verify(int n, bool tree, double ms) {
 void cost_model::observe_draft(double ms) {
     draft_ms_   = draft_seen_ ? (1 - AVERAGE_WEIGHT) * draft_ms_ + AVERAGE_WEIGHT * ms : ms;
     draft_seen_ = true;
-}
-
-double cost_model::calibration(int depth) const {
-    depth = std::clamp(depth, 1, (int) cal_pred_.size() - 1);
-    return cal_acc_[depth] / cal_pred_[depth];
-}
-
-void cost_model::observe_round(const std::vector<double> & q_by_depth, int accepted_depth) {
-    for (size_t d = 1; d < cal_pred_.size(); ++d) {
-        const double q = d < q_by_depth.size() ? q_by_depth[d] : 0.0;
-        if (q <= 0.0) {
-            continue;  // nothing verified at this depth: nothing learnt
-        }
-        cal_pred_[d] = CALIBRATION_DECAY * cal_pred_[d] + q;
-        cal_acc_[d]  = CALIBRATION_DECAY * cal_acc_[d] + ((int) d <= accepted_depth ? 1.0 : 0.0);
-    }
 }
 
 void cost_model::observe_spec_round(int committed, double ms) {

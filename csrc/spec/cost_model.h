@@ -1,7 +1,7 @@
-// What a round of speculation costs and what it is likely to bring, on this machine and model: the time of a
-// target evaluation per batch width (chain and tree graphs), the drafter's time, measured once and refined
-// online, and how the drafter's own probabilities translate into accepted tokens. spec/proposer.cpp uses it to
-// choose, each round, what to verify.
+// What a round of speculation costs on this machine and model: the time of a target evaluation per batch width
+// (chain and tree graphs) and the drafter's time, measured once and refined online, and the rate speculation
+// has been reaching. spec/proposer.cpp weighs it against spec/acceptance_model.h to choose, each round, what to
+// verify.
 #pragma once
 
 #include <vector>
@@ -11,7 +11,7 @@ namespace pdf {
 class cost_model {
   public:
     // widths at which evaluation time is measured (1 = a plain decoding step), up to max_width
-    explicit cost_model(int max_width, int max_depth);
+    explicit cost_model(int max_width);
 
     int  max_width() const { return max_width_; }
     bool calibrated() const { return calibrated_; }
@@ -32,12 +32,6 @@ class cost_model {
     void observe_verify(int n, bool tree, double ms);
     void observe_draft(double ms);
 
-    // The drafter's path probabilities against what the target accepted: expected accepted drafts of a node of
-    // depth d with path probability q is calibration(d) * q. observe_round: the verified tree's summed q per
-    // depth, and the depth the accepted path reached.
-    double calibration(int depth) const;
-    void   observe_round(const std::vector<double> & q_by_depth, int accepted_depth);
-
     // realised speculative rate (tokens per ms, draft included), exponentially averaged; 0 before any round
     double spec_rate() const { return spec_rate_; }
     void   observe_spec_round(int committed, double ms);
@@ -48,7 +42,6 @@ class cost_model {
     std::vector<int>    grid_;
     std::vector<double> chain_ms_, tree_ms_;
     std::vector<bool>   chain_seen_, tree_seen_;
-    std::vector<double> cal_pred_, cal_acc_;  // by depth: decayed sums of predicted and accepted
     int                 max_width_;
     bool                calibrated_ = false;
     double              drift_      = 1.0;

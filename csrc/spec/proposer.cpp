@@ -21,9 +21,10 @@ static constexpr int    COOLDOWN_MAX      = 128;
 // auto's calibration: timed sweeps over the evaluation shapes
 static constexpr int    CALIBRATION_REPS  = 3;
 
-dflash_proposer::dflash_proposer(draft_session & d, cost_model & costs, const spec_params & params,
-                                 bool recurrent_target)
-    : d_(d), costs_(costs), params_(params), recurrent_(recurrent_target), cool_len_(COOLDOWN_MIN) {
+dflash_proposer::dflash_proposer(draft_session & d, cost_model & costs, acceptance_model & acceptance,
+                                 const spec_params & params, bool recurrent_target)
+    : d_(d), costs_(costs), acceptance_(acceptance), params_(params), recurrent_(recurrent_target),
+      cool_len_(COOLDOWN_MIN) {
     if (params.tree_budget < 0) {
         throw std::invalid_argument(format("tree_budget = %d must be >= 0", params.tree_budget));
     }
@@ -120,7 +121,19 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
             build_draft_tree(p, anchor, limit, max_depth, params_.seed, out);
             break;
         case spec_mode::automatic: {
-            build_draft_tree(p, anchor, limit, max_depth, params_.seed, full_);
+            // best first by the probability that the target accepts each path (learnt), not by the drafter's
+            scores_.resize((size_t) p.n_positions * p.top_k);
+            for (int pos = 0; pos < p.n_positions; ++pos) {
+                for (int r = 0; r < p.top_k; ++r) {
+                    const double a = acceptance_.p_accept(pos + 1, r, std::exp((double) p.logprob(pos, r)));
+                    float &      sc = scores_[(size_t) pos * p.top_k + r];
+                    sc = (float) std::log(std::max(a, 1e-9));
+                    if (r > 0) {
+                        sc = std::min(sc, scores_[(size_t) pos * p.top_k + r - 1]);  // non-increasing in rank
+                    }
+                }
+            }
+            build_draft_tree(p, anchor, limit, max_depth, tree_seed::best_first, full_, &scores_);
             const int b = choose_budget(full_);
             out         = full_;
             out.truncate(1 + b);
@@ -135,21 +148,19 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
 int dflash_proposer::choose_budget(const draft_tree & full) const {
     // Each node b of `full` (in order) may be added to the verify. Maximise expected committed tokens minus the
     // best achievable rate times the verify's time (Dinkelbach): a node is worth verifying when what it is
-    // expected to add exceeds what its share of the verify would have produced elsewhere.
-    const double rate = std::max(costs_.plain_rate(), costs_.spec_rate());
-    int          best_b = 0;
-    double       best   = 1.0 - rate * costs_.verify_ms(1, false);
-    // expected accepted drafts: sum over depths of min(1, calibration(d) * sum of Q over the depth's nodes)
-    std::vector<double> q(full.max_depth() + 1, 0.0);
+    // expected to add exceeds what its share of the verify would have produced elsewhere. A node adds the
+    // probability that the target accepts its whole path.
+    const double        rate   = std::max(costs_.plain_rate(), costs_.spec_rate());
+    int                 best_b = 0;
+    double              best   = 1.0 - rate * costs_.verify_ms(1, false);
+    std::vector<double> reach(full.size(), 1.0);  // P(the accepted path reaches node i)
     double              expected = 0.0;
     bool                chain    = true;
     for (int b = 1; b < full.size(); ++b) {
-        const int    d   = full.depth[b];
-        const double c   = costs_.calibration(d);
-        const double was = std::min(1.0, c * q[d]);
-        q[d] += std::exp((double) full.logq[b]);
-        expected += std::min(1.0, c * q[d]) - was;
-        chain       = chain && full.parents[b] == b - 1;
+        reach[b] = reach[full.parents[b]] *
+                   acceptance_.p_accept(full.depth[b], full.rank[b], std::exp((double) full.logp[b]));
+        expected += reach[b];
+        chain             = chain && full.parents[b] == b - 1;
         const double gain = 1.0 + expected - rate * costs_.verify_ms(1 + b, recurrent_ && !chain);
         if (gain > best) {
             best   = gain;
@@ -176,12 +187,15 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
         return;
     }
     costs_.observe_draft(draft_ms_);
-    if (t.size() > 1) {
-        std::vector<double> q(t.max_depth() + 1, 0.0);
-        for (int b = 1; b < t.size(); ++b) {
-            q[t.depth[b]] += std::exp((double) t.logq[b]);
+    // every node whose parent the target accepted was tried: accepted or not
+    std::vector<bool> on_path(t.size(), false);
+    for (int r : rows) {
+        on_path[r] = true;
+    }
+    for (int b = 1; b < t.size(); ++b) {
+        if (on_path[t.parents[b]]) {
+            acceptance_.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), on_path[b]);
         }
-        costs_.observe_round(q, m - 1);
     }
     costs_.observe_spec_round(m, draft_ms_ + verify_ms);
     if (params_.mode == spec_mode::automatic) {

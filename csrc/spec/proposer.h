@@ -9,6 +9,7 @@
 //                             probabilities and the measured costs (spec/cost_model.h)
 #pragma once
 
+#include "spec/acceptance_model.h"
 #include "spec/cost_model.h"
 #include "spec/tree.h"
 #include "state/draft_session.h"
@@ -90,7 +91,8 @@ struct auto_stats {
 
 class dflash_proposer : public proposer {
   public:
-    dflash_proposer(draft_session & d, cost_model & costs, const spec_params & params, bool recurrent_target);
+    dflash_proposer(draft_session & d, cost_model & costs, acceptance_model & acceptance, const spec_params & params,
+                    bool recurrent_target);
 
     const std::vector<int> & capture() const override { return d_.model().capture_layers(); }
     feature_ring *           ring() override { return &d_.ring(); }
@@ -112,11 +114,13 @@ class dflash_proposer : public proposer {
     // auto: how many nodes of `full` (in its order) to verify
     int choose_budget(const draft_tree & full) const;
 
-    draft_session &  d_;
-    cost_model &     costs_;
+    draft_session &    d_;
+    cost_model &       costs_;
+    acceptance_model & acceptance_;
     spec_params      params_;
     bool             recurrent_;
     draft_tree       full_;
+    std::vector<float> scores_;  // auto: log P(accepted | parent accepted) per drafted position and rank
     double           draft_ms_  = 0.0;
     bool             drafted_   = false;
     bool             speculative_ = false;

@@ -23,14 +23,18 @@ void draft_tree::reset(int32_t root) {
     tokens.assign(1, root);
     parents.assign(1, -1);
     depth.assign(1, 0);
+    rank.assign(1, 0);
+    logp.assign(1, 0.0f);
     logq.assign(1, 0.0f);
 }
 
-int draft_tree::add(int32_t token, int parent, float lq) {
+int draft_tree::add(int32_t token, int parent, int r, float lp) {
     tokens.push_back(token);
     parents.push_back(parent);
     depth.push_back(depth[parent] + 1);
-    logq.push_back(lq);
+    rank.push_back(r);
+    logp.push_back(lp);
+    logq.push_back(logq[parent] + lp);
     return size() - 1;
 }
 
@@ -38,20 +42,22 @@ void draft_tree::truncate(int n) {
     tokens.resize(n);
     parents.resize(n);
     depth.resize(n);
+    rank.resize(n);
+    logp.resize(n);
     logq.resize(n);
 }
 
 namespace {
 
-// a candidate prefix: the node of rank `rank` at depth `depth` (1-based) below `parent`
+// a candidate prefix: the node of rank `rank` at depth `depth` (1-based) below `parent`, with the path's score
 struct candidate {
-    float logq;
+    float score;
     int   depth;
     int   rank;
     int   parent;
-    bool operator<(const candidate & o) const {  // priority_queue: highest Q first; ties: shallower, lower rank
-        if (logq != o.logq) {
-            return logq < o.logq;
+    bool operator<(const candidate & o) const {  // priority_queue: best first; ties: shallower, lower rank
+        if (score != o.score) {
+            return score < o.score;
         }
         return depth != o.depth ? depth > o.depth : rank > o.rank;
     }
@@ -62,52 +68,52 @@ struct candidate {
 void build_draft_chain(const draft_proposals & p, int32_t root, int depth, draft_tree & out) {
     out.reset(root);
     depth = std::min(depth, p.n_positions);
-    float lq = 0.0f;
     for (int d = 1; d <= depth; ++d) {
-        lq += p.logprob(d - 1, 0);
-        out.add(p.id(d - 1, 0), d - 1, lq);
+        out.add(p.id(d - 1, 0), d - 1, 0, p.logprob(d - 1, 0));
     }
 }
 
 void build_draft_tree(const draft_proposals & p, int32_t root, int budget, int max_depth, tree_seed seed,
-                      draft_tree & out) {
+                      draft_tree & out, const std::vector<float> * scores) {
     max_depth = std::min(max_depth, p.n_positions);
     out.reset(root);
     if (budget <= 0 || max_depth <= 0) {
         return;
     }
-    const int                      K = p.top_k;
+    const int K     = p.top_k;
+    auto      score = [&](int depth, int rank) {  // a node's own log-score
+        return scores ? (*scores)[(size_t) (depth - 1) * K + rank] : p.logprob(depth - 1, rank);
+    };
     std::priority_queue<candidate> heap;
+    std::vector<float>             path_score(1, 0.0f);  // by node
     // taking a node makes two new prefixes candidates: its next sibling and its first child
     auto take = [&](const candidate & c) {
-        const int node = out.add(p.id(c.depth - 1, c.rank), c.parent, c.logq);
+        const int node = out.add(p.id(c.depth - 1, c.rank), c.parent, c.rank, p.logprob(c.depth - 1, c.rank));
+        path_score.push_back(c.score);
         if (c.rank + 1 < K) {
-            heap.push({c.logq - p.logprob(c.depth - 1, c.rank) + p.logprob(c.depth - 1, c.rank + 1), c.depth,
-                       c.rank + 1, c.parent});
+            heap.push({path_score[c.parent] + score(c.depth, c.rank + 1), c.depth, c.rank + 1, c.parent});
         }
         return node;
     };
     if (seed == tree_seed::chain) {
         // the top-1 chain as deep as the budget allows; its siblings stay candidates, its last node's child too
-        int   parent = 0;
-        float lq     = 0.0f;
+        int parent = 0;
         for (int d = 1; d <= std::min(max_depth, budget); ++d) {
-            lq += p.logprob(d - 1, 0);
-            parent = take({lq, d, 0, parent});
+            parent = take({path_score[parent] + score(d, 0), d, 0, parent});
         }
         const int d_last = out.depth[parent];
         if (d_last < max_depth) {
-            heap.push({lq + p.logprob(d_last, 0), d_last + 1, 0, parent});
+            heap.push({path_score[parent] + score(d_last + 1, 0), d_last + 1, 0, parent});
         }
     } else {
-        heap.push({p.logprob(0, 0), 1, 0, 0});
+        heap.push({score(1, 0), 1, 0, 0});
     }
     while (out.size() - 1 < budget && !heap.empty()) {
         const candidate c = heap.top();
         heap.pop();
         const int node = take(c);
         if (c.depth < max_depth) {
-            heap.push({c.logq + p.logprob(c.depth, 0), c.depth + 1, 0, node});
+            heap.push({c.score + score(c.depth + 1, 0), c.depth + 1, 0, node});
         }
     }
 }

@@ -14,13 +14,15 @@ struct draft_tree {
     std::vector<int32_t> tokens;   // [root, nodes...]
     std::vector<int32_t> parents;  // -1 for the root
     std::vector<int32_t> depth;    // 0 for the root
-    std::vector<float>   logq;     // log of the drafter's path probability Q (0 for the root)
+    std::vector<int32_t> rank;     // the token's rank among the drafter's candidates at its position (root: 0)
+    std::vector<float>   logp;     // the drafter's log-probability of the token at its position (root: 0)
+    std::vector<float>   logq;     // log of the drafter's path probability Q: logp summed along the path
 
     int  size() const { return (int) tokens.size(); }
     int  max_depth() const;
     bool is_chain() const;  // every node the child of the one before
     void reset(int32_t root);
-    int  add(int32_t token, int parent, float logq);
+    int  add(int32_t token, int parent, int rank, float logp);
     void truncate(int n);   // keep the first n nodes (root included)
 };
 
@@ -30,10 +32,12 @@ enum class tree_seed {
 };
 
 // Up to `budget` nodes below `root` from the drafter's candidates for positions 1..max_depth (p: most likely
-// first per position): a best-first search over prefixes by Q = the product of the drafter's per-position
-// marginals along the path (sibling of rank r+1 and first child pushed when a node is taken).
+// first per position): a best-first search over prefixes by their score, the sum along the path of a per-node
+// log-score (sibling of rank r+1 and first child pushed when a node is taken). DDTree's score is the drafter's
+// log-probability (scores == nullptr: the path score is log Q); `scores` ([n_positions, top_k], non-increasing
+// in rank) replaces it, e.g. by calibrated log acceptance probabilities.
 void build_draft_tree(const draft_proposals & p, int32_t root, int budget, int max_depth, tree_seed seed,
-                      draft_tree & out);
+                      draft_tree & out, const std::vector<float> * scores = nullptr);
 
 // the top-1 chain of `depth` drafts (the chain DFlash verifies)
 void build_draft_chain(const draft_proposals & p, int32_t root, int depth, draft_tree & out);

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""What to verify per round: plain decoding, DFlash chains, DDTree trees and auto, against llama.cpp's DFlash,
+on the same GGUFs and machine.
+
+Pairs:
+- cost-realistic: each committed trained target (tests/data/pairs, f32) inflated to a ~0.3B-parameter model's
+  cost with exactly the same function (pydflash.convert.inflate: FFNs widened to 32768 units and 12 layers
+  appended, all with zero output projections), in q8_0 and in "q4mix" (q4_0 appended layers, q8_0 trained
+  ones), with the committed q8_0 drafter; built once into --cache-dir;
+- tiny: the committed f16 and q8_0 pairs themselves (overhead-bound: a 2-6M-parameter model).
+
+Engines, one row each: pydflash plain, chain at blocks 4/8/16, tree at budgets 4/8/16/32/63, auto; llama.cpp
+plain (`llama-completion`) and DFlash (`llama-speculative-simple --spec-type draft-dflash`) at draft lengths
+3/7/15. Prompts are the held-out code prompts; for each prompt every pydflash engine runs in turn (interleaved,
+so that this VM's slow and fast moments spread over all of them).
+
+Columns: decode tokens/s (prefill excluded; pydflash: (tokens - 1) / decode time, the first token coming from
+the prefill pass; llama.cpp: its "decoded N tokens in S seconds" and "eval time ... runs"), tau (tokens
+committed per verify round, bonus included), verified tokens per committed token (the verify work), and the
+ratio to our plain decoding and to llama.cpp's best DFlash row of the same pair.
+
+    python benchmarks/bench_tree.py                        # all pairs, 8 prompts x 96 tokens
+    python benchmarks/bench_tree.py --pairs realistic --n-prompts 4
+    python benchmarks/bench_tree.py --skip-peer            # pydflash rows only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import peer  # noqa: E402
+from export_pairs import PAIRS_DIR, pair_file, prompt_rows  # noqa: E402
+
+import pydflash  # noqa: E402
+from pydflash.convert.inflate import inflate_gguf  # noqa: E402
+
+# (label, Model keyword arguments); None = plain decoding
+OURS = [("plain", None),
+        ("chain 4", dict(spec_mode="chain", block_size=4)),
+        ("chain 8", dict(spec_mode="chain", block_size=8)),
+        ("chain 16", dict(spec_mode="chain")),
+        *[(f"tree {b}", dict(spec_mode="tree", tree_budget=b)) for b in (4, 8, 16, 32, 63)],
+        ("auto", dict(spec_mode="auto"))]
+LLAMA_DRAFT = (3, 7, 15)
+
+
+def cost_realistic_pairs(cache: Path, archs) -> list[dict]:
+    pairs = []
+    for arch in archs:
+        for kind in ("q8_0", "q4mix"):
+            target = cache / f"{arch}-inflated-{kind}.gguf"
+            if not target.exists():
+                print(f"building {target.name} (once) ...", flush=True)
+                inflate_gguf(pair_file(arch, "target", "f32"), target, kind)
+            pairs.append({"name": f"{arch} {kind} (0.3B cost)", "arch": arch, "target": target,
+                          "draft": pair_file(arch, "dflash", "q8_0")})
+    return pairs
+
+
+def tiny_pairs(archs) -> list[dict]:
+    return [{"name": f"{arch} {t} (tiny)", "arch": arch, "target": pair_file(arch, "target", t),
+             "draft": pair_file(arch, "dflash", t)} for arch in archs for t in ("f16", "q8_0")]
+
+
+def run_ours(pair: dict, prompts: list[str], args) -> dict:
+    models = {}
+    for label, kw in OURS:
+        models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads,
+                                       draft_model_path=None if kw is None else pair["draft"], **(kw or {}))
+        models[label].generate(prompts[0], max_tokens=8)  # warm-up: pages, graphs, auto's calibration
+    totals = {label: {"tokens": 0, "ms": 0.0, "committed": 0, "rounds": 0, "verified": 0, "outputs": []}
+              for label, _ in OURS}
+    for text in prompts:
+        for label, _ in OURS:  # interleaved
+            c = models[label].generate(text, max_tokens=args.max_tokens)
+            t, acc = c.timings, totals[label]
+            acc["tokens"] += max(0, len(c.tokens) - 1)
+            acc["ms"] += t["predicted_ms"]
+            acc["outputs"].append(c.tokens)
+            if "n_rounds" in t:
+                acc["committed"] += t["draft_n_accepted"] + t["n_rounds"]
+                acc["rounds"] += t["n_rounds"]
+                acc["verified"] += t["verify_n"]
+            if label == "auto":
+                acc.setdefault("auto", {})
+                for k in ("auto_skipped", "auto_plain", "auto_chain", "auto_tree"):
+                    acc["auto"][k] = acc["auto"].get(k, 0) + t[k]
+    rows = {}
+    plain_out = totals["plain"]["outputs"]
+    for label, acc in totals.items():
+        row = {"tok_s": 1000.0 * acc["tokens"] / acc["ms"] if acc["ms"] else 0.0}
+        if acc["rounds"]:
+            row["tau"] = acc["committed"] / acc["rounds"]
+            row["verified_per_token"] = acc["verified"] / acc["committed"]
+        row["same_as_plain"] = sum(a == b for a, b in zip(acc["outputs"], plain_out))
+        if "auto" in acc:
+            row["auto"] = acc["auto"]
+        rows[label] = row
+    for m in models.values():
+        m.close()
+    return rows
+
+
+def run_llama(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
+    files = [peer.prompt_file(tmp / f"p{i}.txt", t) for i, t in enumerate(prompts)]
+    rows = {}
+    try:
+        ar = [peer.llama_ar(pair["target"], f, args.max_tokens, args.threads, 2048) for f in files]
+        rows["llama.cpp plain"] = {"tok_s": 1000.0 * sum(r["tokens"] for r in ar) / sum(r["ms"] for r in ar)}
+    except peer.PeerError as e:
+        rows["llama.cpp plain"] = {"error": str(e)}
+    for n in LLAMA_DRAFT:
+        label = f"llama.cpp dflash {n}"
+        try:
+            rs = [peer.llama_dflash(pair["target"], pair["draft"], f, args.max_tokens, args.threads, 2048, n)
+                  for f in files]
+        except peer.PeerError as e:
+            rows[label] = {"error": str(e)}
+            continue
+        n_predict = sum(r["n_predict"] for r in rs)
+        rounds = sum(r["rounds"] for r in rs)
+        rows[label] = {"tok_s": 1000.0 * sum(r["tokens"] for r in rs) / sum(r["ms"] for r in rs),
+                       "tau": n_predict / rounds, "verified_per_token": (rounds + sum(r["n_drafted"] for r in rs))
+                       / n_predict}
+    return rows
+
+
+def print_pair(name: str, rows: dict) -> None:
+    plain = rows["plain"]["tok_s"]
+    llama = [r["tok_s"] for k, r in rows.items() if k.startswith("llama.cpp dflash") and "tok_s" in r]
+    best_llama = max(llama) if llama else 0.0
+    print(f"\n{name}")
+    print(f"  {'engine':<20} {'tok/s':>8} {'tau':>6} {'verif/tok':>10} {'/ plain':>8} {'/ llama best':>13}  notes")
+    for label, r in rows.items():
+        if "error" in r:
+            print(f"  {label:<20} {'-':>8}  ({r['error']})")
+            continue
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        vpt = f"{r['verified_per_token']:.2f}" if "verified_per_token" in r else "-"
+        vs_llama = f"{r['tok_s'] / best_llama:.2f}" if best_llama else "-"
+        notes = []
+        if "same_as_plain" in r and label != "plain":
+            notes.append(f"same output {r['same_as_plain']}/{rows['plain']['same_as_plain']}")
+        if "auto" in r:
+            notes.append(" ".join(f"{k[5:]} {v}" for k, v in r["auto"].items()))
+        print(f"  {label:<20} {r['tok_s']:8.1f} {tau:>6} {vpt:>10} {r['tok_s'] / plain:8.2f} {vs_llama:>13}  "
+              f"{'; '.join(notes)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", default="realistic,tiny", help="realistic, tiny or both (comma-separated)")
+    ap.add_argument("--archs", default="qwen3,qwen35")
+    ap.add_argument("--n-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
+    ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+    archs = args.archs.split(",")
+    kinds = args.pairs.split(",")
+    pairs = (cost_realistic_pairs(args.cache_dir, archs) if "realistic" in kinds else []) + \
+            (tiny_pairs(archs) if "tiny" in kinds else [])
+    prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
+    print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens, greedy, {args.threads} threads")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in pairs:
+            rows = run_ours(pair, prompts, args)
+            if not args.skip_peer:
+                rows.update(run_llama(pair, prompts, args, Path(tmp)))
+            results[pair["name"]] = rows
+            print_pair(pair["name"], rows)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+// How likely the target is to accept a drafted token, learnt online from the rounds verified so far. A node of
+// a draft tree is "tried" when its parent was accepted; it is accepted when the target's pick after the parent
+// is its token. The drafter's own probability for the token (its per-position marginal, from one forward) is
+// informative but not calibrated: at depth d it averages over the uncertain tokens before it, while the
+// target only ever tries it after an accepted prefix. So the acceptance probability is kept per cell of
+// (depth group, rank group, drafter probability bin), as decayed counts with a prior that trusts the drafter.
+#pragma once
+
+#include <vector>
+
+namespace pdf {
+
+class acceptance_model {
+  public:
+    // P(accepted | parent accepted) of a node at `depth` (1-based) with the drafter's rank and probability
+    double p_accept(int depth, int rank, double q) const;
+    // a verified node whose parent was accepted: whether it was accepted too
+    void observe(int depth, int rank, double q, bool accepted);
+
+  private:
+    static constexpr int N_DEPTH = 4;   // depths 1, 2-3, 4-7, 8+
+    static constexpr int N_RANK  = 2;   // the drafter's first choice, the others
+    static constexpr int N_BINS  = 10;  // drafter probability in tenths
+    static int    cell(int depth, int rank, double q);
+    static double bin_centre(int cell);
+
+    std::vector<double> tried_    = std::vector<double>(N_DEPTH * N_RANK * N_BINS, 0.0);
+    std::vector<double> accepted_ = std::vector<double>(N_DEPTH * N_RANK * N_BINS, 0.0);
+};
+
+}  // namespace pdf
