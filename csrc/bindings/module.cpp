@@ -17,6 +17,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <map>
 
 namespace py = pybind11;
 using namespace pdf;
@@ -287,6 +288,43 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         py::arg("ids"), py::arg("logprobs"), py::arg("root"), py::arg("budget"), py::arg("max_depth"),
         py::arg("seed") = "best_first",
         "The DDTree tree the loop verifies: (tokens, parents, depth, log Q) of [root, nodes...] in choice order.");
+
+    m.def(
+        "choose_verify_budget",
+        [](const std::vector<int32_t> & parents, const std::vector<int32_t> & rank, const std::vector<float> & logp,
+           const std::map<int, double> & verify_ms, const std::map<int, double> & tree_verify_ms, double spec_rate,
+           bool recurrent) {
+            // a tree [root, nodes...] given by parents (parents before children), ranks and the drafter's
+            // log-probabilities; costs: ms per verify width, calibrated (widths of a power-of-two grid)
+            if (parents.empty() || rank.size() != parents.size() || logp.size() != parents.size()) {
+                throw std::invalid_argument("choose_verify_budget: parents, rank and logp need one entry per node");
+            }
+            draft_tree t;
+            t.reset(0);
+            for (size_t i = 1; i < parents.size(); ++i) {
+                if (parents[i] < 0 || parents[i] >= (int) i) {
+                    throw std::invalid_argument("choose_verify_budget: a parent must be an earlier node");
+                }
+                t.add(0, parents[i], rank[i], logp[i]);
+            }
+            const int  max_width = verify_ms.empty() ? 1 : verify_ms.rbegin()->first;
+            cost_model costs(max_width);
+            for (const auto & kv : verify_ms) {
+                costs.calibrate_verify(kv.first, false, kv.second);
+            }
+            for (const auto & kv : tree_verify_ms) {
+                costs.calibrate_verify(kv.first, true, kv.second);
+            }
+            costs.set_calibrated();
+            if (spec_rate > 0) {
+                costs.observe_spec_round(1, 1.0 / spec_rate);
+            }
+            acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
+            return choose_verify_budget(t, costs, acceptance, recurrent);
+        },
+        py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
+        py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
+        "auto's per-round choice (spec/proposer.h) with the given costs and an untrained acceptance model.");
 
     py::class_<py_model>(m, "Model")
         .def(py::init([](const std::string & path, int n_gpu_layers, int n_threads) {

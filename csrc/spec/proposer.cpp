@@ -134,7 +134,7 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
                 }
             }
             build_draft_tree(p, anchor, limit, max_depth, tree_seed::best_first, full_, &scores_);
-            const int b = choose_budget(full_);
+            const int b = choose_verify_budget(full_, costs_, acceptance_, recurrent_);
             out         = full_;
             out.truncate(1 + b);
             speculative_ = b > 0;
@@ -145,23 +145,20 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
     }
 }
 
-int dflash_proposer::choose_budget(const draft_tree & full) const {
-    // Each node b of `full` (in order) may be added to the verify. Maximise expected committed tokens minus the
-    // best achievable rate times the verify's time (Dinkelbach): a node is worth verifying when what it is
-    // expected to add exceeds what its share of the verify would have produced elsewhere. A node adds the
-    // probability that the target accepts its whole path.
-    const double        rate   = std::max(costs_.plain_rate(), costs_.spec_rate());
+int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
+                         bool recurrent_target) {
+    const double        rate   = std::max(costs.plain_rate(), costs.spec_rate());
     int                 best_b = 0;
-    double              best   = 1.0 - rate * costs_.verify_ms(1, false);
+    double              best   = 1.0 - rate * costs.verify_ms(1, false);
     std::vector<double> reach(full.size(), 1.0);  // P(the accepted path reaches node i)
     double              expected = 0.0;
     bool                chain    = true;
     for (int b = 1; b < full.size(); ++b) {
         reach[b] = reach[full.parents[b]] *
-                   acceptance_.p_accept(full.depth[b], full.rank[b], std::exp((double) full.logp[b]));
+                   acceptance.p_accept(full.depth[b], full.rank[b], std::exp((double) full.logp[b]));
         expected += reach[b];
         chain             = chain && full.parents[b] == b - 1;
-        const double gain = 1.0 + expected - rate * costs_.verify_ms(1 + b, recurrent_ && !chain);
+        const double gain = 1.0 + expected - rate * costs.verify_ms(1 + b, recurrent_target && !chain);
         if (gain > best) {
             best   = gain;
             best_b = b;

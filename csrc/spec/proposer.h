@@ -20,6 +20,13 @@
 
 namespace pdf {
 
+// auto's choice for one round: how many nodes of `full` (in its order, each prefix a tree) to verify, 0 for a
+// plain step. Maximises expected committed tokens (1 + the summed probabilities that the target accepts each
+// node's path) minus the best achievable rate times the verify's time (Dinkelbach): a node is worth verifying
+// when what it is expected to add exceeds what its share of the verify would have produced elsewhere.
+int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
+                         bool recurrent_target);
+
 class proposer {
   public:
     virtual ~proposer() = default;
@@ -111,9 +118,6 @@ class dflash_proposer : public proposer {
     const auto_stats & stats() const { return stats_; }
 
   private:
-    // auto: how many nodes of `full` (in its order) to verify
-    int choose_budget(const draft_tree & full) const;
-
     draft_session &    d_;
     cost_model &       costs_;
     acceptance_model & acceptance_;

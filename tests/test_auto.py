@@ -1,0 +1,65 @@
+"""auto's per-round choice of what to verify (spec/proposer.h, choose_verify_budget): the number of tree nodes b
+that maximises  1 + sum of P(the target accepts each chosen node's path) - R * t_verify(1 + b),  with R the best
+rate reachable (tokens per ms: plain decoding's, or speculation's so far). Checked here on hand-made costs and
+trees, with the untrained acceptance model, whose P(accepted | parent accepted) is the drafter's probability
+rounded to the centre of its tenth (0.95 -> 0.95, 0.55 -> 0.55, 0.15 -> 0.15)."""
+
+from __future__ import annotations
+
+import math
+
+from pydflash import _core
+
+GRID = (1, 2, 4, 8, 16, 32, 64)
+
+
+def chain(q: float, n: int):
+    """[root, n drafts], each the drafter's first choice with probability q"""
+    return list(range(-1, n)), [0] * (n + 1), [0.0] + [math.log(q)] * n
+
+
+def costs(f):
+    return {w: f(w) for w in GRID}
+
+
+def test_no_batching_gain_means_plain_decoding():
+    # a verify of w tokens costs w plain steps (a compute-bound CPU with nothing to amortise): no draft can
+    # pay for itself, however sure the drafter is
+    parents, rank, logp = chain(0.95, 15)
+    assert _core.choose_verify_budget(parents, rank, logp, costs(lambda w: 10.0 * w)) == 0
+
+
+def test_cheap_extra_tokens_verify_what_is_likely():
+    # t(w) = 10 + 2 (w - 1): each further token costs 0.2 plain steps; with R = 1/10 a node is worth it while
+    # its path's probability exceeds 0.2: 0.95^d always (d <= 5), 0.15 never
+    verify = costs(lambda w: 10.0 + 2.0 * (w - 1))
+    assert _core.choose_verify_budget(*chain(0.95, 5), verify) == 5
+    assert _core.choose_verify_budget(*chain(0.15, 5), verify) == 0
+    # 0.55^d: 0.55 and 0.3025 clear 0.2, 0.166 does not
+    assert _core.choose_verify_budget(*chain(0.55, 5), verify) == 2
+
+
+def test_a_higher_reachable_rate_asks_more_of_each_node():
+    # once speculation reaches 0.2 tokens/ms, a node must bring 0.2 * 2 ms = 0.4 tokens: 0.55 yes, 0.3025 no
+    verify = costs(lambda w: 10.0 + 2.0 * (w - 1))
+    assert _core.choose_verify_budget(*chain(0.55, 5), verify, spec_rate=0.2) == 1
+
+
+def test_flat_costs_take_the_whole_tree():
+    # a GPU-like verify (the same time for 1 or 64 tokens): every node with any chance is worth verifying
+    parents = [-1, 0, 0, 1, 1, 3, 2]
+    rank = [0, 0, 1, 0, 1, 0, 0]
+    logp = [0.0] + [math.log(p) for p in (0.6, 0.3, 0.7, 0.2, 0.9, 0.5)]
+    assert _core.choose_verify_budget(parents, rank, logp, costs(lambda w: 10.0)) == 6
+
+
+def test_recurrent_trees_cost_their_own_time():
+    # on a hybrid target a branching tree runs another graph (depth by depth): when that is dear, the chain
+    # prefix (node 1) is kept and the sibling (node 2) with all that follows it is left out
+    parents, rank = [-1, 0, 0, 1], [0, 0, 1, 0]
+    logp = [0.0, math.log(0.95), math.log(0.35), math.log(0.95)]
+    chain_ms = costs(lambda w: 10.0)
+    assert _core.choose_verify_budget(parents, rank, logp, chain_ms, costs(lambda w: 10.0), recurrent=True) == 3
+    assert _core.choose_verify_budget(parents, rank, logp, chain_ms, costs(lambda w: 30.0), recurrent=True) == 1
+    # an attention-only target verifies a tree with the chain's graph: the tree's times do not apply
+    assert _core.choose_verify_budget(parents, rank, logp, chain_ms, costs(lambda w: 30.0), recurrent=False) == 3
