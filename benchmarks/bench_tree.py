@@ -9,7 +9,8 @@ Pairs:
   ones), with the committed q8_0 drafter; built once into --cache-dir;
 - tiny: the committed f16 and q8_0 pairs themselves (overhead-bound: a 2-6M-parameter model).
 
-Engines, one row each: pydflash plain, chain at blocks 4/8/16, tree at budgets 4/8/16/32/63, auto; llama.cpp
+Engines, one row each: pydflash plain, chain at blocks 4/8/16, tree at budgets 4/8/16/32/63 (the drafter's
+top-1 chain inserted first, as lucebox does; at 16 and 63 also DDTree's plain best-first order), auto; llama.cpp
 plain (`llama-completion`) and DFlash (`llama-speculative-simple --spec-type draft-dflash`) at draft lengths
 3/7/15. Prompts are the held-out code prompts; for each prompt every pydflash engine runs in turn (interleaved,
 so that this VM's slow and fast moments spread over all of them).
@@ -49,6 +50,8 @@ OURS = [("plain", None),
         ("chain 8", dict(spec_mode="chain", block_size=8)),
         ("chain 16", dict(spec_mode="chain")),
         *[(f"tree {b}", dict(spec_mode="tree", tree_budget=b)) for b in (4, 8, 16, 32, 63)],
+        # DDTree's own order (the top-1 chain is not inserted first)
+        *[(f"tree {b} best-first", dict(spec_mode="tree", tree_budget=b, tree_seed="best_first")) for b in (16, 63)],
         ("auto", dict(spec_mode="auto"))]
 LLAMA_DRAFT = (3, 7, 15)
 
@@ -139,10 +142,10 @@ def print_pair(name: str, rows: dict) -> None:
     llama = [r["tok_s"] for k, r in rows.items() if k.startswith("llama.cpp dflash") and "tok_s" in r]
     best_llama = max(llama) if llama else 0.0
     print(f"\n{name}")
-    print(f"  {'engine':<20} {'tok/s':>8} {'tau':>6} {'verif/tok':>10} {'/ plain':>8} {'/ llama best':>13}  notes")
+    print(f"  {'engine':<22} {'tok/s':>8} {'tau':>6} {'verif/tok':>10} {'/ plain':>8} {'/ llama best':>13}  notes")
     for label, r in rows.items():
         if "error" in r:
-            print(f"  {label:<20} {'-':>8}  ({r['error']})")
+            print(f"  {label:<22} {'-':>8}  ({r['error']})")
             continue
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
         vpt = f"{r['verified_per_token']:.2f}" if "verified_per_token" in r else "-"
@@ -152,7 +155,7 @@ def print_pair(name: str, rows: dict) -> None:
             notes.append(f"same output {r['same_as_plain']}/{rows['plain']['same_as_plain']}")
         if "auto" in r:
             notes.append(" ".join(f"{k[5:]} {v}" for k, v in r["auto"].items()))
-        print(f"  {label:<20} {r['tok_s']:8.1f} {tau:>6} {vpt:>10} {r['tok_s'] / plain:8.2f} {vs_llama:>13}  "
+        print(f"  {label:<22} {r['tok_s']:8.1f} {tau:>6} {vpt:>10} {r['tok_s'] / plain:8.2f} {vs_llama:>13}  "
               f"{'; '.join(notes)}")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -56,7 +57,9 @@ def _source_array(t: gguf.ReaderTensor) -> np.ndarray:
 
 
 def _matrix_type(qtype: str, trained: bool) -> T:
-    return {"f32": T.F32, "f16": T.F16, "q8_0": T.Q8_0}.get(qtype) or (T.Q8_0 if trained else T.Q4_0)
+    if qtype == "q4mix":
+        return T.Q8_0 if trained else T.Q4_0
+    return {"f32": T.F32, "f16": T.F16, "q8_0": T.Q8_0}[qtype]
 
 
 def inflate_gguf(infile: str | Path, outfile: str | Path, qtype: str = "q8_0", *, n_ff: int = 32768,
@@ -167,15 +170,17 @@ def inflate_gguf(infile: str | Path, outfile: str | Path, qtype: str = "q8_0", *
                 add(new_name, random_like(src, shape, salt), shape, False)
 
     outfile.parent.mkdir(parents=True, exist_ok=True)
+    partial = outfile.with_name(outfile.name + ".partial")  # renamed when whole: a cut run leaves no bad file
     try:
-        writer.write_header_to_file(path=outfile)
+        writer.write_header_to_file(path=partial)
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=progress)
     except BaseException:
         writer.close()
-        outfile.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
         raise
     writer.close()
+    os.replace(partial, outfile)
     logger.info("wrote %s (%s: %d + %d layers, FFN %d)", outfile, qtype, n_layer, extra_layers, n_ff)
     return outfile
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -25,8 +26,9 @@ def _demo(args: argparse.Namespace) -> int:
     if args.n_prompts < 1:
         raise ValueError(f"--n-prompts must be at least 1, got {args.n_prompts}")
     prompts = [args.prompt] if args.prompt else demo_prompts()[: args.n_prompts]
-    # the identity of the two outputs is printed; it is a demonstration, not a test (tests/test_pairs.py)
-    run_demo(prompts, max_tokens=args.max_tokens, n_threads=args.threads, block_size=args.block_size)
+    # the identity of the outputs is printed; it is a demonstration, not a test (tests/test_pairs.py)
+    run_demo(prompts, max_tokens=args.max_tokens, n_threads=args.threads, block_size=args.block_size,
+             realistic=not args.tiny_only, cache=args.cache_dir)
     return 0
 
 
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("-p", "--n-prompts", type=int, default=8, help="how many embedded prompts to run")
     demo.add_argument("-b", "--block-size", type=int, default=None)
     demo.add_argument("-t", "--threads", type=int, default=None)
+    demo.add_argument("--tiny-only", action="store_true", help="skip the cost-realistic copy of the pair")
+    demo.add_argument("--cache-dir", type=Path, default=None,
+                      help="where the cost-realistic target is built (default: ~/.cache/pydflash)")
     demo.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     try:

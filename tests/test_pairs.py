@@ -206,8 +206,10 @@ def test_demo_model_and_command(tmp_path):
         assert m.arch == "qwen3" and m.block_size == 16
         c = m.generate("def main():\n", max_tokens=24)
         assert c.tokens == m.generate("def main():\n", max_tokens=24, speculative=False).tokens
-    # outside the source tree, so that the installed package (with its compiled core) is the one imported
-    out = subprocess.run([sys.executable, "-m", "pydflash.cli", "demo", "-n", "32", "-p", "2"], capture_output=True,
-                         text=True, timeout=300, cwd=tmp_path)
+    # outside the source tree, so that the installed package (with its compiled core) is the one imported; the
+    # cost-realistic copy of the pair is built into tmp_path (pydflash.convert.inflate, tested in test_inflate)
+    out = subprocess.run([sys.executable, "-m", "pydflash.cli", "demo", "-n", "32", "-p", "2", "--cache-dir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "outputs identical: yes" in out.stdout and "tau" in out.stdout
+    assert "outputs identical to plain decoding: yes" in out.stdout and "tau" in out.stdout
+    assert "at a realistic cost" in out.stdout and (tmp_path / "demo-qwen3-inflated-q8_0.gguf").is_file()

@@ -104,9 +104,8 @@ struct py_model {
 // A drafter for one target session, with what the decode loop learns about it on this machine (costs, how far
 // its probabilities can be trusted), kept across generate calls
 struct py_draft {
-    std::unique_ptr<draft_session>    session;
-    std::unique_ptr<cost_model>       costs;
-    std::unique_ptr<acceptance_model> acceptance;
+    std::unique_ptr<draft_session>     session;
+    std::unique_ptr<speculation_state> state;
 };
 
 static spec_mode parse_spec_mode(const std::string & name) {
@@ -376,8 +375,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                      throw std::invalid_argument(format("max_verify = %d must be in [1, %d] (the feature ring's rows)",
                                                         max_verify, d.session->ring().capacity()));
                  }
-                 d.costs      = std::make_unique<cost_model>(max_verify);
-                 d.acceptance = std::make_unique<acceptance_model>();
+                 d.state = std::make_unique<speculation_state>(max_verify);
                  return d;
              }),
              py::arg("target"), py::arg("path"), py::arg("n_ctx"), py::arg("block_size") = 0,
@@ -397,7 +395,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             "costs",
             [](const py_draft & d) {
                 // what the decode loop measured and learnt (auto mode): ms per verify width, draft ms, rates
-                const cost_model & c = *d.costs;
+                const cost_model & c = d.state->costs;
                 py::dict           out;
                 py::dict           chain, tree;
                 for (int w : c.grid()) {
@@ -407,7 +405,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 // P(accepted | parent accepted) of the drafter's first choice by depth, at drafter probability 0.5
                 std::vector<double> p_half;
                 for (int depth = 1; depth < d.session->block(); ++depth) {
-                    p_half.push_back(d.acceptance->p_accept(depth, 0, 0.55));
+                    p_half.push_back(d.state->acceptance.p_accept(depth, 0, 0.55));
                 }
                 out["calibrated"]  = c.calibrated();
                 out["verify_ms"]   = chain;
@@ -608,7 +606,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 {
                     py::gil_scoped_release nogil;
                     if (draft) {
-                        dflash_proposer dp(*draft->session, *draft->costs, *draft->acceptance, sp, s.is_recurrent());
+                        dflash_proposer dp(*draft->session, *draft->state, sp, s.is_recurrent());
                         r     = generate(s, dp, prompt, p, cb);
                         stats = dp.stats();
                     } else {

@@ -21,10 +21,10 @@ static constexpr int    COOLDOWN_MAX      = 128;
 // auto's calibration: timed sweeps over the evaluation shapes
 static constexpr int    CALIBRATION_REPS  = 3;
 
-dflash_proposer::dflash_proposer(draft_session & d, cost_model & costs, acceptance_model & acceptance,
-                                 const spec_params & params, bool recurrent_target)
-    : d_(d), costs_(costs), acceptance_(acceptance), params_(params), recurrent_(recurrent_target),
-      cool_len_(COOLDOWN_MIN) {
+dflash_proposer::dflash_proposer(draft_session & d, speculation_state & state, const spec_params & params,
+                                 bool recurrent_target)
+    : d_(d), state_(state), costs_(state.costs), acceptance_(state.acceptance), params_(params),
+      recurrent_(recurrent_target) {
     if (params.tree_budget < 0) {
         throw std::invalid_argument(format("tree_budget = %d must be >= 0", params.tree_budget));
     }
@@ -103,8 +103,8 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
         return;
     }
     const bool automatic = params_.mode == spec_mode::automatic;
-    if (automatic && cooldown_ > 0) {
-        cooldown_--;
+    if (automatic && state_.cooldown > 0) {
+        state_.cooldown--;
         stats_.n_skipped++;
         return;
     }
@@ -197,10 +197,10 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
     costs_.observe_spec_round(m, draft_ms_ + verify_ms);
     if (params_.mode == spec_mode::automatic) {
         if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
-            cooldown_ = cool_len_;
-            cool_len_ = std::min(2 * cool_len_, COOLDOWN_MAX);
+            state_.cooldown = std::max(state_.cool_len, COOLDOWN_MIN);
+            state_.cool_len = std::min(2 * state_.cooldown, COOLDOWN_MAX);
         } else {
-            cool_len_ = COOLDOWN_MIN;
+            state_.cool_len = COOLDOWN_MIN;
         }
     }
 }

@@ -88,6 +88,16 @@ struct spec_params {
     tree_seed seed        = tree_seed::chain;
 };
 
+// What the decode loop learns about a drafter on this machine, kept across generations: the costs, how far the
+// drafter's probabilities can be trusted, and auto's cool-down (plain rounds before it drafts again)
+struct speculation_state {
+    explicit speculation_state(int max_verify) : costs(max_verify) {}
+    cost_model       costs;
+    acceptance_model acceptance;
+    int              cooldown = 0;  // rounds left to decode plainly before drafting again
+    int              cool_len = 0;  // the next cool-down's length (0: the shortest)
+};
+
 // what auto decided, for the timings
 struct auto_stats {
     int n_skipped = 0;  // rounds that decoded plainly without drafting (speculation was not paying)
@@ -98,8 +108,7 @@ struct auto_stats {
 
 class dflash_proposer : public proposer {
   public:
-    dflash_proposer(draft_session & d, cost_model & costs, acceptance_model & acceptance, const spec_params & params,
-                    bool recurrent_target);
+    dflash_proposer(draft_session & d, speculation_state & state, const spec_params & params, bool recurrent_target);
 
     const std::vector<int> & capture() const override { return d_.model().capture_layers(); }
     feature_ring *           ring() override { return &d_.ring(); }
@@ -118,9 +127,10 @@ class dflash_proposer : public proposer {
     const auto_stats & stats() const { return stats_; }
 
   private:
-    draft_session &    d_;
-    cost_model &       costs_;
-    acceptance_model & acceptance_;
+    draft_session &     d_;
+    speculation_state & state_;
+    cost_model &        costs_;
+    acceptance_model &  acceptance_;
     spec_params      params_;
     bool             recurrent_;
     draft_tree       full_;
@@ -128,8 +138,6 @@ class dflash_proposer : public proposer {
     double           draft_ms_  = 0.0;
     bool             drafted_   = false;
     bool             speculative_ = false;
-    int              cooldown_  = 0;  // auto: rounds left to decode plainly before drafting again
-    int              cool_len_  = 0;  // auto: the next cool-down's length
     auto_stats       stats_;
     std::vector<int32_t> ring_rows_, positions_;
 };

@@ -1,0 +1,77 @@
+"""pydflash.convert.inflate: a target widened (FFN units) and deepened (appended layers) with zero output
+projections computes exactly the original model's function at a larger model's cost. Checked against
+transformers on the original checkpoint, and with the committed trained pairs, whose drafters must keep
+drafting the same."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_models import make_qwen3_shape, make_qwen35_shape  # noqa: E402
+
+import pydflash  # noqa: E402
+from pydflash import _core  # noqa: E402
+from pydflash.convert import convert_hf_to_gguf  # noqa: E402
+from pydflash.convert.inflate import inflate_gguf  # noqa: E402
+from pydflash.errors import ConversionError  # noqa: E402
+
+from export_pairs import pair_file, prompt_rows  # noqa: E402
+
+PROMPT = [3, 17, 200, 45, 9, 311, 77, 5, 128, 64, 400, 12]
+
+
+@pytest.mark.parametrize("arch,shape", [("qwen3", "gqa4x2_hd64"), ("qwen35", "k2v4_hd32")])
+def test_inflated_model_computes_the_original_function(tmp_path, arch, shape):
+    make = make_qwen3_shape if arch == "qwen3" else make_qwen35_shape
+    hf = make(tmp_path / "hf", shape, seed=4)
+    small = convert_hf_to_gguf(hf, tmp_path / "small.gguf", outtype="f32", progress=False)
+    big = inflate_gguf(small, tmp_path / "big.gguf", "f32", n_ff=1024, extra_layers=5, progress=False)
+    reader = gguf.GGUFReader(big)
+    n_layer = int(reader.fields[f"{arch}.block_count"].contents())
+    assert int(reader.fields[f"{arch}.feed_forward_length"].contents()) == 1024
+    names = {t.name: t for t in reader.tensors}
+    assert f"blk.{n_layer - 1}.ffn_down.weight" in names
+    for name in (f"blk.{n_layer - 1}.ffn_down.weight", f"blk.{n_layer - 1}.attn_output.weight"
+                 if f"blk.{n_layer - 1}.attn_output.weight" in names else f"blk.{n_layer - 1}.ssm_out.weight"):
+        assert not np.any(names[name].data)  # the appended layers add nothing to the residual
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref(torch.tensor([PROMPT])).logits[0].numpy()
+    model = _core.Model(str(big))
+    assert model.n_layer == n_layer
+    ours, _ = _core.Session(model, n_ctx=64, type_k="f32", type_v="f32").eval(np.array(PROMPT, dtype=np.int32))
+    assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_inflated_pair_drafts_and_decodes_the_same(tmp_path, kind):
+    """q4mix (q4_0 appended layers, q8_0 trained ones): the same greedy text and the same acceptance as the
+    committed q8_0 pair, whose trained tensors are quantized the same way."""
+    big = inflate_gguf(pair_file(kind, "target", "f32"), tmp_path / "big.gguf", "q4mix", n_ff=2048, extra_layers=3,
+                       progress=False)
+    types = {t.name: gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(big).tensors}
+    assert types["blk.0.ffn_up.weight"] == "Q8_0" and types["blk.5.ffn_up.weight"] == "Q4_0"
+    draft = pair_file(kind, "dflash", "q8_0")
+    texts = [r["text"] for r in prompt_rows("code")[:3]]
+    runs = {}
+    for name, target in (("small", pair_file(kind, "target", "q8_0")), ("big", big)):
+        with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, spec_mode="chain") as m:
+            runs[name] = [m.generate(t, max_tokens=48) for t in texts]
+    for a, b in zip(runs["small"], runs["big"]):
+        assert a.tokens == b.tokens
+        assert a.timings["draft_n_accepted"] == b.timings["draft_n_accepted"]
+
+
+def test_inflate_refuses_what_it_cannot_keep(tmp_path):
+    with pytest.raises(ConversionError, match="n_ff = 16 is smaller than the model's 512"):
+        inflate_gguf(pair_file("qwen3", "target", "f32"), tmp_path / "x.gguf", "q8_0", n_ff=16, progress=False)
+    with pytest.raises(ConversionError, match="inflation needs an f32/f16/bf16 source, got Q8_0"):
+        inflate_gguf(pair_file("qwen3", "target", "q8_0"), tmp_path / "x.gguf", "q8_0", n_ff=1024, progress=False)
+    with pytest.raises(ConversionError, match="expected qwen3 or qwen35"):
+        inflate_gguf(pair_file("qwen3", "dflash", "f32"), tmp_path / "x.gguf", "q8_0", progress=False)
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.partial").exists()
