@@ -103,7 +103,7 @@ def e2e_pair(arch: str, wtype: str, args, tmp: Path) -> list[dict]:
         print(f"{arch + ' ' + wtype:<12} (missing in {args.pairs_dir}: {', '.join(missing)})")
         return []
     n_ctx = 4096
-    model = pydflash.Model(target, draft_model_path=draft, n_threads=args.threads, n_ctx=n_ctx)
+    model = pydflash.Model(target, draft_model_path=draft, n_threads=args.threads, n_ctx=n_ctx, spec_mode="chain")
     n_draft = model.block_size - 1
     model.generate("def f(x):", max_tokens=4, speculative=True)  # warm-up: weights paged in, graphs allocated
     model.generate("def f(x):", max_tokens=4, speculative=False)
@@ -223,7 +223,8 @@ def ratio_files(arch: str, shape: str, wtype: str, args, vocab_dir: Path) -> tup
 
 
 def ours_ratios(target: Path, draft: Path, prompt_text: str, args) -> dict:
-    model = pydflash.Model(target, draft_model_path=draft, n_threads=args.threads, n_ctx=1024, block_size=args.block)
+    model = pydflash.Model(target, draft_model_path=draft, n_threads=args.threads, n_ctx=1024, block_size=args.block,
+                           spec_mode="chain")
     prompt = model.tokenize(prompt_text)
     model.generate(prompt, max_tokens=3, speculative=True)  # warm-up
     model.generate(prompt, max_tokens=3, speculative=False)

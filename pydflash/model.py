@@ -133,7 +133,7 @@ class Model:
         block_size: int | None = None,
         spec_mode: str = "auto",
         tree_budget: int | None = None,
-        tree_seed: str = "chain",
+        tree_seed: str = "best_first",
         draft_window: int = 4096,
         seed: int = 0,
         verbose: bool = False,

@@ -623,7 +623,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             },
             py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = std::vector<int32_t>{},
             py::arg("callback") = py::none(), py::arg("draft") = nullptr, py::arg("spec_mode") = "chain",
-            py::arg("tree_budget") = 0, py::arg("tree_seed") = "chain",
+            py::arg("tree_budget") = 0, py::arg("tree_seed") = "best_first",
             "Greedy generation (speculative with a DraftSession: spec_mode 'chain', 'tree' or 'auto'); "
             "callback(list[int]) -> bool is called (with the GIL) per batch of committed tokens.");
 }

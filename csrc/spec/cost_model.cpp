@@ -83,9 +83,9 @@ void cost_model::observe_draft(double ms) {
     draft_seen_ = true;
 }
 
-void cost_model::observe_spec_round(int committed, double ms) {
+void cost_model::observe_spec_round(int committed, double ms, bool fresh) {
     const double rate = committed / std::max(ms, 1e-6);
-    spec_rate_        = spec_rate_ > 0 ? (1 - AVERAGE_WEIGHT) * spec_rate_ + AVERAGE_WEIGHT * rate : rate;
+    spec_rate_ = spec_rate_ > 0 && !fresh ? (1 - AVERAGE_WEIGHT) * spec_rate_ + AVERAGE_WEIGHT * rate : rate;
 }
 
 }  // namespace pdf

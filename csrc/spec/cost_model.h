@@ -32,9 +32,11 @@ class cost_model {
     void observe_verify(int n, bool tree, double ms);
     void observe_draft(double ms);
 
-    // realised speculative rate (tokens per ms, draft included), exponentially averaged; 0 before any round
+    // realised speculative rate (tokens per ms, draft included), exponentially averaged over the rounds since
+    // speculation (re)started; 0 before any. fresh: this round starts a new run of speculation (the first
+    // after plain decoding), whose rate replaces what the earlier ones reached
     double spec_rate() const { return spec_rate_; }
-    void   observe_spec_round(int committed, double ms);
+    void   observe_spec_round(int committed, double ms, bool fresh = false);
 
   private:
     int                 grid_index(int n) const;

@@ -14,10 +14,12 @@ static double ms_since(clock_type::time_point t0) {
 }
 
 // auto: after a round whose running speculative rate fell below plain decoding's by this fraction, decode
-// plainly for a cool-down that doubles each time speculation fails again (a probe round ends each one)
+// plainly for a cool-down that doubles each time speculation fails again (a probe round ends each one, judged
+// on its own rate). At most one probe per COOLDOWN_MAX plain tokens: on a model too small to gain anything a
+// probe costs a few steps' time, ~1% of them.
 static constexpr double SLOWER_THAN_PLAIN = 0.02;
 static constexpr int    COOLDOWN_MIN      = 4;
-static constexpr int    COOLDOWN_MAX      = 128;
+static constexpr int    COOLDOWN_MAX      = 512;
 // auto's calibration: timed sweeps over the evaluation shapes
 static constexpr int    CALIBRATION_REPS  = 3;
 
@@ -105,6 +107,7 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
     const bool automatic = params_.mode == spec_mode::automatic;
     if (automatic && state_.cooldown > 0) {
         state_.cooldown--;
+        state_.probing = state_.cooldown == 0;
         stats_.n_skipped++;
         return;
     }
@@ -194,7 +197,8 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
             acceptance_.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), on_path[b]);
         }
     }
-    costs_.observe_spec_round(m, draft_ms_ + verify_ms);
+    costs_.observe_spec_round(m, draft_ms_ + verify_ms, state_.probing);
+    state_.probing = false;
     if (params_.mode == spec_mode::automatic) {
         if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
             state_.cooldown = std::max(state_.cool_len, COOLDOWN_MIN);

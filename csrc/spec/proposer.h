@@ -85,7 +85,7 @@ struct spec_params {
     spec_mode mode        = spec_mode::automatic;
     int       tree_budget = 0;  // tree: draft nodes verified per round; auto: the most it may verify (0: the
                                 // session's limit)
-    tree_seed seed        = tree_seed::chain;
+    tree_seed seed        = tree_seed::best_first;
 };
 
 // What the decode loop learns about a drafter on this machine, kept across generations: the costs, how far the
@@ -96,6 +96,7 @@ struct speculation_state {
     acceptance_model acceptance;
     int              cooldown = 0;  // rounds left to decode plainly before drafting again
     int              cool_len = 0;  // the next cool-down's length (0: the shortest)
+    bool             probing  = false;  // the next drafted round ends a cool-down
 };
 
 // what auto decided, for the timings
@@ -122,7 +123,7 @@ class dflash_proposer : public proposer {
     double last_draft_ms() const override { return draft_ms_; }
     int    max_depth() const override { return d_.block() - 1; }
     bool   speculative_round() const override { return speculative_; }
-    void   finish() override { d_.flush(); }
+    void   finish() override {}  // queued context rows stay queued: appended when a draft or the ring needs it
 
     const auto_stats & stats() const { return stats_; }
 

@@ -8,9 +8,11 @@
 namespace pdf {
 
 static constexpr int KV_WINDOW_STEP = 256;
+// rows per append-only graph: rows queued during plain decoding go in a few larger graphs
+static constexpr int APPEND_ROWS = 64;
 
 draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params)
-    : draft_(std::move(draft)), graph_(draft_->target().devices()) {
+    : draft_(std::move(draft)), draft_graph_(draft_->target().devices()), append_graph_(draft_->target().devices()) {
     block_ = params.block > 0 ? params.block : draft_->block_size();
     if (block_ < 2 || block_ > draft_->block_size()) {
         throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)",
@@ -43,68 +45,70 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
     const int pad_from = n_block > 0 ? start : (m > 0 ? queued_pos_[m - 1] + 1 : 0);
     // slots are position % n_slots: while nothing has wrapped, only the first `end` slots are in use
     const int n_kv = n_block > 0 ? std::min(n_slots_, (int) GGML_PAD(start + n_block, KV_WINDOW_STEP)) : 0;
-    if (!(graph_.ready() && key_rows_ == n_rows && key_block_ == n_block && key_kv_ == n_kv)) {
-        ggml_context * ctx = graph_.begin(draft_->max_graph_nodes());
-        ggml_cgraph *  gf  = graph_.graph();
-        in_                = draft_inputs{};
-        in_.n_ctx_rows     = n_rows;
-        in_.n_block        = n_block;
-        in_.n_kv           = n_kv;
-        ring_rows_         = nullptr;
+    graph &   g    = n_block > 0 ? draft_graph_ : append_graph_;
+    draft_inputs & in = g.in;
+    if (!(g.cache.ready() && g.key_rows == n_rows && g.key_block == n_block && g.key_kv == n_kv)) {
+        ggml_context * ctx = g.cache.begin(draft_->max_graph_nodes());
+        ggml_cgraph *  gf  = g.cache.graph();
+        in                 = draft_inputs{};
+        in.n_ctx_rows      = n_rows;
+        in.n_block         = n_block;
+        in.n_kv            = n_kv;
+        g.ring_rows        = nullptr;
         if (n_rows > 0) {
             // the context features come straight from the ring, on the device
-            ring_rows_    = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
-            in_.ctx_feats = ggml_get_rows(ctx, ring_->rows(), ring_rows_);  // [n_ext*E, n_rows]
-            in_.ctx_pos   = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
-            in_.ctx_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_rows);
-            for (ggml_tensor * t : {ring_rows_, in_.ctx_pos, in_.ctx_slots}) {
+            g.ring_rows  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
+            in.ctx_feats = ggml_get_rows(ctx, ring_->rows(), g.ring_rows);  // [n_ext*E, n_rows]
+            in.ctx_pos   = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
+            in.ctx_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_rows);
+            for (ggml_tensor * t : {g.ring_rows, in.ctx_pos, in.ctx_slots}) {
                 ggml_set_input(t);
             }
         }
         if (n_block > 0) {
-            in_.tokens  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
-            in_.pos     = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
-            in_.slots   = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_block);
-            in_.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_block);
-            for (ggml_tensor * t : {in_.tokens, in_.pos, in_.slots, in_.kq_mask}) {
+            in.tokens  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+            in.pos     = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+            in.slots   = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_block);
+            in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_block);
+            for (ggml_tensor * t : {in.tokens, in.pos, in.slots, in.kq_mask}) {
                 ggml_set_input(t);
             }
         }
         state_tensors st;
         kv_->fill(st, draft_->info().n_layer);
-        ggml_tensor * hidden = draft_->build(ctx, gf, in_, st);  // [E, n_block-1]
-        top_ids_t_ = top_logprobs_t_ = nullptr;
+        ggml_tensor * hidden = draft_->build(ctx, gf, in, st);  // [E, n_block-1]
+        g.top_ids = g.top_logprobs = nullptr;
         if (hidden) {
             const target_model & target = draft_->target();
             const head_outputs   head   = build_head(ctx, target.output_head(), hidden, target.head_on_host(), top_k_);
-            top_ids_t_      = head.top_ids;
-            top_logprobs_t_ = head.top_logprobs;
-            for (ggml_tensor * t : {top_ids_t_, top_logprobs_t_}) {
+            g.top_ids      = head.top_ids;
+            g.top_logprobs = head.top_logprobs;
+            for (ggml_tensor * t : {g.top_ids, g.top_logprobs}) {
                 ggml_set_output(t);
                 ggml_build_forward_expand(gf, t);
             }
         }
-        key_rows_  = -1;
-        graph_.allocate("the draft graph");
-        key_rows_  = n_rows;
-        key_block_ = n_block;
-        key_kv_    = n_kv;
+        g.cache.allocate("the draft graph");
+        g.key_rows  = n_rows;
+        g.key_block = n_block;
+        g.key_kv    = n_kv;
     }
 
     if (n_rows > 0) {
-        // rows beyond m are padding: they read any ring row and land in slots of positions right after, which
-        // are never read as context before real rows (or this round's block) overwrite them
+        // rows beyond m are padding: they read any ring row and land in the slots of the block positions right
+        // after (several on one slot: any of them wins), which are never read as context before real rows (or
+        // this round's block) overwrite them, and which hold no context of the window
         std::vector<int32_t> r(n_rows), p(n_rows);
         std::vector<int64_t> s(n_rows);
         for (int i = 0; i < n_rows; ++i) {
-            p[i] = i < m ? queued_pos_[i] : pad_from + (i - m);
+            p[i] = i < m ? queued_pos_[i] : pad_from + (i - m) % block_;
             r[i] = i < m ? queued_rows_[i] : ring_->slot(p[i]);
             s[i] = slot(p[i]);
             slot_pos_[s[i]] = p[i];
         }
-        ggml_backend_tensor_set(ring_rows_, r.data(), 0, sizeof(int32_t) * n_rows);
-        ggml_backend_tensor_set(in_.ctx_pos, p.data(), 0, sizeof(int32_t) * n_rows);
-        ggml_backend_tensor_set(in_.ctx_slots, s.data(), 0, sizeof(int64_t) * n_rows);
+        ggml_backend_tensor_set(g.ring_rows, r.data(), 0, sizeof(int32_t) * n_rows);
+        ggml_backend_tensor_set(in.ctx_pos, p.data(), 0, sizeof(int32_t) * n_rows);
+        ggml_backend_tensor_set(in.ctx_slots, s.data(), 0, sizeof(int64_t) * n_rows);
     }
     if (m > 0) {
         // rows are appended in position order; a gap would leave missing rows below n_valid
@@ -132,14 +136,14 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
                 }
             }
         }
-        ggml_backend_tensor_set(in_.tokens, toks.data(), 0, sizeof(int32_t) * n_block);
-        ggml_backend_tensor_set(in_.pos, pos.data(), 0, sizeof(int32_t) * n_block);
-        ggml_backend_tensor_set(in_.slots, slots.data(), 0, sizeof(int64_t) * n_block);
-        ggml_backend_tensor_set(in_.kq_mask, mask.data(), 0, sizeof(ggml_fp16_t) * mask.size());
+        ggml_backend_tensor_set(in.tokens, toks.data(), 0, sizeof(int32_t) * n_block);
+        ggml_backend_tensor_set(in.pos, pos.data(), 0, sizeof(int32_t) * n_block);
+        ggml_backend_tensor_set(in.slots, slots.data(), 0, sizeof(int64_t) * n_block);
+        ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, sizeof(ggml_fp16_t) * mask.size());
     }
-    graph_.compute("the draft graph");
+    g.cache.compute("the draft graph");
     // the block's slots and the padding rows hold transient rows: they become context only once appended
-    for (int i = 0; i < std::max(n_rows - m, n_block); ++i) {
+    for (int i = 0; i < std::min(std::max(n_rows - m, n_block), block_); ++i) {
         const int s = slot(pad_from + i);
         if (slot_pos_[s] >= n_valid_) {
             slot_pos_[s] = -1;
@@ -152,8 +156,8 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
         proposals_.top_k       = top_k_;
         proposals_.ids.resize((size_t) (n_block - 1) * top_k_);
         proposals_.logprobs.resize(proposals_.ids.size());
-        ggml_backend_tensor_get(top_ids_t_, proposals_.ids.data(), 0, sizeof(int32_t) * proposals_.ids.size());
-        ggml_backend_tensor_get(top_logprobs_t_, proposals_.logprobs.data(), 0,
+        ggml_backend_tensor_get(g.top_ids, proposals_.ids.data(), 0, sizeof(int32_t) * proposals_.ids.size());
+        ggml_backend_tensor_get(g.top_logprobs, proposals_.logprobs.data(), 0,
                                 sizeof(float) * proposals_.logprobs.size());
         // ggml's top-k leaves its k in no particular order: most likely first (ties: lower id)
         std::vector<std::pair<float, int32_t>> row(top_k_);
@@ -197,8 +201,13 @@ void draft_session::queue_positions(int first, int m) {
 
 void draft_session::flush() {
     while (!queued_rows_.empty()) {
-        run(std::min<int>(block_, (int) queued_rows_.size()), block_, 0, 0, 0);
+        run(std::min<int>(APPEND_ROWS, (int) queued_rows_.size()), APPEND_ROWS, 0, 0, 0);
     }
+}
+
+int draft_session::n_valid() const {
+    // queued rows count when they continue the appended ones (what flush() would make of them)
+    return !queued_pos_.empty() && queued_pos_.front() <= n_valid_ ? queued_pos_.back() + 1 : n_valid_;
 }
 
 void draft_session::protect(int first, int n) {
@@ -220,8 +229,8 @@ const draft_proposals & draft_session::draft(int32_t anchor, int start, int n_bl
         throw std::out_of_range(format("draft: anchor token %d is outside the vocabulary [0, %lld)", anchor,
                                        (long long) draft_->target().info().n_vocab));
     }
-    while ((int) queued_rows_.size() > block_) {  // more than one graph appends: the oldest first, alone
-        run(block_, block_, 0, 0, 0);
+    while ((int) queued_rows_.size() > block_) {  // more than this graph appends: the oldest first, alone
+        run(std::min<int>(APPEND_ROWS, (int) queued_rows_.size() - block_), APPEND_ROWS, 0, 0, 0);
     }
     if (!queued_pos_.empty() && queued_pos_.back() >= start) {
         throw std::invalid_argument(format("draft: queued context reaches position %d, the block starts at %d",
@@ -236,9 +245,8 @@ void draft_session::truncate(int n_past) {
         queued_pos_.pop_back();
         queued_rows_.pop_back();
     }
-    flush();
     if (n_past >= n_valid_) {
-        return;
+        return;  // the queue (rows below n_past) stays for a later append
     }
     for (int32_t & p : slot_pos_) {
         if (p >= n_past) {

@@ -2,7 +2,9 @@
 // Context rows are projected once per committed token into the cache; the cache is a window of the last
 // `window` positions (slot = position % (window + block)), so its memory does not grow with the
 // conversation. Committed tokens' ring rows are queued and appended lazily: a round's draft graph appends
-// the previous round's rows and drafts the next block in ONE graph of fixed shape, built once and re-used.
+// the previous round's rows and drafts the next block in ONE graph of fixed shape, built once and re-used;
+// rows queued while no round drafts (plain decoding) are appended in larger graphs only when a draft needs
+// them or a target evaluation would overwrite them in the ring.
 #pragma once
 
 #include "core/graph_cache.h"
@@ -56,12 +58,12 @@ class draft_session {
     // in the same graph): the top_k candidates of positions start+1 .. start+n_block-1. n_block 0 = block(); a
     // shorter block is how the last round of a generation drafts only what max_tokens leaves room for.
     const draft_proposals & draft(int32_t anchor, int start, int n_block = 0);
-    // forget context rows at positions >= n_past (the target cut its cache back); drops the queue
+    // forget context rows at positions >= n_past (the target cut its cache back), queued ones included
     void truncate(int n_past);
 
-    // context rows exist for the window before n_valid (queued rows not counted): the target's reused prefix
-    // must not go beyond it
-    int                  n_valid() const { return n_valid_; }
+    // context rows exist (appended or queued) for the window before n_valid: the target's reused prefix must
+    // not go beyond it
+    int                  n_valid() const;
     const dflash_draft & model() const { return *draft_; }
     int                  block() const { return block_; }
     int                  window() const { return window_; }
@@ -71,6 +73,15 @@ class draft_session {
   private:
     // one graph: append m queued rows (padded to n_rows), then draft n_block (0: none)
     void run(int m, int n_rows, int n_block, int32_t anchor, int start);
+    struct graph {
+        explicit graph(const backends & devices) : cache(devices) {}
+        graph_cache     cache;
+        int             key_rows = -1, key_block = -1, key_kv = -1;
+        ggml_tensor *   ring_rows = nullptr;  // I32 [n_rows]: ring rows of the appended context
+        draft_inputs    in;
+        ggml_tensor *   top_ids      = nullptr;  // I32 [k, n_block-1]
+        ggml_tensor *   top_logprobs = nullptr;  // F32 [k, n_block-1]
+    };
     int  slot(int64_t position) const { return (int) (position % n_slots_); }
 
     std::shared_ptr<const dflash_draft> draft_;
@@ -84,13 +95,9 @@ class draft_session {
     std::vector<int32_t>                slot_pos_;  // position held by each cache slot (-1: none)
     std::vector<int32_t>                queued_rows_, queued_pos_;
 
-    graph_cache          graph_;
-    int                  key_rows_ = -1, key_block_ = -1, key_kv_ = -1;
-    ggml_tensor *        ring_rows_ = nullptr;  // I32 [n_rows]: ring rows of the appended context
-    draft_inputs         in_;
-    ggml_tensor *        top_ids_t_      = nullptr;  // I32 [k, n_block-1]
-    ggml_tensor *        top_logprobs_t_ = nullptr;  // F32 [k, n_block-1]
-    draft_proposals      proposals_;
+    graph           draft_graph_;   // append a round's rows + draft
+    graph           append_graph_;  // append only (APPEND_ROWS rows)
+    draft_proposals proposals_;
 };
 
 }  // namespace pdf
