@@ -9,8 +9,8 @@ Pairs:
   ones), with the committed q8_0 drafter; built once into --cache-dir;
 - tiny: the committed f16 and q8_0 pairs themselves (overhead-bound: a 2-6M-parameter model).
 
-Engines, one row each: pydflash plain, chain at blocks 4/8/16, tree at budgets 4/8/16/32/63 (the drafter's
-top-1 chain inserted first, as lucebox does; at 16 and 63 also DDTree's plain best-first order), auto; llama.cpp
+Engines, one row each: pydflash plain, chain at blocks 4/8/16, tree at budgets 4/8/16/32/63 (DDTree's
+best-first order; at 16 and 63 also with the drafter's top-1 chain inserted first, as lucebox does), auto; llama.cpp
 plain (`llama-completion`) and DFlash (`llama-speculative-simple --spec-type draft-dflash`) at draft lengths
 3/7/15. Prompts are the held-out code prompts; for each prompt every pydflash engine runs in turn (interleaved,
 so that this VM's slow and fast moments spread over all of them).
@@ -50,8 +50,8 @@ OURS = [("plain", None),
         ("chain 8", dict(spec_mode="chain", block_size=8)),
         ("chain 16", dict(spec_mode="chain")),
         *[(f"tree {b}", dict(spec_mode="tree", tree_budget=b)) for b in (4, 8, 16, 32, 63)],
-        # DDTree's own order (the top-1 chain is not inserted first)
-        *[(f"tree {b} best-first", dict(spec_mode="tree", tree_budget=b, tree_seed="best_first")) for b in (16, 63)],
+        # the drafter's top-1 chain inserted first (lucebox's pre-seed) instead of DDTree's own order
+        *[(f"tree {b} chain-seed", dict(spec_mode="tree", tree_budget=b, tree_seed="chain")) for b in (16, 63)],
         ("auto", dict(spec_mode="auto"))]
 LLAMA_DRAFT = (3, 7, 15)
 

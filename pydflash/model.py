@@ -194,6 +194,11 @@ class Model:
             raise ValueError("block_size and tree_budget need a draft model (draft_model_path)")
         self._session = _core.Session(self._model, n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch,
                                       n_rollback=n_rollback)
+        if self._model.is_recurrent:
+            per_node = self._model.recurrent_bytes_for(2) - self._model.recurrent_bytes_for(1)
+            logger.info("%s: recurrent state %.1f MiB: the committed state and %d per-token / per-node states of "
+                        "%.2f MiB each (a verify of up to %d tokens or tree nodes)", self.model_path,
+                        self._session.recurrent_bytes / 2**20, n_rollback, per_node / 2**20, n_rollback)
         self._lock = threading.Lock()
 
     def _default_tree_budget(self) -> int:
@@ -241,6 +246,12 @@ class Model:
     @property
     def kv_bytes(self) -> int:
         return self._session.kv_bytes
+
+    @property
+    def recurrent_bytes(self) -> int:
+        """Hybrid targets: bytes of the recurrent state, with one state per token (chain) or node (tree) a
+        verify may commit at; it grows with tree_budget. 0 for attention-only targets."""
+        return self._session.recurrent_bytes
 
     @property
     def block_size(self) -> int | None:

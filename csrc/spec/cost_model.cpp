@@ -7,6 +7,7 @@ namespace pdf {
 
 // weight of a new measurement in a running average: recent rounds dominate (context grows, caches warm)
 static constexpr double AVERAGE_WEIGHT = 0.2;
+static constexpr double FRESH_WEIGHT   = 0.5;
 
 cost_model::cost_model(int max_width) : max_width_(std::max(1, max_width)) {
     for (int w = 1; w < max_width_; w *= 2) {
@@ -57,7 +58,7 @@ double cost_model::curve_ms(int n, bool tree) const {
 }
 
 double cost_model::verify_ms(int n, bool tree) const {
-    return drift_ * curve_ms(n, tree);
+    return curve_ms(n, tree);
 }
 
 void cost_model::calibrate_verify(int n, bool tree, double ms) {
@@ -75,7 +76,21 @@ void cost_model::observe_verify(int n, bool tree, double ms) {
         calibrate_verify(n, tree, ms);
         return;
     }
-    drift_ = (1 - AVERAGE_WEIGHT) * drift_ + AVERAGE_WEIGHT * ms / curve_ms(n, tree);
+    std::vector<double> & v    = tree ? tree_ms_ : chain_ms_;
+    std::vector<bool> &   seen = tree ? tree_seen_ : chain_seen_;
+    n = std::clamp(n, 1, max_width_);
+    const int hi = grid_index(n);                      // grid_[hi] >= n
+    const int lo = grid_[hi] == n ? hi : hi - 1;       // grid_[lo] <= n
+    const double at_n = curve_ms(n, tree);
+    // a width between two grid points counts for both, by how near it is
+    const double t = lo == hi ? 0.0 : double(n - grid_[lo]) / double(grid_[hi] - grid_[lo]);
+    for (const auto & [i, w] : {std::pair<int, double>{lo, 1.0 - t}, std::pair<int, double>{hi, t}}) {
+        if (w <= 0.0 || !seen[i]) {
+            continue;
+        }
+        const double scaled = ms * v[i] / at_n;  // the observation carried to grid width grid_[i]
+        v[i] += AVERAGE_WEIGHT * w * (scaled - v[i]);
+    }
 }
 
 void cost_model::observe_draft(double ms) {
@@ -84,8 +99,11 @@ void cost_model::observe_draft(double ms) {
 }
 
 void cost_model::observe_spec_round(int committed, double ms, bool fresh) {
+    // a fresh run of speculation (after plain decoding) weighs its first round as much as all before it: one
+    // round is a noisy witness, and what came before may be stale
     const double rate = committed / std::max(ms, 1e-6);
-    spec_rate_ = spec_rate_ > 0 && !fresh ? (1 - AVERAGE_WEIGHT) * spec_rate_ + AVERAGE_WEIGHT * rate : rate;
+    const double w    = fresh ? FRESH_WEIGHT : AVERAGE_WEIGHT;
+    spec_rate_        = spec_rate_ > 0 ? (1 - w) * spec_rate_ + w * rate : rate;
 }
 
 }  // namespace pdf

@@ -26,15 +26,14 @@ class cost_model {
 
     // calibration: the time of one evaluation of n tokens (a grid width), chain or tree graph
     void calibrate_verify(int n, bool tree, double ms);
-    // a round's measurements. Verify times keep the calibrated shape over widths and move it as a whole by a
-    // running factor (the machine and the context change all widths alike), so widths a round does not use
-    // (e.g. plain decoding while speculating) stay current too.
+    // a round's measurements: each moves the times of the grid widths around its width (a running average,
+    // through the calibrated shape between them), so the widths rounds use stay current and the others keep
+    // their calibrated times.
     void observe_verify(int n, bool tree, double ms);
     void observe_draft(double ms);
 
-    // realised speculative rate (tokens per ms, draft included), exponentially averaged over the rounds since
-    // speculation (re)started; 0 before any. fresh: this round starts a new run of speculation (the first
-    // after plain decoding), whose rate replaces what the earlier ones reached
+    // realised speculative rate (tokens per ms, the whole round), exponentially averaged; 0 before any. fresh:
+    // this round starts a new run of speculation (the first after plain decoding) and counts more
     double spec_rate() const { return spec_rate_; }
     void   observe_spec_round(int committed, double ms, bool fresh = false);
 
@@ -46,7 +45,6 @@ class cost_model {
     std::vector<bool>   chain_seen_, tree_seen_;
     int                 max_width_;
     bool                calibrated_ = false;
-    double              drift_      = 1.0;
     double              draft_ms_   = 0.0;
     bool                draft_seen_ = false;
     double              spec_rate_  = 0.0;

@@ -18,6 +18,7 @@ static double ms_since(clock_type::time_point t0) {
 // on its own rate). At most one probe per COOLDOWN_MAX plain tokens: on a model too small to gain anything a
 // probe costs a few steps' time, ~1% of them.
 static constexpr double SLOWER_THAN_PLAIN = 0.02;
+static constexpr double CLEARLY_FASTER    = 0.05;
 static constexpr int    COOLDOWN_MIN      = 4;
 static constexpr int    COOLDOWN_MAX      = 512;
 // auto's calibration: timed sweeps over the evaluation shapes
@@ -50,7 +51,9 @@ double dflash_proposer::warm_up(session & s, int32_t anchor) {
     }
     // The time of one evaluation per grid width, chain and (recurrent targets) tree graph: each shape once to
     // build its graph, then CALIBRATION_REPS sweeps over all shapes (so that a slow moment of the machine does
-    // not hit one width only), the fastest time counting. Uncommitted, so the session is unchanged.
+    // not hit one width only), each shape run twice in a row and the second run timed (as in decoding, which
+    // runs one shape after another: warm caches), the fastest time counting. Uncommitted, so the session is
+    // unchanged.
     const auto t_all = clock_type::now();
     const int  limit = std::min<int>({costs_.max_width(), (int) s.n_ctx() - s.n_past(), (int) s.n_rollback()});
     struct shape {
@@ -66,9 +69,10 @@ double dflash_proposer::warm_up(session & s, int32_t anchor) {
         }
         shapes.push_back({w, false, {}});
         if (recurrent_ && w >= 3) {
-            // a tree as deep as a block, the rest as siblings spread along it (the most depths: the most levels)
+            // a tree as deep as a block allows with at least one sibling (a chain would run the chain graph),
+            // the other nodes as siblings spread along it: the most depths, so the most levels
             std::vector<int32_t> parents(w);
-            const int            spine = std::min(w - 1, d_.block() - 1);
+            const int            spine = std::min(w - 2, d_.block() - 1);
             for (int i = 0; i < w; ++i) {
                 parents[i] = i <= spine ? i - 1 : (i - spine - 1) % spine;
             }
@@ -81,9 +85,10 @@ double dflash_proposer::warm_up(session & s, int32_t anchor) {
             batch_layout layout;
             layout.parents = sh.tree ? sh.parents.data() : nullptr;
             d_.protect(s.n_past(), sh.width);
-            const auto t0 = clock_type::now();
             s.eval(tokens.data(), sh.width, layout, read_argmax_all, capture(), ring());
             if (rep > 0) {
+                const auto t0 = clock_type::now();
+                s.eval(tokens.data(), sh.width, layout, read_argmax_all, capture(), ring());
                 sh.best = std::min(sh.best, ms_since(t0));
             }
         }
@@ -96,6 +101,7 @@ double dflash_proposer::warm_up(session & s, int32_t anchor) {
 }
 
 void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
+    round_start_ = std::chrono::steady_clock::now();
     drafted_     = false;
     draft_ms_    = 0.0;
     speculative_ = params_.mode != spec_mode::automatic;
@@ -197,14 +203,16 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
             acceptance_.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), on_path[b]);
         }
     }
-    costs_.observe_spec_round(m, draft_ms_ + verify_ms, state_.probing);
+    // the round's whole time, host work (tree building, the choice, the walk) included: on a small model it is
+    // a fair part of a step
+    costs_.observe_spec_round(m, ms_since(round_start_), state_.probing);
     state_.probing = false;
     if (params_.mode == spec_mode::automatic) {
         if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
             state_.cooldown = std::max(state_.cool_len, COOLDOWN_MIN);
             state_.cool_len = std::min(2 * state_.cooldown, COOLDOWN_MAX);
-        } else {
-            state_.cool_len = COOLDOWN_MIN;
+        } else if (costs_.spec_rate() > (1.0 + CLEARLY_FASTER) * costs_.plain_rate()) {
+            state_.cool_len = COOLDOWN_MIN;  // only a clear win forgets the failures before it
         }
     }
 }

@@ -15,6 +15,7 @@
 #include "state/draft_session.h"
 #include "state/session.h"
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -137,6 +138,7 @@ class dflash_proposer : public proposer {
     draft_tree       full_;
     std::vector<float> scores_;  // auto: log P(accepted | parent accepted) per drafted position and rank
     double           draft_ms_  = 0.0;
+    std::chrono::steady_clock::time_point round_start_;
     bool             drafted_   = false;
     bool             speculative_ = false;
     auto_stats       stats_;

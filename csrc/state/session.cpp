@@ -16,9 +16,11 @@ namespace pdf {
 // tokens (perf samples per token), while its rebuilds (~0.5 ms each there, a fifth of one step) cost < 0.5%.
 // Which attention kernel runs is still decided on 256-slot windows (models/attention.cpp).
 static constexpr int KV_WINDOW_STEP = 64;
+// evaluation graphs kept (each with its own compute buffer)
+static constexpr size_t MAX_CACHED_GRAPHS = 8;
 
 session::session(std::shared_ptr<const target_model> model, const session_params & params)
-    : model_(std::move(model)), graph_(model_->devices()) {
+    : model_(std::move(model)) {
     const model_info & info = model_->info();
     if (params.n_ctx == 0 || params.n_ubatch == 0) {
         throw std::invalid_argument(format("n_ctx (%u) and n_ubatch (%u) must be positive", params.n_ctx,
@@ -52,45 +54,62 @@ session::session(std::shared_ptr<const target_model> model, const session_params
 session::~session() = default;
 
 void session::prepare_graph(const graph_key & key) {
-    if (graph_.ready() && key == key_) {
-        return;
+    ++uses_;
+    for (auto & g : graphs_) {
+        if (g->cache.ready() && g->key == key) {
+            cur_           = g.get();
+            cur_->last_use = uses_;
+            return;
+        }
     }
+    // a new graph: in a free entry, else in place of the least recently used one
+    if (graphs_.size() < MAX_CACHED_GRAPHS) {
+        graphs_.push_back(std::make_unique<compiled_graph>(model_->devices()));
+        cur_ = graphs_.back().get();
+    } else {
+        cur_ = std::min_element(graphs_.begin(), graphs_.end(), [](const auto & a, const auto & b) {
+                   return a->last_use < b->last_use;
+               })->get();
+    }
+    compiled_graph &   g    = *cur_;
+    g.last_use              = uses_;
     const model_info & info = model_->info();
-    ggml_context *     ctx  = graph_.begin(model_->max_graph_nodes((int) key.tree_levels.size()));
-    ggml_cgraph *      gf   = graph_.graph();
+    ggml_context *     ctx  = g.cache.begin(model_->max_graph_nodes((int) key.tree_levels.size()));
+    ggml_cgraph *      gf   = g.cache.graph();
 
-    in_                = eval_inputs{};
-    in_.n_tokens       = key.n_tokens;
-    in_.n_kv           = key.n_kv;
-    in_.all_outputs    = key.what.all_rows;
-    in_.capture_layers = key.capture;
-    in_.tokens         = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, key.n_tokens);
-    in_.positions      = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) key.n_tokens * info.n_pos_per_token);
-    in_.kv_slots       = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
-    in_.kq_mask        = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, key.n_kv, key.n_tokens);
-    for (ggml_tensor * t : {in_.tokens, in_.positions, in_.kv_slots, in_.kq_mask}) {
+    eval_inputs & in  = g.in;
+    in                = eval_inputs{};
+    in.n_tokens       = key.n_tokens;
+    in.n_kv           = key.n_kv;
+    in.all_outputs    = key.what.all_rows;
+    in.capture_layers = key.capture;
+    in.tokens         = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, key.n_tokens);
+    in.positions      = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) key.n_tokens * info.n_pos_per_token);
+    in.kv_slots       = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
+    in.kq_mask        = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, key.n_kv, key.n_tokens);
+    for (ggml_tensor * t : {in.tokens, in.positions, in.kv_slots, in.kq_mask}) {
         ggml_set_input(t);
     }
     if (rs_) {
-        const int W    = rs_->conv_window();
-        in_.conv_rows  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, W);
-        ggml_set_input(in_.conv_rows);
+        const int W  = rs_->conv_window();
+        in.conv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, W);
+        ggml_set_input(in.conv_rows);
         if (key.tree_levels.empty()) {
-            in_.ssm_row           = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
-            in_.ssm_snapshot_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, rs_->n_snapshots(key.n_tokens));
-            in_.conv_keep_from    = rs_->conv_keep_from(key.n_tokens);
-            ggml_set_input(in_.ssm_row);
-            ggml_set_input(in_.ssm_snapshot_rows);
+            in.ssm_row           = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
+            in.ssm_snapshot_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, rs_->n_snapshots(key.n_tokens));
+            in.conv_keep_from    = rs_->conv_keep_from(key.n_tokens);
+            ggml_set_input(in.ssm_row);
+            ggml_set_input(in.ssm_snapshot_rows);
         } else {
-            const int n0         = key.tree_levels[0];
-            in_.tree_levels      = key.tree_levels;
-            in_.tree_root_state  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n0);
-            in_.tree_parent      = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, std::max(1, key.n_tokens - n0));
-            in_.tree_state_rows  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
-            in_.tree_out_rows    = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
-            in_.conv_taps        = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) (W + 1) * key.n_tokens);
-            for (ggml_tensor * t : {in_.tree_root_state, in_.tree_parent, in_.tree_state_rows, in_.tree_out_rows,
-                                    in_.conv_taps}) {
+            const int n0       = key.tree_levels[0];
+            in.tree_levels     = key.tree_levels;
+            in.tree_root_state = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n0);
+            in.tree_parent     = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, std::max(1, key.n_tokens - n0));
+            in.tree_state_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
+            in.tree_out_rows   = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
+            in.conv_taps       = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) (W + 1) * key.n_tokens);
+            for (ggml_tensor * t : {in.tree_root_state, in.tree_parent, in.tree_state_rows, in.tree_out_rows,
+                                    in.conv_taps}) {
                 ggml_set_input(t);
             }
         }
@@ -101,36 +120,36 @@ void session::prepare_graph(const graph_key & key) {
     if (rs_) {
         rs_->fill(st, info.n_layer);
     }
-    out_ = model_->build_eval(ctx, gf, in_, st);
-    const head_outputs head = build_head(ctx, model_->output_head(), out_.hidden, model_->head_on_host(),
+    g.out = model_->build_eval(ctx, gf, in, st);
+    const head_outputs head = build_head(ctx, model_->output_head(), g.out.hidden, model_->head_on_host(),
                                          key.what.top_k);
-    argmax_t_       = head.argmax;
-    logits_t_       = key.what.logits ? head.logits : nullptr;
-    top_ids_t_      = head.top_ids;
-    top_logprobs_t_ = head.top_logprobs;
-    for (ggml_tensor * t : {argmax_t_, logits_t_, top_ids_t_, top_logprobs_t_}) {
+    g.argmax       = head.argmax;
+    g.logits       = key.what.logits ? head.logits : nullptr;
+    g.top_ids      = head.top_ids;
+    g.top_logprobs = head.top_logprobs;
+    for (ggml_tensor * t : {g.argmax, g.logits, g.top_ids, g.top_logprobs}) {
         if (t) {
             ggml_set_output(t);
             ggml_build_forward_expand(gf, t);
         }
     }
-    ring_slots_ = nullptr;
-    if (key.ring && !out_.captured.empty()) {
-        ring_slots_ = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
-        ggml_set_input(ring_slots_);
+    g.ring_slots = nullptr;
+    if (key.ring && !g.out.captured.empty()) {
+        g.ring_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
+        ggml_set_input(g.ring_slots);
     }
-    for (size_t c = 0; c < out_.captured.size(); ++c) {
-        ggml_tensor * t = out_.captured[c];
+    for (size_t c = 0; c < g.out.captured.size(); ++c) {
+        ggml_tensor * t = g.out.captured[c];
         GGML_ASSERT(t != nullptr);
-        if (ring_slots_) {
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, key.ring->layer_view(ctx, (int) c), t, ring_slots_));
+        if (g.ring_slots) {
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, key.ring->layer_view(ctx, (int) c), t, g.ring_slots));
         } else {
             ggml_set_output(t);
             ggml_build_forward_expand(gf, t);
         }
     }
-    graph_.allocate(format("the compute graph for %d tokens over %d cache slots", key.n_tokens, key.n_kv).c_str());
-    key_ = key;
+    g.cache.allocate(format("the compute graph for %d tokens over %d cache slots", key.n_tokens, key.n_kv).c_str());
+    g.key = key;
 }
 
 void session::rollback_pending() {
@@ -267,21 +286,21 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
             }
         }
     }
-    ggml_backend_tensor_set(in_.tokens, pending_.data(), 0, sizeof(int32_t) * n);
-    ggml_backend_tensor_set(in_.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
-    ggml_backend_tensor_set(in_.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
-    ggml_backend_tensor_set(in_.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
+    ggml_backend_tensor_set(cur_->in.tokens, pending_.data(), 0, sizeof(int32_t) * n);
+    ggml_backend_tensor_set(cur_->in.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
+    ggml_backend_tensor_set(cur_->in.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
+    ggml_backend_tensor_set(cur_->in.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
     if (rs_) {
         const int W = rs_->conv_window();
-        ggml_backend_tensor_set(in_.conv_rows, rs_->conv_rows().data(), 0, sizeof(int32_t) * W);
+        ggml_backend_tensor_set(cur_->in.conv_rows, rs_->conv_rows().data(), 0, sizeof(int32_t) * W);
         if (!tree) {
             const int32_t        ssm_row = rs_->ssm_row();
             std::vector<int64_t> snapshot_rows(rs_->n_snapshots(n));
             for (size_t s = 0; s < snapshot_rows.size(); ++s) {
                 snapshot_rows[s] = rs_->snapshot_row((int) s);
             }
-            ggml_backend_tensor_set(in_.ssm_row, &ssm_row, 0, sizeof(int32_t));
-            ggml_backend_tensor_set(in_.ssm_snapshot_rows, snapshot_rows.data(), 0,
+            ggml_backend_tensor_set(cur_->in.ssm_row, &ssm_row, 0, sizeof(int32_t));
+            ggml_backend_tensor_set(cur_->in.ssm_snapshot_rows, snapshot_rows.data(), 0,
                                     sizeof(int64_t) * snapshot_rows.size());
             conv_taps_.clear();
         } else {
@@ -314,29 +333,29 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
                     parent_in_level[s - levels[0]] = p - level_start[depth[row_of[p]]];
                 }
             }
-            ggml_backend_tensor_set(in_.tree_root_state, root_state.data(), 0, sizeof(int32_t) * root_state.size());
-            ggml_backend_tensor_set(in_.tree_parent, parent_in_level.data(), 0,
+            ggml_backend_tensor_set(cur_->in.tree_root_state, root_state.data(), 0, sizeof(int32_t) * root_state.size());
+            ggml_backend_tensor_set(cur_->in.tree_parent, parent_in_level.data(), 0,
                                     sizeof(int32_t) * parent_in_level.size());
-            ggml_backend_tensor_set(in_.tree_state_rows, state_rows.data(), 0, sizeof(int64_t) * n);
-            ggml_backend_tensor_set(in_.tree_out_rows, out_rows.data(), 0, sizeof(int64_t) * n);
-            ggml_backend_tensor_set(in_.conv_taps, conv_taps_.data(), 0, sizeof(int32_t) * conv_taps_.size());
+            ggml_backend_tensor_set(cur_->in.tree_state_rows, state_rows.data(), 0, sizeof(int64_t) * n);
+            ggml_backend_tensor_set(cur_->in.tree_out_rows, out_rows.data(), 0, sizeof(int64_t) * n);
+            ggml_backend_tensor_set(cur_->in.conv_taps, conv_taps_.data(), 0, sizeof(int32_t) * conv_taps_.size());
         }
     }
-    if (ring_slots_) {
+    if (cur_->ring_slots) {
         std::vector<int64_t> ring_rows(n);
         for (int s = 0; s < n; ++s) {
             ring_rows[s] = ring->slot(n_past_ + s);
         }
-        ggml_backend_tensor_set(ring_slots_, ring_rows.data(), 0, sizeof(int64_t) * n);
+        ggml_backend_tensor_set(cur_->ring_slots, ring_rows.data(), 0, sizeof(int64_t) * n);
     }
     pending_tree_ = tree;
 
-    graph_.compute("the target graph");
+    cur_->cache.compute("the target graph");
 
     // outputs, back in batch order
-    n_outputs_ = (int) argmax_t_->ne[0];
+    n_outputs_ = (int) cur_->argmax->ne[0];
     std::vector<int32_t> by_slot(n_outputs_);
-    ggml_backend_tensor_get(argmax_t_, by_slot.data(), 0, sizeof(int32_t) * n_outputs_);
+    ggml_backend_tensor_get(cur_->argmax, by_slot.data(), 0, sizeof(int32_t) * n_outputs_);
     argmax_.resize(n_outputs_);
     const auto slot = [&](int i) { return n_outputs_ == n ? eval_slot(i) : 0; };
     for (int i = 0; i < n_outputs_; ++i) {
@@ -344,9 +363,9 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
     }
     const int64_t V = info.n_vocab;
     logits_.clear();
-    if (logits_t_) {
+    if (cur_->logits) {
         std::vector<float> raw((size_t) n_outputs_ * V);
-        ggml_backend_tensor_get(logits_t_, raw.data(), 0, sizeof(float) * raw.size());
+        ggml_backend_tensor_get(cur_->logits, raw.data(), 0, sizeof(float) * raw.size());
         logits_.resize(raw.size());
         for (int i = 0; i < n_outputs_; ++i) {
             std::copy_n(raw.data() + (size_t) slot(i) * V, V, logits_.data() + (size_t) i * V);
@@ -355,12 +374,12 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
     top_k_ = what.top_k;
     top_ids_.clear();
     top_logprobs_.clear();
-    if (top_ids_t_) {
+    if (cur_->top_ids) {
         const int            k = top_k_;
         std::vector<int32_t> ids((size_t) n_outputs_ * k);
         std::vector<float>   lps((size_t) n_outputs_ * k);
-        ggml_backend_tensor_get(top_ids_t_, ids.data(), 0, sizeof(int32_t) * ids.size());
-        ggml_backend_tensor_get(top_logprobs_t_, lps.data(), 0, sizeof(float) * lps.size());
+        ggml_backend_tensor_get(cur_->top_ids, ids.data(), 0, sizeof(int32_t) * ids.size());
+        ggml_backend_tensor_get(cur_->top_logprobs, lps.data(), 0, sizeof(float) * lps.size());
         top_ids_.resize(ids.size());
         top_logprobs_.resize(lps.size());
         std::vector<int> order(k);
@@ -377,10 +396,10 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
             }
         }
     }
-    captured_.resize(ring_slots_ ? 0 : out_.captured.size());
+    captured_.resize(cur_->ring_slots ? 0 : cur_->out.captured.size());
     for (size_t c = 0; c < captured_.size(); ++c) {
         std::vector<float> raw((size_t) n * info.n_embd);
-        ggml_backend_tensor_get(out_.captured[c], raw.data(), 0, sizeof(float) * raw.size());
+        ggml_backend_tensor_get(cur_->out.captured[c], raw.data(), 0, sizeof(float) * raw.size());
         captured_[c].resize(raw.size());
         for (int i = 0; i < n; ++i) {
             std::copy_n(raw.data() + (size_t) eval_slot(i) * info.n_embd, info.n_embd,

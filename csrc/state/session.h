@@ -119,6 +119,7 @@ class session {
                    ring == o.ring && tree_levels == o.tree_levels;
         }
     };
+    // makes cur_ the graph for `key`, building it if no cached one has it
     void prepare_graph(const graph_key & key);
     // the recurrent state as of before the last (uncommitted) eval
     void rollback_pending();
@@ -129,16 +130,24 @@ class session {
     int                                 n_past_ = 0;
     uint32_t                            n_ubatch_;
 
-    // the current graph; rebuilt only when its key changes (batch size, KV window, outputs, tree shape)
-    graph_cache   graph_;
-    graph_key     key_{};
-    eval_inputs   in_;
-    eval_outputs  out_;
-    ggml_tensor * argmax_t_       = nullptr;  // I32 [n_outputs]
-    ggml_tensor * logits_t_       = nullptr;  // F32 [V, n_outputs]
-    ggml_tensor * top_ids_t_      = nullptr;  // I32 [k, n_outputs]
-    ggml_tensor * top_logprobs_t_ = nullptr;  // F32 [k, n_outputs]
-    ggml_tensor * ring_slots_     = nullptr;  // I64 [n_tokens]: feature-ring rows written (with a ring)
+    // the evaluation graphs, one per key (batch size, KV window, outputs, tree shape), the most recently used
+    // kept: alternating widths (auto's rounds, plain steps between them) costs no rebuild
+    struct compiled_graph {
+        explicit compiled_graph(const backends & devices) : cache(devices) {}
+        graph_cache   cache;
+        graph_key     key;
+        eval_inputs   in;
+        eval_outputs  out;
+        ggml_tensor * argmax       = nullptr;  // I32 [n_outputs]
+        ggml_tensor * logits       = nullptr;  // F32 [V, n_outputs]
+        ggml_tensor * top_ids      = nullptr;  // I32 [k, n_outputs]
+        ggml_tensor * top_logprobs = nullptr;  // F32 [k, n_outputs]
+        ggml_tensor * ring_slots   = nullptr;  // I64 [n_tokens]: feature-ring rows written (with a ring)
+        uint64_t      last_use     = 0;
+    };
+    std::vector<std::unique_ptr<compiled_graph>> graphs_;
+    compiled_graph *                             cur_  = nullptr;  // the graph of the last eval
+    uint64_t                                     uses_ = 0;
 
     std::vector<int32_t>            tokens_;      // committed token ids
     std::vector<int32_t>            pending_;     // token ids of the last eval by slot, until commit
