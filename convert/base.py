@@ -511,20 +511,28 @@ class ModelConverter:
                 logger.info("%-32s %-5s {%s}", name, ti.dtype.name, ", ".join(str(n) for n in reversed(ti.shape)))
             logger.info("dry run: would write %s (%d tensors)", out, len(self.writer.tensors[0]))
             return out
-        try:
-            self.writer.write_header_to_file(path=out)
-            self.writer.write_kv_data_to_file()
-            if not vocab_only:
-                self.writer.write_tensors_to_file(progress=progress)
-            else:
-                self.writer.write_ti_data_to_file()
-        except BaseException:
-            self.writer.close()
-            out.unlink(missing_ok=True)
-            raise
-        self.writer.close()
+        write_gguf_file(self.writer, out, tensors=not vocab_only, progress=progress)
         logger.info("wrote %s", out)
         return out
+
+
+def write_gguf_file(writer: gguf.GGUFWriter, outfile: Path, *, tensors: bool = True, progress: bool = True) -> None:
+    """Write what `writer` holds to `outfile` (header, metadata, then the tensors, or only their infos) through
+    `outfile.partial`, renamed when whole: an error or an interrupted run leaves no truncated GGUF behind."""
+    partial = outfile.with_name(outfile.name + ".partial")
+    try:
+        writer.write_header_to_file(path=partial)
+        writer.write_kv_data_to_file()
+        if tensors:
+            writer.write_tensors_to_file(progress=progress)
+        else:
+            writer.write_ti_data_to_file()
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    writer.close()
+    partial.replace(outfile)
 
 
 def _converted(data: LazyTensor, qtype: GGMLType, name: str) -> LazyTensor:

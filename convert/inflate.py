@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import numpy as np
 
 from pydflash.errors import ConversionError
 
-from .base import LazyTensor
+from .base import LazyTensor, write_gguf_file
 from .quantize import _copy_kv
 
 logger = logging.getLogger("pydflash.convert")
@@ -170,17 +169,7 @@ def inflate_gguf(infile: str | Path, outfile: str | Path, qtype: str = "q8_0", *
                 add(new_name, random_like(src, shape, salt), shape, False)
 
     outfile.parent.mkdir(parents=True, exist_ok=True)
-    partial = outfile.with_name(outfile.name + ".partial")  # renamed when whole: a cut run leaves no bad file
-    try:
-        writer.write_header_to_file(path=partial)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=progress)
-    except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
-        raise
-    writer.close()
-    os.replace(partial, outfile)
+    write_gguf_file(writer, outfile, progress=progress)
     logger.info("wrote %s (%s: %d + %d layers, FFN %d)", outfile, qtype, n_layer, extra_layers, n_ff)
     return outfile
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from pydflash.errors import ConversionError
 
-from .base import LazyTensor
+from .base import LazyTensor, write_gguf_file
 
 logger = logging.getLogger("pydflash.convert")
 
@@ -282,15 +282,7 @@ def quantize_gguf(infile: str | Path, outfile: str | Path, qtype: str, *, progre
     if planner.n_fallback:
         logger.warning("%d of %d tensors needed a fallback type (row length not a multiple of the block size)",
                        planner.n_fallback, len(names))
-    try:
-        writer.write_header_to_file(path=outfile)
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=progress)
-    except BaseException:
-        writer.close()
-        outfile.unlink(missing_ok=True)
-        raise
-    writer.close()
+    write_gguf_file(writer, outfile, progress=progress)
     logger.info("wrote %s (%s)", outfile, qtype)
     return outfile
 

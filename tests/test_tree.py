@@ -82,11 +82,8 @@ def hf_run(ref, tokens):
         return ref(torch.tensor([tokens]), use_cache=True)
 
 
-def test_tree_logits_match_transformers_per_node(target):
-    """Each node's logits from one tree evaluation equal transformers' on the node's own path."""
-    model, ref = target
-    rng = np.random.default_rng(0)
-    tokens, parents, _ = random_tree(rng, 24, 6, model.n_vocab)
+def assert_nodes_match_transformers(model, ref, tokens, parents):
+    """One tree evaluation after PROMPT: each node's logits equal transformers' on the node's own path."""
     s = session(model)
     s.eval(np.array(PROMPT, dtype=np.int32))
     s.commit(len(PROMPT))
@@ -94,19 +91,18 @@ def test_tree_logits_match_transformers_per_node(target):
     for i in range(len(tokens)):
         theirs = hf_run(ref, PROMPT + [tokens[j] for j in path_to(parents, i)]).logits[0, -1].numpy()
         assert close(logits[i], theirs), i
+
+
+def test_tree_logits_match_transformers_per_node(target):
+    model, ref = target
+    tokens, parents, _ = random_tree(np.random.default_rng(0), 24, 6, model.n_vocab)
+    assert_nodes_match_transformers(model, ref, tokens, parents)
 
 
 def test_forest_rows_start_from_the_committed_state(target):
     """Several depth-0 rows (parent -1) each continue the committed past on their own."""
     model, ref = target
-    tokens, parents = [40, 41, 42, 43, 44], [-1, -1, 0, 1, 3]
-    s = session(model)
-    s.eval(np.array(PROMPT, dtype=np.int32))
-    s.commit(len(PROMPT))
-    logits, _ = s.eval(np.array(tokens, dtype=np.int32), parents=np.array(parents, dtype=np.int32))
-    for i in range(len(tokens)):
-        theirs = hf_run(ref, PROMPT + [tokens[j] for j in path_to(parents, i)]).logits[0, -1].numpy()
-        assert close(logits[i], theirs), i
+    assert_nodes_match_transformers(model, ref, [40, 41, 42, 43, 44], [-1, -1, 0, 1, 3])
 
 
 def hf_state(ref, out, n_layer):

@@ -16,11 +16,13 @@ static double ms_since(clock_type::time_point t0) {
 // auto: after a round whose running speculative rate fell below plain decoding's by this fraction, decode
 // plainly for a cool-down that doubles each time speculation fails again (a probe round ends each one, judged
 // on its own rate). At most one probe per COOLDOWN_MAX plain tokens: on a model too small to gain anything a
-// probe costs a few steps' time, ~1% of them.
+// probe (a draft and a verify after a long pause, their graphs rebuilt for the grown context) costs about 20
+// of its steps, ~1% of the 2048.
 static constexpr double SLOWER_THAN_PLAIN = 0.02;
 static constexpr double CLEARLY_FASTER    = 0.05;
+static constexpr double FAR_BEHIND        = 0.7;
 static constexpr int    COOLDOWN_MIN      = 4;
-static constexpr int    COOLDOWN_MAX      = 512;
+static constexpr int    COOLDOWN_MAX      = 2048;
 // auto's calibration: timed sweeps over the evaluation shapes
 static constexpr int    CALIBRATION_REPS  = 3;
 
@@ -209,8 +211,10 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
     state_.probing = false;
     if (params_.mode == spec_mode::automatic) {
         if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
-            state_.cooldown = std::max(state_.cool_len, COOLDOWN_MIN);
-            state_.cool_len = std::min(2 * state_.cooldown, COOLDOWN_MAX);
+            // the next cool-down doubles, or quadruples when speculation runs far behind (a model too small for it)
+            const int growth = costs_.spec_rate() < FAR_BEHIND * costs_.plain_rate() ? 4 : 2;
+            state_.cooldown  = std::max(state_.cool_len, COOLDOWN_MIN);
+            state_.cool_len  = std::min(growth * state_.cooldown, COOLDOWN_MAX);
         } else if (costs_.spec_rate() > (1.0 + CLEARLY_FASTER) * costs_.plain_rate()) {
             state_.cool_len = COOLDOWN_MIN;  // only a clear win forgets the failures before it
         }

@@ -8,11 +8,18 @@
 namespace pdf {
 
 static constexpr int KV_WINDOW_STEP = 256;
-// rows per append-only graph: rows queued during plain decoding go in a few larger graphs
-static constexpr int APPEND_ROWS = 64;
+// rows per append-only graph: a short queue in a small one, the rows queued over a stretch of plain decoding in
+// a few large ones (the graph's compute overhead, not its rows, is most of an append on a small drafter)
+static constexpr int APPEND_ROWS_SMALL = 64;
+static constexpr int APPEND_ROWS_LARGE = 256;
+
+static int append_rows(int queued) {
+    return queued <= APPEND_ROWS_SMALL ? APPEND_ROWS_SMALL : APPEND_ROWS_LARGE;
+}
 
 draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params)
-    : draft_(std::move(draft)), draft_graph_(draft_->target().devices()), append_graph_(draft_->target().devices()) {
+    : draft_(std::move(draft)), draft_graph_(draft_->target().devices()),
+      append_small_(draft_->target().devices()), append_large_(draft_->target().devices()) {
     block_ = params.block > 0 ? params.block : draft_->block_size();
     if (block_ < 2 || block_ > draft_->block_size()) {
         throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)",
@@ -45,7 +52,7 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
     const int pad_from = n_block > 0 ? start : (m > 0 ? queued_pos_[m - 1] + 1 : 0);
     // slots are position % n_slots: while nothing has wrapped, only the first `end` slots are in use
     const int n_kv = n_block > 0 ? std::min(n_slots_, (int) GGML_PAD(start + n_block, KV_WINDOW_STEP)) : 0;
-    graph &   g    = n_block > 0 ? draft_graph_ : append_graph_;
+    graph &   g    = n_block > 0 ? draft_graph_ : n_rows <= APPEND_ROWS_SMALL ? append_small_ : append_large_;
     draft_inputs & in = g.in;
     if (!(g.cache.ready() && g.key_rows == n_rows && g.key_block == n_block && g.key_kv == n_kv)) {
         ggml_context * ctx = g.cache.begin(draft_->max_graph_nodes());
@@ -201,7 +208,8 @@ void draft_session::queue_positions(int first, int m) {
 
 void draft_session::flush() {
     while (!queued_rows_.empty()) {
-        run(std::min<int>(APPEND_ROWS, (int) queued_rows_.size()), APPEND_ROWS, 0, 0, 0);
+        const int n = append_rows((int) queued_rows_.size());
+        run(std::min<int>(n, (int) queued_rows_.size()), n, 0, 0, 0);
     }
 }
 
@@ -230,7 +238,8 @@ const draft_proposals & draft_session::draft(int32_t anchor, int start, int n_bl
                                        (long long) draft_->target().info().n_vocab));
     }
     while ((int) queued_rows_.size() > block_) {  // more than this graph appends: the oldest first, alone
-        run(std::min<int>(APPEND_ROWS, (int) queued_rows_.size() - block_), APPEND_ROWS, 0, 0, 0);
+        const int n = append_rows((int) queued_rows_.size() - block_);
+        run(std::min<int>(n, (int) queued_rows_.size() - block_), n, 0, 0, 0);
     }
     if (!queued_pos_.empty() && queued_pos_.back() >= start) {
         throw std::invalid_argument(format("draft: queued context reaches position %d, the block starts at %d",

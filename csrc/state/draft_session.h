@@ -96,7 +96,8 @@ class draft_session {
     std::vector<int32_t>                queued_rows_, queued_pos_;
 
     graph           draft_graph_;   // append a round's rows + draft
-    graph           append_graph_;  // append only (APPEND_ROWS rows)
+    graph           append_small_;  // append only, a few rows
+    graph           append_large_;  // append only, many
     draft_proposals proposals_;
 };
 
