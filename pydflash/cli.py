@@ -12,7 +12,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
                n_gpu_layers=args.n_gpu_layers, draft_model_path=args.draft, block_size=args.block_size,
-               verbose=args.verbose) as model:
+               spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose) as model:
         for piece in model.stream(args.prompt, max_tokens=args.max_tokens):
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     gen.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF for speculative decoding")
     gen.add_argument("-b", "--block-size", type=int, default=None)
+    gen.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto",
+                     help="with a draft: choose per round (auto), DDTree trees, or DFlash chains")
+    gen.add_argument("--tree-budget", type=int, default=None, help="draft nodes a tree verifies (tree: per round, "
+                                                                    "auto: at most)")
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
     demo = sub.add_parser("demo", help="speculative vs plain decoding on the embedded trained pair (no download)")
