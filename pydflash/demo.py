@@ -59,6 +59,24 @@ MODES = [("plain", {}, {"speculative": False}),
          ("DFlash auto", {"spec_mode": "auto"}, {})]
 
 
+# where two tokens' logits are closer than this, batched (verify) and single-token evaluations may pick either:
+# the engine's greedy output is exact up to such near-ties (tests/test_pairs.py holds it to the same bound)
+NEAR_TIE = 1e-2
+
+
+def _parting_gap(model, prompt: str, ours: list[int], plain: list[int]) -> float:
+    """|logit gap| of the two tokens where `ours` first parts from `plain` (one batched evaluation)."""
+    import numpy as np
+
+    from . import _core
+
+    k = next(i for i, (a, b) in enumerate(zip(ours, plain)) if a != b)  # callers pass outputs that part
+    ids = model.tokenize(prompt)
+    session = _core.Session(model._model, n_ctx=len(ids) + k + 1)
+    logits, _ = session.eval(np.array(ids + plain[:k], dtype=np.int32), all_logits=False)
+    return float(abs(logits[-1][ours[k]] - logits[-1][plain[k]]))
+
+
 def _compare(target: Path, draft: Path, prompts: list[str], max_tokens: int, n_threads: int | None,
              block_size: int | None, show: int, out) -> dict:
     """Each prompt in every mode, in turn; prints a table, returns {label: totals}."""
@@ -84,6 +102,14 @@ def _compare(target: Path, draft: Path, prompts: list[str], max_tokens: int, n_t
                     out("")
                     out(prompt.rstrip("\n")[-300:] + "\033[1m" + c.text + "\033[0m")
                     out("")
+        # partings from plain decoding, each at a near-tie or not
+        plain_out = totals["plain"]["outputs"]
+        for t in totals.values():
+            gaps = [_parting_gap(models["plain"], p, a, b) if a[:len(b)] != b[:len(a)] else float("inf")
+                    for p, a, b in zip(prompts, t["outputs"], plain_out) if a != b]
+            t["identical"] = not gaps
+            t["near_ties"] = sum(g < NEAR_TIE for g in gaps)
+            t["lossless"] = all(g < NEAR_TIE for g in gaps)
     finally:
         for m in models.values():
             m.close()
@@ -95,9 +121,15 @@ def _compare(target: Path, draft: Path, prompts: list[str], max_tokens: int, n_t
         t["tokens_per_s"] = tps
         t["speedup"] = tps / max(plain_tps, 1e-9)
         t["tau"] = t["committed"] / t["rounds"] if t["rounds"] else 0.0
-        t["identical"] = t["outputs"] == plain["outputs"]
         tau = f"{t['tau']:.2f}" if t["rounds"] else "-"
-        same = "" if label == "plain" else ("identical to plain" if t["identical"] else "DIFFERS from plain")
+        if label == "plain":
+            same = ""
+        elif t["identical"]:
+            same = "identical to plain"
+        elif t["lossless"]:
+            same = f"identical to plain but at {t['near_ties']} near-tie(s)"
+        else:
+            same = "DIFFERS from plain"
         out(f"  {label:14} {tps:8.1f} {t['speedup']:8.2f}x {tau:>6}  {same}")
     return totals
 
@@ -121,7 +153,8 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 128, n_threads:
     out(f"1. the embedded trained pair: {target.name} (2.4M parameters) + {draft.name}")
     result = {"tiny": _compare(target, draft, prompts, max_tokens, n_threads, block_size, show, out)}
     out("   A model this small costs almost nothing per token: drafting and verifying a block cost several of its")
-    out("   steps, so speculation loses on a CPU, and auto, which measures that, falls back to plain decoding.")
+    out("   steps, so speculation loses on a CPU, and auto, which measures that, falls back to plain decoding")
+    out("   (its first rounds, and a probe now and then to notice text turning predictable, cost a few percent).")
     if realistic:
         out("")
         big = inflated_demo_target(cache, out)
@@ -134,6 +167,11 @@ def run_demo(prompts: list[str] | None = None, max_tokens: int = 128, n_threads:
             f"round what to verify (nothing, a chain or a tree) from the drafter's confidence and the measured cost "
             f"of each verify width (benchmarks/bench_tree.py compares it with llama.cpp).")
     identical = all(t["identical"] for part in result.values() for t in part.values())
+    lossless = all(t["lossless"] for part in result.values() for t in part.values())
     out("")
-    out(f"outputs identical to plain decoding: {'yes' if identical else 'NO'}")
+    if identical or not lossless:
+        out(f"outputs identical to plain decoding: {'yes' if identical else 'NO'}")
+    else:
+        out(f"outputs identical to plain decoding: yes, up to near-ties (two tokens within {NEAR_TIE} in logit, "
+            f"which a batched verify and a single-token step may round either way, as in llama.cpp)")
     return result

@@ -194,8 +194,13 @@ def test_small_draft_window_stays_lossless_and_keeps_drafting(kind, mode, budget
     with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, draft_window=32, n_ubatch=64, spec_mode=mode,
                         tree_budget=budget) as m:
         spec = m.generate(text, max_tokens=300)
-    assert spec.tokens == plain.tokens
+        if spec.tokens != plain.tokens:
+            # auto's rounds depend on measured times, so which tokens a batched verify decides varies from run to
+            # run: a parting is allowed at a near-tie only (seen: qwen35 at token 149, a gap of 4e-5)
+            k = first_difference(spec.tokens, plain.tokens)
+            assert tie_gap(m, m.tokenize(text), spec.tokens, plain.tokens, k) < TIE, k
     if mode != "auto":
+        assert spec.tokens == plain.tokens
         assert spec.timings["tau"] > 1.5
 
 
