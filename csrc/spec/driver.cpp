@@ -66,7 +66,6 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
     r.finish_reason = "length";
     if (s.abort.load()) {
         r.finish_reason = "abort";
-        p.finish();
         return r;
     }
 
@@ -160,7 +159,6 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         anchor = bonus;
         go     = emit();
     }
-    p.finish();  // keep the drafter level with the target's cache
     t.predicted_n  = (int) r.tokens.size();
     t.predicted_ms = ms_since(t0);
     return r;

@@ -211,8 +211,8 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
     state_.probing = false;
     if (params_.mode == spec_mode::automatic) {
         if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
-            // the next cool-down doubles, or quadruples when speculation runs far behind (a model too small for it)
-            const int growth = costs_.spec_rate() < FAR_BEHIND * costs_.plain_rate() ? 4 : 2;
+            // the next cool-down doubles, or grows 8x when speculation runs far behind (a model too small for it)
+            const int growth = costs_.spec_rate() < FAR_BEHIND * costs_.plain_rate() ? 8 : 2;
             state_.cooldown  = std::max(state_.cool_len, COOLDOWN_MIN);
             state_.cool_len  = std::min(growth * state_.cooldown, COOLDOWN_MAX);
         } else if (costs_.spec_rate() > (1.0 + CLEARLY_FASTER) * costs_.plain_rate()) {

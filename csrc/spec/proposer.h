@@ -5,8 +5,9 @@
 //                      chain  the drafter's top-1 chain of block-1 tokens (DFlash as published)
 //                      tree   the best-first tree of `tree_budget` nodes (DDTree)
 //                      auto   per round, whatever maximises expected committed tokens per unit of time:
-//                             no draft at all, a chain or a tree of any size, from the drafter's own
-//                             probabilities and the measured costs (spec/cost_model.h)
+//                             no draft at all, a chain or a tree of any size, from the learnt probability that
+//                             the target accepts each drafted path (spec/acceptance_model.h) and the measured
+//                             cost of each verify width (spec/cost_model.h)
 #pragma once
 
 #include "spec/acceptance_model.h"
@@ -57,8 +58,6 @@ class proposer {
     // count every round, as the reference loops do (also a last one that drafts nothing), auto only the rounds
     // it chose to verify drafts in
     virtual bool speculative_round() const = 0;
-    // generation ended: bring every state level with the target's cache
-    virtual void finish() = 0;
 };
 
 class plain_proposer : public proposer {
@@ -74,7 +73,6 @@ class plain_proposer : public proposer {
     double last_draft_ms() const override { return 0.0; }
     int    max_depth() const override { return 0; }
     bool   speculative_round() const override { return false; }
-    void   finish() override {}
 
   private:
     std::vector<int> none_;
@@ -124,25 +122,24 @@ class dflash_proposer : public proposer {
     double last_draft_ms() const override { return draft_ms_; }
     int    max_depth() const override { return d_.block() - 1; }
     bool   speculative_round() const override { return speculative_; }
-    void   finish() override {}  // queued context rows stay queued: appended when a draft or the ring needs it
 
     const auto_stats & stats() const { return stats_; }
 
   private:
-    draft_session &     d_;
-    speculation_state & state_;
-    cost_model &        costs_;
-    acceptance_model &  acceptance_;
-    spec_params      params_;
-    bool             recurrent_;
-    draft_tree       full_;
-    std::vector<float> scores_;  // auto: log P(accepted | parent accepted) per drafted position and rank
-    double           draft_ms_  = 0.0;
+    draft_session &                       d_;
+    speculation_state &                   state_;
+    cost_model &                          costs_;
+    acceptance_model &                    acceptance_;
+    spec_params                           params_;
+    bool                                  recurrent_;
+    draft_tree                            full_;    // auto: the candidate tree a round's choice cuts
+    std::vector<float>                    scores_;  // auto: log P(accepted | parent accepted) by position, rank
+    double                                draft_ms_ = 0.0;
     std::chrono::steady_clock::time_point round_start_;
-    bool             drafted_   = false;
-    bool             speculative_ = false;
-    auto_stats       stats_;
-    std::vector<int32_t> ring_rows_, positions_;
+    bool                                  drafted_     = false;
+    bool                                  speculative_ = false;
+    auto_stats                            stats_;
+    std::vector<int32_t>                  ring_rows_, positions_;  // after_verify's context rows
 };
 
 }  // namespace pdf
