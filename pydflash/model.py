@@ -180,7 +180,7 @@ class Model:
             self._draft = _core.DraftSession(self._model, draft_path, n_ctx=n_ctx, block_size=block_size or 0,
                                              window=draft_window, ring_capacity=max(n_ubatch, max_verify),
                                              top_k=1 if spec_mode == "chain" else DRAFT_TOP_K,
-                                             max_verify=max_verify)
+                                             with_logprobs=spec_mode != "chain", max_verify=max_verify)
             self.tree_budget = tree_budget or self._default_tree_budget()
             # a hybrid target keeps the state of every token (chain) or node (tree) of a verify
             n_rollback = max(n_rollback, self._draft.block_size,

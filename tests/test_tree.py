@@ -99,6 +99,20 @@ def test_tree_logits_match_transformers_per_node(target):
     assert_nodes_match_transformers(model, ref, tokens, parents)
 
 
+def test_last_row_of_a_tree_is_the_last_batch_row(target):
+    """Reading only the last row (as prefill does) gives batch row n-1's logits, however a recurrent target
+    orders the nodes inside the evaluation (depth by depth)."""
+    model, ref = target
+    tokens, parents = [40, 41, 42, 43, 44], [-1, 0, 1, 2, 0]  # row 4 (depth 1) is not the deepest
+    s = session(model)
+    s.eval(np.array(PROMPT, dtype=np.int32))
+    s.commit(len(PROMPT))
+    last, _ = s.eval(np.array(tokens, dtype=np.int32), parents=np.array(parents, dtype=np.int32), all_logits=False)
+    assert last.shape[0] == 1
+    theirs = hf_run(ref, PROMPT + [tokens[j] for j in path_to(parents, 4)]).logits[0, -1].numpy()
+    assert close(last[0], theirs)
+
+
 def test_forest_rows_start_from_the_committed_state(target):
     """Several depth-0 rows (parent -1) each continue the committed past on their own."""
     model, ref = target
@@ -224,6 +238,10 @@ def test_tree_and_commit_errors(target):
         bad = [0, 2, 1]
     with pytest.raises(ValueError, match="path from a depth-0 row"):
         s.commit(bad)
+    # rows evaluated as a tree hold for a path only, on any target: row 2 hangs below row 0, not row 1
+    s.eval(np.array([1, 2, 3, 4], dtype=np.int32), parents=np.array([-1, 0, 0, 2], dtype=np.int32))
+    with pytest.raises(ValueError, match="path from a depth-0 row"):
+        s.commit([0, 1, 3])
     s.eval(toks, parents=np.array([-1, 0, 0], dtype=np.int32))
     with pytest.raises(ValueError, match="would be committed at"):
         s.commit([1])  # a depth-1 node cannot be the first committed token

@@ -355,7 +355,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
 
     py::class_<py_draft>(m, "DraftSession")
         .def(py::init([](const py_model & target, const std::string & path, uint32_t n_ctx, int block_size, int window,
-                         int ring_capacity, int top_k, int max_verify) {
+                         int ring_capacity, int top_k, bool with_logprobs, int max_verify) {
                  std::shared_ptr<const dflash_draft> draft;
                  {
                      py::gil_scoped_release nogil;
@@ -366,6 +366,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  params.window        = window;
                  params.ring_capacity = ring_capacity;
                  params.top_k         = top_k;
+                 params.with_logprobs = with_logprobs;
                  py_draft d;
                  d.session = std::make_unique<draft_session>(draft, n_ctx, params);
                  if (max_verify == 0) {
@@ -380,7 +381,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
              }),
              py::arg("target"), py::arg("path"), py::arg("n_ctx"), py::arg("block_size") = 0,
              py::arg("window") = draft_params{}.window, py::arg("ring_capacity") = draft_params{}.ring_capacity,
-             py::arg("top_k") = draft_params{}.top_k, py::arg("max_verify") = 0, py::keep_alive<1, 2>())
+             py::arg("top_k") = draft_params{}.top_k, py::arg("with_logprobs") = true, py::arg("max_verify") = 0,
+             py::keep_alive<1, 2>())
         .def_property_readonly("block_size", [](const py_draft & d) { return d.session->block(); })
         .def_property_readonly("trained_block_size", [](const py_draft & d) { return d.session->model().block_size(); })
         .def_property_readonly("mask_token", [](const py_draft & d) { return d.session->model().mask_token(); })
@@ -402,7 +404,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                     chain[py::int_(w)] = c.verify_ms(w, false);
                     tree[py::int_(w)]  = c.verify_ms(w, true);
                 }
-                // P(accepted | parent accepted) of the drafter's first choice by depth, at drafter probability 0.5
+                // P(accepted | parent accepted) of the drafter's first choice by depth, for drafter probabilities
+                // of 0.5-0.6 (the bin at 0.55)
                 std::vector<double> p_half;
                 for (int depth = 1; depth < d.session->block(); ++depth) {
                     p_half.push_back(d.state->acceptance.p_accept(depth, 0, 0.55));
@@ -491,7 +494,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             "eval",
             [](session & s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
                py::object positions, py::object mask, py::object parents, bool all_logits,
-               std::vector<int> capture_layers, int top_k) -> py::tuple {
+               std::vector<int> capture_layers, int top_k, bool read_logits) -> py::tuple {
                 const int n = (int) tokens.size();
                 auto      as_rows = [n](py::object o, const char * what) {
                     auto a = o.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>();
@@ -522,10 +525,10 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 layout.parents   = par.empty() ? nullptr : par.data();
                 {
                     py::gil_scoped_release nogil;
-                    s.eval(toks.data(), n, layout, readout{all_logits, true, top_k}, capture_layers);
+                    s.eval(toks.data(), n, layout, readout{all_logits, read_logits, top_k}, capture_layers);
                 }
                 const int64_t n_vocab = s.model().info().n_vocab, n_embd = s.model().info().n_embd;
-                py::array_t<float> logits({(py::ssize_t) s.n_outputs(), (py::ssize_t) n_vocab});
+                py::array_t<float> logits({(py::ssize_t) (read_logits ? s.n_outputs() : 0), (py::ssize_t) n_vocab});
                 std::copy(s.logits().begin(), s.logits().end(), logits.mutable_data());
                 py::list captured;
                 for (size_t c = 0; c < capture_layers.size(); ++c) {
@@ -544,10 +547,11 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             },
             py::arg("tokens"), py::arg("positions") = py::none(), py::arg("mask") = py::none(),
             py::arg("parents") = py::none(), py::arg("all_logits") = true,
-            py::arg("capture_layers") = std::vector<int>{}, py::arg("top_k") = 0,
+            py::arg("capture_layers") = std::vector<int>{}, py::arg("top_k") = 0, py::arg("read_logits") = true,
             "Evaluate tokens into cache slots n_past..; returns (logits [n_out, n_vocab], [hidden [n, n_embd] ...]) "
             "(and top_k ids, log-probabilities [n_out, top_k] when top_k > 0). parents: a tree (parent row per row, "
-            "-1: the committed past); mask: any visibility (attention-only models).")
+            "-1: the committed past); mask: any visibility (attention-only models). read_logits=False reads only "
+            "the greedy picks (Session.argmax), as the decode loop does; the logits array is then empty.")
         .def("commit", py::overload_cast<int>(&session::commit), py::arg("n"))
         .def("commit", py::overload_cast<const std::vector<int> &>(&session::commit), py::arg("rows"))
         .def("eval_slot", &session::eval_slot, py::arg("row"))

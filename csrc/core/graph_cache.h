@@ -33,8 +33,6 @@ class graph_cache {
     // runs it; throws backend_error naming `what`
     void compute(const char * what);
     bool ready() const { return ready_; }
-    // the next use must rebuild (e.g. after an input shape the graph cannot take)
-    void invalidate() { ready_ = false; }
 
   private:
     const backends &     devices_;

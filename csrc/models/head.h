@@ -4,6 +4,8 @@
 
 #include "ggml.h"
 
+#include <cstdint>
+
 namespace pdf {
 
 struct head_outputs {
@@ -13,9 +15,14 @@ struct head_outputs {
     ggml_tensor * top_logprobs = nullptr;  // F32 [k, n]: their log-probabilities (log-softmax of the logits)
 };
 
-// hidden: [E, n] (after the final norm); head: [E, V]. top_k > 0 adds the top-k readout (k = 1: the argmax and
-// its log-probability). logits_on_host: the head runs on the CPU backend (the greedy pick then uses all threads).
+// hidden: [E, n] (after the final norm); head: [E, V]. top_k > 0 adds the top-k readout (k = 1: the argmax),
+// with their log-probabilities unless with_logprobs is false (top_logprobs then stays null: a softmax over the
+// vocabulary saved). logits_on_host: the head runs on the CPU backend (the greedy pick then uses all threads).
 head_outputs build_head(ggml_context * ctx, ggml_tensor * head, ggml_tensor * hidden, bool logits_on_host,
-                        int top_k = 0);
+                        int top_k = 0, bool with_logprobs = true);
+
+// the rows of a top-k readout read back ([n_rows, k] each), each put most likely first (ties: the lower id), as
+// ggml's top-k leaves them in no particular order
+void sort_top_k(int32_t * ids, float * logprobs, int64_t n_rows, int k);
 
 }  // namespace pdf

@@ -24,7 +24,7 @@ int cost_model::grid_index(int n) const {
     return (int) (std::lower_bound(grid_.begin(), grid_.end(), n) - grid_.begin());
 }
 
-double cost_model::curve_ms(int n, bool tree) const {
+double cost_model::verify_ms(int n, bool tree) const {
     n = std::clamp(n, 1, max_width_);
     const std::vector<double> & ms   = tree ? tree_ms_ : chain_ms_;
     const std::vector<bool> &   seen = tree ? tree_seen_ : chain_seen_;
@@ -42,7 +42,7 @@ double cost_model::curve_ms(int n, bool tree) const {
         }
     }
     if (lo < 0 && hi < 0) {
-        return tree ? curve_ms(n, false) : 1.0 * n;  // nothing measured: proportional to the width
+        return tree ? verify_ms(n, false) : 1.0 * n;  // nothing measured: proportional to the width
     }
     if (lo < 0) {
         return ms[hi] * n / grid_[hi];
@@ -55,10 +55,6 @@ double cost_model::curve_ms(int n, bool tree) const {
     }
     const double t = double(n - grid_[lo]) / double(grid_[hi] - grid_[lo]);
     return ms[lo] + t * (ms[hi] - ms[lo]);
-}
-
-double cost_model::verify_ms(int n, bool tree) const {
-    return curve_ms(n, tree);
 }
 
 void cost_model::calibrate_verify(int n, bool tree, double ms) {
@@ -81,7 +77,7 @@ void cost_model::observe_verify(int n, bool tree, double ms) {
     n = std::clamp(n, 1, max_width_);
     const int hi = grid_index(n);                      // grid_[hi] >= n
     const int lo = grid_[hi] == n ? hi : hi - 1;       // grid_[lo] <= n
-    const double at_n = curve_ms(n, tree);
+    const double at_n = verify_ms(n, tree);
     // a width between two grid points counts for both, by how near it is
     const double t = lo == hi ? 0.0 : double(n - grid_[lo]) / double(grid_[hi] - grid_[lo]);
     for (const auto & [i, w] : {std::pair<int, double>{lo, 1.0 - t}, std::pair<int, double>{hi, t}}) {

@@ -1,7 +1,7 @@
 // What a round of speculation costs on this machine and model: the time of a target evaluation per batch width
-// (chain and tree graphs) and the drafter's time, measured once and refined online, and the rate speculation
-// has been reaching. spec/proposer.cpp weighs it against spec/acceptance_model.h to choose, each round, what to
-// verify.
+// (chain and tree graphs), measured once and refined online, and the rate speculation has been reaching (the
+// drafter's time is in it; it is also kept on its own, for the timings). spec/proposer.cpp weighs it against
+// spec/acceptance_model.h to choose, each round, what to verify.
 #pragma once
 
 #include <vector>
@@ -39,7 +39,6 @@ class cost_model {
 
   private:
     int                 grid_index(int n) const;
-    double              curve_ms(int n, bool tree) const;  // calibrated, without the running factor
     std::vector<int>    grid_;
     std::vector<double> chain_ms_, tree_ms_;
     std::vector<bool>   chain_seen_, tree_seen_;

@@ -1,16 +1,10 @@
 #include "spec/driver.h"
+#include "core/clock.h"
 #include "core/error.h"
 
 #include <algorithm>
-#include <chrono>
 
 namespace pdf {
-
-using clock_type = std::chrono::steady_clock;
-
-static double ms_since(clock_type::time_point t0) {
-    return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
-}
 
 // the cached prefix a prompt can reuse; at least the last prompt token is always evaluated (its logits)
 static size_t reusable_prefix(const session & s, const std::vector<int32_t> & prompt) {

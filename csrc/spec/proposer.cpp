@@ -1,17 +1,11 @@
 #include "spec/proposer.h"
+#include "core/clock.h"
 #include "core/error.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 
 namespace pdf {
-
-using clock_type = std::chrono::steady_clock;
-
-static double ms_since(clock_type::time_point t0) {
-    return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
-}
 
 // auto: after a round whose running speculative rate fell below plain decoding's by this fraction, decode
 // plainly for a cool-down that doubles each time speculation fails again (a probe round ends each one, judged
@@ -57,7 +51,8 @@ double dflash_proposer::warm_up(session & s, int32_t anchor) {
     // runs one shape after another: warm caches), the fastest time counting. Uncommitted, so the session is
     // unchanged.
     const auto t_all = clock_type::now();
-    const int  limit = std::min<int>({costs_.max_width(), (int) s.n_ctx() - s.n_past(), (int) s.n_rollback()});
+    const int  limit = std::min<int>({costs_.max_width(), d_.ring().capacity(), (int) s.n_ctx() - s.n_past(),
+                                      (int) s.n_rollback()});
     struct shape {
         int                  width;
         bool                 tree;
@@ -103,7 +98,7 @@ double dflash_proposer::warm_up(session & s, int32_t anchor) {
 }
 
 void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
-    round_start_ = std::chrono::steady_clock::now();
+    round_start_ = clock_type::now();
     drafted_     = false;
     draft_ms_    = 0.0;
     speculative_ = params_.mode != spec_mode::automatic;
@@ -123,7 +118,11 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
     const draft_proposals & p  = d_.draft(anchor, start, max_depth + 1);
     draft_ms_                  = ms_since(t0);
     drafted_                   = true;
-    const int limit            = params_.tree_budget > 0 ? std::min(params_.tree_budget, max_nodes - 1) : max_nodes - 1;
+    // nodes below the root: the budget, within what the session, the feature ring and the measured widths take
+    int limit = std::min({max_nodes, d_.ring().capacity(), costs_.max_width()}) - 1;
+    if (params_.tree_budget > 0) {
+        limit = std::min(limit, params_.tree_budget);
+    }
     switch (params_.mode) {
         case spec_mode::chain:
             build_draft_chain(p, anchor, max_depth, out);

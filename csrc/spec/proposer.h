@@ -10,13 +10,13 @@
 //                             cost of each verify width (spec/cost_model.h)
 #pragma once
 
+#include "core/clock.h"
 #include "spec/acceptance_model.h"
 #include "spec/cost_model.h"
 #include "spec/tree.h"
 #include "state/draft_session.h"
 #include "state/session.h"
 
-#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -135,7 +135,7 @@ class dflash_proposer : public proposer {
     draft_tree                            full_;    // auto: the candidate tree a round's choice cuts
     std::vector<float>                    scores_;  // auto: log P(accepted | parent accepted) by position, rank
     double                                draft_ms_ = 0.0;
-    std::chrono::steady_clock::time_point round_start_;
+    clock_type::time_point                round_start_;
     bool                                  drafted_     = false;
     bool                                  speculative_ = false;
     auto_stats                            stats_;

@@ -34,7 +34,11 @@ draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t
         throw std::invalid_argument(format("draft top_k = %d must be in [1, %lld]", params.top_k,
                                            (long long) target.info().n_vocab));
     }
-    top_k_   = params.top_k;
+    if (!params.with_logprobs && params.top_k != 1) {
+        throw std::invalid_argument("draft: candidates beyond the first are ranked by their log-probabilities");
+    }
+    top_k_         = params.top_k;
+    with_logprobs_ = params.with_logprobs;
     window_  = (int) std::min<int64_t>(params.window, n_ctx);
     n_slots_ = window_ + block_;
     slot_pos_.assign(n_slots_, -1);
@@ -87,12 +91,15 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
         g.top_ids = g.top_logprobs = nullptr;
         if (hidden) {
             const target_model & target = draft_->target();
-            const head_outputs   head   = build_head(ctx, target.output_head(), hidden, target.head_on_host(), top_k_);
+            const head_outputs   head   = build_head(ctx, target.output_head(), hidden, target.head_on_host(), top_k_,
+                                                     with_logprobs_);
             g.top_ids      = head.top_ids;
             g.top_logprobs = head.top_logprobs;
             for (ggml_tensor * t : {g.top_ids, g.top_logprobs}) {
-                ggml_set_output(t);
-                ggml_build_forward_expand(gf, t);
+                if (t) {
+                    ggml_set_output(t);
+                    ggml_build_forward_expand(gf, t);
+                }
             }
         }
         g.cache.allocate("the draft graph");
@@ -164,22 +171,13 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
         proposals_.ids.resize((size_t) (n_block - 1) * top_k_);
         proposals_.logprobs.resize(proposals_.ids.size());
         ggml_backend_tensor_get(g.top_ids, proposals_.ids.data(), 0, sizeof(int32_t) * proposals_.ids.size());
-        ggml_backend_tensor_get(g.top_logprobs, proposals_.logprobs.data(), 0,
-                                sizeof(float) * proposals_.logprobs.size());
-        // ggml's top-k leaves its k in no particular order: most likely first (ties: lower id)
-        std::vector<std::pair<float, int32_t>> row(top_k_);
-        for (int p = 0; p < n_block - 1; ++p) {
-            for (int j = 0; j < top_k_; ++j) {
-                row[j] = {proposals_.logprob(p, j), proposals_.id(p, j)};
-            }
-            std::sort(row.begin(), row.end(), [](const auto & a, const auto & b) {
-                return a.first != b.first ? a.first > b.first : a.second < b.second;
-            });
-            for (int j = 0; j < top_k_; ++j) {
-                proposals_.logprobs[(size_t) p * top_k_ + j] = row[j].first;
-                proposals_.ids[(size_t) p * top_k_ + j]      = row[j].second;
-            }
+        if (g.top_logprobs) {
+            ggml_backend_tensor_get(g.top_logprobs, proposals_.logprobs.data(), 0,
+                                    sizeof(float) * proposals_.logprobs.size());
+        } else {
+            std::fill(proposals_.logprobs.begin(), proposals_.logprobs.end(), 0.0f);
         }
+        sort_top_k(proposals_.ids.data(), proposals_.logprobs.data(), n_block - 1, top_k_);
     }
 }
 

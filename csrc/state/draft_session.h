@@ -21,7 +21,8 @@ struct draft_params {
     int block         = 0;     // tokens per round; 0 = the draft's trained block size
     int window        = 4096;  // context positions the drafter attends to (sliding); clamped to n_ctx
     int ring_capacity = 512;   // feature-ring rows; >= the target's prefill micro-batch and >= a verify's rows
-    int top_k         = 1;     // candidates per drafted position (1: the greedy chain)
+    int  top_k         = 1;     // candidates per drafted position (1: the greedy chain)
+    bool with_logprobs = true;  // their log-probabilities (trees and auto build on them; a chain does not)
 };
 
 // one draft call: for each drafted position start+1 .. start+n_positions, the top_k candidates, most likely first
@@ -29,7 +30,7 @@ struct draft_proposals {
     int                  n_positions = 0;
     int                  top_k       = 0;
     std::vector<int32_t> ids;       // [n_positions, top_k]
-    std::vector<float>   logprobs;  // [n_positions, top_k]: log-softmax of the drafter's logits
+    std::vector<float>   logprobs;  // [n_positions, top_k]: log-softmax of the drafter's logits (0 if not read)
     int32_t id(int pos, int rank) const { return ids[(size_t) pos * top_k + rank]; }
     float   logprob(int pos, int rank) const { return logprobs[(size_t) pos * top_k + rank]; }
 };
@@ -53,7 +54,6 @@ class draft_session {
     // a target evaluation is about to write the ring rows of positions [first, first + n): flush first if that
     // would overwrite a queued row
     void protect(int first, int n);
-    int  n_queued() const { return (int) queued_rows_.size(); }
     // draft the block [anchor, MASK x (n_block-1)] at start.. over the context (queued rows appended first,
     // in the same graph): the top_k candidates of positions start+1 .. start+n_block-1. n_block 0 = block(); a
     // shorter block is how the last round of a generation drafts only what max_tokens leaves room for.
@@ -90,6 +90,7 @@ class draft_session {
     int                                 block_;
     int                                 window_;
     int                                 top_k_;
+    bool                                with_logprobs_;
     int                                 n_slots_;   // window + block
     int                                 n_valid_ = 0;
     std::vector<int32_t>                slot_pos_;  // position held by each cache slot (-1: none)

@@ -1,10 +1,14 @@
 #include "state/feature_ring.h"
 #include "core/error.h"
 
+#include <atomic>
+
 namespace pdf {
 
 feature_ring::feature_ring(const backends & devices, int il, int n_capture, int64_t n_embd, int capacity)
     : capacity_(capacity), n_embd_(n_embd) {
+    static std::atomic<uint64_t> next_id{1};
+    id_ = next_id++;
     if (capacity <= 0 || n_capture <= 0) {
         throw std::invalid_argument(format("feature ring: capacity %d and %d capture layers must be positive",
                                            capacity, n_capture));

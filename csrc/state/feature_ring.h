@@ -24,6 +24,8 @@ class feature_ring {
     // the columns of capture layer c inside every row: F32 [n_embd, capacity] (strided view)
     ggml_tensor * layer_view(ggml_context * ctx, int c) const;
     int           capacity() const { return capacity_; }
+    // unique for the process' lifetime (graphs that write into a ring are cached by it, not by its address)
+    uint64_t      id() const { return id_; }
     int           slot(int64_t position) const { return (int) (position % capacity_); }
     int64_t       row_width() const { return rows_->ne[0]; }
     size_t        n_bytes() const;
@@ -37,6 +39,7 @@ class feature_ring {
     ggml_tensor *         rows_ = nullptr;
     int                   capacity_;
     int64_t               n_embd_;
+    uint64_t              id_;
 };
 
 }  // namespace pdf

@@ -95,11 +95,32 @@ void kv_cache::fill(state_tensors & st, int n_layer) const {
 }
 
 void kv_cache::move_rows(const std::vector<std::pair<int, int>> & moves) {
-    if (moves.empty()) {
-        return;
+    // In waves: a wave holds the moves whose destination no later move still has to read, so the copies of one
+    // graph never depend on each other's order (a backend may run independent nodes in any order); a wave per
+    // graph compute, usually one.
+    std::vector<std::pair<int, int>> left = moves, wave;
+    while (!left.empty()) {
+        wave.clear();
+        std::vector<std::pair<int, int>> later;
+        for (size_t i = 0; i < left.size(); ++i) {
+            bool read_later = false;
+            for (size_t j = 0; j < left.size() && !read_later; ++j) {
+                read_later = j != i && left[j].first == left[i].second;
+            }
+            (read_later ? later : wave).push_back(left[i]);
+        }
+        if (wave.empty()) {
+            throw std::logic_error("move_rows: the moves form a cycle");  // never from a commit (destinations
+                                                                          // are below their sources)
+        }
+        copy_rows(wave);
+        left.swap(later);
     }
+}
+
+void kv_cache::copy_rows(const std::vector<std::pair<int, int>> & moves) {
     // one small graph of row copies (same type: a plain copy, also of quantized rows) per device that holds
-    // cache layers; the copies of one graph run in order
+    // cache layers
     for (ggml_backend_t backend : {devices_.gpu(), devices_.cpu()}) {
         if (!backend) {
             continue;
@@ -107,8 +128,7 @@ void kv_cache::move_rows(const std::vector<std::pair<int, int>> & moves) {
         std::vector<ggml_tensor *> tensors;
         for (const auto & kv : layers_) {
             for (ggml_tensor * t : {kv.second.first, kv.second.second}) {
-                if (ggml_backend_supports_buft(backend, ggml_backend_buffer_get_type(t->buffer)) &&
-                    (backend == devices_.cpu()) == ggml_backend_buffer_is_host(t->buffer)) {
+                if ((backend == devices_.cpu()) == ggml_backend_buffer_is_host(t->buffer)) {
                     tensors.push_back(t);
                 }
             }

@@ -28,13 +28,16 @@ class kv_cache {
     ggml_tensor * v(int il) const;
     // the K/V tensors by layer index, for the graph builders
     void          fill(state_tensors & st, int n_layer) const;
-    // copy the rows of every layer's K and V from slot `first` to slot `second` of each pair, in order (a
-    // row is read before any later pair overwrites it only if the caller orders them so), on the device
+    // copy the rows of every layer's K and V from slot `first` to slot `second` of each pair, on the device;
+    // every row is read before it is overwritten (the pairs must not form a cycle)
     void          move_rows(const std::vector<std::pair<int, int>> & moves);
     uint32_t      n_ctx() const { return n_ctx_; }
     size_t        n_bytes() const;
 
   private:
+    // one graph of copies that do not depend on each other's order
+    void copy_rows(const std::vector<std::pair<int, int>> & moves);
+
     const backends &                            devices_;
     uint32_t                                    n_ctx_;
     ggml_context *                              ctx_ = nullptr;

@@ -80,9 +80,13 @@ void recurrent_state::reset() {
         ggml_backend_buffer_clear(b, 0);
     }
     ssm_row_ = 0;
+    conv_rows_from(0);
+}
+
+void recurrent_state::conv_rows_from(int first) {
     conv_rows_.resize(conv_window_);
     for (int j = 0; j < conv_window_; ++j) {
-        conv_rows_[j] = j;
+        conv_rows_[j] = first + j;
     }
 }
 
@@ -98,10 +102,7 @@ void recurrent_state::commit(int n_tokens, int i) {
     if (i > 0) {
         ssm_row_ = snapshot_row(s);
     }
-    const int first = i - conv_keep_from(n_tokens);
-    for (int j = 0; j < conv_window_; ++j) {
-        conv_rows_[j] = first + j;
-    }
+    conv_rows_from(i - conv_keep_from(n_tokens));
 }
 
 void recurrent_state::commit_node(int j, const int32_t * taps) {
@@ -115,9 +116,7 @@ void recurrent_state::commit_node(int j, const int32_t * taps) {
 }
 
 void recurrent_state::commit_no_node() {
-    for (int t = 0; t < conv_window_; ++t) {
-        conv_rows_[t] = t;
-    }
+    conv_rows_from(0);
 }
 
 }  // namespace pdf

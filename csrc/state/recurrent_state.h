@@ -59,6 +59,8 @@ class recurrent_state {
     void reset();
 
   private:
+    void conv_rows_from(int first);  // the window: d_conv-1 consecutive rows from `first`
+
     uint32_t                                               n_rollback_;
     int                                                    conv_window_ = 0;
     int32_t                                                ssm_row_     = 0;

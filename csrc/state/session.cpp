@@ -53,7 +53,7 @@ session::session(std::shared_ptr<const target_model> model, const session_params
 
 session::~session() = default;
 
-void session::prepare_graph(const graph_key & key) {
+void session::prepare_graph(const graph_key & key, feature_ring * ring) {
     ++uses_;
     for (auto & g : graphs_) {
         if (g->cache.ready() && g->key == key) {
@@ -134,7 +134,7 @@ void session::prepare_graph(const graph_key & key) {
         }
     }
     g.ring_slots = nullptr;
-    if (key.ring && !g.out.captured.empty()) {
+    if (ring && !g.out.captured.empty()) {
         g.ring_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
         ggml_set_input(g.ring_slots);
     }
@@ -142,7 +142,7 @@ void session::prepare_graph(const graph_key & key) {
         ggml_tensor * t = g.out.captured[c];
         GGML_ASSERT(t != nullptr);
         if (g.ring_slots) {
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, key.ring->layer_view(ctx, (int) c), t, g.ring_slots));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, ring->layer_view(ctx, (int) c), t, g.ring_slots));
         } else {
             ggml_set_output(t);
             ggml_build_forward_expand(gf, t);
@@ -248,21 +248,26 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
     key.n_tokens    = n;
     key.n_kv        = (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP));
     key.what        = what;
+    key.what.all_rows = what.all_rows || tree;  // reordered rows: the caller's last row need not be the last slot
     key.capture     = capture_layers;
-    key.ring        = capture_layers.empty() ? nullptr : ring;
+    key.ring_id     = capture_layers.empty() || !ring ? 0 : ring->id();
     key.tree_levels = levels;
-    prepare_graph(key);
+    // until this eval has run, there is nothing to commit (a failed allocation or compute leaves none)
+    pending_.clear();
+    pending_tree_    = false;
+    pending_parents_ = layout.parents != nullptr;
+    prepare_graph(key, capture_layers.empty() ? nullptr : ring);
 
     // inputs, by slot
-    pending_.resize(n);
+    std::vector<int32_t> tokens_by_slot(n);
     pending_pos_.resize(n);
     slots_host_.resize(n);
     const int            n_pos = info.n_pos_per_token;
     std::vector<int32_t> pos_host((size_t) n * n_pos, 0);
     for (int s = 0; s < n; ++s) {
         const int     i = row_of[s];
-        pending_[s]     = tokens[i];
-        slots_host_[s]  = n_past_ + s;
+        tokens_by_slot[s] = tokens[i];
+        slots_host_[s]    = n_past_ + s;
         pending_pos_[s] = layout.positions ? layout.positions[i] : n_past_ + (layout.parents ? depth[i] : i);
         // M-RoPE for text: the first three sections all take the token position, the fourth stays 0
         for (int j = 0; j < std::min(n_pos, 3); ++j) {
@@ -286,7 +291,7 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
             }
         }
     }
-    ggml_backend_tensor_set(cur_->in.tokens, pending_.data(), 0, sizeof(int32_t) * n);
+    ggml_backend_tensor_set(cur_->in.tokens, tokens_by_slot.data(), 0, sizeof(int32_t) * n);
     ggml_backend_tensor_set(cur_->in.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
     ggml_backend_tensor_set(cur_->in.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
     ggml_backend_tensor_set(cur_->in.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
@@ -348,27 +353,32 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
         }
         ggml_backend_tensor_set(cur_->ring_slots, ring_rows.data(), 0, sizeof(int64_t) * n);
     }
+    cur_->cache.compute("the target graph");
+    pending_      = std::move(tokens_by_slot);
     pending_tree_ = tree;
 
-    cur_->cache.compute("the target graph");
-
-    // outputs, back in batch order
-    n_outputs_ = (int) cur_->argmax->ne[0];
-    std::vector<int32_t> by_slot(n_outputs_);
-    ggml_backend_tensor_get(cur_->argmax, by_slot.data(), 0, sizeof(int32_t) * n_outputs_);
+    // outputs, back in batch order (a reordered tree computed every row: keep what the caller asked for)
+    const int n_rows = (int) cur_->argmax->ne[0];
+    n_outputs_       = what.all_rows ? n : 1;
+    // the computed row holding output i
+    const auto row_of_output = [&](int i) { return n_rows == 1 ? 0 : eval_slot(what.all_rows ? i : n - 1); };
+    std::vector<int32_t> by_slot(n_rows);
+    ggml_backend_tensor_get(cur_->argmax, by_slot.data(), 0, sizeof(int32_t) * n_rows);
     argmax_.resize(n_outputs_);
-    const auto slot = [&](int i) { return n_outputs_ == n ? eval_slot(i) : 0; };
     for (int i = 0; i < n_outputs_; ++i) {
-        argmax_[i] = by_slot[slot(i)];
+        argmax_[i] = by_slot[row_of_output(i)];
     }
     const int64_t V = info.n_vocab;
     logits_.clear();
     if (cur_->logits) {
-        std::vector<float> raw((size_t) n_outputs_ * V);
-        ggml_backend_tensor_get(cur_->logits, raw.data(), 0, sizeof(float) * raw.size());
-        logits_.resize(raw.size());
-        for (int i = 0; i < n_outputs_; ++i) {
-            std::copy_n(raw.data() + (size_t) slot(i) * V, V, logits_.data() + (size_t) i * V);
+        logits_.resize((size_t) n_outputs_ * V);
+        if (slot_of_.empty()) {  // rows in batch order already
+            ggml_backend_tensor_get(cur_->logits, logits_.data(), 0, sizeof(float) * logits_.size());
+        } else {
+            for (int i = 0; i < n_outputs_; ++i) {
+                ggml_backend_tensor_get(cur_->logits, logits_.data() + (size_t) i * V,
+                                        (size_t) row_of_output(i) * V * sizeof(float), V * sizeof(float));
+            }
         }
     }
     top_k_ = what.top_k;
@@ -376,34 +386,24 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
     top_logprobs_.clear();
     if (cur_->top_ids) {
         const int            k = top_k_;
-        std::vector<int32_t> ids((size_t) n_outputs_ * k);
-        std::vector<float>   lps((size_t) n_outputs_ * k);
+        std::vector<int32_t> ids((size_t) n_rows * k);
+        std::vector<float>   lps((size_t) n_rows * k);
         ggml_backend_tensor_get(cur_->top_ids, ids.data(), 0, sizeof(int32_t) * ids.size());
         ggml_backend_tensor_get(cur_->top_logprobs, lps.data(), 0, sizeof(float) * lps.size());
-        top_ids_.resize(ids.size());
-        top_logprobs_.resize(lps.size());
-        std::vector<int> order(k);
+        top_ids_.resize((size_t) n_outputs_ * k);
+        top_logprobs_.resize(top_ids_.size());
         for (int i = 0; i < n_outputs_; ++i) {
-            const int32_t * r_ids = ids.data() + (size_t) slot(i) * k;
-            const float *   r_lps = lps.data() + (size_t) slot(i) * k;
-            std::iota(order.begin(), order.end(), 0);
-            std::sort(order.begin(), order.end(), [&](int a, int b) {  // most likely first; ties: lower id
-                return r_lps[a] != r_lps[b] ? r_lps[a] > r_lps[b] : r_ids[a] < r_ids[b];
-            });
-            for (int j = 0; j < k; ++j) {
-                top_ids_[(size_t) i * k + j]      = r_ids[order[j]];
-                top_logprobs_[(size_t) i * k + j] = r_lps[order[j]];
-            }
+            std::copy_n(ids.data() + (size_t) row_of_output(i) * k, k, top_ids_.data() + (size_t) i * k);
+            std::copy_n(lps.data() + (size_t) row_of_output(i) * k, k, top_logprobs_.data() + (size_t) i * k);
         }
+        sort_top_k(top_ids_.data(), top_logprobs_.data(), n_outputs_, k);
     }
     captured_.resize(cur_->ring_slots ? 0 : cur_->out.captured.size());
     for (size_t c = 0; c < captured_.size(); ++c) {
-        std::vector<float> raw((size_t) n * info.n_embd);
-        ggml_backend_tensor_get(cur_->out.captured[c], raw.data(), 0, sizeof(float) * raw.size());
-        captured_[c].resize(raw.size());
+        captured_[c].resize((size_t) n * info.n_embd);
         for (int i = 0; i < n; ++i) {
-            std::copy_n(raw.data() + (size_t) eval_slot(i) * info.n_embd, info.n_embd,
-                        captured_[c].data() + (size_t) i * info.n_embd);
+            ggml_backend_tensor_get(cur_->out.captured[c], captured_[c].data() + (size_t) i * info.n_embd,
+                                    (size_t) eval_slot(i) * info.n_embd * sizeof(float), info.n_embd * sizeof(float));
         }
     }
 }
@@ -433,8 +433,10 @@ void session::commit(const std::vector<int> & rows) {
             throw std::invalid_argument(format("commit: row %d was evaluated at position %d, but would be committed "
                                                "at %d", rows[d], pending_pos_[slots[d]], n_past_ + d));
         }
-        const bool follows = rs_ ? parent_slot_[slots[d]] == (d == 0 ? -1 : slots[d - 1])
-                                 : d == 0 || slots[d] > slots[d - 1];
+        // a recurrent state, or K/V computed over a tree, hold for a path only; other attention batches for
+        // any increasing rows
+        const bool follows = rs_ || pending_parents_ ? parent_slot_[slots[d]] == (d == 0 ? -1 : slots[d - 1])
+                                                     : d == 0 || slots[d] > slots[d - 1];
         if (!follows) {
             throw std::invalid_argument(format("commit: rows must form a path from a depth-0 row down the tree "
                                                "(row %d does not continue row %d)", rows[d], d ? rows[d - 1] : -1));
@@ -449,8 +451,7 @@ void session::commit(const std::vector<int> & rows) {
             rs_->commit(n, m);  // a chain prefix: slots[d] == d
         }
     }
-    // the kept rows move to consecutive slots; slots only grow along the path, so in order no source is
-    // overwritten before it is read
+    // the kept rows move to consecutive slots (below their sources, so the moves never form a cycle)
     std::vector<std::pair<int, int>> moves;
     for (int d = 0; d < m; ++d) {
         if (slots[d] != d) {

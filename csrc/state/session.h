@@ -111,16 +111,16 @@ class session {
         int              n_kv     = 0;
         readout          what;
         std::vector<int> capture;
-        feature_ring *   ring = nullptr;
+        uint64_t         ring_id = 0;  // the feature ring written (0: none)
         std::vector<int> tree_levels;
         bool operator==(const graph_key & o) const {
             return n_tokens == o.n_tokens && n_kv == o.n_kv && what.all_rows == o.what.all_rows &&
                    what.logits == o.what.logits && what.top_k == o.what.top_k && capture == o.capture &&
-                   ring == o.ring && tree_levels == o.tree_levels;
+                   ring_id == o.ring_id && tree_levels == o.tree_levels;
         }
     };
-    // makes cur_ the graph for `key`, building it if no cached one has it
-    void prepare_graph(const graph_key & key);
+    // makes cur_ the graph for `key` (writing captures into `ring`), building it if no cached one has it
+    void prepare_graph(const graph_key & key, feature_ring * ring);
     // the recurrent state as of before the last (uncommitted) eval
     void rollback_pending();
 
@@ -155,7 +155,8 @@ class session {
     std::vector<int32_t>            parent_slot_; // tree evals: parent slot of each slot (-1: committed past)
     std::vector<int32_t>            conv_taps_;   // tree evals of recurrent models: [n, d_conv] per slot
     std::vector<int32_t>            slot_of_;     // batch row -> slot (empty: the identity)
-    bool                            pending_tree_ = false;  // the last eval ran the tree graph
+    bool                            pending_tree_    = false;  // the last eval ran the tree graph
+    bool                            pending_parents_ = false;  // the last eval's batch was a tree
     int                             n_outputs_    = 0;
     int                             top_k_        = 0;
     std::vector<int32_t>            argmax_;
