@@ -188,7 +188,7 @@ def test_ring_and_window_limits(pair):
 
 
 def test_draft_keys_out_of_range(pair, tmp_path):
-    from test_model import rewrite
+    from gguf_edit import rewrite
 
     import gguf
 

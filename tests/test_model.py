@@ -9,6 +9,8 @@ import gguf
 import numpy as np
 import pytest
 
+from gguf_edit import rewrite
+
 import pydflash
 from pydflash import _core
 from pydflash.errors import (
@@ -142,36 +144,6 @@ def test_closed_model_raises(gguf_path):
 
 
 # ---- bad GGUF input: a typed error naming the file and key/tensor, never a crash ----
-
-def rewrite(src, dst, *, drop_keys=(), set_keys=None, drop_tensors=(), reshape=None, arch=None):
-    """Copy a GGUF, changing metadata or tensors."""
-    reader = gguf.GGUFReader(src)
-    arch = arch or reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(dst, arch)
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture" or name in drop_keys:
-            continue
-        if set_keys and name in set_keys:
-            continue
-        value = f.contents()
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, value, vtype, sub_type=sub)
-    for name, (value, vtype) in (set_keys or {}).items():
-        writer.add_key_value(name, value, vtype)
-    for t in reader.tensors:
-        if t.name in drop_tensors:
-            continue
-        data = np.array(t.data)
-        if reshape and t.name in reshape:
-            data = data.reshape(-1)[: int(np.prod(reshape[t.name]))].reshape(reshape[t.name])
-        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
 
 def load(path):
     return _core.Model(str(path))

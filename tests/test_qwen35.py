@@ -196,18 +196,25 @@ def test_rollback_limits_are_typed_errors(checkpoint):
 
 
 def test_generate_with_prompt_cache(checkpoint):
-    """The prompt cache continues a recurrent state only when the new prompt extends the cached tokens."""
+    """The prompt cache of a hybrid model: the recurrent state is kept where the last prompt's last whole
+    micro-batch ended and at its end; a prompt continues from one of them or starts over, and gives what a
+    fresh model gives."""
     _, gguf_path, _ = checkpoint
-    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as m:
-        m.generate(PROMPT, max_tokens=8)
-        b = m.generate(PROMPT[:6], max_tokens=8)  # shorter than the cache: the state is reset, not cut
+    opts = dict(n_ctx=256, kv_type="f32", n_ubatch=4)
+    assert len(PROMPT) % 4 == 0
+    with pydflash.Model(gguf_path, **opts) as m:
+        a = m.generate(PROMPT, max_tokens=8)
+        again = m.generate(PROMPT, max_tokens=8)  # the same prompt: nothing evaluated
+        assert again.timings["cached_n"] == len(PROMPT) and again.tokens == a.tokens
+        b = m.generate(PROMPT[:6], max_tokens=8)  # no state kept at 4: starts over
         assert b.timings["cached_n"] == 0
-        c = m.generate(PROMPT[:6] + b.tokens, max_tokens=8)  # extends the cache: continued
-        assert c.timings["cached_n"] == 6 + len(b.tokens) - 1
-    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as fresh:
-        assert fresh.generate(PROMPT[:6], max_tokens=8).tokens == b.tokens
-    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as fresh:
-        assert fresh.generate(PROMPT[:6] + b.tokens, max_tokens=8).tokens == c.tokens
+        c = m.generate(PROMPT[:6] + b.tokens, max_tokens=8)  # from the state after 4 tokens
+        assert c.timings["cached_n"] == 4
+        d = m.generate(PROMPT[:6] + b.tokens, max_tokens=8)
+        assert d.timings["cached_n"] == 6 + len(b.tokens) and d.tokens == c.tokens
+    for prompt, expected in [(PROMPT, a.tokens), (PROMPT[:6], b.tokens), (PROMPT[:6] + b.tokens, c.tokens)]:
+        with pydflash.Model(gguf_path, **opts) as fresh:
+            assert fresh.generate(prompt, max_tokens=8).tokens == expected
 
 
 @pytest.mark.parametrize("weights, kv, bound", [("q8_0", "f32", 0.3), ("q4_0", "f32", 5.0), ("f32", "q8_0", 0.05),

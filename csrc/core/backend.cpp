@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <sched.h>
+#include <stdexcept>
 #include <thread>
 #include <unistd.h>
 
@@ -32,8 +34,27 @@ ggml_backend_buffer_t alloc_tensors(ggml_backend_buffer_type_t buft, const std::
     return buf;
 }
 
+// the cores this process may run on (its affinity mask: what taskset / a container's cpuset allow)
+static int usable_cores() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) {
+        return CPU_COUNT(&set);
+    }
+    return (int) std::max(1u, std::thread::hardware_concurrency());
+}
+
 backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_layer) {
-    n_threads_ = n_threads > 0 ? n_threads : std::max(1u, std::thread::hardware_concurrency());
+    if (n_threads < 0) {
+        throw std::invalid_argument(format("n_threads = %d, expected 0 (all usable cores) or a positive count",
+                                           n_threads));
+    }
+    // more threads than cores only make them wait on each other (and a huge count exhausts the OpenMP runtime)
+    const int cores = usable_cores();
+    if (n_threads > cores) {
+        PDF_LOG_WARN("n_threads = %d exceeds the %d usable cores; using %d", n_threads, cores, cores);
+    }
+    n_threads_ = n_threads > 0 ? std::min(n_threads, cores) : cores;
     cpu_dev_   = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     if (!cpu_dev_) {
         throw backend_error("ggml has no CPU backend");

@@ -1,7 +1,10 @@
 #include "core/gguf_file.h"
 #include "core/error.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -41,6 +44,43 @@ static size_t integer_type_size(gguf_type t) {
         case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: return 4;
         default:                                     return 8;
     }
+}
+
+// RFC 3629 UTF-8 (no overlongs, no surrogates, nothing above U+10FFFF)
+static bool is_valid_utf8(const char * s, size_t n) {
+    const unsigned char * p = (const unsigned char *) s;
+    size_t                i = 0;
+    while (i < n) {
+        const unsigned c = p[i];
+        int      len;
+        unsigned lo = 0x80, hi = 0xBF;  // the bounds of the second byte
+        if (c < 0x80) {
+            ++i;
+            continue;
+        } else if (c >= 0xC2 && c <= 0xDF) {
+            len = 2;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            len = 3;
+            lo  = c == 0xE0 ? 0xA0 : 0x80;
+            hi  = c == 0xED ? 0x9F : 0xBF;
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            len = 4;
+            lo  = c == 0xF0 ? 0x90 : 0x80;
+            hi  = c == 0xF4 ? 0x8F : 0xBF;
+        } else {
+            return false;
+        }
+        if (i + len > n || p[i + 1] < lo || p[i + 1] > hi) {
+            return false;
+        }
+        for (int k = 2; k < len; ++k) {
+            if ((p[i + k] & 0xC0) != 0x80) {
+                return false;
+            }
+        }
+        i += len;
+    }
+    return true;
 }
 
 static std::string shape_str(const int64_t * ne, int n) {
@@ -194,7 +234,65 @@ std::string gguf_file::str(const std::string & key) const {
         throw format_error(format("%s: key '%s' has type %s, expected string", path_.c_str(), key.c_str(),
                                   gguf_type_name(t)));
     }
-    return gguf_get_val_str(gguf_, id);
+    std::string value = gguf_get_val_str(gguf_, id);
+    if (!is_valid_utf8(value.data(), value.size())) {
+        throw format_error(format("%s: key '%s' is not valid UTF-8 (%zu bytes)", path_.c_str(), key.c_str(),
+                                  value.size()));
+    }
+    return value;
+}
+
+uint32_t gguf_file::u32_in(const std::string & key, uint32_t lo, uint32_t hi) const {
+    const uint32_t v = u32(key);
+    if (v < lo || v > hi) {
+        throw format_error(format("%s: key '%s' = %u, expected a value in [%u, %u]", path_.c_str(), key.c_str(), v,
+                                  lo, hi));
+    }
+    return v;
+}
+
+uint32_t gguf_file::u32_in_or(const std::string & key, uint32_t def, uint32_t lo, uint32_t hi) const {
+    return has_key(key) ? u32_in(key, lo, hi) : def;
+}
+
+float gguf_file::f32_in(const std::string & key, float lo, float hi) const {
+    const float v = f32(key);
+    if (!std::isfinite(v) || !(v > lo && v < hi)) {
+        throw format_error(format("%s: key '%s' = %g, expected a finite value in (%g, %g)", path_.c_str(),
+                                  key.c_str(), (double) v, (double) lo, (double) hi));
+    }
+    return v;
+}
+
+float gguf_file::f32_in_or(const std::string & key, float def, float lo, float hi) const {
+    return has_key(key) ? f32_in(key, lo, hi) : def;
+}
+
+int gguf_file::block_count(const std::string & key, uint32_t n_optional_last) const {
+    const uint32_t v       = u32(key);
+    const int64_t  present = n_blocks_present();
+    if (v == 0 || (int64_t) v < present || (int64_t) v - (int64_t) n_optional_last > present) {
+        throw format_error(format("%s: key '%s' = %u but the file has tensors for %lld layers (blk.N with N < %lld)%s",
+                                  path_.c_str(), key.c_str(), v, (long long) present, (long long) present,
+                                  (int64_t) v < present ? ": layers would be left unused" : ""));
+    }
+    return (int) v;
+}
+
+int gguf_file::n_blocks_present() const {
+    int n = 0;
+    for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i) {
+        const char * name = gguf_get_tensor_name(gguf_, i);
+        if (strncmp(name, "blk.", 4) != 0) {
+            continue;
+        }
+        char *     end = nullptr;
+        const long il  = strtol(name + 4, &end, 10);
+        if (end != name + 4 && *end == '.' && il >= 0 && il < (long) INT32_MAX) {
+            n = std::max(n, (int) il + 1);
+        }
+    }
+    return n;
 }
 
 std::vector<int32_t> gguf_file::i32_array(const std::string & key) const {
@@ -262,10 +360,13 @@ void gguf_file::check_shape(ggml_tensor * t, std::initializer_list<int64_t> ne) 
         throw format_error(format("%s: tensor '%s' has type %s, expected f32 (1-D tensors are stored as f32)",
                                   path_.c_str(), t->name, ggml_type_name(t->type)));
     }
-    if (ggml_get_type_traits(t->type)->blck_size == 0 || (ggml_get_type_traits(t->type)->is_quantized &&
-                                                             ggml_get_type_traits(t->type)->to_float == nullptr)) {
-        throw unsupported_error(format("%s: tensor '%s' has type %s, which this ggml cannot compute with",
-                                       path_.c_str(), t->name, ggml_type_name(t->type)));
+    // weights are floats or quantized floats: an integer type (i32...) or a removed quant cannot be multiplied
+    const ggml_type_traits * traits     = ggml_get_type_traits(t->type);
+    const bool               float_type = t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16 ||
+                                          t->type == GGML_TYPE_BF16;
+    if (traits->blck_size == 0 || !(float_type || (traits->is_quantized && traits->to_float != nullptr))) {
+        throw unsupported_error(format("%s: tensor '%s' has type %s, expected a float or quantized type (f32, f16, "
+                                       "bf16, q8_0, q4_K...)", path_.c_str(), t->name, ggml_type_name(t->type)));
     }
 }
 

@@ -34,6 +34,19 @@ class gguf_file {
     std::vector<int32_t>  i32_array(const std::string & key) const;  // any integer array type
     std::vector<bool>     bool_array(const std::string & key) const;
 
+    // range-checked getters: a value outside [lo, hi] (floats: not finite, or outside the open interval
+    // (lo, hi)) is a format_error naming the key, the value and the range
+    uint32_t u32_in(const std::string & key, uint32_t lo, uint32_t hi) const;
+    uint32_t u32_in_or(const std::string & key, uint32_t def, uint32_t lo, uint32_t hi) const;
+    float    f32_in(const std::string & key, float lo, float hi) const;
+    float    f32_in_or(const std::string & key, float def, float lo, float hi) const;
+
+    // 1 + the highest N of the `blk.N.*` tensors (0 when there are none)
+    int n_blocks_present() const;
+    // the block count `key`, checked against the `blk.N.*` tensors: every layer it names is present (its last
+    // `n_optional_last` may be absent: Qwen3.5's MTP blocks) and no layer is present that it leaves out
+    int block_count(const std::string & key, uint32_t n_optional_last = 0) const;
+
     // tensors: metadata lives in a no-alloc ggml context, data in the mapped file
     ggml_tensor * find_tensor(const std::string & name) const;  // nullptr when absent
     // the tensor, checked to exist and to have exactly the shape `ne` (ggml order); 1-D tensors must be F32

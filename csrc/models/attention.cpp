@@ -7,30 +7,78 @@
 
 namespace pdf {
 
+// rope.scaling.*, read as llama.cpp does (a factor without a type is linear) with YaRN's attention factor
+// meaning what transformers' `attention_factor` means: the whole cos/sin scale
+static void load_rope_scaling(const gguf_file & f, const std::string & prefix, rope_params & rope) {
+    const std::string & path   = f.path();
+    const std::string   key    = prefix + "rope.scaling.";
+    const std::string   type   = f.has_key(key + "type") ? f.str(key + "type") : "linear";
+    const float         factor = f.has_key(key + "factor") && f.f32(key + "factor") == 0.0f
+                                     ? 0.0f  // llama.cpp writes 0 for "not scaled"
+                                     : f.f32_in_or(key + "factor", 0.0f, 0.0f, 1e6f);
+    rope.attn_factor = f.f32_in_or(key + "attn_factor", 1.0f, 0.0f, 1e3f);
+    if (type == "none" || factor == 0.0f || factor == 1.0f) {
+        return;
+    }
+    if (type == "linear") {
+        rope.freq_scale = 1.0f / factor;
+    } else if (type == "yarn") {
+        rope.freq_scale = 1.0f / factor;
+        rope.n_ctx_orig = (int) f.u32_in(key + "original_context_length", 1, INT32_MAX);
+        rope.ext_factor = f.has_key(key + "yarn_ext_factor") && f.f32(key + "yarn_ext_factor") == 0.0f
+                              ? 0.0f
+                              : f.f32_in_or(key + "yarn_ext_factor", 1.0f, 0.0f, 1e3f);
+        rope.beta_fast  = f.f32_in_or(key + "yarn_beta_fast", 32.0f, 0.0f, 1e6f);
+        rope.beta_slow  = f.f32_in_or(key + "yarn_beta_slow", 1.0f, 0.0f, 1e6f);
+        if (f.has_key(key + "yarn_log_multiplier") && f.f32(key + "yarn_log_multiplier") != 0.0f) {
+            throw unsupported_error(format("%s: %srope.scaling.yarn_log_multiplier = %g (DeepSeek-style YaRN "
+                                           "mscale) is not supported", path.c_str(), prefix.c_str(),
+                                           (double) f.f32(key + "yarn_log_multiplier")));
+        }
+        // the cos/sin scale: the file's, else YaRN's 1 + 0.1 ln(factor) (1 for factor < 1); ggml multiplies by
+        // 1 + 0.1 ln(factor) itself whenever ext_factor != 0, so that part is divided out
+        const float default_scale = factor > 1.0f ? 1.0f + 0.1f * std::log(factor) : 1.0f;
+        const float scale         = f.f32_in_or(key + "yarn_attn_factor", default_scale, 0.0f, 1e3f);
+        rope.attn_factor *= rope.ext_factor != 0.0f ? scale / (1.0f + 0.1f * std::log(factor)) : scale;
+    } else {
+        throw unsupported_error(format("%s: %srope.scaling.type = '%s' is not supported (expected none, linear or "
+                                       "yarn)", path.c_str(), prefix.c_str(), type.c_str()));
+    }
+}
+
 attention_hparams load_attention_hparams(const gguf_file & f, const std::string & prefix, int64_t n_embd) {
     const std::string & path = f.path();
     attention_hparams   hp;
-    hp.n_head    = f.u32(prefix + "attention.head_count");
-    hp.n_head_kv = f.u32_or(prefix + "attention.head_count_kv", (uint32_t) hp.n_head);
-    if (hp.n_head == 0 || hp.n_head_kv == 0 || hp.n_head % hp.n_head_kv != 0) {
-        throw format_error(format("%s: %sattention.head_count = %lld must be a positive multiple of "
+    hp.n_head    = f.u32_in(prefix + "attention.head_count", 1, 1 << 16);
+    hp.n_head_kv = f.u32_in_or(prefix + "attention.head_count_kv", (uint32_t) hp.n_head, 1, (uint32_t) hp.n_head);
+    if (hp.n_head % hp.n_head_kv != 0) {
+        throw format_error(format("%s: %sattention.head_count = %lld must be a multiple of "
                                   "attention.head_count_kv = %lld", path.c_str(), prefix.c_str(),
                                   (long long) hp.n_head, (long long) hp.n_head_kv));
     }
-    hp.head_dim = f.u32_or(prefix + "attention.key_length", (uint32_t) (n_embd / hp.n_head));
+    const std::string key_length = prefix + "attention.key_length";
+    hp.head_dim = f.has_key(key_length) ? f.u32_in(key_length, 2, 1 << 16) : n_embd / hp.n_head;
+    if (hp.head_dim < 2 || hp.head_dim % 2 != 0) {
+        throw format_error(format("%s: the head dim (%s = %lld) must be even and at least 2", path.c_str(),
+                                  f.has_key(key_length) ? key_length.c_str() : "embedding_length / head_count",
+                                  (long long) hp.head_dim));
+    }
     const uint32_t v_len = f.u32_or(prefix + "attention.value_length", (uint32_t) hp.head_dim);
     if (v_len != hp.head_dim) {
         throw unsupported_error(format("%s: %sattention.value_length = %u differs from key_length = %lld",
                                        path.c_str(), prefix.c_str(), v_len, (long long) hp.head_dim));
     }
-    hp.norm_eps       = f.f32(prefix + "attention.layer_norm_rms_epsilon");
-    hp.rope.n_rot     = (int) f.u32_or(prefix + "rope.dimension_count", (uint32_t) hp.head_dim);
-    hp.rope.freq_base = f.f32_or(prefix + "rope.freq_base", 10000.0f);
-    hp.rope.n_ctx_orig = (int) f.u32_or(prefix + "context_length", 0);
-    if (hp.rope.n_rot > hp.head_dim || hp.rope.n_rot % 2 != 0) {
-        throw format_error(format("%s: %srope.dimension_count = %d must be even and <= head dim %lld", path.c_str(),
-                                  prefix.c_str(), hp.rope.n_rot, (long long) hp.head_dim));
+    // ggml requires eps >= 0; 0 turns an all-zero row into NaN, and anything near 1 is not a real model
+    hp.norm_eps        = f.f32_in(prefix + "attention.layer_norm_rms_epsilon", 0.0f, 1.0f);
+    hp.rope.n_rot      = (int) f.u32_in_or(prefix + "rope.dimension_count", (uint32_t) hp.head_dim, 2,
+                                           (uint32_t) hp.head_dim);
+    hp.rope.freq_base  = f.f32_in_or(prefix + "rope.freq_base", 10000.0f, 1.0f, 1e12f);
+    hp.rope.n_ctx_orig = (int) std::min<uint32_t>(f.u32_or(prefix + "context_length", 0), INT32_MAX);
+    if (hp.rope.n_rot % 2 != 0) {
+        throw format_error(format("%s: %srope.dimension_count = %d must be even", path.c_str(), prefix.c_str(),
+                                  hp.rope.n_rot));
     }
+    load_rope_scaling(f, prefix, hp.rope);
     return hp;
 }
 
@@ -39,12 +87,11 @@ ggml_tensor * build_rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * posi
         int sections[GGML_MROPE_SECTIONS];
         std::copy(rope.sections, rope.sections + GGML_MROPE_SECTIONS, sections);
         return ggml_rope_multi(ctx, x, positions, nullptr, rope.n_rot, sections, GGML_ROPE_TYPE_IMROPE,
-                               rope.n_ctx_orig, rope.freq_base, /*freq_scale*/ 1.0f, /*ext_factor*/ 0.0f,
-                               /*attn_factor*/ 1.0f, /*beta_fast*/ 0.0f, /*beta_slow*/ 0.0f);
+                               rope.n_ctx_orig, rope.freq_base, rope.freq_scale, rope.ext_factor, rope.attn_factor,
+                               rope.beta_fast, rope.beta_slow);
     }
     return ggml_rope_ext(ctx, x, positions, nullptr, rope.n_rot, GGML_ROPE_TYPE_NEOX, rope.n_ctx_orig, rope.freq_base,
-                         /*freq_scale*/ 1.0f, /*ext_factor*/ 0.0f, /*attn_factor*/ 1.0f, /*beta_fast*/ 0.0f,
-                         /*beta_slow*/ 0.0f);
+                         rope.freq_scale, rope.ext_factor, rope.attn_factor, rope.beta_fast, rope.beta_slow);
 }
 
 void build_qk_norm_rope(ggml_context * ctx, ggml_tensor *& q, ggml_tensor *& k, ggml_tensor * q_norm,

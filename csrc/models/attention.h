@@ -13,9 +13,17 @@ namespace pdf {
 struct rope_params {
     int   n_rot          = 0;        // rotated dims per head (even, <= hd)
     float freq_base      = 10000.0f;
-    int   n_ctx_orig     = 0;
+    int   n_ctx_orig     = 0;        // YaRN: the context the model was pre-trained at
     bool  multi          = false;    // M-RoPE (Qwen3.5: interleaved sections, GGML_ROPE_TYPE_IMROPE)
     int   sections[GGML_MROPE_SECTIONS] = {0, 0, 0, 0};
+    // context extension (rope.scaling.*): linear interpolation (freq_scale = 1 / factor) or YaRN (ext_factor 1,
+    // beta_fast / beta_slow bound the ramp between extrapolated and interpolated dims); ggml scales the
+    // rotation by 1 + 0.1 ln(factor) under YaRN itself, and attn_factor multiplies that
+    float freq_scale  = 1.0f;
+    float ext_factor  = 0.0f;
+    float attn_factor = 1.0f;
+    float beta_fast   = 32.0f;
+    float beta_slow   = 1.0f;
 };
 
 struct attention_hparams {
@@ -27,8 +35,9 @@ struct attention_hparams {
 };
 
 // `{prefix}attention.head_count` (+ `_kv`), `key_length` (= `value_length`), `layer_norm_rms_epsilon`,
-// `rope.dimension_count`, `rope.freq_base` and `context_length` of `f`, checked: typed errors name the key
-// and the expected and actual values. The head dim defaults to n_embd / n_head.
+// `rope.dimension_count`, `rope.freq_base`, `rope.scaling.*` and `context_length` of `f`, each checked against
+// its valid range: typed errors name the key and the expected and actual values. The head dim defaults to
+// n_embd / n_head.
 attention_hparams load_attention_hparams(const gguf_file & f, const std::string & prefix, int64_t n_embd);
 
 // x: [hd, H, n], positions: I32 [n] (M-RoPE: [4n], section-major) -> rotated x

@@ -19,11 +19,14 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
     }
     const model_info & t = target_->info();
     const std::string  a = "dflash.";
-    const int64_t      E = f.u32(a + "embedding_length");
-    const int      n_layer = (int) f.u32(a + "block_count");
-    n_ff_           = f.u32(a + "feed_forward_length");
+    // every hyper-parameter is checked here, against its range, the tensors present (their shapes are checked as
+    // they are loaded below) and the target, before any of it sizes an allocation or reaches a ggml op
+    const int64_t      E = f.u32_in(a + "embedding_length", 1, 1 << 20);
+    const int      n_layer = f.block_count(a + "block_count");
+    n_ff_           = f.u32_in(a + "feed_forward_length", 1, 1 << 24);
     att_            = load_attention_hparams(f, a, E);
-    block_size_     = (int) f.u32_or(a + "block_size", 16);
+    // a round drafts block_size - 1 tokens; trained drafters use 8 to 16
+    block_size_     = (int) f.u32_in_or(a + "block_size", 16, 2, MAX_BLOCK_SIZE);
     causal_         = f.boolean_or(a + "attention.causal", false);
     if (!f.has_key("tokenizer.ggml.mask_token_id")) {
         throw format_error(format("%s: missing required key 'tokenizer.ggml.mask_token_id' (the DFlash MASK token)",
@@ -40,9 +43,6 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
         throw format_error(format("%s: tokenizer.ggml.mask_token_id = %d is outside the target's vocabulary [0, %lld)",
                                   path.c_str(), mask_token_, (long long) t.n_vocab));
     }
-    if (block_size_ < 2) {
-        throw format_error(format("%s: dflash.block_size = %d, expected at least 2", path.c_str(), block_size_));
-    }
     std::vector<int32_t> layers = f.i32_array(a + "target_layers");
     if (layers.empty()) {
         throw format_error(format("%s: dflash.target_layers is empty", path.c_str()));
@@ -57,6 +57,10 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
     }
     const std::vector<int32_t> sections =
         f.has_key(a + "rope.dimension_sections") ? f.i32_array(a + "rope.dimension_sections") : std::vector<int32_t>{};
+    if (!sections.empty() && (sections[0] < 0 || sections[0] > att_.head_dim)) {
+        throw format_error(format("%s: dflash.rope.dimension_sections[0] = %d, expected 0..%lld (the head dim)",
+                                  path.c_str(), sections[0], (long long) att_.head_dim));
+    }
     for (size_t i = 1; i < sections.size(); ++i) {
         // [head_dim/2, 0, 0, 0] is how M-RoPE targets' drafts say "plain RoPE on the token position"
         if (sections[i] != 0) {

@@ -30,6 +30,9 @@ struct draft_inputs {
 
 class dflash_draft {
   public:
+    // the largest dflash.block_size accepted (drafts are trained with 8 to 16)
+    static constexpr int MAX_BLOCK_SIZE = 256;
+
     // loads `path` and checks it against `target` (typed errors naming each mismatched field)
     dflash_draft(const std::string & path, std::shared_ptr<const target_model> target);
     ~dflash_draft();

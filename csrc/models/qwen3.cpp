@@ -40,10 +40,12 @@ class qwen3_model : public target_model {
         file_                = std::move(file);
         const gguf_file & f  = *file_;
         const std::string a  = "qwen3.";
-        hp_.n_embd           = f.u32(a + "embedding_length");
-        hp_.n_layer          = (int) f.u32(a + "block_count");
+        // every hyper-parameter is checked here, against its range and the tensors present (their shapes are
+        // checked as they are loaded below), before any of it sizes an allocation or reaches a ggml op
+        hp_.n_embd           = f.u32_in(a + "embedding_length", 1, 1 << 20);
+        hp_.n_layer          = f.block_count(a + "block_count");
         hp_.n_ctx_train      = f.u32(a + "context_length");
-        hp_.n_ff             = f.u32(a + "feed_forward_length");
+        hp_.n_ff             = f.u32_in(a + "feed_forward_length", 1, 1 << 24);
         hp_.att              = load_attention_hparams(f, a, hp_.n_embd);
 
         ggml_tensor * embd = f.find_tensor("token_embd.weight");

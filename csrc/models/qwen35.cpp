@@ -10,6 +10,7 @@
 #include "models/delta_net.h"
 #include "models/model.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace pdf {
@@ -55,32 +56,46 @@ class qwen35_model : public target_model {
         file_               = std::move(file);
         const gguf_file & f = *file_;
         const std::string a = "qwen35.";
-        const int n_layer_all = (int) f.u32(a + "block_count");
-        const int n_mtp       = (int) f.u32_or(a + "nextn_predict_layers", 0);
-        hp_.n_layer        = n_layer_all - n_mtp;
-        hp_.n_embd         = f.u32(a + "embedding_length");
+        // every hyper-parameter is checked here, against its range and the tensors present (their shapes are
+        // checked as they are loaded below), before any of it sizes an allocation or reaches a ggml op
+        const std::string & path = f.path();
+        const uint32_t n_mtp = f.u32_in_or(a + "nextn_predict_layers", 0, 0, 64);
+        // MTP blocks come last and may have been left out of the file
+        const int n_layer_all = f.block_count(a + "block_count", n_mtp);
+        hp_.n_layer           = n_layer_all - (int) n_mtp;
+        if (hp_.n_layer <= 0) {
+            throw format_error(format("%s: block_count %d minus nextn_predict_layers %u leaves no layer", path.c_str(),
+                                      n_layer_all, n_mtp));
+        }
+        hp_.n_embd         = f.u32_in(a + "embedding_length", 1, 1 << 20);
         hp_.n_ctx_train    = f.u32(a + "context_length");
-        hp_.n_ff           = f.u32(a + "feed_forward_length");
+        hp_.n_ff           = f.u32_in(a + "feed_forward_length", 1, 1 << 24);
         hp_.att            = load_attention_hparams(f, a, hp_.n_embd);
-        hp_.d_conv         = f.u32(a + "ssm.conv_kernel");
-        hp_.S              = f.u32(a + "ssm.state_size");
-        hp_.Hk             = f.u32(a + "ssm.group_count");
-        hp_.Hv             = f.u32(a + "ssm.time_step_rank");
+        hp_.d_conv         = f.u32_in(a + "ssm.conv_kernel", 2, 64);  // the state keeps d_conv - 1 columns
+        hp_.S              = f.u32_in(a + "ssm.state_size", 1, 4096);
+        hp_.Hk             = f.u32_in(a + "ssm.group_count", 1, 4096);
+        hp_.Hv             = f.u32_in(a + "ssm.time_step_rank", 1, 4096);
         const int64_t d_inner = f.u32(a + "ssm.inner_size");
         std::vector<int32_t> sections = f.i32_array(a + "rope.dimension_sections");
         if (sections.size() != GGML_MROPE_SECTIONS) {
             throw format_error(format("%s: key '%srope.dimension_sections' has %zu entries, expected %d",
-                                      f.path().c_str(), a.c_str(), sections.size(), GGML_MROPE_SECTIONS));
+                                      path.c_str(), a.c_str(), sections.size(), GGML_MROPE_SECTIONS));
+        }
+        // sections count rotated dim pairs (ggml cycles through them): each >= 0, together 1 .. the head dim
+        int64_t section_sum = 0;
+        for (int32_t v : sections) {
+            section_sum += v;
+        }
+        if (*std::min_element(sections.begin(), sections.end()) < 0 || section_sum < 1 ||
+            section_sum > hp_.att.head_dim) {
+            throw format_error(format("%s: key '%srope.dimension_sections' = [%d, %d, %d, %d]: expected entries >= 0 "
+                                      "summing to 1..%lld (the head dim)", path.c_str(), a.c_str(), sections[0],
+                                      sections[1], sections[2], sections[3], (long long) hp_.att.head_dim));
         }
         std::copy(sections.begin(), sections.end(), hp_.att.rope.sections);
         hp_.att.rope.multi = true;
 
-        const std::string & path = f.path();
-        if (hp_.n_layer <= 0) {
-            throw format_error(format("%s: block_count %d minus nextn_predict_layers %d leaves no layer", path.c_str(),
-                                      n_layer_all, n_mtp));
-        }
-        if (hp_.Hk == 0 || hp_.Hv % hp_.Hk != 0) {
+        if (hp_.Hv % hp_.Hk != 0) {
             throw format_error(format("%s: ssm.time_step_rank = %lld must be a multiple of ssm.group_count = %lld",
                                       path.c_str(), (long long) hp_.Hv, (long long) hp_.Hk));
         }

@@ -6,17 +6,25 @@
 
 namespace pdf {
 
-// the cached prefix a prompt can reuse; at least the last prompt token is always evaluated (its logits)
-static size_t reusable_prefix(const session & s, const std::vector<int32_t> & prompt) {
-    const std::vector<int32_t> & cached = s.tokens();
-    size_t common = 0;
-    while (common < cached.size() && common + 1 < prompt.size() && cached[common] == prompt[common]) {
-        ++common;
+// How much of the session's prompt cache (session::prefill_marks) `prompt` continues from: all of it when it
+// is the last prompt again, else the whole micro-batches it shares with the last prompt (a hybrid model only
+// from the mark, where its recurrent state was kept), leaving at least one token to evaluate.
+static int reusable_prefix(const session & s, const std::vector<int32_t> & prompt) {
+    const session::prefill_marks & m  = s.prefill_cache();
+    const int                      L  = (int) prompt.size();
+    const int                      ub = (int) s.n_ubatch();
+    int shared = 0;
+    while (shared < (int) m.prompt.size() && shared < L && m.prompt[shared] == prompt[shared]) {
+        ++shared;
     }
-    return common;
+    if (m.whole && shared == L && (int) m.prompt.size() == L) {
+        return L;
+    }
+    const int reuse = std::min({m.aligned, shared / ub * ub, (L - 1) / ub * ub});
+    return s.is_recurrent() && reuse != m.aligned ? 0 : reuse;
 }
 
-void prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t) {
+int32_t prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t) {
     if (prompt.empty()) {
         throw std::invalid_argument("prompt is empty");
     }
@@ -24,27 +32,38 @@ void prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, gen
         throw context_overflow_error(format("prompt has %zu tokens but n_ctx = %u", prompt.size(), s.n_ctx()),
                                      (long long) prompt.size(), s.n_ctx());
     }
-    p.before_prefill(s, (int) reusable_prefix(s, prompt));
-    size_t common = reusable_prefix(s, prompt);
-    if (s.is_recurrent() && common < s.tokens().size()) {
-        common = 0;  // a recurrent state can only be continued, not cut back
+    const int L     = (int) prompt.size();
+    const int ub    = (int) s.n_ubatch();
+    const int reuse = p.before_prefill(reusable_prefix(s, prompt));
+    s.resume_prefill(reuse);
+    t.cached_n = reuse;
+    t.prompt_n = L - reuse;
+    if (reuse == L) {
+        t.prompt_ms = 0.0;
+        return s.prefill_cache().next;
     }
-    s.truncate((int) common);
-    t.cached_n = (int) common;
+    s.begin_prefill(prompt, reuse);
 
+    // micro-batches at multiples of n_ubatch, whatever was reused: the rows (and the last logits) come out the
+    // same as a prefill from an empty cache
     const auto t0 = clock_type::now();
-    for (size_t i = common; i < prompt.size(); i += s.n_ubatch()) {
-        const int n = (int) std::min<size_t>(s.n_ubatch(), prompt.size() - i);
-        p.before_eval((int) i, n);
+    for (int i = reuse; i < L; i += ub) {
+        const int n = std::min(ub, L - i);
+        p.before_eval(i, n);
         s.eval(prompt.data() + i, n, {}, read_argmax_last, p.capture(), p.ring());
         s.commit(n);
-        p.after_prefill_chunk((int) i, n);
+        p.after_prefill_chunk(i, n);
+        if (n == ub && i + n == L / ub * ub) {
+            s.mark_aligned(i + n);  // the last whole micro-batch
+        }
         if (s.abort.load()) {
-            break;
+            t.prompt_ms = ms_since(t0);
+            return -1;
         }
     }
-    t.prompt_n  = (int) (prompt.size() - common);
+    s.mark_whole(s.argmax().back());
     t.prompt_ms = ms_since(t0);
+    return s.prefill_cache().next;
 }
 
 generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,
@@ -56,14 +75,13 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         throw std::invalid_argument(format("n_ubatch = %u exceeds the feature ring's %d rows", s.n_ubatch(),
                                            p.ring()->capacity()));
     }
-    prefill(s, p, prompt, t);
+    int32_t anchor = prefill(s, p, prompt, t);  // the first generated token, at position start
     r.finish_reason = "length";
     if (s.abort.load()) {
         r.finish_reason = "abort";
         return r;
     }
 
-    int32_t anchor = s.argmax().back();  // the first generated token, at position start
     int     start  = s.n_past();
     if (params.max_tokens > 0) {
         t.warm_up_ms = p.warm_up(s, anchor);

@@ -1,4 +1,4 @@
-// The decode loop, entirely in C++: prefill (reusing the longest cached prefix), then rounds of
+// The decode loop, entirely in C++: prefill (reusing the cached prompt prefix), then rounds of
 // propose -> verify in one batched target evaluation -> accept -> commit (no replay), until a stop token,
 // max_tokens, the context limit or an abort. What a round verifies is the proposer's choice
 // (spec/proposer.h): the root alone (plain decoding), a chain or a tree of drafts. Committed tokens reach the
@@ -50,8 +50,9 @@ using token_callback = std::function<bool(const int32_t * tokens, int n)>;
 generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,
                          const generate_params & params, const token_callback & on_tokens);
 
-// evaluate `prompt` after reusing the longest cached prefix; leaves the last token's greedy pick in
-// s.argmax(). The proposer captures what it needs of each chunk.
-void prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t);
+// evaluate `prompt`, continuing from what the session's prompt cache holds of it (session::prefill_marks);
+// returns the last prompt token's greedy pick (-1 after an abort). The proposer captures what it needs of each
+// micro-batch.
+int32_t prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t);
 
 }  // namespace pdf

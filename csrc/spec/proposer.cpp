@@ -29,12 +29,14 @@ dflash_proposer::dflash_proposer(draft_session & d, speculation_state & state, c
     }
 }
 
-void dflash_proposer::before_prefill(session & s, int reusable) {
+int dflash_proposer::before_prefill(int reusable) {
     // a reused prefix already has its rows in the draft cache, unless plain decoding extended it
     d_.truncate(reusable);
     if (d_.n_valid() < reusable) {
-        s.truncate(0);
+        d_.truncate(0);
+        return 0;
     }
+    return reusable;
 }
 
 void dflash_proposer::after_prefill_chunk(int first, int n) {

@@ -36,8 +36,9 @@ class proposer {
     // the target layers to capture during evaluations and the ring they go to (none: empty / nullptr)
     virtual const std::vector<int> & capture() const = 0;
     virtual feature_ring *           ring()          = 0;
-    // before prefill: cut the session's cache back to what this proposer can continue from
-    virtual void before_prefill(session & s, int reusable) = 0;
+    // before prefill: the session will continue from its first `reusable` committed tokens; returns how many of
+    // them this proposer can continue from (`reusable`, or 0), having cut its own state back to that
+    virtual int before_prefill(int reusable) = 0;
     // a target evaluation is about to write the capture rows of positions [first, first + n)
     virtual void before_eval(int first, int n) = 0;
     // prefill committed positions [first, first + n) (captured into the ring)
@@ -64,7 +65,7 @@ class plain_proposer : public proposer {
   public:
     const std::vector<int> & capture() const override { return none_; }
     feature_ring *           ring() override { return nullptr; }
-    void   before_prefill(session &, int) override {}
+    int    before_prefill(int reusable) override { return reusable; }
     void   before_eval(int, int) override {}
     void   after_prefill_chunk(int, int) override {}
     double warm_up(session &, int32_t) override { return 0.0; }
@@ -112,7 +113,7 @@ class dflash_proposer : public proposer {
 
     const std::vector<int> & capture() const override { return d_.model().capture_layers(); }
     feature_ring *           ring() override { return &d_.ring(); }
-    void   before_prefill(session & s, int reusable) override;
+    int    before_prefill(int reusable) override;
     void   before_eval(int first, int n) override { d_.protect(first, n); }
     void   after_prefill_chunk(int first, int n) override;
     double warm_up(session & s, int32_t anchor) override;

@@ -13,6 +13,11 @@ static constexpr int KV_WINDOW_STEP = 256;
 static constexpr int APPEND_ROWS_SMALL = 64;
 static constexpr int APPEND_ROWS_LARGE = 256;
 
+// positions beyond this would overflow the padded KV windows computed from them
+static constexpr int MAX_POSITION = INT32_MAX / 2;
+// feature-ring rows: one target evaluation's (a prefill micro-batch, a verify)
+static constexpr int MAX_RING_ROWS = 1 << 16;
+
 static int append_rows(int queued) {
     return queued <= APPEND_ROWS_SMALL ? APPEND_ROWS_SMALL : APPEND_ROWS_LARGE;
 }
@@ -25,9 +30,9 @@ draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t
         throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)",
                                            block_, draft_->block_size()));
     }
-    if (params.window <= 0 || params.ring_capacity <= 0) {
-        throw std::invalid_argument(format("draft window (%d) and feature ring capacity (%d) must be positive",
-                                           params.window, params.ring_capacity));
+    if (params.window <= 0 || params.ring_capacity <= 0 || params.ring_capacity > MAX_RING_ROWS) {
+        throw std::invalid_argument(format("draft window (%d) must be positive and the feature ring capacity (%d) "
+                                           "in [1, %d]", params.window, params.ring_capacity, MAX_RING_ROWS));
     }
     const target_model & target = draft_->target();
     if (params.top_k < 1 || params.top_k > target.info().n_vocab) {
@@ -42,9 +47,21 @@ draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t
     window_  = (int) std::min<int64_t>(params.window, n_ctx);
     n_slots_ = window_ + block_;
     slot_pos_.assign(n_slots_, -1);
+    // both buffers are sized by arguments: checked against the memory that is free before either is allocated
+    const int    ring_rows  = std::max(params.ring_capacity, block_);
+    const size_t ring_bytes = (size_t) ring_rows * draft_->capture_layers().size() * draft_->info().n_embd * sizeof(float);
+    const size_t kv_bytes   = kv_cache::n_bytes_for(draft_->info(), n_slots_, GGML_TYPE_F32, GGML_TYPE_F32);
+    const size_t have       = target.devices().free_memory(target.info().n_layer - 1);
+    if (ring_bytes + kv_bytes > have) {
+        throw context_overflow_error(format("the draft's context cache (window %d: %.1f MiB) and feature ring (%d rows: "
+                                            "%.1f MiB) need more than the %.1f MiB that are free; lower draft_window "
+                                            "or n_ubatch", window_, kv_bytes / 1048576.0, ring_rows,
+                                            ring_bytes / 1048576.0, have / 1048576.0),
+                                     0, n_ctx);
+    }
     ring_ = std::make_unique<feature_ring>(target.devices(), target.info().n_layer - 1,
                                            (int) draft_->capture_layers().size(), draft_->info().n_embd,
-                                           std::max(params.ring_capacity, block_));
+                                           ring_rows);
     // f32 draft cache: the drafter's proposals are decided by argmax over small margins
     kv_ = std::make_unique<kv_cache>(draft_->info(), target.devices(), n_slots_, GGML_TYPE_F32, GGML_TYPE_F32);
 }
@@ -186,7 +203,8 @@ void draft_session::queue(const int32_t * ring_rows, const int32_t * positions, 
         if (ring_rows[i] < 0 || ring_rows[i] >= ring_->capacity()) {
             throw std::out_of_range(format("draft: ring row %d is outside [0, %d)", ring_rows[i], ring_->capacity()));
         }
-        if (positions[i] < 0 || (!queued_pos_.empty() && positions[i] != queued_pos_.back() + 1)) {
+        if (positions[i] < 0 || positions[i] > MAX_POSITION ||
+            (!queued_pos_.empty() && positions[i] != queued_pos_.back() + 1)) {
             throw std::invalid_argument(format("draft: context position %d does not follow the queued ones",
                                                positions[i]));
         }
@@ -228,7 +246,7 @@ void draft_session::protect(int first, int n) {
 
 const draft_proposals & draft_session::draft(int32_t anchor, int start, int n_block) {
     n_block = n_block > 0 ? n_block : block_;
-    if (n_block < 2 || n_block > block_ || start < 0) {
+    if (n_block < 2 || n_block > block_ || start < 0 || start > MAX_POSITION - n_block) {
         throw std::invalid_argument(format("draft: a block of %d (2..%d) at position %d", n_block, block_, start));
     }
     if (anchor < 0 || anchor >= draft_->target().info().n_vocab) {

@@ -45,6 +45,11 @@ size_t feature_ring::n_bytes() const {
 void feature_ring::write(const float * feats, const int32_t * positions, int m) {
     const size_t row_bytes = rows_->nb[1];
     for (int i = 0; i < m; ++i) {
+        if (positions[i] < 0) {
+            throw std::out_of_range(format("feature ring: position %d is negative", positions[i]));
+        }
+    }
+    for (int i = 0; i < m; ++i) {
         ggml_backend_tensor_set(rows_, feats + (size_t) i * row_width(), (size_t) slot(positions[i]) * row_bytes,
                                 row_bytes);
     }

@@ -4,6 +4,7 @@
 #include "ggml-alloc.h"
 
 #include <stdexcept>
+#include <vector>
 
 namespace pdf {
 
@@ -12,6 +13,7 @@ size_t recurrent_state::n_bytes_for(const model_info & info, uint32_t n_rollback
     for (const recurrent_layer_desc & l : info.recurrent_layers) {
         n += sizeof(float) * (size_t) l.ssm_size * (n_rollback + 1);
         n += sizeof(float) * (size_t) l.conv_channels * (l.d_conv - 1 + n_rollback);
+        n += sizeof(float) * ((size_t) l.ssm_size + (size_t) l.conv_channels * (l.d_conv - 1)) * N_CHECKPOINTS;
     }
     return n;
 }
@@ -25,7 +27,7 @@ recurrent_state::recurrent_state(const model_info & info, const backends & devic
         throw std::invalid_argument("recurrent state for a model without recurrent layers");
     }
     conv_window_            = (int) info.recurrent_layers[0].d_conv - 1;
-    ggml_init_params params = {ggml_tensor_overhead() * (2 * info.recurrent_layers.size() + 1), nullptr, true};
+    ggml_init_params params = {ggml_tensor_overhead() * (4 * info.recurrent_layers.size() + 1), nullptr, true};
     ctx_                    = ggml_init(params);
     std::map<ggml_backend_buffer_type_t, std::vector<ggml_tensor *>> by_buft;
     for (const recurrent_layer_desc & l : info.recurrent_layers) {
@@ -33,10 +35,16 @@ recurrent_state::recurrent_state(const model_info & info, const backends & devic
         ggml_tensor * conv = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, l.conv_channels, l.d_conv - 1 + n_rollback);
         ggml_format_name(ssm, "ssm_states_l%d", l.il);
         ggml_format_name(conv, "conv_states_l%d", l.il);
-        layers_[l.il] = {ssm, conv};
+        ggml_tensor * ssm_ckpt  = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, l.ssm_size, N_CHECKPOINTS);
+        ggml_tensor * conv_ckpt = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, l.conv_channels, (l.d_conv - 1) * N_CHECKPOINTS);
+        ggml_format_name(ssm_ckpt, "ssm_checkpoints_l%d", l.il);
+        ggml_format_name(conv_ckpt, "conv_checkpoints_l%d", l.il);
+        layers_[l.il]      = {ssm, conv};
+        checkpoints_[l.il] = {ssm_ckpt, conv_ckpt};
         ggml_backend_buffer_type_t buft = devices.state_buft(l.il);
-        by_buft[buft].push_back(ssm);
-        by_buft[buft].push_back(conv);
+        for (ggml_tensor * t : {ssm, conv, ssm_ckpt, conv_ckpt}) {
+            by_buft[buft].push_back(t);
+        }
     }
     for (auto & kv : by_buft) {
         ggml_backend_buffer_t buf = alloc_tensors(kv.first, kv.second);
@@ -81,6 +89,41 @@ void recurrent_state::reset() {
     }
     ssm_row_ = 0;
     conv_rows_from(0);
+}
+
+// row `from` of `src` -> row `to` of `dst` (2-D F32 tensors of the same row width), through the host: a few
+// MiB per prompt, so no graph is built for it
+static void copy_row(ggml_tensor * src, int from, ggml_tensor * dst, int to, std::vector<uint8_t> & staging) {
+    const size_t n = src->nb[1];
+    staging.resize(n);
+    ggml_backend_tensor_get(src, staging.data(), (size_t) from * n, n);
+    ggml_backend_tensor_set(dst, staging.data(), (size_t) to * n, n);
+}
+
+void recurrent_state::save_checkpoint(int slot) {
+    GGML_ASSERT(slot >= 0 && slot < N_CHECKPOINTS);
+    std::vector<uint8_t> staging;
+    for (const auto & kv : layers_) {
+        const auto & ckpt = checkpoints_.at(kv.first);
+        copy_row(kv.second.first, ssm_row_, ckpt.first, slot, staging);
+        for (int t = 0; t < conv_window_; ++t) {
+            copy_row(kv.second.second, conv_rows_[t], ckpt.second, slot * conv_window_ + t, staging);
+        }
+    }
+}
+
+void recurrent_state::restore_checkpoint(int slot) {
+    GGML_ASSERT(slot >= 0 && slot < N_CHECKPOINTS);
+    std::vector<uint8_t> staging;
+    ssm_row_ = 0;
+    conv_rows_from(0);
+    for (const auto & kv : layers_) {
+        const auto & ckpt = checkpoints_.at(kv.first);
+        copy_row(ckpt.first, slot, kv.second.first, ssm_row_, staging);
+        for (int t = 0; t < conv_window_; ++t) {
+            copy_row(ckpt.second, slot * conv_window_ + t, kv.second.second, conv_rows_[t], staging);
+        }
+    }
 }
 
 void recurrent_state::conv_rows_from(int first) {

@@ -58,6 +58,13 @@ class recurrent_state {
     // back to the empty state (zeros)
     void reset();
 
+    // Copies of the committed state, apart from the rows evaluations write: the prompt cache keeps the state
+    // at two points of the last prompt (state/session.h) so that a later request sharing it continues from there.
+    static constexpr int N_CHECKPOINTS = 2;
+    void save_checkpoint(int slot);
+    // the committed state becomes the one saved in `slot`
+    void restore_checkpoint(int slot);
+
   private:
     void conv_rows_from(int first);  // the window: d_conv-1 consecutive rows from `first`
 
@@ -68,6 +75,8 @@ class recurrent_state {
     ggml_context *                                         ctx_         = nullptr;
     std::vector<ggml_backend_buffer_t>                     buffers_;
     std::map<int, std::pair<ggml_tensor *, ggml_tensor *>> layers_;
+    // per layer: ssm [D, N_CHECKPOINTS], conv [conv_channels, (d_conv-1) * N_CHECKPOINTS]
+    std::map<int, std::pair<ggml_tensor *, ggml_tensor *>> checkpoints_;
 };
 
 }  // namespace pdf

@@ -19,6 +19,13 @@ static constexpr int KV_WINDOW_STEP = 64;
 // evaluation graphs kept (each with its own compute buffer)
 static constexpr size_t MAX_CACHED_GRAPHS = 8;
 
+// an input the graph does not read (positions and masks of a model with no attention layer) gets no buffer
+static void set_input(ggml_tensor * t, const void * data, size_t offset, size_t size) {
+    if (t->buffer) {
+        ggml_backend_tensor_set(t, data, offset, size);
+    }
+}
+
 session::session(std::shared_ptr<const target_model> model, const session_params & params)
     : model_(std::move(model)) {
     const model_info & info = model_->info();
@@ -26,7 +33,7 @@ session::session(std::shared_ptr<const target_model> model, const session_params
         throw std::invalid_argument(format("n_ctx (%u) and n_ubatch (%u) must be positive", params.n_ctx,
                                            params.n_ubatch));
     }
-    n_ubatch_ = params.n_ubatch;
+    n_ubatch_ = std::min(params.n_ubatch, params.n_ctx);  // a micro-batch never holds more than the context
     if (params.n_ctx > info.n_ctx_train && info.n_ctx_train > 0) {
         PDF_LOG_WARN("n_ctx = %u exceeds the model's training context %u (%s); quality may degrade", params.n_ctx,
                      info.n_ctx_train, info.path.c_str());
@@ -291,21 +298,21 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
             }
         }
     }
-    ggml_backend_tensor_set(cur_->in.tokens, tokens_by_slot.data(), 0, sizeof(int32_t) * n);
-    ggml_backend_tensor_set(cur_->in.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
-    ggml_backend_tensor_set(cur_->in.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
-    ggml_backend_tensor_set(cur_->in.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
+    set_input(cur_->in.tokens, tokens_by_slot.data(), 0, sizeof(int32_t) * n);
+    set_input(cur_->in.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
+    set_input(cur_->in.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
+    set_input(cur_->in.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
     if (rs_) {
         const int W = rs_->conv_window();
-        ggml_backend_tensor_set(cur_->in.conv_rows, rs_->conv_rows().data(), 0, sizeof(int32_t) * W);
+        set_input(cur_->in.conv_rows, rs_->conv_rows().data(), 0, sizeof(int32_t) * W);
         if (!tree) {
             const int32_t        ssm_row = rs_->ssm_row();
             std::vector<int64_t> snapshot_rows(rs_->n_snapshots(n));
             for (size_t s = 0; s < snapshot_rows.size(); ++s) {
                 snapshot_rows[s] = rs_->snapshot_row((int) s);
             }
-            ggml_backend_tensor_set(cur_->in.ssm_row, &ssm_row, 0, sizeof(int32_t));
-            ggml_backend_tensor_set(cur_->in.ssm_snapshot_rows, snapshot_rows.data(), 0,
+            set_input(cur_->in.ssm_row, &ssm_row, 0, sizeof(int32_t));
+            set_input(cur_->in.ssm_snapshot_rows, snapshot_rows.data(), 0,
                                     sizeof(int64_t) * snapshot_rows.size());
             conv_taps_.clear();
         } else {
@@ -338,12 +345,12 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
                     parent_in_level[s - levels[0]] = p - level_start[depth[row_of[p]]];
                 }
             }
-            ggml_backend_tensor_set(cur_->in.tree_root_state, root_state.data(), 0, sizeof(int32_t) * root_state.size());
-            ggml_backend_tensor_set(cur_->in.tree_parent, parent_in_level.data(), 0,
+            set_input(cur_->in.tree_root_state, root_state.data(), 0, sizeof(int32_t) * root_state.size());
+            set_input(cur_->in.tree_parent, parent_in_level.data(), 0,
                                     sizeof(int32_t) * parent_in_level.size());
-            ggml_backend_tensor_set(cur_->in.tree_state_rows, state_rows.data(), 0, sizeof(int64_t) * n);
-            ggml_backend_tensor_set(cur_->in.tree_out_rows, out_rows.data(), 0, sizeof(int64_t) * n);
-            ggml_backend_tensor_set(cur_->in.conv_taps, conv_taps_.data(), 0, sizeof(int32_t) * conv_taps_.size());
+            set_input(cur_->in.tree_state_rows, state_rows.data(), 0, sizeof(int64_t) * n);
+            set_input(cur_->in.tree_out_rows, out_rows.data(), 0, sizeof(int64_t) * n);
+            set_input(cur_->in.conv_taps, conv_taps_.data(), 0, sizeof(int32_t) * conv_taps_.size());
         }
     }
     if (cur_->ring_slots) {
@@ -351,7 +358,7 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
         for (int s = 0; s < n; ++s) {
             ring_rows[s] = ring->slot(n_past_ + s);
         }
-        ggml_backend_tensor_set(cur_->ring_slots, ring_rows.data(), 0, sizeof(int64_t) * n);
+        set_input(cur_->ring_slots, ring_rows.data(), 0, sizeof(int64_t) * n);
     }
     cur_->cache.compute("the target graph");
     pending_      = std::move(tokens_by_slot);
@@ -480,8 +487,77 @@ void session::truncate(int n_past) {
     } else {
         rollback_pending();
     }
+    forget_marks_from(n_past);
     n_past_ = n_past;
     tokens_.resize(n_past);
+    pending_.clear();
+    slot_of_.clear();
+    pending_tree_ = false;
+}
+
+}  // namespace pdf
+
+namespace pdf {
+
+void session::forget_marks_from(int n_past) {
+    // rows below n_past stay as they are; later evaluations overwrite the others
+    if (n_past < (int) marks_.prompt.size()) {
+        marks_.whole = false;
+    }
+    if (n_past < marks_.aligned) {
+        // a hybrid model's state is kept at the mark only
+        marks_.aligned = rs_ ? 0 : n_past / (int) n_ubatch_ * (int) n_ubatch_;
+    }
+}
+
+void session::begin_prefill(const std::vector<int32_t> & prompt, int from) {
+    marks_.prompt = prompt;
+    marks_.aligned = from < (int) prompt.size() ? from : 0;
+    marks_.whole   = false;
+}
+
+void session::mark_aligned(int n) {
+    if (n % (int) n_ubatch_ != 0 || n != n_past_ || n > (int) marks_.prompt.size()) {
+        throw std::invalid_argument(format("mark_aligned: %d tokens (n_past %d, n_ubatch %u)", n, n_past_, n_ubatch_));
+    }
+    marks_.aligned = n;
+    if (rs_) {
+        rs_->save_checkpoint(0);
+    }
+}
+
+void session::mark_whole(int32_t next) {
+    if (n_past_ != (int) marks_.prompt.size()) {
+        throw std::invalid_argument(format("mark_whole: %d tokens committed, the prompt has %zu", n_past_,
+                                           marks_.prompt.size()));
+    }
+    marks_.whole = true;
+    marks_.next  = next;
+    if (rs_) {
+        rs_->save_checkpoint(1);
+    }
+}
+
+void session::resume_prefill(int n) {
+    const bool at_end     = marks_.whole && n == (int) marks_.prompt.size();
+    const bool at_aligned = n == marks_.aligned || (!rs_ && n % (int) n_ubatch_ == 0 && n < marks_.aligned);
+    if (n < 0 || n > n_past_ || !(n == 0 || at_end || at_aligned)) {
+        throw std::invalid_argument(format("resume_prefill: no mark at %d (aligned %d, prompt %zu%s, n_past %d)", n,
+                                           marks_.aligned, marks_.prompt.size(), marks_.whole ? "" : " not whole",
+                                           n_past_));
+    }
+    if (rs_) {
+        if (n == 0) {
+            rs_->reset();
+        } else {
+            rs_->restore_checkpoint(at_end ? 1 : 0);
+        }
+    } else {
+        rollback_pending();
+    }
+    forget_marks_from(n);
+    n_past_ = n;
+    tokens_.resize(n);
     pending_.clear();
     slot_of_.clear();
     pending_tree_ = false;

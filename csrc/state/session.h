@@ -77,6 +77,28 @@ class session {
     void commit(const std::vector<int> & rows);
     // forget committed tokens from position n_past on (recurrent models: only back to 0, i.e. a reset)
     void truncate(int n_past);
+
+    // The prompt cache (spec/driver.cpp prefill). A prefill evaluates its prompt in micro-batches that start at
+    // multiples of n_ubatch, so a prompt's cache rows and last logits never depend on what was cached before it,
+    // and marks two points: `aligned`, where its last whole micro-batch ended (a prompt sharing that prefix
+    // computes the rows before it the same way), and, with `whole`, its end (the same prompt again needs no
+    // evaluation, given the argmax `next` its last token read). Hybrid models keep their recurrent state at both
+    // points. Truncating below a point forgets it.
+    struct prefill_marks {
+        std::vector<int32_t> prompt;
+        int                  aligned = 0;
+        bool                 whole   = false;
+        int32_t              next    = -1;
+    };
+    const prefill_marks & prefill_cache() const { return marks_; }
+    // a prefill of `prompt` continues from position `from` (0, or a point resume_prefill went back to)
+    void begin_prefill(const std::vector<int32_t> & prompt, int from);
+    // the committed tokens are the first n of the prompt, n a multiple of n_ubatch / all of it (argmax `next`)
+    void mark_aligned(int n);
+    void mark_whole(int32_t next);
+    // back to a mark (or, attention-only models, any multiple of n_ubatch below `aligned`; 0: empty): the cache
+    // is cut back to n tokens and a hybrid model's recurrent state restored
+    void resume_prefill(int n);
     bool   is_recurrent() const { return rs_ != nullptr; }
     size_t recurrent_bytes() const { return rs_ ? rs_->n_bytes() : 0; }
 
@@ -123,12 +145,15 @@ class session {
     void prepare_graph(const graph_key & key, feature_ring * ring);
     // the recurrent state as of before the last (uncommitted) eval
     void rollback_pending();
+    // the prompt cache's marks at or beyond n_past no longer hold
+    void forget_marks_from(int n_past);
 
     std::shared_ptr<const target_model> model_;
     std::unique_ptr<kv_cache>           kv_;
     std::unique_ptr<recurrent_state>    rs_;
     int                                 n_past_ = 0;
     uint32_t                            n_ubatch_;
+    prefill_marks                       marks_;
 
     // the evaluation graphs, one per key (batch size, KV window, outputs, tree shape), the most recently used
     // kept: alternating widths (auto's rounds, plain steps between them) costs no rebuild

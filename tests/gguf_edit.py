@@ -1,0 +1,44 @@
+"""Copies of GGUF files with metadata or tensors changed, for the bad-input tests and the fuzzer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+def rewrite(src, dst, *, drop_keys=(), set_keys=None, drop_tensors=(), reshape=None, arch=None) -> Path:
+    """Copy the GGUF `src` to `dst` with keys dropped or set, tensors dropped or cut to a new shape.
+
+    set_keys: {name: (value, type)} or {name: (value, ARRAY, element type)}; a STRING value may be bytes (kept
+    as they are, valid UTF-8 or not). arch (str or bytes) replaces general.architecture; keys keep their names.
+    """
+    reader = gguf.GGUFReader(src)
+    old_arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, old_arch)
+    if arch is not None:
+        writer.kv_data[0]["general.architecture"] = gguf.GGUFValue(arch, gguf.GGUFValueType.STRING)
+    set_keys = dict(set_keys or {})
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop_keys or name in set_keys:
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), vtype, sub_type=sub)
+    for name, (value, vtype, *sub) in set_keys.items():
+        writer.add_key_value(name, value, vtype, sub_type=sub[0] if sub else None)
+    for t in reader.tensors:
+        if t.name in drop_tensors:
+            continue
+        data = np.array(t.data)
+        if reshape and t.name in reshape:
+            data = data.reshape(-1)[: int(np.prod(reshape[t.name]))].reshape(reshape[t.name])
+        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return Path(dst)
