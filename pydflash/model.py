@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from . import _core
+from ._arguments import (bool_arg, choice_arg, float_arg, int_arg, optional_int_arg, stop_strings, token_ids)
 from .errors import ContextLengthExceededError, ModelLoadError
 from .tokenizer import Tokenizer
 
@@ -138,13 +139,28 @@ class Model:
         seed: int = 0,
         verbose: bool = False,
     ):
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise TypeError(f"model_path must be a str or os.PathLike, got {type(model_path).__name__}")
+        if draft_model_path is not None and not isinstance(draft_model_path, (str, os.PathLike)):
+            raise TypeError(f"draft_model_path must be a str or os.PathLike, got {type(draft_model_path).__name__}")
+        n_ctx = int_arg("n_ctx", n_ctx, 1, 2**30)
+        n_gpu_layers = int_arg("n_gpu_layers", n_gpu_layers, -1)
+        n_threads = optional_int_arg("n_threads", n_threads, 1)
+        # a micro-batch never holds more than the context (nor sizes the feature ring beyond it)
+        n_ubatch = min(int_arg("n_ubatch", n_ubatch, 1, 2**30), n_ctx)
+        block_size = optional_int_arg("block_size", block_size, 2, 256)
+        tree_budget = optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET)
+        draft_window = int_arg("draft_window", draft_window, 1)
+        seed = int_arg("seed", seed, -(2**63), 2**64 - 1)
+        verbose = bool_arg("verbose", verbose)
+        choice_arg("kv_type", kv_type, KV_TYPES)
+        choice_arg("spec_mode", spec_mode, SPEC_MODES)
+        choice_arg("tree_seed", tree_seed, ("chain", "best_first"))
         self.model_path = os.fspath(model_path)
         if verbose:
             logger.setLevel(logging.DEBUG)
             if not logger.handlers:
                 logger.addHandler(logging.StreamHandler())
-        if kv_type not in KV_TYPES:
-            raise ValueError(f"kv_type={kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if not os.path.exists(self.model_path):
             raise ModelLoadError(f"{self.model_path}: no such file")
         self.seed = seed  # used by sampling (temperature > 0), which a later release adds
@@ -161,12 +177,6 @@ class Model:
                     kv_bytes / 2**20)
         self._draft = None
         n_rollback = 16
-        if spec_mode not in SPEC_MODES:
-            raise ValueError(f"spec_mode={spec_mode!r} is not one of {', '.join(SPEC_MODES)}")
-        if tree_seed not in ("chain", "best_first"):
-            raise ValueError(f"tree_seed={tree_seed!r} is not one of chain, best_first")
-        if tree_budget is not None and not 1 <= tree_budget <= MAX_TREE_BUDGET:
-            raise ValueError(f"tree_budget={tree_budget} must be in [1, {MAX_TREE_BUDGET}]")
         self.spec_mode = spec_mode
         self.tree_seed = tree_seed
         self.tree_budget = None
@@ -266,29 +276,37 @@ class Model:
         return self.tokenizer.detokenize(list(tokens))
 
     # ---- generation ----
-    def _prepare(self, prompt: str | Sequence[int], max_tokens: int, temperature: float) -> list[int]:
+    def _prepare(self, prompt: str | bytes | Sequence[int], max_tokens: int | None, temperature: float,
+                 speculative: bool) -> tuple[list[int], int]:
+        """The prompt's tokens and the max_tokens to ask the core for, every argument checked."""
         self._check_open()
+        temperature = float_arg("temperature", temperature, 0.0)
+        bool_arg("speculative", speculative)
+        max_tokens = optional_int_arg("max_tokens", max_tokens, 0)
         if temperature != 0.0:
             raise NotImplementedError("only greedy decoding (temperature=0.0) is implemented so far")
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        tokens = self.tokenize(prompt) if isinstance(prompt, (str, bytes)) else [int(t) for t in prompt]
+        if isinstance(prompt, (str, bytes)):
+            tokens = self.tokenize(prompt)
+        else:
+            tokens = token_ids("prompt", prompt, self.n_vocab)
         if not tokens:
             raise ValueError("the prompt is empty")
         if len(tokens) > self.n_ctx:
             raise ContextLengthExceededError(
                 f"the prompt has {len(tokens)} tokens but n_ctx = {self.n_ctx}", len(tokens), self.n_ctx)
-        return tokens
+        # None: until an end-of-generation token or the end of the context
+        return tokens, self.n_ctx - len(tokens) if max_tokens is None else max_tokens
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0,
                  stop: str | Sequence[str] | None = None, speculative: bool = True) -> Completion:
         """Generate a continuation of `prompt` (text, or token ids). With a draft model loaded, DFlash
-        speculative decoding is used unless `speculative=False`; the output is the same either way."""
+        speculative decoding is used unless `speculative=False`; the output is the same either way.
+        max_tokens=None generates until an end-of-generation token or the end of the context."""
         pieces: list[str] = []
         result = self._run(prompt, max_tokens, temperature, stop, pieces.append, speculative)
         return Completion("".join(pieces), result["tokens"], result["finish_reason"], _timings(result["timings"]))
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
+    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0,
                stop: str | Sequence[str] | None = None, speculative: bool = True) -> Iterator[str]:
         """Yield the continuation as text pieces as they are generated; a piece never splits a character."""
         pieces: queue.Queue = queue.Queue()
@@ -320,8 +338,8 @@ class Model:
             raise outcome["error"]
 
     def _run(self, prompt, max_tokens, temperature, stop, emit, speculative=True) -> dict:
-        tokens = self._prepare(prompt, max_tokens, temperature)
-        stops = _StopStrings(self.tokenizer, [stop] if isinstance(stop, str) else list(stop or []))
+        tokens, max_tokens = self._prepare(prompt, max_tokens, temperature, speculative)
+        stops = _StopStrings(self.tokenizer, stop_strings(stop))
 
         def on_tokens(new_tokens: list[int]) -> bool:
             emit(stops.feed(new_tokens))

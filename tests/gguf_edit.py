@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -41,4 +42,21 @@ def rewrite(src, dst, *, drop_keys=(), set_keys=None, drop_tensors=(), reshape=N
         writer.write_tensors_to_file()
     finally:
         writer.close()
+    return Path(dst)
+
+
+def patch_tensor_info(src, dst, name: str, *, ggml_type: int | None = None, dim: tuple[int, int] | None = None) -> Path:
+    """Copy `src` to `dst` with tensor `name`'s info changed in place (its type id, or dim = (i, ne[i])); the
+    tensor data stays as it was, so the file says one thing and holds another."""
+    reader = gguf.GGUFReader(src)
+    t = next(t for t in reader.tensors if t.name == name)
+    # the info's parts: name length, name, n_dims, dims (u64 each), type (u32), data offset
+    sizes = [p.nbytes for p in t.field.parts]
+    at = [t.field.offset + sum(sizes[:i]) for i in range(len(sizes))]
+    buf = bytearray(Path(src).read_bytes())
+    if dim is not None:
+        struct.pack_into("<Q", buf, at[3] + 8 * dim[0], dim[1])
+    if ggml_type is not None:
+        struct.pack_into("<I", buf, at[4], ggml_type)
+    Path(dst).write_bytes(bytes(buf))
     return Path(dst)

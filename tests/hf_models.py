@@ -93,6 +93,7 @@ def make_qwen3_checkpoint(
     weight_std: float = 0.2,
     embed_std: float = 1.0,
     rope_theta: float = 1_000_000.0,
+    rope_scaling: dict | None = None,
     max_position_embeddings: int = 4096,
     rms_norm_eps: float = 1e-6,
     generation: dict | None = None,
@@ -104,7 +105,8 @@ def make_qwen3_checkpoint(
     vocabulary like real Qwen checkpoints (151936 rows for 151669 tokens). `dtype` is the safetensors
     dtype ("float32", "bfloat16", "float16"). `max_shard_size` (e.g. "40KB") writes a sharded
     checkpoint with model.safetensors.index.json. `generation` adds generation_config.json fields
-    (e.g. temperature, top_k); `model_card` is written as README.md.
+    (e.g. temperature, top_k); `model_card` is written as README.md. `rope_scaling` joins the config's
+    rope_parameters (e.g. {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}).
     """
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -126,7 +128,7 @@ def make_qwen3_checkpoint(
         hidden_act="silu",
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})},
         tie_word_embeddings=tie,
         attention_bias=False,
         bos_token_id=tok["endoftext"],

@@ -133,7 +133,7 @@ def test_kv_types_and_sizes(gguf_path):
 
 def test_context_that_does_not_fit_in_memory(gguf_path):
     with pytest.raises(ContextLengthExceededError, match="n_ctx"):
-        pydflash.Model(gguf_path, n_ctx=2**31 - 1)
+        pydflash.Model(gguf_path, n_ctx=2**30)
 
 
 def test_closed_model_raises(gguf_path):

@@ -22,6 +22,33 @@
 namespace py = pybind11;
 using namespace pdf;
 
+// the largest context a session accepts: positions are int32, and windows are padded beyond them
+static constexpr int64_t MAX_CTX = 1 << 30;
+
+// Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked
+// here, naming the parameter, before they are narrowed.
+static int64_t checked(const char * name, int64_t v, int64_t lo, int64_t hi) {
+    if (v < lo || v > hi) {
+        throw std::invalid_argument(format("%s = %lld, expected a value in [%lld, %lld]", name, (long long) v,
+                                           (long long) lo, (long long) hi));
+    }
+    return v;
+}
+
+// a 1-D array of token ids / positions: integers (a float array is refused, not truncated) that fit int32
+static std::vector<int32_t> int32_array(const char * name, const py::handle & o) {
+    py::array a = py::array::ensure(o);
+    if (!a || a.ndim() != 1 || (a.size() > 0 && a.dtype().kind() != 'i' && a.dtype().kind() != 'u')) {
+        throw py::type_error(format("%s must be a 1-D sequence of integers", name));
+    }
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> wide(a);
+    std::vector<int32_t> out(wide.size());
+    for (py::ssize_t i = 0; i < wide.size(); ++i) {
+        out[i] = (int32_t) checked(name, wide.data()[i], INT32_MIN, INT32_MAX);
+    }
+    return out;
+}
+
 static ggml_type parse_kv_type(const std::string & name) {
     for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
         const char * tn = ggml_type_name((ggml_type) t);
@@ -228,10 +255,13 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         },
         py::arg("path"), py::arg("keys"), "Read metadata keys of a GGUF file with ggml's gguf parser.");
     m.def("ggml_type_id", &parse_kv_type, py::arg("name"));
-    m.def("quantized_row_size", [](int type, int64_t n_per_row) { return quantized_row_size((ggml_type) type, n_per_row); });
+    m.def("quantized_row_size", [](int64_t type, int64_t n_per_row) {
+        return quantized_row_size((ggml_type) checked("type", type, 0, GGML_TYPE_COUNT - 1), n_per_row);
+    });
     m.def(
         "quantize",
-        [](py::array_t<float, py::array::c_style | py::array::forcecast> data, int type) {
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> data, int64_t type) {
+            checked("type", type, 0, GGML_TYPE_COUNT - 1);
             if (data.ndim() != 2) {
                 throw std::invalid_argument("quantize: data must be 2-D (n_rows, n_per_row)");
             }
@@ -250,7 +280,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
 
     m.def(
         "argmax_rows",
-        [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, int n_threads, bool stock) {
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, int64_t n_threads, bool stock) {
+            checked("n_threads", n_threads, 1, 1 << 12);
             if (logits.ndim() != 2) {
                 throw std::invalid_argument("argmax_rows: logits must be 2-D (n_rows, n_vocab)");
             }
@@ -258,7 +289,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             std::vector<int32_t> out;
             {
                 py::gil_scoped_release nogil;
-                out = argmax_rows_on_cpu(data, logits.shape(0), logits.shape(1), n_threads, stock);
+                out = argmax_rows_on_cpu(data, logits.shape(0), logits.shape(1), (int) n_threads, stock);
             }
             return out;
         },
@@ -268,8 +299,11 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
     m.def(
         "build_draft_tree",
         [](py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids,
-           py::array_t<float, py::array::c_style | py::array::forcecast> logprobs, int32_t root, int budget,
-           int max_depth, const std::string & seed) {
+           py::array_t<float, py::array::c_style | py::array::forcecast> logprobs, int64_t root, int64_t budget,
+           int64_t max_depth, const std::string & seed) {
+            checked("root", root, 0, INT32_MAX);
+            checked("budget", budget, 0, 1 << 16);
+            checked("max_depth", max_depth, 0, 1 << 16);
             // ids, logprobs: [positions, k], most likely first per position
             if (ids.ndim() != 2 || logprobs.ndim() != 2 || ids.shape(0) != logprobs.shape(0) ||
                 ids.shape(1) != logprobs.shape(1) || ids.shape(1) < 1) {
@@ -281,7 +315,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             p.ids.assign(ids.data(), ids.data() + ids.size());
             p.logprobs.assign(logprobs.data(), logprobs.data() + logprobs.size());
             draft_tree t;
-            build_draft_tree(p, root, budget, max_depth, parse_tree_seed(seed), t);
+            build_draft_tree(p, (int32_t) root, (int) budget, (int) max_depth, parse_tree_seed(seed), t);
             return py::make_tuple(t.tokens, t.parents, t.depth, t.logq);
         },
         py::arg("ids"), py::arg("logprobs"), py::arg("root"), py::arg("budget"), py::arg("max_depth"),
@@ -326,10 +360,10 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         "auto's per-round choice (spec/proposer.h) with the given costs and an untrained acceptance model.");
 
     py::class_<py_model>(m, "Model")
-        .def(py::init([](const std::string & path, int n_gpu_layers, int n_threads) {
+        .def(py::init([](const std::string & path, int64_t n_gpu_layers, int64_t n_threads) {
                  model_params p;
-                 p.n_gpu_layers = n_gpu_layers;
-                 p.n_threads    = n_threads;
+                 p.n_gpu_layers = (int) checked("n_gpu_layers", n_gpu_layers, -1, INT32_MAX);
+                 p.n_threads    = (int) checked("n_threads", n_threads, 0, INT32_MAX);
                  std::unique_ptr<target_model> loaded;
                  {
                      py::gil_scoped_release nogil;
@@ -346,37 +380,48 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def_property_readonly("n_threads", [](const py_model & m) { return m.model->devices().n_threads(); })
         .def_property_readonly("weight_bytes", [](const py_model & m) { return m.model->weight_bytes(); })
         .def_property_readonly("is_recurrent", [](const py_model & m) { return !m.model->info().recurrent_layers.empty(); })
-        .def("recurrent_bytes_for", [](const py_model & m, uint32_t n_rollback) {
-            return m.model->info().recurrent_layers.empty() ? 0 : recurrent_state::n_bytes_for(m.model->info(), n_rollback);
+        .def("recurrent_bytes_for", [](const py_model & m, int64_t n_rollback) {
+            checked("n_rollback", n_rollback, 1, UINT32_MAX);
+            return m.model->info().recurrent_layers.empty()
+                       ? 0
+                       : recurrent_state::n_bytes_for(m.model->info(), (uint32_t) n_rollback);
         }, py::arg("n_rollback"), "Bytes of the recurrent state that keeps n_rollback per-token (or per-node) states.")
-        .def("kv_bytes_for", [](const py_model & m, uint32_t n_ctx, const std::string & tk, const std::string & tv) {
-            return kv_cache::n_bytes_for(m.model->info(), n_ctx, parse_kv_type(tk), parse_kv_type(tv));
+        .def("kv_bytes_for", [](const py_model & m, int64_t n_ctx, const std::string & tk, const std::string & tv) {
+            checked("n_ctx", n_ctx, 1, MAX_CTX);
+            return kv_cache::n_bytes_for(m.model->info(), (uint32_t) n_ctx, parse_kv_type(tk), parse_kv_type(tv));
         });
 
     py::class_<py_draft>(m, "DraftSession")
-        .def(py::init([](const py_model & target, const std::string & path, uint32_t n_ctx, int block_size, int window,
-                         int ring_capacity, int top_k, bool with_logprobs, int max_verify) {
+        .def(py::init([](const py_model & target, const std::string & path, int64_t n_ctx, int64_t block_size,
+                         int64_t window, int64_t ring_capacity, int64_t top_k, bool with_logprobs,
+                         int64_t max_verify) {
+                 checked("n_ctx", n_ctx, 1, MAX_CTX);
+                 checked("block_size", block_size, 0, dflash_draft::MAX_BLOCK_SIZE);
+                 checked("window", window, 1, INT32_MAX);
+                 checked("ring_capacity", ring_capacity, 1, INT32_MAX);
+                 checked("top_k", top_k, 1, INT32_MAX);
+                 checked("max_verify", max_verify, 0, INT32_MAX);
                  std::shared_ptr<const dflash_draft> draft;
                  {
                      py::gil_scoped_release nogil;
                      draft = std::make_shared<dflash_draft>(path, target.model);
                  }
                  draft_params params;
-                 params.block         = block_size;
-                 params.window        = window;
-                 params.ring_capacity = ring_capacity;
-                 params.top_k         = top_k;
+                 params.block         = (int) block_size;
+                 params.window        = (int) window;
+                 params.ring_capacity = (int) ring_capacity;
+                 params.top_k         = (int) top_k;
                  params.with_logprobs = with_logprobs;
                  py_draft d;
-                 d.session = std::make_unique<draft_session>(draft, n_ctx, params);
+                 d.session = std::make_unique<draft_session>(draft, (uint32_t) n_ctx, params);
                  if (max_verify == 0) {
                      max_verify = std::min(64, d.session->ring().capacity());
                  }
                  if (max_verify < 1 || max_verify > d.session->ring().capacity()) {
-                     throw std::invalid_argument(format("max_verify = %d must be in [1, %d] (the feature ring's rows)",
-                                                        max_verify, d.session->ring().capacity()));
+                     throw std::invalid_argument(format("max_verify = %lld must be in [1, %d] (the feature ring's rows)",
+                                                        (long long) max_verify, d.session->ring().capacity()));
                  }
-                 d.state = std::make_unique<speculation_state>(max_verify);
+                 d.state = std::make_unique<speculation_state>((int) max_verify);
                  return d;
              }),
              py::arg("target"), py::arg("path"), py::arg("n_ctx"), py::arg("block_size") = 0,
@@ -424,11 +469,13 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def(
             "draft",
             [](py_draft & pd, py::array_t<float, py::array::c_style | py::array::forcecast> feats,
-               py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions, int32_t anchor, int start,
-               bool with_logprobs) -> py::object {
+               py::object positions_in, int64_t anchor, int64_t start, bool with_logprobs) -> py::object {
                 // feats [m, n_ext*E] of context rows not yet appended (any number: appended in chunks first)
-                draft_session & d = *pd.session;
-                const int       m = (int) positions.size();
+                draft_session &            d         = *pd.session;
+                const std::vector<int32_t> positions = int32_array("positions", positions_in);
+                const int                  m         = (int) positions.size();
+                checked("anchor", anchor, 0, INT32_MAX);  // (the vocabulary bound: draft_session::draft)
+                checked("start", start, 0, INT32_MAX);
                 if (feats.ndim() != 2 || feats.shape(0) != m) {
                     throw std::invalid_argument("draft: feats must be (len(positions), n_ext * n_embd)");
                 }
@@ -450,7 +497,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                         }
                         d.queue(rows.data(), positions.data() + i, k);
                     }
-                    out = d.draft(anchor, start);
+                    out = d.draft((int32_t) anchor, (int) start);
                 }
                 if (!with_logprobs) {
                     std::vector<int32_t> top1(out.n_positions);
@@ -471,12 +518,12 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             "or with_logprobs: (ids, logprobs) [B-1, top_k], most likely first.");
 
     py::class_<session>(m, "Session")
-        .def(py::init([](const py_model & m, uint32_t n_ctx, const std::string & type_k, const std::string & type_v,
-                         uint32_t n_ubatch, uint32_t n_rollback) {
+        .def(py::init([](const py_model & m, int64_t n_ctx, const std::string & type_k, const std::string & type_v,
+                         int64_t n_ubatch, int64_t n_rollback) {
                  session_params p;
-                 p.n_ctx      = n_ctx;
-                 p.n_ubatch   = n_ubatch;
-                 p.n_rollback = n_rollback;
+                 p.n_ctx      = (uint32_t) checked("n_ctx", n_ctx, 1, MAX_CTX);
+                 p.n_ubatch   = (uint32_t) checked("n_ubatch", n_ubatch, 1, MAX_CTX);
+                 p.n_rollback = (uint32_t) checked("n_rollback", n_rollback, 1, 1 << 16);
                  p.type_k     = parse_kv_type(type_k);
                  p.type_v     = parse_kv_type(type_v);
                  return std::make_unique<session>(m.model, p);
@@ -492,16 +539,17 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def_property_readonly("argmax", &session::argmax, "The greedy pick of each row read by the last eval.")
         .def(
             "eval",
-            [](session & s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
-               py::object positions, py::object mask, py::object parents, bool all_logits,
-               std::vector<int> capture_layers, int top_k, bool read_logits) -> py::tuple {
-                const int n = (int) tokens.size();
-                auto      as_rows = [n](py::object o, const char * what) {
-                    auto a = o.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>();
+            [](session & s, py::object tokens_in, py::object positions, py::object mask, py::object parents,
+               bool all_logits, std::vector<int> capture_layers, int64_t top_k, bool read_logits) -> py::tuple {
+                const std::vector<int32_t> toks = int32_array("tokens", tokens_in);
+                const int                  n    = (int) toks.size();
+                checked("top_k", top_k, 0, INT32_MAX);
+                auto as_rows = [n](py::object o, const char * what) {
+                    std::vector<int32_t> a = int32_array(what, o);
                     if ((int) a.size() != n) {
                         throw std::invalid_argument(format("eval: %s must have one entry per token", what));
                     }
-                    return std::vector<int32_t>(a.data(), a.data() + n);
+                    return a;
                 };
                 std::vector<int32_t> pos, par;
                 std::vector<uint8_t> mk;
@@ -518,14 +566,13 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                     }
                     mk.assign(a.data(), a.data() + (size_t) n * n);
                 }
-                std::vector<int32_t> toks(tokens.data(), tokens.data() + n);
                 batch_layout         layout;
                 layout.positions = pos.empty() ? nullptr : pos.data();
                 layout.mask      = mk.empty() ? nullptr : mk.data();
                 layout.parents   = par.empty() ? nullptr : par.data();
                 {
                     py::gil_scoped_release nogil;
-                    s.eval(toks.data(), n, layout, readout{all_logits, read_logits, top_k}, capture_layers);
+                    s.eval(toks.data(), n, layout, readout{all_logits, read_logits, (int) top_k}, capture_layers);
                 }
                 const int64_t n_vocab = s.model().info().n_vocab, n_embd = s.model().info().n_embd;
                 py::array_t<float> logits({(py::ssize_t) (read_logits ? s.n_outputs() : 0), (py::ssize_t) n_vocab});
@@ -537,8 +584,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                     captured.append(h);
                 }
                 if (top_k > 0) {
-                    py::array_t<int32_t> ids({s.n_outputs(), top_k});
-                    py::array_t<float>   lps({s.n_outputs(), top_k});
+                    py::array_t<int32_t> ids({(int64_t) s.n_outputs(), top_k});
+                    py::array_t<float>   lps({(int64_t) s.n_outputs(), top_k});
                     std::copy(s.top_ids().begin(), s.top_ids().end(), ids.mutable_data());
                     std::copy(s.top_logprobs().begin(), s.top_logprobs().end(), lps.mutable_data());
                     return py::tuple(py::make_tuple(logits, captured, ids, lps));
@@ -552,10 +599,12 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             "(and top_k ids, log-probabilities [n_out, top_k] when top_k > 0). parents: a tree (parent row per row, "
             "-1: the committed past); mask: any visibility (attention-only models). read_logits=False reads only "
             "the greedy picks (Session.argmax), as the decode loop does; the logits array is then empty.")
-        .def("commit", py::overload_cast<int>(&session::commit), py::arg("n"))
+        .def("commit", [](session & s, int64_t n) { s.commit((int) checked("n", n, 0, INT32_MAX)); }, py::arg("n"))
         .def("commit", py::overload_cast<const std::vector<int> &>(&session::commit), py::arg("rows"))
-        .def("eval_slot", &session::eval_slot, py::arg("row"))
-        .def("truncate", &session::truncate, py::arg("n_past"))
+        .def("eval_slot", [](const session & s, int64_t row) { return s.eval_slot((int) checked("row", row, 0, INT32_MAX)); },
+             py::arg("row"))
+        .def("truncate", [](session & s, int64_t n_past) { s.truncate((int) checked("n_past", n_past, 0, INT32_MAX)); },
+             py::arg("n_past"))
         .def("abort", [](session & s) { s.abort.store(true); })
         .def(
             "read_state",
@@ -584,15 +633,15 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             "The committed KV rows and recurrent state (for tests).")
         .def(
             "generate",
-            [](session & s, std::vector<int32_t> prompt, int max_tokens, std::vector<int32_t> stop_tokens,
-               py::object callback, py_draft * draft, const std::string & mode, int tree_budget,
-               const std::string & seed) {
-                generate_params p;
-                p.max_tokens  = max_tokens;
-                p.stop_tokens = std::move(stop_tokens);
+            [](session & s, py::object prompt_in, int64_t max_tokens, py::object stop_tokens_in, py::object callback,
+               py_draft * draft, const std::string & mode, int64_t tree_budget, const std::string & seed) {
+                const std::vector<int32_t> prompt = int32_array("prompt", prompt_in);
+                generate_params            p;
+                p.max_tokens  = (int) checked("max_tokens", max_tokens, 0, INT32_MAX);
+                p.stop_tokens = int32_array("stop_tokens", stop_tokens_in);
                 spec_params sp;
                 sp.mode        = parse_spec_mode(mode);
-                sp.tree_budget = tree_budget;
+                sp.tree_budget = (int) checked("tree_budget", tree_budget, 0, 1 << 16);
                 sp.seed        = parse_tree_seed(seed);
                 token_callback cb;
                 if (!callback.is_none()) {
@@ -625,7 +674,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                                                   draft && sp.mode == spec_mode::automatic ? &stats : nullptr);
                 return d;
             },
-            py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = std::vector<int32_t>{},
+            py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = py::list(),
             py::arg("callback") = py::none(), py::arg("draft") = nullptr, py::arg("spec_mode") = "chain",
             py::arg("tree_budget") = 0, py::arg("tree_seed") = "best_first",
             "Greedy generation (speculative with a DraftSession: spec_mode 'chain', 'tree' or 'auto'); "

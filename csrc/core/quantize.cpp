@@ -17,8 +17,20 @@ size_t quantized_row_size(ggml_type type, int64_t n_per_row) {
     return ggml_row_size(type, n_per_row);
 }
 
+// the types ggml_quantize_chunk writes (others abort in it): the float types and the quantized ones with a
+// quantizer (not Q8_1 / Q8_K, which only hold matmul activations)
+static bool is_quantizable(ggml_type type) {
+    if (type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16) {
+        return true;
+    }
+    return ggml_is_quantized(type) && type != GGML_TYPE_Q8_1 && type != GGML_TYPE_Q8_K;
+}
+
 void quantize_rows(ggml_type type, const float * src, void * dst, int64_t n_rows, int64_t n_per_row) {
     quantized_row_size(type, n_per_row);
+    if (!is_quantizable(type)) {
+        throw std::invalid_argument(format("quantize: %s is not a type weights can be quantized to", ggml_type_name(type)));
+    }
     if (ggml_quantize_requires_imatrix(type)) {
         throw std::invalid_argument(format("quantize: %s needs an importance matrix, which pydflash does not compute",
                                            ggml_type_name(type)));
