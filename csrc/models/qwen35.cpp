@@ -107,15 +107,12 @@ class qwen35_model : public target_model {
         if (f.has_key(a + "attention.recurrent_layers")) {
             std::vector<bool> r = f.bool_array(a + "attention.recurrent_layers");
             if ((int) r.size() < hp_.n_layer) {
-                throw format_error(format("%s: attention.recurrent_layers has %zu entries, expected %d", path.c_str(),
-                                          r.size(), n_layer_all));
+                throw format_error(format("%s: key '%sattention.recurrent_layers' has %zu entries, expected %d",
+                                          path.c_str(), a.c_str(), r.size(), n_layer_all));
             }
             hp_.recurrent.assign(r.begin(), r.begin() + hp_.n_layer);
         } else {
-            const uint32_t interval = f.u32_or(a + "full_attention_interval", 4);
-            if (interval == 0) {
-                throw format_error(format("%s: full_attention_interval must be positive", path.c_str()));
-            }
+            const uint32_t interval = f.u32_in_or(a + "full_attention_interval", 4, 1, 65536);
             for (int il = 0; il < hp_.n_layer; ++il) {
                 hp_.recurrent.push_back((il + 1) % interval != 0);
             }
