@@ -9,15 +9,14 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import pydflash
-from pydflash import _core
 from pydflash.demo import demo_paths
 from pydflash.model import _timings
 
 from export_pairs import PAIRS_DIR, pair_file, prompt_rows
+from near_ties import TIE, first_difference, tie_gap
 
 REFERENCE = json.loads((PAIRS_DIR / "reference.json").read_text())
 KINDS = sorted(REFERENCE["results"])
@@ -28,23 +27,6 @@ TAU_CODE_MIN = {"qwen3": 4.0, "qwen35": 3.0}
 
 def prompts(genre: str) -> dict[str, str]:
     return {r["id"]: r["text"] for r in prompt_rows(genre)}
-
-
-def tie_gap(model, prompt_ids, tokens, other, k) -> float:
-    """|logit(tokens[k]) - logit(other[k])| after prompt + tokens[:k], from one batched evaluation of ours."""
-    s = _core.Session(model._model, n_ctx=model.n_ctx)
-    logits, _ = s.eval(np.array(list(prompt_ids) + list(tokens[:k]), dtype=np.int32), all_logits=True)
-    return float(abs(logits[-1][tokens[k]] - logits[-1][other[k]]))
-
-
-def first_difference(a, b) -> int:
-    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-
-
-# Batched (verify, prefill) and single-token evaluations round differently (matmul kernels, f16 KV rounding);
-# where two tokens' logits are closer than this, either is the target's greedy choice (measured: 2e-3, 8e-3
-# on the q8_0 qwen3 pair; tests/test_peer.py uses it for llama-simple vs ours)
-TIE = 1e-2
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -18,7 +18,7 @@ from pydflash.convert import convert_hf_to_gguf
 
 import peer
 from export_pairs import pair_file, prompt_rows
-from test_pairs import TIE
+from near_ties import TIE
 
 PROMPT = "def add(a, b):\n    return"
 

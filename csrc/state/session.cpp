@@ -487,17 +487,17 @@ void session::truncate(int n_past) {
     } else {
         rollback_pending();
     }
-    forget_marks_from(n_past);
-    n_past_ = n_past;
-    tokens_.resize(n_past);
+    cut_history_to(n_past);
+}
+
+void session::cut_history_to(int n) {
+    forget_marks_from(n);
+    n_past_ = n;
+    tokens_.resize(n);
     pending_.clear();
     slot_of_.clear();
     pending_tree_ = false;
 }
-
-}  // namespace pdf
-
-namespace pdf {
 
 void session::forget_marks_from(int n_past) {
     // rows below n_past stay as they are; later evaluations overwrite the others
@@ -555,12 +555,7 @@ void session::resume_prefill(int n) {
     } else {
         rollback_pending();
     }
-    forget_marks_from(n);
-    n_past_ = n;
-    tokens_.resize(n);
-    pending_.clear();
-    slot_of_.clear();
-    pending_tree_ = false;
+    cut_history_to(n);
 }
 
 }  // namespace pdf

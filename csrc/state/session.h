@@ -147,6 +147,8 @@ class session {
     void rollback_pending();
     // the prompt cache's marks at or beyond n_past no longer hold
     void forget_marks_from(int n_past);
+    // keeps the first n committed tokens (their state already restored by the caller) and drops what is pending
+    void cut_history_to(int n);
 
     std::shared_ptr<const target_model> model_;
     std::unique_ptr<kv_cache>           kv_;
