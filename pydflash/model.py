@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from . import _core
-from ._arguments import (bool_arg, choice_arg, float_arg, int_arg, optional_int_arg, stop_strings, token_ids)
+from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, optional_int_arg, stop_strings,
+                         token_ids)
 from .errors import ContextLengthExceededError, ModelLoadError
 from .tokenizer import Tokenizer
 
@@ -294,8 +295,8 @@ class Model:
         if len(tokens) > self.n_ctx:
             raise ContextLengthExceededError(
                 f"the prompt has {len(tokens)} tokens but n_ctx = {self.n_ctx}", len(tokens), self.n_ctx)
-        # None: until an end-of-generation token or the end of the context
-        return tokens, self.n_ctx - len(tokens) if max_tokens is None else max_tokens
+        # None: until an end-of-generation token or the end of the context (where the core stops)
+        return tokens, INT32_MAX if max_tokens is None else max_tokens
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0,
                  stop: str | Sequence[str] | None = None, speculative: bool = True) -> Completion:

@@ -362,3 +362,14 @@ def test_numpy_integer_prompts_are_token_ids(model):
 def test_positive_temperature_is_not_implemented_yet(model):
     with pytest.raises(NotImplementedError, match="only greedy decoding"):
         model.generate("x", temperature=0.5)
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_context():
+    with pydflash.Model(target("qwen3"), draft_model_path=draft("qwen3"), n_ctx=48) as m:
+        prompt = m.tokenize("def f(x):")
+        c = m.generate(prompt, max_tokens=None)
+        if c.finish_reason == "length":  # no end-of-generation token before the context filled up
+            assert len(prompt) + len(c.tokens) == 48 + 1  # the last token is picked, not stored
+        else:
+            assert c.finish_reason == "stop" and len(prompt) + len(c.tokens) <= 48
+        assert c.tokens == m.generate(prompt, max_tokens=None, speculative=False).tokens
