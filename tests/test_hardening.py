@@ -42,7 +42,7 @@ BAD_HYPERPARAMETERS = [
     ("qwen3-block-count-1", "qwen3", "target", {"qwen3.block_count": (1, T.UINT32)}, GGUFFormatError,
      r"'qwen3\.block_count' = 1 .*left unused"),
     ("qwen3-block-count-max", "qwen3", "target", {"qwen3.block_count": (0xFFFFFFFF, T.UINT32)}, GGUFFormatError,
-     r"'qwen3\.block_count' = 4294967295 but the file has tensors for 4 layers"),
+     r"'qwen3\.block_count' = 4294967295, expected at most 4096 layers"),
     *[(f"qwen35-block-count-{n}", "qwen35", "target", {"qwen35.block_count": (n, T.UINT32)}, GGUFFormatError,
        rf"'qwen35\.block_count' = {n} .*left unused") for n in (1, 2, 3)],
     ("dflash-block-count-0", "qwen3", "draft", {"dflash.block_count": (0, T.UINT32)}, GGUFFormatError,
@@ -78,9 +78,11 @@ BAD_HYPERPARAMETERS = [
     ("qwen3-rope-unknown", "qwen3", "target",
      {"qwen3.rope.scaling.type": ("banana", T.STRING), "qwen3.rope.scaling.factor": (4.0, T.FLOAT32)},
      UnsupportedModelError, r"'banana' is not supported"),
-    ("qwen3-yarn-without-original-context", "qwen3", "target",
-     {"qwen3.rope.scaling.type": ("yarn", T.STRING), "qwen3.rope.scaling.factor": (4.0, T.FLOAT32)},
-     GGUFFormatError, r"missing required key 'qwen3\.rope\.scaling\.original_context_length'"),
+    ("qwen3-yarn-factor-below-1", "qwen3", "target",
+     {"qwen3.rope.scaling.type": ("yarn", T.STRING), "qwen3.rope.scaling.factor": (0.5, T.FLOAT32)},
+     GGUFFormatError, r"'qwen3\.rope\.scaling\.factor' = 0\.5 with YaRN scaling, expected a factor >= 1"),
+    ("qwen3-block-count-5000", "qwen3", "target", {"qwen3.block_count": (5000, T.UINT32)}, GGUFFormatError,
+     r"'qwen3\.block_count' = 5000, expected at most 4096 layers"),
     ("qwen3-rope-factor-nan", "qwen3", "target",
      {"qwen3.rope.scaling.type": ("linear", T.STRING), "qwen3.rope.scaling.factor": (NAN, T.FLOAT32)},
      GGUFFormatError, r"'qwen3\.rope\.scaling\.factor' = nan"),
@@ -216,6 +218,28 @@ def test_rope_scaling_matches_transformers(qwen3_checkpoint, tmp_path, scaling):
     assert relative_error(our_logits(unscaled, PROMPT), theirs) > 100 * TOL
 
 
+def test_rope_scaling_keys_llama_cpp_falls_back_on(qwen3_checkpoint, tmp_path):
+    """as in llama.cpp: the legacy rope.scale_linear is the factor's old name, and YaRN's original context
+    defaults to the training context"""
+    from pydflash.convert import convert_hf_to_gguf
+
+    linear_dir = qwen3_checkpoint("gqa4x2_hd64", rope_scaling=ROPE_SCALINGS["linear-4"], max_position_embeddings=128,
+                                  seed=7)
+    linear = convert_hf_to_gguf(linear_dir, tmp_path / "linear.gguf", outtype="f32", progress=False)
+    legacy = rewrite(linear, tmp_path / "legacy.gguf", drop_keys=["qwen3.rope.scaling.type", "qwen3.rope.scaling.factor"],
+                     set_keys={"qwen3.rope.scale_linear": (4.0, T.FLOAT32)})
+    assert np.array_equal(our_logits(legacy, PROMPT), our_logits(linear, PROMPT))
+
+    yarn_dir = qwen3_checkpoint("gqa4x2_hd64", rope_scaling=ROPE_SCALINGS["yarn-4"], max_position_embeddings=128,
+                                seed=7)
+    yarn = convert_hf_to_gguf(yarn_dir, tmp_path / "yarn.gguf", outtype="f32", progress=False)
+    assert gguf.GGUFReader(yarn).fields["qwen3.rope.scaling.original_context_length"].contents() == 16
+    from_training = rewrite(yarn, tmp_path / "from-training.gguf",
+                            drop_keys=["qwen3.rope.scaling.original_context_length"],
+                            set_keys={"qwen3.context_length": (16, T.UINT32)})
+    assert np.array_equal(our_logits(from_training, PROMPT), our_logits(yarn, PROMPT))
+
+
 # ---- the core's own entry points ----
 
 @pytest.fixture(scope="module")
@@ -251,7 +275,20 @@ def test_session_arguments(core_pair):
         _core.Session(model, n_ctx=2**31)
     with pytest.raises(ValueError, match=r"n_rollback = -1, expected a value in"):
         _core.Session(model, n_ctx=64, n_rollback=-1)
+    with pytest.raises(ValueError, match=r"n_rollback = 4294967295, expected a value in \[1, 65536\]"):
+        model.recurrent_bytes_for(2**32 - 1)
+    with pytest.raises(ValueError, match=r"quantize: rows of -32 values: expected at least 1"):
+        _core.quantized_row_size(8, -32)
     s = _core.Session(model, n_ctx=64)
+    with pytest.raises(ValueError, match="eval_slot: no evaluation is pending"):
+        s.eval_slot(0)
+    s.eval(np.array([1, 2, 3], dtype=np.int32))
+    assert [s.eval_slot(i) for i in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"row = 3, expected a value in \[0, 2\]"):
+        s.eval_slot(3)
+    with pytest.raises(ValueError, match=r"tokens = 18446744073709551615, expected a value in"):
+        s.eval(np.array([2**64 - 1], dtype=np.uint64))
+    s.truncate(0)
     with pytest.raises(TypeError, match="tokens must be a 1-D sequence of integers"):
         s.eval(np.array([1.5, 2.0]))
     with pytest.raises(IndexError, match=rf"token id {model.n_vocab} at index 0 is outside the vocabulary"):

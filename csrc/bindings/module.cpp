@@ -24,6 +24,8 @@ using namespace pdf;
 
 // the largest context a session accepts: positions are int32, and windows are padded beyond them
 static constexpr int64_t MAX_CTX = 1 << 30;
+// the most per-token (or per-node) recurrent states a session keeps for rollback
+static constexpr int64_t MAX_ROLLBACK = 1 << 16;
 
 // Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked
 // here, naming the parameter, before they are narrowed.
@@ -40,6 +42,15 @@ static std::vector<int32_t> int32_array(const char * name, const py::handle & o)
     py::array a = py::array::ensure(o);
     if (!a || a.ndim() != 1 || (a.size() > 0 && a.dtype().kind() != 'i' && a.dtype().kind() != 'u')) {
         throw py::type_error(format("%s must be a 1-D sequence of integers", name));
+    }
+    if (a.dtype().kind() == 'u') {  // (uint64 values above INT64_MAX would wrap to negatives in the int64 cast)
+        py::array_t<uint64_t, py::array::c_style | py::array::forcecast> u(a);
+        for (py::ssize_t i = 0; i < u.size(); ++i) {
+            if (u.data()[i] > (uint64_t) INT32_MAX) {
+                throw std::invalid_argument(format("%s = %llu, expected a value in [%d, %d]", name,
+                                                   (unsigned long long) u.data()[i], INT32_MIN, INT32_MAX));
+            }
+        }
     }
     py::array_t<int64_t, py::array::c_style | py::array::forcecast> wide(a);
     std::vector<int32_t> out(wide.size());
@@ -381,7 +392,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def_property_readonly("weight_bytes", [](const py_model & m) { return m.model->weight_bytes(); })
         .def_property_readonly("is_recurrent", [](const py_model & m) { return !m.model->info().recurrent_layers.empty(); })
         .def("recurrent_bytes_for", [](const py_model & m, int64_t n_rollback) {
-            checked("n_rollback", n_rollback, 1, UINT32_MAX);
+            checked("n_rollback", n_rollback, 1, MAX_ROLLBACK);
             return m.model->info().recurrent_layers.empty()
                        ? 0
                        : recurrent_state::n_bytes_for(m.model->info(), (uint32_t) n_rollback);
@@ -523,7 +534,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  session_params p;
                  p.n_ctx      = (uint32_t) checked("n_ctx", n_ctx, 1, MAX_CTX);
                  p.n_ubatch   = (uint32_t) checked("n_ubatch", n_ubatch, 1, MAX_CTX);
-                 p.n_rollback = (uint32_t) checked("n_rollback", n_rollback, 1, 1 << 16);
+                 p.n_rollback = (uint32_t) checked("n_rollback", n_rollback, 1, MAX_ROLLBACK);
                  p.type_k     = parse_kv_type(type_k);
                  p.type_v     = parse_kv_type(type_v);
                  return std::make_unique<session>(m.model, p);
@@ -601,8 +612,12 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             "the greedy picks (Session.argmax), as the decode loop does; the logits array is then empty.")
         .def("commit", [](session & s, int64_t n) { s.commit((int) checked("n", n, 0, INT32_MAX)); }, py::arg("n"))
         .def("commit", py::overload_cast<const std::vector<int> &>(&session::commit), py::arg("rows"))
-        .def("eval_slot", [](const session & s, int64_t row) { return s.eval_slot((int) checked("row", row, 0, INT32_MAX)); },
-             py::arg("row"))
+        .def("eval_slot", [](const session & s, int64_t row) {
+                 if (s.n_pending() == 0) {
+                     throw std::invalid_argument("eval_slot: no evaluation is pending");
+                 }
+                 return s.eval_slot((int) checked("row", row, 0, s.n_pending() - 1));
+             }, py::arg("row"))
         .def("truncate", [](session & s, int64_t n_past) { s.truncate((int) checked("n_past", n_past, 0, INT32_MAX)); },
              py::arg("n_past"))
         .def("abort", [](session & s) { s.abort.store(true); })

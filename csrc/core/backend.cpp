@@ -88,6 +88,8 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_la
     if (n_gpu_layers != 0) {
         gpu_ = ggml_backend_dev_init(gpu_dev_, nullptr);
         if (!gpu_) {
+            ggml_backend_free(cpu_);  // (a throwing constructor runs no destructor)
+            cpu_ = nullptr;
             throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(gpu_dev_)));
         }
     }

@@ -271,6 +271,10 @@ float gguf_file::f32_in_or(const std::string & key, float def, float lo, float h
 int gguf_file::block_count(const std::string & key, uint32_t n_optional_last) const {
     const uint32_t v       = u32(key);
     const int64_t  present = n_blocks_present();
+    if (v > MAX_BLOCKS) {  // (a tiny file can name blk.2000000000: the per-layer tables would take gigabytes)
+        throw format_error(format("%s: key '%s' = %u, expected at most %d layers", path_.c_str(), key.c_str(), v,
+                                  MAX_BLOCKS));
+    }
     if (v == 0 || (int64_t) v < present || (int64_t) v - (int64_t) n_optional_last > present) {
         throw format_error(format("%s: key '%s' = %u but the file has tensors for %lld layers (blk.N with N < %lld)%s",
                                   path_.c_str(), key.c_str(), v, (long long) present, (long long) present,

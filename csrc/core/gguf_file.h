@@ -46,6 +46,7 @@ class gguf_file {
     // the block count `key`, checked against the `blk.N.*` tensors: every layer it names is present (its last
     // `n_optional_last` may be absent: Qwen3.5's MTP blocks) and no layer is present that it leaves out
     int block_count(const std::string & key, uint32_t n_optional_last = 0) const;
+    static constexpr int MAX_BLOCKS = 4096;  // layers a block count may name (the largest models have ~100)
 
     // tensors: metadata lives in a no-alloc ggml context, data in the mapped file
     ggml_tensor * find_tensor(const std::string & name) const;  // nullptr when absent

@@ -9,6 +9,10 @@ size_t quantized_row_size(ggml_type type, int64_t n_per_row) {
     if ((int) type < 0 || type >= GGML_TYPE_COUNT || ggml_blck_size(type) == 0) {
         throw std::invalid_argument(format("quantize: %d is not a ggml type", (int) type));
     }
+    if (n_per_row < 1) {
+        throw std::invalid_argument(format("quantize: rows of %lld values: expected at least 1",
+                                           (long long) n_per_row));
+    }
     if (n_per_row % ggml_blck_size(type) != 0) {
         throw std::invalid_argument(format("quantize: rows of %lld values cannot be stored as %s (block size %lld)",
                                            (long long) n_per_row, ggml_type_name(type),

@@ -7,15 +7,17 @@
 
 namespace pdf {
 
-// rope.scaling.*, read as llama.cpp does (a factor without a type is linear) with YaRN's attention factor
-// meaning what transformers' `attention_factor` means: the whole cos/sin scale
+// rope.scaling.*, read as llama.cpp does (a factor without a type is linear; the legacy rope.scale_linear is
+// the factor's old name; YaRN's original context defaults to the training context) with YaRN's attention
+// factor meaning what transformers' `attention_factor` means: the whole cos/sin scale
 static void load_rope_scaling(const gguf_file & f, const std::string & prefix, rope_params & rope) {
-    const std::string & path   = f.path();
-    const std::string   key    = prefix + "rope.scaling.";
-    const std::string   type   = f.has_key(key + "type") ? f.str(key + "type") : "linear";
-    const float         factor = f.has_key(key + "factor") && f.f32(key + "factor") == 0.0f
-                                     ? 0.0f  // llama.cpp writes 0 for "not scaled"
-                                     : f.f32_in_or(key + "factor", 0.0f, 0.0f, 1e6f);
+    const std::string & path       = f.path();
+    const std::string   key        = prefix + "rope.scaling.";
+    const std::string   type       = f.has_key(key + "type") ? f.str(key + "type") : "linear";
+    const std::string   factor_key = f.has_key(key + "factor") ? key + "factor" : prefix + "rope.scale_linear";
+    const float         factor     = f.has_key(factor_key) && f.f32(factor_key) == 0.0f
+                                         ? 0.0f  // llama.cpp writes 0 for "not scaled"
+                                         : f.f32_in_or(factor_key, 0.0f, 0.0f, 1e6f);
     rope.attn_factor = f.f32_in_or(key + "attn_factor", 1.0f, 0.0f, 1e3f);
     if (type == "none" || factor == 0.0f || factor == 1.0f) {
         return;
@@ -23,8 +25,14 @@ static void load_rope_scaling(const gguf_file & f, const std::string & prefix, r
     if (type == "linear") {
         rope.freq_scale = 1.0f / factor;
     } else if (type == "yarn") {
+        if (factor < 1.0f) {  // (YaRN extends a context; its mscale 1 + 0.1 ln(factor) would reach 0 below 1)
+            throw format_error(format("%s: key '%s' = %g with YaRN scaling, expected a factor >= 1", path.c_str(),
+                                      factor_key.c_str(), (double) factor));
+        }
         rope.freq_scale = 1.0f / factor;
-        rope.n_ctx_orig = (int) f.u32_in(key + "original_context_length", 1, INT32_MAX);
+        const std::string orig_key = f.has_key(key + "original_context_length") ? key + "original_context_length"
+                                                                                 : prefix + "context_length";
+        rope.n_ctx_orig = (int) f.u32_in(orig_key, 1, INT32_MAX);
         rope.ext_factor = f.has_key(key + "yarn_ext_factor") && f.f32(key + "yarn_ext_factor") == 0.0f
                               ? 0.0f
                               : f.f32_in_or(key + "yarn_ext_factor", 1.0f, 0.0f, 1e3f);
@@ -35,11 +43,11 @@ static void load_rope_scaling(const gguf_file & f, const std::string & prefix, r
                                            "mscale) is not supported", path.c_str(), prefix.c_str(),
                                            (double) f.f32(key + "yarn_log_multiplier")));
         }
-        // the cos/sin scale: the file's, else YaRN's 1 + 0.1 ln(factor) (1 for factor < 1); ggml multiplies by
+        // the cos/sin scale: the file's, else YaRN's 1 + 0.1 ln(factor); ggml multiplies by
         // 1 + 0.1 ln(factor) itself whenever ext_factor != 0, so that part is divided out
-        const float default_scale = factor > 1.0f ? 1.0f + 0.1f * std::log(factor) : 1.0f;
+        const float default_scale = 1.0f + 0.1f * std::log(factor);
         const float scale         = f.f32_in_or(key + "yarn_attn_factor", default_scale, 0.0f, 1e3f);
-        rope.attn_factor *= rope.ext_factor != 0.0f ? scale / (1.0f + 0.1f * std::log(factor)) : scale;
+        rope.attn_factor *= rope.ext_factor != 0.0f ? scale / default_scale : scale;
     } else {
         throw unsupported_error(format("%s: %srope.scaling.type = '%s' is not supported (expected none, linear or "
                                        "yarn)", path.c_str(), prefix.c_str(), type.c_str()));

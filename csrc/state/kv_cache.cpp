@@ -64,6 +64,7 @@ kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx,
     for (auto & kv : by_buft) {
         ggml_backend_buffer_t buf = alloc_tensors(kv.first, kv.second);
         if (!buf) {
+            release();  // (a throwing constructor runs no destructor)
             throw context_overflow_error(format("could not allocate the KV cache (n_ctx = %u, %.1f MiB in all) in %s",
                                                 n_ctx, n_bytes_for(info, n_ctx, type_k, type_v) / 1048576.0,
                                                 ggml_backend_buft_name(kv.first)),
@@ -73,12 +74,16 @@ kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx,
     }
 }
 
-kv_cache::~kv_cache() {
+kv_cache::~kv_cache() { release(); }
+
+void kv_cache::release() {
     for (ggml_backend_buffer_t b : buffers_) {
         ggml_backend_buffer_free(b);
     }
+    buffers_.clear();
     if (ctx_) {
         ggml_free(ctx_);
+        ctx_ = nullptr;
     }
 }
 

@@ -35,6 +35,7 @@ class kv_cache {
     size_t        n_bytes() const;
 
   private:
+    void release();  // frees the buffers and the context (the destructor, or a constructor that fails)
     // one graph of copies that do not depend on each other's order
     void copy_rows(const std::vector<std::pair<int, int>> & moves);
 

@@ -11,8 +11,8 @@ namespace pdf {
 size_t recurrent_state::n_bytes_for(const model_info & info, uint32_t n_rollback) {
     size_t n = 0;
     for (const recurrent_layer_desc & l : info.recurrent_layers) {
-        n += sizeof(float) * (size_t) l.ssm_size * (n_rollback + 1);
-        n += sizeof(float) * (size_t) l.conv_channels * (l.d_conv - 1 + n_rollback);
+        n += sizeof(float) * (size_t) l.ssm_size * ((size_t) n_rollback + 1);
+        n += sizeof(float) * (size_t) l.conv_channels * ((size_t) l.d_conv - 1 + n_rollback);
         n += sizeof(float) * ((size_t) l.ssm_size + (size_t) l.conv_channels * (l.d_conv - 1)) * N_CHECKPOINTS;
     }
     return n;
@@ -49,6 +49,7 @@ recurrent_state::recurrent_state(const model_info & info, const backends & devic
     for (auto & kv : by_buft) {
         ggml_backend_buffer_t buf = alloc_tensors(kv.first, kv.second);
         if (!buf) {
+            release();  // (a throwing constructor runs no destructor)
             throw backend_error(format("could not allocate the recurrent state (%.1f MiB in all) in %s",
                                        n_bytes_for(info, n_rollback) / 1048576.0, ggml_backend_buft_name(kv.first)));
         }
@@ -57,12 +58,16 @@ recurrent_state::recurrent_state(const model_info & info, const backends & devic
     reset();
 }
 
-recurrent_state::~recurrent_state() {
+recurrent_state::~recurrent_state() { release(); }
+
+void recurrent_state::release() {
     for (ggml_backend_buffer_t b : buffers_) {
         ggml_backend_buffer_free(b);
     }
+    buffers_.clear();
     if (ctx_) {
         ggml_free(ctx_);
+        ctx_ = nullptr;
     }
 }
 

@@ -66,6 +66,7 @@ class recurrent_state {
     void restore_checkpoint(int slot);
 
   private:
+    void release();  // frees the buffers and the context (the destructor, or a constructor that fails)
     void conv_rows_from(int first);  // the window: d_conv-1 consecutive rows from `first`
 
     uint32_t                                               n_rollback_;

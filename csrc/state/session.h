@@ -119,6 +119,7 @@ class session {
     // where batch row i of the last eval went: cache slot n_past + eval_slot(i) (tree evaluations of recurrent
     // models run their nodes depth by depth)
     int eval_slot(int i) const { return slot_of_.empty() ? i : slot_of_[i]; }
+    int n_pending() const { return (int) pending_.size(); }  // rows of the last eval, not yet committed
 
     const target_model &         model() const { return *model_; }
     const std::vector<int32_t> & tokens() const { return tokens_; }  // committed token ids
