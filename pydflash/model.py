@@ -347,6 +347,8 @@ class Model:
             return not stops.stopped
 
         with self._lock:
+            if not speculative and self._draft is not None:
+                self._draft.forget()  # the target's cache moves on without the drafter's rows
             if max_tokens == 0:
                 return {"tokens": [], "finish_reason": "length",
                         "timings": {"prompt_n": 0, "cached_n": 0, "prompt_ms": 0.0, "predicted_n": 0,

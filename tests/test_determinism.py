@@ -92,3 +92,20 @@ def test_shared_prefix_gives_a_fresh_models_output(kind):
         assert 0 < out.timings["cached_n"] <= n_first and out.timings["cached_n"] % 16 == 0
     with model(kind, "q8_0", "chain", n_ubatch=16) as fresh:
         assert fresh.generate(follow_up, max_tokens=MAX_TOKENS).tokens == out.tokens
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_plain_call_between_speculative_ones_leaves_no_stale_draft_rows(kind):
+    """After a plain call the drafter's context rows belong to an earlier prompt: a speculative call that reuses
+    the plain call's cached prompt must not draft from them (it did: same output, lower acceptance), so it
+    drafts and accepts exactly as a fresh model does."""
+    first, second = ALL_PROMPTS[3], ALL_PROMPTS[4]
+    with model(kind, "q8_0", "chain") as m:
+        m.generate(first, max_tokens=MAX_TOKENS)
+        m.generate(second, max_tokens=MAX_TOKENS, speculative=False)
+        after_plain = m.generate(second, max_tokens=MAX_TOKENS)
+    with model(kind, "q8_0", "chain") as fresh:
+        expected = fresh.generate(second, max_tokens=MAX_TOKENS)
+    assert after_plain.tokens == expected.tokens
+    assert after_plain.timings["draft_n_accepted"] == expected.timings["draft_n_accepted"] > 0
+    assert after_plain.timings["n_rounds"] == expected.timings["n_rounds"]

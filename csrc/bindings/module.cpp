@@ -446,6 +446,9 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def_property_readonly("weight_bytes", [](const py_draft & d) { return d.session->model().weight_bytes(); })
         .def_property_readonly("kv_bytes", [](const py_draft & d) { return d.session->kv_bytes(); })
         .def_property_readonly("window", [](const py_draft & d) { return d.session->window(); })
+        .def("forget", [](py_draft & d) { d.session->truncate(0); },
+             "Drop every context row: the target went on without this draft (plain decoding), so the rows no "
+             "longer follow its history and a later prompt must not reuse them.")
         .def_property_readonly("top_k", [](const py_draft & d) { return d.session->top_k(); })
         .def_property_readonly("ring_capacity", [](py_draft & d) { return d.session->ring().capacity(); })
         .def_property_readonly("ring_bytes", [](py_draft & d) { return d.session->ring().n_bytes(); })
