@@ -109,10 +109,19 @@ def _search(pattern: str, text: str, what: str) -> re.Match:
     return m
 
 
-def llama_ar(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int) -> dict:
-    """llama-completion, greedy: (decode steps, decode ms) from its `eval time = T ms / N runs` line."""
-    cmd = [str(_exe("llama-completion")), "-m", str(target), "-f", str(prompt), "-n", str(max_tokens), "--temp",
-           "0", "--top-k", "1", "--seed", "0", "-t", str(threads), "-c", str(n_ctx), "-no-cnv"]
+def sampling_flags(temp: float, seed: int) -> list[str]:
+    """Greedy at temp 0, else llama-cpp-python's defaults (top-k 40, top-p 0.95, min-p 0.05) at that temperature."""
+    if temp <= 0:
+        return ["--temp", "0", "--top-k", "1", "--seed", str(seed)]
+    return ["--temp", str(temp), "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05", "--seed", str(seed)]
+
+
+def llama_ar(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int, temp: float = 0.0,
+             seed: int = 0) -> dict:
+    """llama-completion (greedy unless temp > 0): (decode steps, decode ms) from its `eval time = T ms / N runs`
+    line."""
+    cmd = [str(_exe("llama-completion")), "-m", str(target), "-f", str(prompt), "-n", str(max_tokens),
+           *sampling_flags(temp, seed), "-t", str(threads), "-c", str(n_ctx), "-no-cnv"]
 
     def parse(out: str) -> dict:
         m = _search(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs", out, "'eval time ... runs'")
@@ -122,12 +131,12 @@ def llama_ar(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: i
 
 
 def llama_dflash(target: Path, draft: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int,
-                 n_draft: int) -> dict:
-    """llama-speculative-simple --spec-type draft-dflash, greedy, -lv 4 for its statistics line; "output" holds
-    what it printed (the prompt and the continuation among the log lines)."""
+                 n_draft: int, temp: float = 0.0, seed: int = 0) -> dict:
+    """llama-speculative-simple --spec-type draft-dflash (greedy unless temp > 0), -lv 4 for its statistics line;
+    "output" holds what it printed (the prompt and the continuation among the log lines)."""
     cmd = [str(_exe("llama-speculative-simple")), "-m", str(target), "-md", str(draft), "--spec-type",
-           "draft-dflash", "--spec-draft-n-max", str(n_draft), "-f", str(prompt), "-n", str(max_tokens), "--temp",
-           "0", "--top-k", "1", "--seed", "0", "-t", str(threads), "-td", str(threads), "-c", str(n_ctx), "-lv", "4"]
+           "draft-dflash", "--spec-draft-n-max", str(n_draft), "-f", str(prompt), "-n", str(max_tokens),
+           *sampling_flags(temp, seed), "-t", str(threads), "-td", str(threads), "-c", str(n_ctx), "-lv", "4"]
     return _run_and_parse(cmd, _parse_dflash)
 
 

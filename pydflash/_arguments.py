@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 # the largest int the core takes (int32 counts and positions)
 INT32_MAX = 2**31 - 1
@@ -87,3 +87,26 @@ def stop_strings(stop: Any) -> list[str]:
         if not s:
             raise ValueError(f"stop[{i}] is an empty string, which would stop before any text")
     return list(items)
+
+
+def logit_bias_arg(bias: Any, n_vocab: int) -> dict[int, float]:
+    """{token id: bias}; ids may be ints or decimal strings (OpenAI's JSON keys), biases finite or -inf."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, Mapping):
+        raise TypeError(f"logit_bias must be a mapping of token id to bias, got {type(bias).__name__}")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        if not _is_int(token):
+            raise TypeError(f"logit_bias key {key!r} must be a token id (an int or a decimal string)")
+        token = operator.index(token)
+        if not 0 <= token < n_vocab:
+            raise ValueError(f"logit_bias key {key!r} is outside the vocabulary [0, {n_vocab})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"logit_bias[{key!r}] must be a number, got {type(value).__name__} {value!r}")
+        value = float(value)
+        if math.isnan(value) or value == math.inf:
+            raise ValueError(f"logit_bias[{key!r}] = {value}, expected a finite value or -inf")
+        out[token] = value
+    return out

@@ -9,15 +9,17 @@ from __future__ import annotations
 import atexit
 import codecs
 import logging
+import math
 import os
 import queue
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from . import _core
-from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, optional_int_arg, stop_strings,
-                         token_ids)
+from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
+                         stop_strings, token_ids)
 from .errors import ContextLengthExceededError, ModelLoadError
 from .tokenizer import Tokenizer
 
@@ -48,12 +50,39 @@ TREE_STATE_SHARE = 0.25
 
 @dataclass
 class Completion:
-    """The result of `Model.generate`. `timings` uses llama-server's names."""
+    """The result of `Model.generate`. `timings` uses llama-server's names; `seed` is the one the call drew with
+    (pass it back to reproduce a sampled call); `logprobs`, with `logprobs=n`, is llama-cpp-python's completion
+    shape: tokens (text), text_offset, token_logprobs and top_logprobs (n entries per token, text -> logprob)."""
 
     text: str
     tokens: list[int]
     finish_reason: str  # "stop" (stop token or string), "length" (max_tokens or n_ctx), "abort"
     timings: dict = field(default_factory=dict)
+    seed: int | None = None
+    logprobs: dict | None = None
+
+
+def sampling_args(n_vocab: int, temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
+                  frequency_penalty, repeat_last_n, logit_bias, logprobs) -> dict:
+    """The sampling parameters checked (ValueError / TypeError naming the one at fault), as the core takes them."""
+    args = dict(temperature=float_arg("temperature", temperature, 0.0),
+                top_k=int_arg("top_k", top_k, 0),
+                top_p=float_arg("top_p", top_p, 0.0, 1.0),
+                min_p=float_arg("min_p", min_p, 0.0, 1.0),
+                typical_p=float_arg("typical_p", typical_p, 0.0, 1.0),
+                repeat_penalty=float_arg("repeat_penalty", repeat_penalty, 0.0),
+                presence_penalty=float_arg("presence_penalty", presence_penalty, -math.inf),
+                frequency_penalty=float_arg("frequency_penalty", frequency_penalty, -math.inf),
+                repeat_last_n=int_arg("repeat_last_n", repeat_last_n, -1),
+                logit_bias=logit_bias_arg(logit_bias, n_vocab),
+                logprobs=optional_int_arg("logprobs", logprobs, 0, n_vocab))
+    if args["repeat_penalty"] == 0.0:
+        raise ValueError("repeat_penalty = 0.0, expected a value > 0 (1.0: off)")
+    return args
+
+
+def _seed_arg(seed) -> int | None:
+    return optional_int_arg("seed", seed, -(2**63), 2**64 - 1)
 
 
 def _timings(raw: dict) -> dict:
@@ -137,7 +166,7 @@ class Model:
         tree_budget: int | None = None,
         tree_seed: str = "best_first",
         draft_window: int = 4096,
-        seed: int = 0,
+        seed: int | None = None,
         verbose: bool = False,
     ):
         if not isinstance(model_path, (str, os.PathLike)):
@@ -152,7 +181,7 @@ class Model:
         block_size = optional_int_arg("block_size", block_size, 2, 256)
         tree_budget = optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET)
         draft_window = int_arg("draft_window", draft_window, 1)
-        seed = int_arg("seed", seed, -(2**63), 2**64 - 1)
+        seed = _seed_arg(seed)
         verbose = bool_arg("verbose", verbose)
         choice_arg("kv_type", kv_type, KV_TYPES)
         choice_arg("spec_mode", spec_mode, SPEC_MODES)
@@ -164,7 +193,7 @@ class Model:
                 logger.addHandler(logging.StreamHandler())
         if not os.path.exists(self.model_path):
             raise ModelLoadError(f"{self.model_path}: no such file")
-        self.seed = seed  # used by sampling (temperature > 0), which a later release adds
+        self.seed = seed  # the default of sampled calls (None: a fresh seed per call)
         self.kv_type = kv_type
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
         self._model = _core.Model(self.model_path, n_gpu_layers=n_gpu_layers, n_threads=n_threads or 0)
@@ -277,15 +306,12 @@ class Model:
         return self.tokenizer.detokenize(list(tokens))
 
     # ---- generation ----
-    def _prepare(self, prompt: str | bytes | Sequence[int], max_tokens: int | None, temperature: float,
+    def _prepare(self, prompt: str | bytes | Sequence[int], max_tokens: int | None,
                  speculative: bool) -> tuple[list[int], int]:
         """The prompt's tokens and the max_tokens to ask the core for, every argument checked."""
         self._check_open()
-        temperature = float_arg("temperature", temperature, 0.0)
         bool_arg("speculative", speculative)
         max_tokens = optional_int_arg("max_tokens", max_tokens, 0)
-        if temperature != 0.0:
-            raise NotImplementedError("only greedy decoding (temperature=0.0) is implemented so far")
         if isinstance(prompt, (str, bytes)):
             tokens = self.tokenize(prompt)
         else:
@@ -298,25 +324,46 @@ class Model:
         # None: until an end-of-generation token or the end of the context (where the core stops)
         return tokens, INT32_MAX if max_tokens is None else max_tokens
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0,
-                 stop: str | Sequence[str] | None = None, speculative: bool = True) -> Completion:
+    def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0, *,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+                 repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 repeat_last_n: int = 64, logit_bias: dict | None = None, seed: int | None = None,
+                 logprobs: int | None = None, stop: str | Sequence[str] | None = None,
+                 speculative: bool = True) -> Completion:
         """Generate a continuation of `prompt` (text, or token ids). With a draft model loaded, DFlash
-        speculative decoding is used unless `speculative=False`; the output is the same either way.
-        max_tokens=None generates until an end-of-generation token or the end of the context."""
-        pieces: list[str] = []
-        result = self._run(prompt, max_tokens, temperature, stop, pieces.append, speculative)
-        return Completion("".join(pieces), result["tokens"], result["finish_reason"], _timings(result["timings"]))
+        speculative decoding is used unless `speculative=False`; the output is the same either way, also when
+        sampling: for a given seed, speculative decoding commits the tokens plain sampling draws.
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0,
+        Sampling follows llama.cpp's chain, in its order: logit_bias, penalties (repeat_penalty,
+        presence_penalty, frequency_penalty over the last repeat_last_n tokens, prompt included; -1: all),
+        top_k, typical_p, top_p, min_p, temperature. temperature=0.0 (the default) decodes greedily (after
+        biases and penalties). seed: an int makes the call reproducible; None takes the Model's seed, or a fresh
+        one when that is None too (Completion.seed says which). logprobs=n returns each token's log-probability
+        and the n most likely tokens' (log-softmax of the target's logits). max_tokens=None generates until an
+        end-of-generation token or the end of the context."""
+        sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
+                                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
+        pieces: list[str] = []
+        result = self._run(prompt, max_tokens, stop, pieces.append, speculative, sampling)
+        return Completion("".join(pieces), result["tokens"], result["finish_reason"], _timings(result["timings"]),
+                          sampling.get("seed"), self._logprobs(result))
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0, *,
+               top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+               repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               repeat_last_n: int = 64, logit_bias: dict | None = None, seed: int | None = None,
                stop: str | Sequence[str] | None = None, speculative: bool = True) -> Iterator[str]:
-        """Yield the continuation as text pieces as they are generated; a piece never splits a character."""
+        """Yield the continuation as text pieces as they are generated; a piece never splits a character.
+        Arguments as for `generate`."""
+        sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
+                                  frequency_penalty, repeat_last_n, logit_bias, seed, None)
         pieces: queue.Queue = queue.Queue()
         done = object()
         outcome: dict = {}
 
         def worker():
             try:
-                outcome["result"] = self._run(prompt, max_tokens, temperature, stop, pieces.put, speculative)
+                outcome["result"] = self._run(prompt, max_tokens, stop, pieces.put, speculative, sampling)
             except BaseException as e:  # re-raised in the consumer
                 outcome["error"] = e
             finally:
@@ -338,8 +385,36 @@ class Model:
         if "error" in outcome:
             raise outcome["error"]
 
-    def _run(self, prompt, max_tokens, temperature, stop, emit, speculative=True) -> dict:
-        tokens, max_tokens = self._prepare(prompt, max_tokens, temperature, speculative)
+    def _sampling(self, temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
+                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs) -> dict:
+        """The core's sampling dict, every parameter checked; the seed resolved (given, the Model's, or fresh)."""
+        self._check_open()
+        args = sampling_args(self.n_vocab, temperature, top_k, top_p, min_p, typical_p, repeat_penalty,
+                             presence_penalty, frequency_penalty, repeat_last_n, logit_bias, logprobs)
+        seed = _seed_arg(seed)
+        if seed is None:
+            seed = self.seed if self.seed is not None else secrets.randbits(64)
+        args["seed"] = seed
+        return args
+
+    def _logprobs(self, result: dict) -> dict | None:
+        """llama-cpp-python's completion logprobs from the core's (ids)."""
+        raw = result.get("logprobs")
+        if raw is None:
+            return None
+        def piece(token: int) -> str:
+            return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+
+        texts = [piece(t) for t in result["tokens"]]
+        offsets, at = [], 0
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": texts, "text_offset": offsets, "token_logprobs": raw["token_logprobs"],
+                "top_logprobs": [{piece(t): lp for t, lp in top} for top in raw["top_logprobs"]]}
+
+    def _run(self, prompt, max_tokens, stop, emit, speculative, sampling) -> dict:
+        tokens, max_tokens = self._prepare(prompt, max_tokens, speculative)
         stops = _StopStrings(self.tokenizer, stop_strings(stop))
 
         def on_tokens(new_tokens: list[int]) -> bool:
@@ -350,13 +425,17 @@ class Model:
             if not speculative and self._draft is not None:
                 self._draft.forget()  # the target's cache moves on without the drafter's rows
             if max_tokens == 0:
-                return {"tokens": [], "finish_reason": "length",
-                        "timings": {"prompt_n": 0, "cached_n": 0, "prompt_ms": 0.0, "predicted_n": 0,
-                                    "predicted_ms": 0.0, "n_target_evals": 0}}
+                result = {"tokens": [], "finish_reason": "length",
+                          "timings": {"prompt_n": 0, "cached_n": 0, "prompt_ms": 0.0, "predicted_n": 0,
+                                      "predicted_ms": 0.0, "n_target_evals": 0}}
+                if sampling.get("logprobs") is not None:
+                    result["logprobs"] = {"token_logprobs": [], "top_logprobs": []}
+                return result
             result = self._session.generate(tokens, max_tokens=max_tokens,
                                             stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
                                             draft=self._draft if speculative else None, spec_mode=self.spec_mode,
-                                            tree_budget=self.tree_budget or 0, tree_seed=self.tree_seed)
+                                            tree_budget=self.tree_budget or 0, tree_seed=self.tree_seed,
+                                            sampling=sampling)
         if stops.stopped:
             result["finish_reason"] = "stop"
         else:

@@ -22,3 +22,29 @@ def tie_gap(model, prompt_ids, tokens, other, k) -> float:
 
 def first_difference(a, b) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
+def draw_is_fragile(model, prompt_ids, tokens, k, sampling: dict) -> bool:
+    """Whether the draw of output position k after prompt + tokens[:k] (batched logits of ours) is a near-tie:
+    logit noise of TIE can change it, either the candidates the chain keeps or the Gumbel-max that picks among
+    them (its winning margin, in log-probability, under 2 * TIE / temperature). The sampling counterpart of
+    tie_gap (tests/sampling_ref.py is the reference)."""
+    import sampling_ref as ref
+
+    history = list(prompt_ids) + list(tokens[:k])
+    s = _core.Session(model._model, n_ctx=model.n_ctx)
+    logits, _ = s.eval(np.array(history, dtype=np.int32), all_logits=False)
+    row = np.asarray(logits[-1], dtype=np.float32)
+    params = {key: v for key, v in sampling.items() if key != "seed"}
+    ids, probs = ref.distribution(row, history, **params)
+    token, margin = ref.draw(ids, probs, sampling["seed"], k)
+    temperature = params.get("temperature", 1.0)
+    if temperature > 0 and margin < 2 * TIE / temperature:
+        return True
+    rng = np.random.default_rng(k)
+    for _ in range(16):  # the candidate set (top-k / top-p / min-p / typical boundaries, greedy near-ties)
+        noisy = row + rng.uniform(-TIE / 2, TIE / 2, size=row.shape).astype(np.float32)
+        noisy_ids, _ = ref.distribution(noisy, history, **params)
+        if not np.array_equal(noisy_ids, ids):
+            return True
+    return False

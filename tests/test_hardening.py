@@ -396,11 +396,6 @@ def test_numpy_integer_prompts_are_token_ids(model):
     assert model.generate([np.int32(t) for t in ids], max_tokens=4).tokens == want
 
 
-def test_positive_temperature_is_not_implemented_yet(model):
-    with pytest.raises(NotImplementedError, match="only greedy decoding"):
-        model.generate("x", temperature=0.5)
-
-
 def test_max_tokens_none_runs_to_the_end_of_the_context():
     with pydflash.Model(target("qwen3"), draft_model_path=draft("qwen3"), n_ctx=48) as m:
         prompt = m.tokenize("def f(x):")

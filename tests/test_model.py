@@ -86,8 +86,7 @@ def test_stop_string_cuts_text(model):
 
 def test_max_tokens_zero_and_bad_arguments(model):
     assert model.generate("a", max_tokens=0).tokens == []
-    with pytest.raises(NotImplementedError):
-        model.generate("a", temperature=0.7)
+    assert model.generate("a", max_tokens=0, temperature=0.7, logprobs=2).logprobs["token_logprobs"] == []
     with pytest.raises(ValueError):
         model.generate([], max_tokens=4)
 

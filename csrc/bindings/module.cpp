@@ -7,6 +7,7 @@
 #include "models/argmax.h"
 #include "models/model.h"
 #include "spec/driver.h"
+#include "spec/sampler.h"
 #include "spec/proposer.h"
 #include "state/draft_session.h"
 #include "state/session.h"
@@ -145,6 +146,79 @@ struct py_draft {
     std::unique_ptr<draft_session>     session;
     std::unique_ptr<speculation_state> state;
 };
+
+// sampling parameters from a dict with llama-cpp-python's names (None or {}: greedy); unknown keys are an error
+static sampling_params parse_sampling(const py::object & o) {
+    sampling_params p;
+    if (o.is_none()) {
+        return p;
+    }
+    const auto number = [](const char * name, const py::handle & v) {
+        if (!py::isinstance<py::float_>(v) && !py::isinstance<py::int_>(v)) {
+            throw py::type_error(format("%s must be a number", name));
+        }
+        return v.cast<double>();
+    };
+    const auto integer = [](const char * name, const py::handle & v, int64_t lo, int64_t hi) {
+        if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) {
+            throw py::type_error(format("%s must be an int", name));
+        }
+        return checked(name, v.cast<int64_t>(), lo, hi);
+    };
+    for (const auto & [key_h, v] : o.cast<py::dict>()) {
+        const std::string key = key_h.cast<std::string>();
+        if (key == "temperature") {
+            p.temperature = (float) number("temperature", v);
+        } else if (key == "top_k") {
+            p.top_k = (int) integer("top_k", v, INT32_MIN, INT32_MAX);
+        } else if (key == "top_p") {
+            p.top_p = (float) number("top_p", v);
+        } else if (key == "min_p") {
+            p.min_p = (float) number("min_p", v);
+        } else if (key == "typical_p") {
+            p.typical_p = (float) number("typical_p", v);
+        } else if (key == "repeat_penalty") {
+            p.repeat_penalty = (float) number("repeat_penalty", v);
+        } else if (key == "presence_penalty") {
+            p.presence_penalty = (float) number("presence_penalty", v);
+        } else if (key == "frequency_penalty") {
+            p.frequency_penalty = (float) number("frequency_penalty", v);
+        } else if (key == "repeat_last_n") {
+            p.repeat_last_n = (int) integer("repeat_last_n", v, INT32_MIN, INT32_MAX);
+        } else if (key == "seed") {
+            if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) {
+                throw py::type_error("seed must be an int");
+            }
+            p.seed = py::reinterpret_borrow<py::int_>(v).attr("__and__")(py::int_(UINT64_MAX)).cast<uint64_t>();
+        } else if (key == "logprobs") {
+            p.n_logprobs = v.is_none() ? -1 : (int) integer("logprobs", v, 0, INT32_MAX);
+        } else if (key == "logit_bias") {
+            for (const auto & [id, bias] : v.cast<py::dict>()) {
+                const int32_t tok = (int32_t) integer("logit_bias key", id, 0, INT32_MAX);
+                p.logit_bias.emplace_back(tok, (float) number("logit_bias value", bias));
+            }
+        } else {
+            throw std::invalid_argument("unknown sampling parameter '" + key + "'");
+        }
+    }
+    return p;
+}
+
+static py::dict logprobs_dict(const std::vector<token_logprobs> & lps) {
+    py::list token_lp, top;
+    for (const token_logprobs & lp : lps) {
+        token_lp.append(lp.logprob);
+        py::list alternatives;
+        for (const auto & [id, v] : lp.top) {
+            alternatives.append(py::make_tuple(id, v));
+        }
+        top.append(alternatives);
+    }
+    py::dict d;
+    d["token_logprobs"] = token_lp;
+    d["top_logprobs"]   = top;
+    return d;
+}
 
 static spec_mode parse_spec_mode(const std::string & name) {
     if (name == "auto") {
@@ -652,11 +726,14 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def(
             "generate",
             [](session & s, py::object prompt_in, int64_t max_tokens, py::object stop_tokens_in, py::object callback,
-               py_draft * draft, const std::string & mode, int64_t tree_budget, const std::string & seed) {
+               py_draft * draft, const std::string & mode, int64_t tree_budget, const std::string & seed,
+               py::object sampling) {
                 const std::vector<int32_t> prompt = int32_array("prompt", prompt_in);
                 generate_params            p;
                 p.max_tokens  = (int) checked("max_tokens", max_tokens, 0, INT32_MAX);
                 p.stop_tokens = int32_array("stop_tokens", stop_tokens_in);
+                p.sampling    = parse_sampling(sampling);
+                p.sampling.validate(s.model().info().n_vocab);
                 spec_params sp;
                 sp.mode        = parse_spec_mode(mode);
                 sp.tree_budget = (int) checked("tree_budget", tree_budget, 0, 1 << 16);
@@ -688,13 +765,54 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 py::dict d;
                 d["tokens"]        = r.tokens;
                 d["finish_reason"] = r.finish_reason;
+                if (p.sampling.n_logprobs >= 0) {
+                    d["logprobs"] = logprobs_dict(r.logprobs);
+                }
                 d["timings"]       = timings_dict(r.timings, draft != nullptr,
                                                   draft && sp.mode == spec_mode::automatic ? &stats : nullptr);
                 return d;
             },
             py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = py::list(),
             py::arg("callback") = py::none(), py::arg("draft") = nullptr, py::arg("spec_mode") = "chain",
-            py::arg("tree_budget") = 0, py::arg("tree_seed") = "best_first",
-            "Greedy generation (speculative with a DraftSession: spec_mode 'chain', 'tree' or 'auto'); "
-            "callback(list[int]) -> bool is called (with the GIL) per batch of committed tokens.");
+            py::arg("tree_budget") = 0, py::arg("tree_seed") = "best_first", py::arg("sampling") = py::none(),
+            "Generation, greedy or sampled (sampling: a dict of llama-cpp-python's sampling parameters and seed), "
+            "speculative with a DraftSession (spec_mode 'chain', 'tree' or 'auto'); callback(list[int]) -> bool is "
+            "called (with the GIL) per batch of committed tokens. With sampling['logprobs'] = n the result has "
+            "'logprobs': token_logprobs and top_logprobs ([(id, logprob)] * n) per token.");
+
+    m.def(
+        "sample",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, py::object sampling,
+           py::object history_in, int64_t t) {
+            if (logits.ndim() != 1 || logits.shape(0) < 1) {
+                throw std::invalid_argument("sample: logits must be one non-empty row");
+            }
+            const int64_t              V       = logits.shape(0);
+            const std::vector<int32_t> history = int32_array("history", history_in);
+            for (int32_t h : history) {
+                checked("history token", h, 0, V - 1);
+            }
+            token_sampler smp(parse_sampling(sampling), V, (int) std::max<size_t>(1, history.size()));
+            smp.set_history(history.data(), (int) history.size());
+            const int32_t token = smp.sample(logits.data(), (uint64_t) checked("t", t, 0, INT64_MAX));
+            const auto    dist  = smp.distribution();
+            py::array_t<int32_t> ids((py::ssize_t) dist.size());
+            py::array_t<double>  probs((py::ssize_t) dist.size());
+            for (size_t i = 0; i < dist.size(); ++i) {
+                ids.mutable_data()[i]   = dist[i].first;
+                probs.mutable_data()[i] = dist[i].second;
+            }
+            py::dict d;
+            d["token"] = token;
+            d["ids"]   = ids;
+            d["probs"] = probs;
+            if (smp.params().n_logprobs >= 0) {
+                d["logprobs"] = logprobs_dict({smp.logprobs()});
+            }
+            return d;
+        },
+        py::arg("logits"), py::arg("sampling"), py::arg("history") = py::list(), py::arg("t") = 0,
+        "One draw of the sampler chain over a row of logits, for tests: the token, the candidates it chose among "
+        "(ids in id order, probabilities) and, with sampling['logprobs'], the log-probabilities. history: the "
+        "tokens the penalties look back over (repeat_last_n -1 takes all of them).");
 }

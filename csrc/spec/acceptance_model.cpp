@@ -25,10 +25,10 @@ double acceptance_model::p_accept(int depth, int rank, double q) const {
     return (accepted_[c] + PRIOR_TRIALS * bin_centre(c)) / (tried_[c] + PRIOR_TRIALS);
 }
 
-void acceptance_model::observe(int depth, int rank, double q, bool accepted) {
+void acceptance_model::observe(int depth, int rank, double q, double accepted) {
     const int c  = cell(depth, rank, q);
     tried_[c]    = DECAY * tried_[c] + 1.0;
-    accepted_[c] = DECAY * accepted_[c] + (accepted ? 1.0 : 0.0);
+    accepted_[c] = DECAY * accepted_[c] + accepted;
 }
 
 }  // namespace pdf

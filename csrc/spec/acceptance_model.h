@@ -1,6 +1,7 @@
 // How likely the target is to accept a drafted token, learnt online from the rounds verified so far. A node of
 // a draft tree is "tried" when its parent was accepted; it is accepted when the target's pick after the parent
-// is its token. The drafter's own probability for the token (its per-position marginal, from one forward) is
+// is its token (sampling: it is accepted with the probability that the target's draw gives its token, which
+// is what is counted, exactly, rather than the one draw's outcome). The drafter's own probability for the token (its per-position marginal, from one forward) is
 // informative but not calibrated: at depth d it averages over the uncertain tokens before it, while the
 // target only ever tries it after an accepted prefix. So the acceptance probability is kept per cell of
 // (depth group, rank group, drafter probability bin), as decayed counts with a prior that trusts the drafter.
@@ -14,8 +15,9 @@ class acceptance_model {
   public:
     // P(accepted | parent accepted) of a node at `depth` (1-based) with the drafter's rank and probability
     double p_accept(int depth, int rank, double q) const;
-    // a verified node whose parent was accepted: whether it was accepted too
-    void observe(int depth, int rank, double q, bool accepted);
+    // a verified node whose parent was accepted: the probability that it was accepted too (0 or 1 when the target
+    // decodes greedily)
+    void observe(int depth, int rank, double q, double accepted);
 
   private:
     static constexpr int N_DEPTH = 4;   // depths 1, 2-3, 4-7, 8+

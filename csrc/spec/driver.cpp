@@ -1,6 +1,7 @@
 #include "spec/driver.h"
 #include "core/clock.h"
 #include "core/error.h"
+#include "spec/verifier.h"
 
 #include <algorithm>
 
@@ -24,7 +25,7 @@ static int reusable_prefix(const session & s, const std::vector<int32_t> & promp
     return s.is_recurrent() && reuse != m.aligned ? 0 : reuse;
 }
 
-int32_t prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t) {
+bool prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t) {
     if (prompt.empty()) {
         throw std::invalid_argument("prompt is empty");
     }
@@ -40,7 +41,7 @@ int32_t prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, 
     t.prompt_n = L - reuse;
     if (reuse == L) {
         t.prompt_ms = 0.0;
-        return s.prefill_cache().next;
+        return true;
     }
     s.begin_prefill(prompt, reuse);
 
@@ -50,7 +51,8 @@ int32_t prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, 
     for (int i = reuse; i < L; i += ub) {
         const int n = std::min(ub, L - i);
         p.before_eval(i, n);
-        s.eval(prompt.data() + i, n, {}, read_argmax_last, p.capture(), p.ring());
+        // the last row's logits stay on the device unless read (the last micro-batch's: a sampled first token)
+        s.eval(prompt.data() + i, n, {}, read_logits_last, p.capture(), p.ring());
         s.commit(n);
         p.after_prefill_chunk(i, n);
         if (n == ub && i + n == L / ub * ub) {
@@ -58,12 +60,13 @@ int32_t prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, 
         }
         if (s.abort.load()) {
             t.prompt_ms = ms_since(t0);
-            return -1;
+            return false;
         }
     }
-    s.mark_whole(s.argmax().back());
+    const float * last = s.logits_row(0);
+    s.mark_whole(s.argmax().back(), std::vector<float>(last, last + s.model().info().n_vocab));
     t.prompt_ms = ms_since(t0);
-    return s.prefill_cache().next;
+    return true;
 }
 
 generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,
@@ -75,12 +78,14 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         throw std::invalid_argument(format("n_ubatch = %u exceeds the feature ring's %d rows", s.n_ubatch(),
                                            p.ring()->capacity()));
     }
-    int32_t anchor = prefill(s, p, prompt, t);  // the first generated token, at position start
+    const std::unique_ptr<verifier> choose = make_verifier(params.sampling, s.model().info().n_vocab,
+                                                           (int) s.n_ctx(), prompt);
     r.finish_reason = "length";
-    if (s.abort.load()) {
+    if (!prefill(s, p, prompt, t) || s.abort.load()) {
         r.finish_reason = "abort";
         return r;
     }
+    int32_t anchor = choose->first(s.prefill_cache());  // the first generated token, at position start
 
     int     start  = s.n_past();
     if (params.max_tokens > 0) {
@@ -100,6 +105,8 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         }
         const bool stopped = n < (int) batch.size() && is_stop(batch[n]);
         r.tokens.insert(r.tokens.end(), batch.begin(), batch.begin() + n);
+        const std::vector<token_logprobs> & lp = choose->chosen_logprobs();  // aligned with batch when asked for
+        r.logprobs.insert(r.logprobs.end(), lp.begin(), lp.begin() + std::min<size_t>(n, lp.size()));
         if (n > 0 && on_tokens && !on_tokens(batch.data(), n)) {
             r.finish_reason = "abort";
             return false;
@@ -111,8 +118,9 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         return (int) r.tokens.size() < params.max_tokens;
     };
 
-    draft_tree       tree;
-    std::vector<int> rows;
+    draft_tree         tree;
+    std::vector<int>   rows;
+    std::vector<float> accept_prob;
     t.proposed_at.assign(p.max_depth(), 0);
     t.accepted_at.assign(p.max_depth(), 0);
     batch.assign(1, anchor);
@@ -136,13 +144,13 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         batch_layout layout;
         layout.parents = tree.is_chain() ? nullptr : tree.parents.data();
         auto t1 = clock_type::now();
-        s.eval(tree.tokens.data(), n, layout, read_argmax_all, p.capture(), p.ring());
-        const double verify_ms = ms_since(t1);
+        s.eval(tree.tokens.data(), n, layout, read_logits_all, p.capture(), p.ring());
         t.n_target_evals++;
 
         int32_t bonus = 0;
-        walk_greedy(tree, s.argmax().data(), rows, bonus);
-        p.after_verify(s, tree, start, rows, verify_ms);
+        choose->walk(tree, s, rows, bonus, accept_prob);
+        const double verify_ms = ms_since(t1);  // sampling included: it is part of each step's cost
+        p.after_verify(s, tree, start, rows, accept_prob, verify_ms);
         s.commit(rows);  // KV rows compacted, recurrent state of the last accepted node, no replay
 
         batch.clear();

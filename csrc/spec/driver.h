@@ -6,6 +6,7 @@
 #pragma once
 
 #include "spec/proposer.h"
+#include "spec/sampler.h"
 #include "state/session.h"
 
 #include <functional>
@@ -17,6 +18,7 @@ namespace pdf {
 struct generate_params {
     int                  max_tokens = 128;
     std::vector<int32_t> stop_tokens;  // end-of-generation ids; not included in the output
+    sampling_params      sampling;     // the default: greedy
 };
 
 struct generate_timings {
@@ -39,8 +41,9 @@ struct generate_timings {
 };
 
 struct generate_result {
-    std::vector<int32_t> tokens;
-    std::string          finish_reason;  // "stop", "length" (max_tokens or n_ctx), "abort"
+    std::vector<int32_t>        tokens;
+    std::vector<token_logprobs> logprobs;  // one per token, with sampling.n_logprobs >= 0
+    std::string                 finish_reason;  // "stop", "length" (max_tokens or n_ctx), "abort"
     generate_timings     timings;
 };
 
@@ -50,9 +53,9 @@ using token_callback = std::function<bool(const int32_t * tokens, int n)>;
 generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,
                          const generate_params & params, const token_callback & on_tokens);
 
-// evaluate `prompt`, continuing from what the session's prompt cache holds of it (session::prefill_marks);
-// returns the last prompt token's greedy pick (-1 after an abort). The proposer captures what it needs of each
-// micro-batch.
-int32_t prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t);
+// evaluate `prompt`, continuing from what the session's prompt cache holds of it (session::prefill_marks, which
+// then has the last prompt token's greedy pick and logits); false after an abort. The proposer captures what it
+// needs of each micro-batch.
+bool prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t);
 
 }  // namespace pdf

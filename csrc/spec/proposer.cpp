@@ -84,10 +84,10 @@ double dflash_proposer::warm_up(session & s, int32_t anchor) {
             batch_layout layout;
             layout.parents = sh.tree ? sh.parents.data() : nullptr;
             d_.protect(s.n_past(), sh.width);
-            s.eval(tokens.data(), sh.width, layout, read_argmax_all, capture(), ring());
+            s.eval(tokens.data(), sh.width, layout, read_logits_all, capture(), ring());
             if (rep > 0) {
                 const auto t0 = clock_type::now();
-                s.eval(tokens.data(), sh.width, layout, read_argmax_all, capture(), ring());
+                s.eval(tokens.data(), sh.width, layout, read_logits_all, capture(), ring());
                 sh.best = std::min(sh.best, ms_since(t0));
             }
         }
@@ -180,7 +180,7 @@ int choose_verify_budget(const draft_tree & full, const cost_model & costs, cons
 }
 
 void dflash_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
-                                   double verify_ms) {
+                                   const std::vector<float> & accept_prob, double verify_ms) {
     // the accepted nodes' features (written by the verify at their evaluation slots) become context rows
     const int m = (int) rows.size();
     ring_rows_.resize(m);
@@ -196,14 +196,11 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
         return;
     }
     costs_.observe_draft(draft_ms_);
-    // every node whose parent the target accepted was tried: accepted or not
-    std::vector<bool> on_path(t.size(), false);
-    for (int r : rows) {
-        on_path[r] = true;
-    }
+    // every node whose parent the target accepted was tried; what counts is the probability that the target
+    // chose it there (greedy: 0 or 1; sampling: the sampler's probability, which the draw only estimates)
     for (int b = 1; b < t.size(); ++b) {
-        if (on_path[t.parents[b]]) {
-            acceptance_.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), on_path[b]);
+        if (accept_prob[b] >= 0.0f) {
+            acceptance_.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), accept_prob[b]);
         }
     }
     // the round's whole time, host work (tree building, the choice, the walk) included: on a small model it is

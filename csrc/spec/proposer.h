@@ -48,9 +48,10 @@ class proposer {
     // the tree to verify in a round whose root `anchor` sits at position `start`: drafts at most `max_depth`
     // deep, at most `max_nodes` nodes in all (root included)
     virtual void propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) = 0;
-    // the target evaluated `t` (verify_ms) and is about to commit `rows` (root first) of it
+    // the target evaluated `t` (verify_ms) and is about to commit `rows` (root first) of it; accept_prob: per
+    // node, the probability that the target chose it after its parent (-1: its parent was not reached)
     virtual void after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
-                              double verify_ms) = 0;
+                              const std::vector<float> & accept_prob, double verify_ms) = 0;
     // the drafter time of the last propose() (0 when it did not draft)
     virtual double last_draft_ms() const = 0;
     // the deepest draft a round can verify (0: no drafter)
@@ -70,7 +71,8 @@ class plain_proposer : public proposer {
     void   after_prefill_chunk(int, int) override {}
     double warm_up(session &, int32_t) override { return 0.0; }
     void   propose(int32_t anchor, int, int, int, draft_tree & out) override { out.reset(anchor); }
-    void   after_verify(const session &, const draft_tree &, int, const std::vector<int> &, double) override {}
+    void   after_verify(const session &, const draft_tree &, int, const std::vector<int> &, const std::vector<float> &,
+                        double) override {}
     double last_draft_ms() const override { return 0.0; }
     int    max_depth() const override { return 0; }
     bool   speculative_round() const override { return false; }
@@ -119,7 +121,7 @@ class dflash_proposer : public proposer {
     double warm_up(session & s, int32_t anchor) override;
     void   propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) override;
     void   after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
-                        double verify_ms) override;
+                        const std::vector<float> & accept_prob, double verify_ms) override;
     double last_draft_ms() const override { return draft_ms_; }
     int    max_depth() const override { return d_.block() - 1; }
     bool   speculative_round() const override { return speculative_; }

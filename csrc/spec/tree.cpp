@@ -118,24 +118,30 @@ void build_draft_tree(const draft_proposals & p, int32_t root, int budget, int m
     }
 }
 
-void walk_greedy(const draft_tree & t, const int32_t * target_pick, std::vector<int> & rows, int32_t & bonus) {
+void walk_target(const draft_tree & t, const std::function<int32_t(int)> & pick,
+                 const std::function<double(int32_t)> & probability, std::vector<int> & rows, int32_t & bonus,
+                 std::vector<float> & accept_prob) {
     rows.assign(1, 0);
-    int32_t next = target_pick[0];
-    int     cur  = 0;
-    for (bool moved = true; moved;) {
-        moved = false;
-        // children come after their parent: scan forward for the child carrying `next`
+    accept_prob.assign(t.size(), -1.0f);
+    for (int cur = 0;;) {
+        const int32_t next  = pick(cur);
+        int           found = -1;
+        // children come after their parent
         for (int c = cur + 1; c < t.size(); ++c) {
-            if (t.parents[c] == cur && t.tokens[c] == next) {
-                rows.push_back(c);
-                cur   = c;
-                next  = target_pick[c];
-                moved = true;
-                break;
+            if (t.parents[c] == cur) {
+                accept_prob[c] = (float) probability(t.tokens[c]);
+                if (found < 0 && t.tokens[c] == next) {
+                    found = c;
+                }
             }
         }
+        if (found < 0) {
+            bonus = next;
+            return;
+        }
+        rows.push_back(found);
+        cur = found;
     }
-    bonus = next;
 }
 
 }  // namespace pdf

@@ -6,6 +6,7 @@
 #include "state/draft_session.h"
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace pdf {
@@ -42,9 +43,14 @@ void build_draft_tree(const draft_proposals & p, int32_t root, int budget, int m
 // the top-1 chain of `depth` drafts (the chain DFlash verifies)
 void build_draft_chain(const draft_proposals & p, int32_t root, int depth, draft_tree & out);
 
-// The greedy acceptance walk: from the root, follow the child that carries the target's pick of the current
-// node (target_pick[i]: the target's token after node i). rows: the accepted nodes, root first; bonus: the
-// target's pick after the last of them (the next root).
-void walk_greedy(const draft_tree & t, const int32_t * target_pick, std::vector<int> & rows, int32_t & bonus);
+// The target-only acceptance walk: from the root, the target chooses the token after the current node
+// (pick(node): its greedy pick, or a draw from its sampling distribution at that node) and the walk moves to the
+// child carrying it; when no child does, that token is the bonus (the next root). Every committed token is the
+// target's own choice, whatever was drafted. rows: the accepted nodes, root first. accept_prob[c], for each child c
+// of a visited node: the probability that the target chose c's token there (probability(token), asked right
+// after pick(parent)); -1 for nodes whose parent was not visited.
+void walk_target(const draft_tree & t, const std::function<int32_t(int)> & pick,
+                 const std::function<double(int32_t)> & probability, std::vector<int> & rows, int32_t & bonus,
+                 std::vector<float> & accept_prob);
 
 }  // namespace pdf

@@ -263,6 +263,7 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
     pending_.clear();
     pending_tree_    = false;
     pending_parents_ = layout.parents != nullptr;
+    n_outputs_       = 0;  // no results to read until it has run
     prepare_graph(key, capture_layers.empty() ? nullptr : ring);
 
     // inputs, by slot
@@ -375,18 +376,11 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
     for (int i = 0; i < n_outputs_; ++i) {
         argmax_[i] = by_slot[row_of_output(i)];
     }
-    const int64_t V = info.n_vocab;
     logits_.clear();
-    if (cur_->logits) {
-        logits_.resize((size_t) n_outputs_ * V);
-        if (slot_of_.empty()) {  // rows in batch order already
-            ggml_backend_tensor_get(cur_->logits, logits_.data(), 0, sizeof(float) * logits_.size());
-        } else {
-            for (int i = 0; i < n_outputs_; ++i) {
-                ggml_backend_tensor_get(cur_->logits, logits_.data() + (size_t) i * V,
-                                        (size_t) row_of_output(i) * V * sizeof(float), V * sizeof(float));
-            }
-        }
+    logits_read_ = false;
+    logit_rows_.resize(n_outputs_);
+    for (int i = 0; i < n_outputs_; ++i) {
+        logit_rows_[i] = row_of_output(i);
     }
     top_k_ = what.top_k;
     top_ids_.clear();
@@ -413,6 +407,38 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
                                     (size_t) eval_slot(i) * info.n_embd * sizeof(float), info.n_embd * sizeof(float));
         }
     }
+}
+
+const std::vector<float> & session::logits() const {
+    if (!logits_read_ && cur_ && cur_->logits) {
+        const int64_t V = model_->info().n_vocab;
+        logits_.resize((size_t) n_outputs_ * V);
+        if (slot_of_.empty() && (int) cur_->logits->ne[1] == n_outputs_) {  // rows in batch order already
+            ggml_backend_tensor_get(cur_->logits, logits_.data(), 0, sizeof(float) * logits_.size());
+        } else {
+            for (int i = 0; i < n_outputs_; ++i) {
+                ggml_backend_tensor_get(cur_->logits, logits_.data() + (size_t) i * V,
+                                        (size_t) logit_rows_[i] * V * sizeof(float), V * sizeof(float));
+            }
+        }
+    }
+    logits_read_ = true;
+    return logits_;
+}
+
+const float * session::logits_row(int i) const {
+    if (!cur_ || !cur_->logits || i < 0 || i >= n_outputs_) {
+        throw std::out_of_range(format("logits_row(%d): the last eval read %d rows of logits", i,
+                                       cur_ && cur_->logits ? n_outputs_ : 0));
+    }
+    const int64_t V = model_->info().n_vocab;
+    if (logits_read_) {
+        return logits_.data() + (size_t) i * V;
+    }
+    logits_row_.resize((size_t) V);
+    ggml_backend_tensor_get(cur_->logits, logits_row_.data(), (size_t) logit_rows_[i] * V * sizeof(float),
+                            V * sizeof(float));
+    return logits_row_.data();
 }
 
 void session::commit(int n) {
@@ -526,13 +552,14 @@ void session::mark_aligned(int n) {
     }
 }
 
-void session::mark_whole(int32_t next) {
+void session::mark_whole(int32_t next, std::vector<float> next_logits) {
     if (n_past_ != (int) marks_.prompt.size()) {
         throw std::invalid_argument(format("mark_whole: %d tokens committed, the prompt has %zu", n_past_,
                                            marks_.prompt.size()));
     }
     marks_.whole = true;
     marks_.next  = next;
+    marks_.next_logits = std::move(next_logits);
     if (rs_) {
         rs_->save_checkpoint(1);
     }

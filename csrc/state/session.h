@@ -89,13 +89,14 @@ class session {
         int                  aligned = 0;
         bool                 whole   = false;
         int32_t              next    = -1;
+        std::vector<float>   next_logits;  // the logits `next` was picked from (sampling draws from them)
     };
     const prefill_marks & prefill_cache() const { return marks_; }
     // a prefill of `prompt` continues from position `from` (0, or a point resume_prefill went back to)
     void begin_prefill(const std::vector<int32_t> & prompt, int from);
     // the committed tokens are the first n of the prompt, n a multiple of n_ubatch / all of it (argmax `next`)
     void mark_aligned(int n);
-    void mark_whole(int32_t next);
+    void mark_whole(int32_t next, std::vector<float> next_logits);
     // back to a mark (or, attention-only models, any multiple of n_ubatch below `aligned`; 0: empty): the cache
     // is cut back to n tokens and a hybrid model's recurrent state restored
     void resume_prefill(int n);
@@ -111,7 +112,11 @@ class session {
     // results of the last eval, by batch row (the last row only without readout::all_rows)
     int                          n_outputs() const { return n_outputs_; }
     const std::vector<int32_t> & argmax() const { return argmax_; }
-    const std::vector<float> &   logits() const { return logits_; }  // [n_outputs, n_vocab] row-major
+    // with readout::logits: the full logits, [n_outputs, n_vocab] row-major, read back from the device when
+    // first asked for (a decode step that reads one row or none copies no more)
+    const std::vector<float> &   logits() const;
+    // row i's logits ([n_vocab]), read back alone; valid until the next call or eval
+    const float *                logits_row(int i) const;
     int                          top_k() const { return top_k_; }
     const std::vector<int32_t> & top_ids() const { return top_ids_; }       // [n_outputs, k], most likely first
     const std::vector<float> &   top_logprobs() const { return top_logprobs_; }
@@ -188,7 +193,10 @@ class session {
     int                             n_outputs_    = 0;
     int                             top_k_        = 0;
     std::vector<int32_t>            argmax_;
-    std::vector<float>              logits_;
+    mutable std::vector<float>      logits_;       // read back on demand
+    mutable bool                    logits_read_ = false;
+    mutable std::vector<float>      logits_row_;
+    std::vector<int>                logit_rows_;   // the computed row holding output i
     std::vector<int32_t>            top_ids_;
     std::vector<float>              top_logprobs_;
     std::vector<std::vector<float>> captured_;
