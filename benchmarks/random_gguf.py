@@ -42,9 +42,17 @@ def _copy_keys(writer: gguf.GGUFWriter, meta: dict, keys) -> None:
                                  sub_type=gguf.GGUFValueType(sub) if sub is not None else None)
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_gguf: Path) -> int:
+def _copy_tokenizer(writer: gguf.GGUFWriter, vocab_gguf: Path, n_vocab: int | None = None) -> int:
+    """The fixture's tokenizer keys; n_vocab larger than its vocabulary pads it with unused control tokens
+    (Qwen3.5's real vocabulary has 248,320 entries, llama.cpp's fixture 151,936)."""
     # ggml's parser (pydflash._core): gguf.GGUFReader takes ~15 s over a 151,936-token vocabulary
     meta = _core.gguf_metadata(str(vocab_gguf), list(_TOKENIZER_KEYS))
+    have = len(meta["tokenizer.ggml.tokens"][2])
+    if n_vocab is not None and n_vocab > have:
+        for key, pad in (("tokenizer.ggml.tokens", [f"<|pad_{i}|>" for i in range(have, n_vocab)]),
+                         ("tokenizer.ggml.token_type", [int(gguf.TokenType.CONTROL)] * (n_vocab - have))):
+            vtype, sub, value = meta[key]
+            meta[key] = (vtype, sub, list(value) + pad)
     _copy_keys(writer, meta, _TOKENIZER_KEYS)
     return len(meta["tokenizer.ggml.tokens"][2])
 
@@ -95,11 +103,12 @@ def _finish(writer: gguf.GGUFWriter) -> None:
     writer.close()
 
 
-def write_random_qwen35(path: Path, shape: str, weight_type: str, vocab_gguf: Path, seed: int = 0) -> Path:
+def write_random_qwen35(path: Path, shape: str, weight_type: str, vocab_gguf: Path, seed: int = 0,
+                       n_vocab: int | None = None) -> Path:
     """Write a random Qwen3.5 hybrid GGUF of `shape` (keys and tensors as in gguf-formats.md §3)."""
     s = HYBRID_SHAPES[shape]
     writer = gguf.GGUFWriter(path, "qwen35")
-    n_vocab = _copy_tokenizer(writer, vocab_gguf)
+    n_vocab = _copy_tokenizer(writer, vocab_gguf, n_vocab)
     E, hd, S, Hk, Hv = s["hidden"], s["head_dim"], s["ssm_dim"], s["k_heads"], s["v_heads"]
     C = 2 * S * Hk + S * Hv
     a = "qwen35."
@@ -154,11 +163,12 @@ def write_random_qwen35(path: Path, shape: str, weight_type: str, vocab_gguf: Pa
     return path
 
 
-def write_random_qwen3(path: Path, shape: str, weight_type: str, vocab_gguf: Path, seed: int = 0) -> Path:
+def write_random_qwen3(path: Path, shape: str, weight_type: str, vocab_gguf: Path, seed: int = 0,
+                       n_vocab: int | None = None) -> Path:
     """Write a random Qwen3 GGUF of `shape` with 2-D weights in `weight_type` (f32, f16, q8_0, q4_0, ...)."""
     s = SHAPES[shape]
     writer = gguf.GGUFWriter(path, "qwen3")
-    n_vocab = _copy_tokenizer(writer, vocab_gguf)
+    n_vocab = _copy_tokenizer(writer, vocab_gguf, n_vocab)
     E, hd = s["hidden"], s["head_dim"]
     writer.add_name(f"random-qwen3-{shape}")
     writer.add_block_count(s["n_layers"])

@@ -13,7 +13,11 @@ def _generate(args: argparse.Namespace) -> int:
     with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
                n_gpu_layers=args.n_gpu_layers, draft_model_path=args.draft, block_size=args.block_size,
                spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose) as model:
-        for piece in model.stream(args.prompt, max_tokens=args.max_tokens):
+        sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        typical_p=args.typical, repeat_penalty=args.repeat_penalty,
+                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                        repeat_last_n=args.repeat_last_n, seed=args.seed)
+        for piece in model.stream(args.prompt, max_tokens=args.max_tokens, **sampling):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -35,7 +39,7 @@ def _demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pydflash", description="DFlash speculative decoding on GGUF models")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="greedy generation from a GGUF model")
+    gen = sub.add_parser("generate", help="generation from a GGUF model (greedy unless --temp > 0)")
     gen.add_argument("model", help="path to a qwen3 / qwen35 GGUF")
     gen.add_argument("prompt")
     gen.add_argument("-n", "--max-tokens", type=int, default=128)
@@ -49,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
                      help="with a draft: choose per round (auto), DDTree trees, or DFlash chains")
     gen.add_argument("--tree-budget", type=int, default=None, help="draft nodes a tree verifies (tree: per round, "
                                                                     "auto: at most)")
+    samp = gen.add_argument_group("sampling (llama.cpp's flags and order; the defaults are llama-cpp-python's)")
+    samp.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
+    samp.add_argument("--top-k", type=int, default=40, help="0: off")
+    samp.add_argument("--top-p", type=float, default=0.95, help="1: off")
+    samp.add_argument("--min-p", type=float, default=0.05, help="0: off")
+    samp.add_argument("--typical", type=float, default=1.0, help="typical-p (1: off)")
+    samp.add_argument("--repeat-penalty", type=float, default=1.0, help="1: off")
+    samp.add_argument("--presence-penalty", type=float, default=0.0)
+    samp.add_argument("--frequency-penalty", type=float, default=0.0)
+    samp.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look at (-1: all)")
+    samp.add_argument("-s", "--seed", type=int, default=None, help="a seed makes sampling reproducible")
     gen.add_argument("-v", "--verbose", action="store_true")
     gen.set_defaults(func=_generate)
     demo = sub.add_parser("demo", help="speculative vs plain decoding on the embedded trained pair (no download)")
@@ -67,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a clear one-line message instead of a traceback for user errors
         from .errors import PydflashError
 
-        if isinstance(e, (PydflashError, ValueError, NotImplementedError)):
+        if isinstance(e, (PydflashError, ValueError, TypeError)):
             print(f"pydflash: error: {e}", file=sys.stderr)
             return 1
         raise

@@ -427,7 +427,7 @@ class Model:
             if max_tokens == 0:
                 result = {"tokens": [], "finish_reason": "length",
                           "timings": {"prompt_n": 0, "cached_n": 0, "prompt_ms": 0.0, "predicted_n": 0,
-                                      "predicted_ms": 0.0, "n_target_evals": 0}}
+                                      "predicted_ms": 0.0, "n_target_evals": 0, "sample_ms": 0.0}}
                 if sampling.get("logprobs") is not None:
                     result["logprobs"] = {"token_logprobs": [], "top_logprobs": []}
                 return result

@@ -251,6 +251,7 @@ static py::dict timings_dict(const generate_timings & t, bool speculative, const
     d["predicted_n"]    = t.predicted_n;
     d["predicted_ms"]   = t.predicted_ms;
     d["n_target_evals"] = t.n_target_evals;
+    d["sample_ms"]      = t.sample_ms;
     if (speculative) {
         d["warm_up_ms"]       = t.warm_up_ms;
         d["draft_n"]          = t.draft_n;
@@ -523,6 +524,16 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def("forget", [](py_draft & d) { d.session->truncate(0); },
              "Drop every context row: the target went on without this draft (plain decoding), so the rows no "
              "longer follow its history and a later prompt must not reuse them.")
+        .def(
+            "acceptance_observed",
+            [](const py_draft & d, int64_t depth, int64_t rank) {
+                const auto [tried, accepted] = d.state->acceptance.observed(
+                    (int) checked("depth", depth, 1, 256), (int) checked("rank", rank, 0, INT32_MAX));
+                return py::make_tuple(tried, accepted);
+            },
+            py::arg("depth"), py::arg("rank"),
+            "The (decayed) counts auto learnt from: drafted tokens at `depth` of `rank` tried, and accepted (summed "
+            "acceptance probabilities when sampling).")
         .def_property_readonly("top_k", [](const py_draft & d) { return d.session->top_k(); })
         .def_property_readonly("ring_capacity", [](py_draft & d) { return d.session->ring().capacity(); })
         .def_property_readonly("ring_bytes", [](py_draft & d) { return d.session->ring().n_bytes(); })

@@ -31,4 +31,14 @@ void acceptance_model::observe(int depth, int rank, double q, double accepted) {
     accepted_[c] = DECAY * accepted_[c] + accepted;
 }
 
+std::pair<double, double> acceptance_model::observed(int depth, int rank) const {
+    const int first = cell(depth, rank, 0.0);
+    double    tried = 0.0, accepted = 0.0;
+    for (int b = 0; b < N_BINS; ++b) {
+        tried += tried_[first + b];
+        accepted += accepted_[first + b];
+    }
+    return {tried, accepted};
+}
+
 }  // namespace pdf

@@ -7,6 +7,7 @@
 // (depth group, rank group, drafter probability bin), as decayed counts with a prior that trusts the drafter.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 namespace pdf {
@@ -18,6 +19,9 @@ class acceptance_model {
     // a verified node whose parent was accepted: the probability that it was accepted too (0 or 1 when the target
     // decodes greedily)
     void observe(int depth, int rank, double q, double accepted);
+    // the decayed (tried, accepted) counts of the cells of `depth` and `rank`, summed over the drafter's
+    // probability bins
+    std::pair<double, double> observed(int depth, int rank) const;
 
   private:
     static constexpr int N_DEPTH = 4;   // depths 1, 2-3, 4-7, 8+

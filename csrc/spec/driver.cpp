@@ -181,6 +181,7 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
     }
     t.predicted_n  = (int) r.tokens.size();
     t.predicted_ms = ms_since(t0);
+    t.sample_ms    = choose->choose_ms();
     return r;
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 
@@ -12,9 +13,9 @@ namespace pdf {
 static constexpr int      DRAW_BLOCK_BITS = 8;
 static constexpr uint64_t DRAW_BLOCK_KEY  = 1ull << 40;
 
-// top-p first looks among this many of the most likely candidates (llama.cpp's adaptive partial sort), and
-// sorts the rest only when their probabilities do not reach p
-static constexpr size_t TOP_P_FIRST_LOOK = 256;
+// top-p's bins below the largest logit (the last one taking all below them)
+static constexpr int   TOP_P_BINS          = 4096;
+static constexpr float TOP_P_MAX_BIN_WIDTH = 1.0f / 16;
 
 static constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -139,6 +140,44 @@ static bool better(float la, int32_t ia, float lb, int32_t ib) {
     return la > lb || (la == lb && ia < ib);
 }
 
+// e^x for x <= 0, 0 below -87 (e^-87 ~ 1.6e-38) and for -inf: Cody-Waite reduction to r in [-ln2/2, ln2/2]
+// and a degree-6 Taylor polynomial (relative error < 2e-7, as std::exp in float), written so that the loops
+// over a vocabulary vectorise (`omp simd`; std::exp is a library call per element, a third of a sampled
+// step's time over 150K tokens)
+static inline float exp_nonpositive(float x) {
+    const float keep = x >= -87.0f ? 1.0f : 0.0f;
+    x                = x >= -87.0f ? x : -87.0f;
+    const float n    = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(x / ln 2): the 1.5 * 2^23 trick
+    const float r    = (x - n * 0.693359375f) + n * 2.12194440e-4f;    // x - n ln 2, in two parts
+    float       q    = 1.0f / 720;
+    q                = q * r + 1.0f / 120;
+    q                = q * r + 1.0f / 24;
+    q                = q * r + 1.0f / 6;
+    q                = q * r + 0.5f;
+    q                = q * r + 1.0f;
+    q                = q * r + 1.0f;
+    const int32_t bits = ((int32_t) n + 127) << 23;  // 2^n, n in [-126, 0]
+    float         two_n;
+    std::memcpy(&two_n, &bits, sizeof(two_n));
+    return q * two_n * keep;
+}
+
+// out[i] = e^((x[i] - shift) * scale), x[i] <= shift
+static void exp_shifted(const float * x, float shift, float scale, float * out, size_t n) {
+#pragma omp simd
+    for (size_t i = 0; i < n; ++i) {
+        out[i] = exp_nonpositive((x[i] - shift) * scale);
+    }
+}
+
+void token_sampler::materialize_all() {
+    cand_.resize((size_t) n_vocab_);
+    for (int64_t i = 0; i < n_vocab_; ++i) {
+        cand_[i] = {work_[i], (int32_t) i};
+    }
+    dense_ = false;
+}
+
 void token_sampler::select_top_k(int k) {
     k = std::min<int>(k, (int) cand_.size());
     std::partial_sort(cand_.begin(), cand_.begin() + k, cand_.end(), [](const candidate & a, const candidate & b) {
@@ -147,20 +186,65 @@ void token_sampler::select_top_k(int k) {
     cand_.resize(k);
 }
 
+void token_sampler::dense_top_k(int k) {
+    // one pass over work_ with a heap of the k best so far, its worst at the front: most tokens are turned away
+    // by one comparison with it
+    const auto worse_first = [](const candidate & a, const candidate & b) { return better(a.logit, a.id, b.logit, b.id); };
+    cand_.clear();
+    for (int64_t i = 0; i < n_vocab_; ++i) {
+        if ((int) cand_.size() < k) {
+            cand_.push_back({work_[i], (int32_t) i});
+            std::push_heap(cand_.begin(), cand_.end(), worse_first);
+        } else if (work_[i] > cand_.front().logit) {  // (a tie goes to the earlier, lower id, already in)
+            std::pop_heap(cand_.begin(), cand_.end(), worse_first);
+            cand_.back() = {work_[i], (int32_t) i};
+            std::push_heap(cand_.begin(), cand_.end(), worse_first);
+        }
+    }
+    std::sort(cand_.begin(), cand_.end(), worse_first);  // best first, as select_top_k leaves them
+    dense_ = false;
+}
+
 void token_sampler::softmax(double temperature) {
     float max_l = NEG_INF;
     for (const candidate & c : cand_) {
         max_l = std::max(max_l, c.logit);
     }
     probs_.resize(cand_.size());
-    double sum = 0.0;
+    scratch_.resize(cand_.size());
     for (size_t i = 0; i < cand_.size(); ++i) {
-        // all -inf (every candidate banned): an even draw among them
-        probs_[i] = max_l == NEG_INF ? 1.0 : std::exp((double) (cand_[i].logit - max_l) / temperature);
-        sum += probs_[i];
+        scratch_[i] = cand_[i].logit;
     }
-    for (double & q : probs_) {
-        q /= sum;
+    // all -inf (every candidate banned): an even draw among them
+    if (max_l == NEG_INF) {
+        std::fill(scratch_.begin(), scratch_.end(), 1.0f);
+    } else {
+        exp_shifted(scratch_.data(), max_l, (float) (1.0 / temperature), scratch_.data(), scratch_.size());
+    }
+    double sum = 0.0;
+    for (float w : scratch_) {
+        sum += w;
+    }
+    for (size_t i = 0; i < cand_.size(); ++i) {
+        probs_[i] = scratch_[i] / sum;
+    }
+}
+
+void token_sampler::restore_id_order() {
+    if (cand_.size() * 32 < (size_t) n_vocab_) {
+        std::sort(cand_.begin(), cand_.end(), [](const candidate & a, const candidate & b) { return a.id < b.id; });
+        return;
+    }
+    // most of the vocabulary: mark and scan instead of sorting; the candidates' logits are those in work_
+    kept_.assign((size_t) n_vocab_, 0);
+    for (const candidate & c : cand_) {
+        kept_[c.id] = 1;
+    }
+    size_t n = 0;
+    for (int64_t id = 0; id < n_vocab_; ++id) {
+        if (kept_[id]) {
+            cand_[n++] = {work_[id], (int32_t) id};
+        }
     }
 }
 
@@ -197,33 +281,127 @@ void token_sampler::keep_typical(float p) {
 }
 
 void token_sampler::keep_top_p(float p) {
-    // the smallest set of most likely tokens whose probabilities sum to at least p (at least one)
+    // the smallest set of most likely tokens whose probabilities sum to at least p (at least one): the prefix of
+    // the candidates in `better` order up to where the running sum reaches p. A flat distribution's nucleus can
+    // hold most of a 150K vocabulary (sorting it took 15 ms), so the candidates go into bins by logit below the
+    // maximum, the bins' masses are summed from the top down to the one where p is reached, and only that
+    // bin is sorted.
     softmax(1.0);
-    const auto by_prob = [](const candidate & a, const candidate & b) { return better(a.logit, a.id, b.logit, b.id); };
-    // probabilities follow the logits, so sorting by logit sorts by probability; keep probs_ aligned
-    std::vector<std::pair<candidate, double>> both(cand_.size());
-    for (size_t i = 0; i < cand_.size(); ++i) {
-        both[i] = {cand_[i], probs_[i]};
+    float max_l = NEG_INF, min_l = std::numeric_limits<float>::infinity();
+    for (const candidate & c : cand_) {
+        max_l = std::max(max_l, c.logit);
+        min_l = c.logit > NEG_INF ? std::min(min_l, c.logit) : min_l;
     }
-    const auto cmp = [&](const auto & a, const auto & b) { return by_prob(a.first, b.first); };
-    size_t sorted = std::min(TOP_P_FIRST_LOOK, both.size());
-    std::partial_sort(both.begin(), both.begin() + sorted, both.end(), cmp);
-    double cum  = 0.0;
-    size_t keep = both.size();
-    for (size_t i = 0; i < both.size(); ++i) {
-        if (i == sorted) {  // the first look fell short: sort the rest
-            std::sort(both.begin() + sorted, both.end(), cmp);
-            sorted = both.size();
+    // the bins span the finite logits evenly, but none is wider than TOP_P_MAX_BIN_WIDTH
+    const float per_logit = std::max((float) (TOP_P_BINS - 1) / std::max(max_l - min_l, 1e-30f),
+                                     1.0f / TOP_P_MAX_BIN_WIDTH);
+    const auto  bin_of    = [&](float logit) {
+        const float below = (max_l - logit) * per_logit;  // >= 0; +inf for -inf logits
+        return below < (float) (TOP_P_BINS - 1) ? (int) below : TOP_P_BINS - 1;
+    };
+    std::vector<double> & mass = bin_mass_;
+    mass.assign(TOP_P_BINS, 0.0);
+    for (size_t i = 0; i < cand_.size(); ++i) {
+        mass[bin_of(cand_[i].logit)] += probs_[i];
+    }
+    double above    = 0.0;  // the mass of the bins before the boundary bin
+    int    boundary = TOP_P_BINS - 1;
+    for (int b = 0; b < TOP_P_BINS; ++b) {
+        if (above + mass[b] >= p) {
+            boundary = b;
+            break;
         }
-        cum += both[i].second;
-        if (cum >= p) {
-            keep = i + 1;
+        above += mass[b];
+    }
+    std::vector<std::pair<candidate, double>> & edge = edge_;  // the boundary bin's candidates
+    edge.clear();
+    size_t n = 0;  // kept so far, in place
+    for (size_t i = 0; i < cand_.size(); ++i) {
+        const int b = bin_of(cand_[i].logit);
+        if (b < boundary) {
+            cand_[n++] = cand_[i];
+        } else if (b == boundary) {
+            edge.emplace_back(cand_[i], probs_[i]);
+        }
+    }
+    std::sort(edge.begin(), edge.end(), [](const auto & a, const auto & b) {
+        return better(a.first.logit, a.first.id, b.first.logit, b.first.id);
+    });
+    for (const auto & [c, q] : edge) {
+        cand_[n++] = c;
+        above += q;
+        if (above >= p) {
             break;
         }
     }
-    cand_.resize(keep);
-    for (size_t i = 0; i < keep; ++i) {
-        cand_[i] = both[i].first;
+    cand_.resize(n);
+}
+
+void token_sampler::dense_top_p(float p) {
+    // keep_top_p on the whole vocabulary, in place: excluded tokens' logits become -inf
+    const size_t n     = work_.size();
+    float *      w     = work_.data();
+    float        min_l = std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(min : min_l)
+    for (size_t i = 0; i < n; ++i) {
+        const float finite = w[i] > NEG_INF ? w[i] : std::numeric_limits<float>::infinity();
+        min_l              = finite < min_l ? finite : min_l;
+    }
+    const float per_logit = std::max((float) (TOP_P_BINS - 1) / std::max(max_l_ - min_l, 1e-30f),
+                                     1.0f / TOP_P_MAX_BIN_WIDTH);
+    bins_.resize(n);
+    int32_t *   bin  = bins_.data();
+    const float last = (float) (TOP_P_BINS - 1);
+    const float top  = max_l_;
+#pragma omp simd
+    for (size_t i = 0; i < n; ++i) {
+        const float below = (top - w[i]) * per_logit;  // +inf for -inf logits
+        bin[i]            = (int32_t) (below < last ? below : last);
+    }
+    scratch_.resize(n);
+    exp_shifted(w, max_l_, 1.0f, scratch_.data(), n);
+    std::vector<double> & mass = bin_mass_;
+    mass.assign(TOP_P_BINS, 0.0);
+    double total = 0.0;
+    for (size_t i = 0; i < n; ++i) {
+        mass[bin[i]] += scratch_[i];
+    }
+    for (double m : mass) {
+        total += m;
+    }
+    const double target   = p * total;
+    double       above    = 0.0;
+    int          boundary = TOP_P_BINS - 1;
+    for (int b = 0; b < TOP_P_BINS; ++b) {
+        if (above + mass[b] >= target) {
+            boundary = b;
+            break;
+        }
+        above += mass[b];
+    }
+    std::vector<std::pair<candidate, double>> & edge = edge_;
+    edge.clear();
+    for (size_t i = 0; i < n; ++i) {
+        if (bin[i] == boundary) {
+            edge.push_back({{w[i], (int32_t) i}, scratch_[i]});
+        }
+    }
+#pragma omp simd
+    for (size_t i = 0; i < n; ++i) {
+        w[i] = bin[i] > boundary ? NEG_INF : w[i];
+    }
+    std::sort(edge.begin(), edge.end(), [](const auto & a, const auto & b) {
+        return better(a.first.logit, a.first.id, b.first.logit, b.first.id);
+    });
+    size_t j = 0;  // the edge's tokens kept: up to the one where the running sum reaches the target
+    while (j < edge.size()) {
+        above += edge[j++].second;
+        if (above >= target) {
+            break;
+        }
+    }
+    for (; j < edge.size(); ++j) {
+        work_[edge[j].first.id] = NEG_INF;
     }
 }
 
@@ -242,6 +420,14 @@ void token_sampler::keep_min_p(float p) {
     }
     if (n > 0) {  // (all -inf: nothing to compare; keep them)
         cand_.resize(n);
+    }
+}
+
+void token_sampler::dense_min_p(float p) {
+    const float min_l = max_l_ + std::log(p);
+#pragma omp simd
+    for (size_t i = 0; i < work_.size(); ++i) {
+        work_[i] = work_[i] >= min_l ? work_[i] : NEG_INF;
     }
 }
 
@@ -274,53 +460,115 @@ void token_sampler::record_logprobs(const float * logits, int32_t token) {
 
 int32_t token_sampler::sample(const float * logits, uint64_t t) {
     work_.resize((size_t) n_vocab_);
+    float * w = work_.data();
+#pragma omp simd
     for (int64_t i = 0; i < n_vocab_; ++i) {
-        work_[i] = std::isnan(logits[i]) ? NEG_INF : logits[i];
+        // NaN is never drawn; +inf (garbage too) is kept finite so that differences to it stay numbers
+        const float x = logits[i];
+        w[i]          = x != x ? NEG_INF : x < std::numeric_limits<float>::max() ? x : std::numeric_limits<float>::max();
     }
     apply_bias_and_penalties();
-
-    cand_.resize((size_t) n_vocab_);
+    float max_l = NEG_INF;
+#pragma omp simd reduction(max : max_l)
     for (int64_t i = 0; i < n_vocab_; ++i) {
-        cand_[i] = {work_[i], (int32_t) i};
+        max_l = w[i] > max_l ? w[i] : max_l;
+    }
+    max_l_ = max_l;
+    // Wide candidate sets stay dense (work_ by id, excluded tokens at -inf: nothing is sorted or copied); a
+    // top-k, typical-p or every token banned (an even draw among them) make them an explicit list
+    dense_         = max_l_ > NEG_INF;
+    bool reordered = false;
+    if (!dense_) {
+        materialize_all();
     }
     if (p_.top_k > 0 && p_.top_k < n_vocab_) {
-        select_top_k(p_.top_k);
+        if (dense_) {
+            dense_top_k(p_.top_k);
+        } else {
+            select_top_k(p_.top_k);
+        }
+        reordered = true;
     }
     if (p_.typical_p < 1.0f) {
+        if (dense_) {
+            materialize_all();
+        }
         keep_typical(p_.typical_p);
+        reordered = true;
     }
     if (p_.top_p < 1.0f) {
-        keep_top_p(p_.top_p);
+        if (dense_) {
+            dense_top_p(p_.top_p);
+        } else {
+            keep_top_p(p_.top_p);
+            reordered = true;
+        }
     }
     if (p_.min_p > 0.0f) {
-        keep_min_p(p_.min_p);
+        if (dense_) {
+            dense_min_p(p_.min_p);
+        } else {
+            keep_min_p(p_.min_p);
+        }
     }
-    if (p_.temperature <= 0.0f) {
-        select_top_k(1);  // greedy over what is left
+    if (p_.temperature <= 0.0f) {  // greedy over what is left
+        if (dense_) {
+            const int32_t best = (int32_t) (std::max_element(work_.begin(), work_.end()) - work_.begin());
+            cand_.assign(1, {work_[best], best});
+            dense_ = false;
+        } else {
+            select_top_k(1);
+        }
     }
-    std::sort(cand_.begin(), cand_.end(), [](const candidate & a, const candidate & b) { return a.id < b.id; });
-    softmax(p_.temperature > 0.0f ? p_.temperature : 1.0);
-    const int32_t token = cand_[draw_two_level(probs_, cand_, draw_key(p_.seed, t))].id;
+
+    // the weights e^((logit - max) / T), by id
+    const float inv_t = p_.temperature > 0.0f ? 1.0f / p_.temperature : 1.0f;
+    if (dense_) {
+        weights_.resize(work_.size());
+        exp_shifted(work_.data(), max_l_, inv_t, weights_.data(), work_.size());
+    } else {
+        if (reordered) {
+            restore_id_order();
+        }
+        softmax(1.0 / inv_t);
+        weights_.assign(probs_.begin(), probs_.end());
+    }
+    double total = 0.0;
+#pragma omp simd reduction(+ : total)
+    for (size_t i = 0; i < weights_.size(); ++i) {
+        total += weights_[i];
+    }
+    total_ = total;
+    const size_t  pick  = draw_two_level(draw_key(p_.seed, t));
+    const int32_t token = dense_ ? (int32_t) pick : cand_[pick].id;
     if (p_.n_logprobs >= 0) {
         record_logprobs(logits, token);
     }
     return token;
 }
 
-size_t token_sampler::draw_two_level(const std::vector<double> & probs, const std::vector<candidate> & cand,
-                                     uint64_t key) {
+size_t token_sampler::draw_two_level(uint64_t key) const {
+    const auto id_of = [&](size_t i) { return dense_ ? (int32_t) i : cand_[i].id; };
+    const size_t n   = weights_.size();
     // level 1: the block of ids, Gumbel-max over the blocks' log-masses
     double best_score = -std::numeric_limits<double>::infinity();
     size_t best_begin = 0, best_end = 0;
-    for (size_t begin = 0; begin < cand.size();) {
-        const int32_t block = cand[begin].id >> DRAW_BLOCK_BITS;
-        double        mass  = 0.0;
+    for (size_t begin = 0; begin < n;) {
+        const int32_t block = id_of(begin) >> DRAW_BLOCK_BITS;
         size_t        end   = begin;
-        for (; end < cand.size() && (cand[end].id >> DRAW_BLOCK_BITS) == block; ++end) {
-            mass += probs[end];
+        if (dense_) {  // ids are the indices
+            end = std::min(n, ((size_t) block + 1) << DRAW_BLOCK_BITS);
         }
-        if (mass > 0.0) {
-            const double score = std::log(mass) + draw_gumbel(key, DRAW_BLOCK_KEY + (uint64_t) block);
+        while (end < n && (id_of(end) >> DRAW_BLOCK_BITS) == block) {
+            ++end;
+        }
+        float mass = 0.0f;
+#pragma omp simd reduction(+ : mass)
+        for (size_t i = begin; i < end; ++i) {
+            mass += weights_[i];
+        }
+        if (mass > 0.0f) {
+            const double score = std::log((double) mass) + draw_gumbel(key, DRAW_BLOCK_KEY + (uint64_t) block);
             if (score > best_score) {
                 best_score = score;
                 best_begin = begin;
@@ -329,12 +577,12 @@ size_t token_sampler::draw_two_level(const std::vector<double> & probs, const st
         }
         begin = end;
     }
-    // level 2: the token within the block, Gumbel-max over its log-probabilities
+    // level 2: the token within the block, Gumbel-max over its log-weights
     best_score  = -std::numeric_limits<double>::infinity();
     size_t pick = best_begin;
     for (size_t i = best_begin; i < best_end; ++i) {
-        if (probs[i] > 0.0) {
-            const double score = std::log(probs[i]) + draw_gumbel(key, (uint64_t) cand[i].id);
+        if (weights_[i] > 0.0f) {
+            const double score = std::log((double) weights_[i]) + draw_gumbel(key, (uint64_t) id_of(i));
             if (score > best_score) {
                 best_score = score;
                 pick       = i;
@@ -345,15 +593,20 @@ size_t token_sampler::draw_two_level(const std::vector<double> & probs, const st
 }
 
 double token_sampler::probability(int32_t token) const {
+    if (dense_) {
+        return token >= 0 && token < (int32_t) weights_.size() ? weights_[token] / total_ : 0.0;
+    }
     const auto it = std::lower_bound(cand_.begin(), cand_.end(), token,
                                      [](const candidate & c, int32_t id) { return c.id < id; });
-    return it != cand_.end() && it->id == token ? probs_[it - cand_.begin()] : 0.0;
+    return it != cand_.end() && it->id == token ? weights_[it - cand_.begin()] / total_ : 0.0;
 }
 
 std::vector<std::pair<int32_t, double>> token_sampler::distribution() const {
-    std::vector<std::pair<int32_t, double>> out(cand_.size());
-    for (size_t i = 0; i < cand_.size(); ++i) {
-        out[i] = {cand_[i].id, probs_[i]};
+    std::vector<std::pair<int32_t, double>> out;
+    for (size_t i = 0; i < weights_.size(); ++i) {
+        if (!dense_ || weights_[i] > 0.0f) {  // dense: excluded tokens are not candidates
+            out.emplace_back(dense_ ? (int32_t) i : cand_[i].id, weights_[i] / total_);
+        }
     }
     return out;
 }

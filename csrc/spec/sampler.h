@@ -84,24 +84,37 @@ class token_sampler {
         int32_t id;
     };
     void apply_bias_and_penalties();
+    void materialize_all();                 // cand_ <- every token (the explicit list)
     void select_top_k(int k);               // cand_ <- the k best of cand_, best first
     void softmax(double temperature);       // probs_ <- softmax of cand_'s logits / temperature
+    void restore_id_order();                // cand_ by id
     void keep_typical(float p);
     void keep_top_p(float p);
     void keep_min_p(float p);
+    void dense_top_k(int k);                // cand_ <- the k best of work_, best first
+    void dense_top_p(float p);              // top-p on the dense set: excluded logits become -inf
+    void dense_min_p(float p);
     void record_logprobs(const float * logits, int32_t token);
-    // the index of the drawn candidate (cand by id, probs its probabilities)
-    static size_t draw_two_level(const std::vector<double> & probs, const std::vector<candidate> & cand,
-                                 uint64_t key);
+    // the drawn index into weights_ (by id when dense_, else aligned with cand_)
+    size_t draw_two_level(uint64_t key) const;
 
     sampling_params              p_;
     int64_t                      n_vocab_;
     int                          window_;   // penalty history length (0: off)
     std::deque<int32_t>          history_;  // the last window_ tokens
     std::vector<int32_t>         counts_;   // occurrences in history_, by id
-    std::vector<float>           work_;     // the logits after bias and penalties
-    std::vector<candidate>       cand_;     // what the stages keep; by id once drawn from
-    std::vector<double>          probs_;    // the draw's probabilities, aligned with cand_
+    std::vector<float>           work_;     // the logits after bias and penalties (dense: -inf once excluded)
+    float                        max_l_ = 0.0f;  // their maximum
+    bool                         dense_ = true;  // the candidates are work_'s finite entries, else cand_
+    std::vector<candidate>       cand_;     // the explicit candidates; by id once drawn from
+    std::vector<double>          probs_;    // softmax() of cand_
+    std::vector<float>           weights_;  // the draw's weights (unnormalised probabilities)
+    double                       total_ = 1.0;
+    std::vector<float>           scratch_;
+    std::vector<uint8_t>         kept_;     // restore_id_order's marks, by id
+    std::vector<double>          bin_mass_;  // top-p's bins: their masses, each token's
+    std::vector<int32_t>         bins_;
+    std::vector<std::pair<candidate, double>> edge_;
     token_logprobs               logprobs_;
 };
 

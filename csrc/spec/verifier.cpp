@@ -1,4 +1,5 @@
 #include "spec/verifier.h"
+#include "core/clock.h"
 #include "core/error.h"
 
 namespace pdf {
@@ -18,12 +19,14 @@ sampling_verifier::sampling_verifier(const sampling_params & params, int64_t n_v
     sampler_.set_history(prompt.data(), (int) prompt.size());
 }
 
-int32_t sampling_verifier::draw(const float * logits) {
-    const int32_t token = sampler_.sample(logits, t_++);
+int32_t sampling_verifier::draw(const std::function<const float *()> & row) {
+    const auto    t0    = clock_type::now();
+    const int32_t token = sampler_.sample(row(), t_++);
     sampler_.accept(token);  // every chosen token is committed: the history of the next draw
     if (sampler_.params().n_logprobs >= 0) {
         chosen_.push_back(sampler_.logprobs());
     }
+    choose_ms_ += ms_since(t0);
     return token;
 }
 
@@ -32,14 +35,14 @@ int32_t sampling_verifier::first(const session::prefill_marks & m) {
         throw error("sampling: the prompt's last logits were not kept");
     }
     chosen_.clear();
-    return draw(m.next_logits.data());
+    return draw([&] { return m.next_logits.data(); });
 }
 
 void sampling_verifier::walk(const draft_tree & t, const session & s, std::vector<int> & rows, int32_t & bonus,
                              std::vector<float> & accept_prob) {
     chosen_.clear();
     walk_target(
-        t, [&](int node) { return draw(s.logits_row(node)); },
+        t, [&](int node) { return draw([&] { return s.logits_row(node); }); },
         [&](int32_t token) { return sampler_.probability(token); }, rows, bonus, accept_prob);
 }
 

@@ -8,6 +8,7 @@
 #include "spec/tree.h"
 #include "state/session.h"
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -23,6 +24,8 @@ class verifier {
                       std::vector<float> & accept_prob) = 0;
     // the log-probabilities of the tokens chosen by the last first() / walk(), in order (empty unless asked for)
     virtual const std::vector<token_logprobs> & chosen_logprobs() const = 0;
+    // time spent choosing so far: reading logits back, the sampler chain, the draw (greedy: 0)
+    virtual double choose_ms() const { return 0.0; }
 };
 
 class greedy_verifier : public verifier {
@@ -44,11 +47,14 @@ class sampling_verifier : public verifier {
     void    walk(const draft_tree & t, const session & s, std::vector<int> & rows, int32_t & bonus,
                  std::vector<float> & accept_prob) override;
     const std::vector<token_logprobs> & chosen_logprobs() const override { return chosen_; }
+    double                              choose_ms() const override { return choose_ms_; }
 
   private:
-    int32_t draw(const float * logits);
+    // the token for the next output position from a row of logits (fetched by `row`)
+    int32_t draw(const std::function<const float *()> & row);
 
     token_sampler               sampler_;
+    double                      choose_ms_ = 0.0;
     uint64_t                    t_ = 0;  // the output position of the next draw
     std::vector<token_logprobs> chosen_;
 };
