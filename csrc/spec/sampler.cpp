@@ -281,56 +281,23 @@ void token_sampler::keep_typical(float p) {
 }
 
 void token_sampler::keep_top_p(float p) {
-    // the smallest set of most likely tokens whose probabilities sum to at least p (at least one): the prefix of
-    // the candidates in `better` order up to where the running sum reaches p. A flat distribution's nucleus can
-    // hold most of a 150K vocabulary (sorting it took 15 ms), so the candidates go into bins by logit below the
-    // maximum, the bins' masses are summed from the top down to the one where p is reached, and only that
-    // bin is sorted.
+    // the smallest set of most likely tokens whose probabilities sum to at least p (at least one), on an
+    // explicit list (after top-k: short; a wide set stays dense, dense_top_p)
     softmax(1.0);
-    float max_l = NEG_INF, min_l = std::numeric_limits<float>::infinity();
-    for (const candidate & c : cand_) {
-        max_l = std::max(max_l, c.logit);
-        min_l = c.logit > NEG_INF ? std::min(min_l, c.logit) : min_l;
-    }
-    // the bins span the finite logits evenly, but none is wider than TOP_P_MAX_BIN_WIDTH
-    const float per_logit = std::max((float) (TOP_P_BINS - 1) / std::max(max_l - min_l, 1e-30f),
-                                     1.0f / TOP_P_MAX_BIN_WIDTH);
-    const auto  bin_of    = [&](float logit) {
-        const float below = (max_l - logit) * per_logit;  // >= 0; +inf for -inf logits
-        return below < (float) (TOP_P_BINS - 1) ? (int) below : TOP_P_BINS - 1;
-    };
-    std::vector<double> & mass = bin_mass_;
-    mass.assign(TOP_P_BINS, 0.0);
+    std::vector<std::pair<candidate, double>> & both = edge_;
+    both.resize(cand_.size());
     for (size_t i = 0; i < cand_.size(); ++i) {
-        mass[bin_of(cand_[i].logit)] += probs_[i];
+        both[i] = {cand_[i], probs_[i]};
     }
-    double above    = 0.0;  // the mass of the bins before the boundary bin
-    int    boundary = TOP_P_BINS - 1;
-    for (int b = 0; b < TOP_P_BINS; ++b) {
-        if (above + mass[b] >= p) {
-            boundary = b;
-            break;
-        }
-        above += mass[b];
-    }
-    std::vector<std::pair<candidate, double>> & edge = edge_;  // the boundary bin's candidates
-    edge.clear();
-    size_t n = 0;  // kept so far, in place
-    for (size_t i = 0; i < cand_.size(); ++i) {
-        const int b = bin_of(cand_[i].logit);
-        if (b < boundary) {
-            cand_[n++] = cand_[i];
-        } else if (b == boundary) {
-            edge.emplace_back(cand_[i], probs_[i]);
-        }
-    }
-    std::sort(edge.begin(), edge.end(), [](const auto & a, const auto & b) {
+    std::sort(both.begin(), both.end(), [](const auto & a, const auto & b) {
         return better(a.first.logit, a.first.id, b.first.logit, b.first.id);
     });
-    for (const auto & [c, q] : edge) {
-        cand_[n++] = c;
-        above += q;
-        if (above >= p) {
+    double cum = 0.0;
+    size_t n   = 0;
+    while (n < both.size()) {
+        cand_[n] = both[n].first;
+        cum += both[n++].second;
+        if (cum >= p) {
             break;
         }
     }
@@ -338,7 +305,10 @@ void token_sampler::keep_top_p(float p) {
 }
 
 void token_sampler::dense_top_p(float p) {
-    // keep_top_p on the whole vocabulary, in place: excluded tokens' logits become -inf
+    // top-p on the whole vocabulary, in place (excluded tokens' logits become -inf). A flat distribution's
+    // nucleus can hold most of a 150K vocabulary (sorting it took 15 ms), so the tokens go into bins by logit
+    // below the maximum, the bins' masses are summed from the top down to the one where p is reached, and only
+    // that bin is sorted.
     const size_t n     = work_.size();
     float *      w     = work_.data();
     float        min_l = std::numeric_limits<float>::infinity();
