@@ -344,26 +344,36 @@ class Model:
         sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
                                   frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
         pieces: list[str] = []
-        result = self._run(prompt, max_tokens, stop, pieces.append, speculative, sampling)
+        result = self._run(prompt, max_tokens, stop, lambda text, _: pieces.append(text), speculative, sampling)
         return Completion("".join(pieces), result["tokens"], result["finish_reason"], _timings(result["timings"]),
-                          sampling.get("seed"), self._logprobs(result))
+                          sampling.get("seed"), self._logprobs(result["tokens"], result.get("logprobs")))
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0, *,
                top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
                repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                repeat_last_n: int = 64, logit_bias: dict | None = None, seed: int | None = None,
-               stop: str | Sequence[str] | None = None, speculative: bool = True) -> Iterator[str]:
+               logprobs: int | None = None, stop: str | Sequence[str] | None = None,
+               speculative: bool = True) -> Iterator[str] | Iterator[tuple[str, dict | None]]:
         """Yield the continuation as text pieces as they are generated; a piece never splits a character.
-        Arguments as for `generate`."""
+        Arguments as for `generate`. With logprobs=n each item is a (text, logprobs) pair instead: logprobs (as in
+        Completion.logprobs, text offsets into the whole completion) covers the tokens committed since the last
+        item (None for a last piece of text that was held back), text what became safe to print."""
         sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
-                                  frequency_penalty, repeat_last_n, logit_bias, seed, None)
+                                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
+        with_logprobs = logprobs is not None
         pieces: queue.Queue = queue.Queue()
         done = object()
         outcome: dict = {}
 
+        def put(text: str, lp: dict | None) -> None:
+            if with_logprobs and (text or lp is not None):
+                pieces.put((text, lp))
+            elif text:
+                pieces.put(text)
+
         def worker():
             try:
-                outcome["result"] = self._run(prompt, max_tokens, stop, pieces.put, speculative, sampling)
+                outcome["result"] = self._run(prompt, max_tokens, stop, put, speculative, sampling)
             except BaseException as e:  # re-raised in the consumer
                 outcome["error"] = e
             finally:
@@ -376,8 +386,7 @@ class Model:
                 piece = pieces.get()
                 if piece is done:
                     break
-                if piece:
-                    yield piece
+                yield piece
         finally:
             if thread.is_alive():
                 self._session.abort()  # the consumer stopped early
@@ -397,19 +406,20 @@ class Model:
         args["seed"] = seed
         return args
 
-    def _logprobs(self, result: dict) -> dict | None:
-        """llama-cpp-python's completion logprobs from the core's (ids)."""
-        raw = result.get("logprobs")
+    def _logprobs(self, tokens: list[int], raw: dict | None, offset: int = 0) -> dict | None:
+        """llama-cpp-python's completion logprobs for `tokens` from the core's (ids); text offsets from `offset`
+        (the characters of the completion before them)."""
         if raw is None:
             return None
+
         def piece(token: int) -> str:
             return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
 
-        texts = [piece(t) for t in result["tokens"]]
-        offsets, at = [], 0
+        texts = [piece(t) for t in tokens]
+        offsets = []
         for text in texts:
-            offsets.append(at)
-            at += len(text)
+            offsets.append(offset)
+            offset += len(text)
         return {"tokens": texts, "text_offset": offsets, "token_logprobs": raw["token_logprobs"],
                 "top_logprobs": [{piece(t): lp for t, lp in top} for top in raw["top_logprobs"]]}
 
@@ -417,8 +427,14 @@ class Model:
         tokens, max_tokens = self._prepare(prompt, max_tokens, speculative)
         stops = _StopStrings(self.tokenizer, stop_strings(stop))
 
-        def on_tokens(new_tokens: list[int]) -> bool:
-            emit(stops.feed(new_tokens))
+        produced = 0  # characters of the committed tokens so far (logprobs' text offsets)
+
+        def on_tokens(new_tokens: list[int], raw_logprobs: dict | None = None) -> bool:
+            nonlocal produced
+            lp = self._logprobs(new_tokens, raw_logprobs, produced)
+            if lp is not None:
+                produced += sum(len(t) for t in lp["tokens"])
+            emit(stops.feed(new_tokens), lp)
             return not stops.stopped
 
         with self._lock:
@@ -439,7 +455,7 @@ class Model:
         if stops.stopped:
             result["finish_reason"] = "stop"
         else:
-            emit(stops.flush())
+            emit(stops.flush(), None)
         return result
 
     # ---- lifetime ----

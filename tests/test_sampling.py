@@ -201,9 +201,8 @@ def qwen3_pair():
 def test_bad_values_raise_value_error_naming_the_parameter(qwen3_pair, kwargs, message):
     with pytest.raises(ValueError, match=message):
         qwen3_pair.generate("x", max_tokens=2, **kwargs)
-    if "logprobs" not in kwargs:
-        with pytest.raises(ValueError, match=message):
-            next(qwen3_pair.stream("x", max_tokens=2, **kwargs))
+    with pytest.raises(ValueError, match=message):
+        next(qwen3_pair.stream("x", max_tokens=2, **kwargs))
 
 
 @pytest.mark.parametrize("kwargs", [dict(seed=1.5), dict(top_k=2.0), dict(temperature="hot"),
@@ -267,6 +266,18 @@ def test_logprobs_are_the_log_softmax_of_the_target_logits(qwen3_pair, temperatu
         np.testing.assert_allclose(sorted(top.values(), reverse=True), best, atol=1e-3)
         if temperature == 0.0:
             assert lp["token_logprobs"][k] == pytest.approx(best[0], abs=1e-3)
+
+
+def test_streamed_logprobs_are_the_generated_ones(qwen3_pair):
+    kw = dict(max_tokens=24, temperature=0.8, seed=21, logprobs=3)
+    whole = qwen3_pair.generate("class Stack:", **kw)
+    items = list(qwen3_pair.stream("class Stack:", **kw))
+    assert "".join(text for text, _ in items) == whole.text
+    parts = [lp for _, lp in items if lp is not None]
+    for key in ("tokens", "text_offset", "token_logprobs", "top_logprobs"):
+        assert [x for lp in parts for x in lp[key]] == whole.logprobs[key], key
+    # without logprobs the items stay plain text
+    assert all(isinstance(p, str) for p in qwen3_pair.stream("class Stack:", max_tokens=8))
 
 
 def test_logprobs_with_a_drafter_equal_plain(qwen3_pair):
@@ -473,3 +484,17 @@ def test_cli_samples_like_the_api(capsys):
     assert printed == expected + "\n"
     assert main(["generate", target, "x", "--top-p", "2"]) == 1
     assert "top_p = 2.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("params, logits, allowed", [
+    (dict(temperature=1e-40), [1.0, 3.0, 2.0], {1}),  # 1 / T overflows: greedy in effect
+    (dict(temperature=1.0, logit_bias={0: 3e38}), [3e38, 1.0, 2.0], {0}),  # past the largest float
+    (dict(temperature=1.0, frequency_penalty=-3e38), [-np.inf, 1.0, 2.0], {1, 2}),  # -inf minus -inf
+    (dict(temperature=1.0), [np.inf, 1.0, 2.0], {0}),
+])
+def test_extreme_values_never_make_nan(params, logits, allowed):
+    """Every draw is a token the floats allow, with probabilities that are numbers summing to 1."""
+    for t in range(20):
+        got = core_sample(np.array(logits, dtype=np.float32), history=[0, 0], t=t, **params)
+        assert got["token"] in allowed
+        assert np.isfinite(got["probs"]).all() and got["probs"].sum() == pytest.approx(1.0)

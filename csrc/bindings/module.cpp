@@ -751,13 +751,17 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 sp.seed        = parse_tree_seed(seed);
                 token_callback cb;
                 if (!callback.is_none()) {
-                    cb = [&callback](const int32_t * toks, int n) {
+                    cb = [&callback](const int32_t * toks, const token_logprobs * lps, int n) {
                         py::gil_scoped_acquire gil;
                         py::list l;
                         for (int i = 0; i < n; ++i) {
                             l.append(toks[i]);
                         }
-                        return callback(l).cast<bool>();  // a Python exception propagates out of the loop
+                        // a Python exception propagates out of the loop
+                        if (lps) {
+                            return callback(l, logprobs_dict({lps, lps + n})).cast<bool>();
+                        }
+                        return callback(l).cast<bool>();
                     };
                 }
                 generate_result r;
@@ -789,7 +793,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             "Generation, greedy or sampled (sampling: a dict of llama-cpp-python's sampling parameters and seed), "
             "speculative with a DraftSession (spec_mode 'chain', 'tree' or 'auto'); callback(list[int]) -> bool is "
             "called (with the GIL) per batch of committed tokens. With sampling['logprobs'] = n the result has "
-            "'logprobs': token_logprobs and top_logprobs ([(id, logprob)] * n) per token.");
+            "'logprobs': token_logprobs and top_logprobs ([(id, logprob)] * n) per token, and the callback gets the "
+            "batch's as a second argument.");
 
     m.def(
         "sample",

@@ -107,7 +107,8 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         r.tokens.insert(r.tokens.end(), batch.begin(), batch.begin() + n);
         const std::vector<token_logprobs> & lp = choose->chosen_logprobs();  // aligned with batch when asked for
         r.logprobs.insert(r.logprobs.end(), lp.begin(), lp.begin() + std::min<size_t>(n, lp.size()));
-        if (n > 0 && on_tokens && !on_tokens(batch.data(), n)) {
+        const token_logprobs * batch_lp = lp.empty() ? nullptr : r.logprobs.data() + (r.logprobs.size() - n);
+        if (n > 0 && on_tokens && !on_tokens(batch.data(), batch_lp, n)) {
             r.finish_reason = "abort";
             return false;
         }

@@ -48,8 +48,9 @@ struct generate_result {
     generate_timings     timings;
 };
 
-// called with each batch of newly committed tokens; return false to stop
-using token_callback = std::function<bool(const int32_t * tokens, int n)>;
+// called with each batch of newly committed tokens (and their log-probabilities, with sampling.n_logprobs >= 0;
+// else nullptr); return false to stop
+using token_callback = std::function<bool(const int32_t * tokens, const token_logprobs * logprobs, int n)>;
 
 generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,
                          const generate_params & params, const token_callback & on_tokens);

@@ -113,8 +113,10 @@ void token_sampler::accept(int32_t token) {
 }
 
 void token_sampler::apply_bias_and_penalties() {
+    // (results stay below +inf, so that differences to the maximum stay numbers)
+    const float top = std::numeric_limits<float>::max();
     for (const auto & [id, bias] : p_.logit_bias) {
-        work_[id] += bias;
+        work_[id] = std::min(work_[id] + bias, top);
     }
     if (window_ == 0) {
         return;
@@ -127,7 +129,10 @@ void token_sampler::apply_bias_and_penalties() {
         }
         float & l = work_[id];
         l         = l <= 0.0f ? l * p_.repeat_penalty : l / p_.repeat_penalty;
-        l -= (float) c * p_.frequency_penalty + p_.presence_penalty;
+        // (the subtrahend bounded: -inf minus an overflowed -inf would be NaN)
+        const float penalty = (float) std::clamp((double) c * p_.frequency_penalty + p_.presence_penalty,
+                                                 -(double) top, (double) top);
+        l = std::min(l - penalty, top);
         counts_[id] = -c;  // visited; restored below
     }
     for (int32_t id : history_) {
@@ -491,8 +496,9 @@ int32_t token_sampler::sample(const float * logits, uint64_t t) {
         }
     }
 
-    // the weights e^((logit - max) / T), by id
-    const float inv_t = p_.temperature > 0.0f ? 1.0f / p_.temperature : 1.0f;
+    // the weights e^((logit - max) / T), by id (1 / T bounded: a subnormal T would make 0 * inf of the maximum)
+    const float inv_t = p_.temperature > 0.0f ? std::min(1.0f / p_.temperature, std::numeric_limits<float>::max())
+                                              : 1.0f;
     if (dense_) {
         weights_.resize(work_.size());
         exp_shifted(work_.data(), max_l_, inv_t, weights_.data(), work_.size());
