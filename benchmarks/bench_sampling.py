@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import peer  # noqa: E402
+import bench_tree  # noqa: E402
 from bench_tree import cost_realistic_pairs, tiny_pairs  # noqa: E402
 from export_pairs import PAIRS_DIR, prompt_rows  # noqa: E402
 from random_gguf import write_random_qwen3, write_random_qwen35  # noqa: E402
@@ -97,31 +98,7 @@ def cost_table(args) -> None:
 
 def run_ours(pair: dict, prompts: list[str], temp: float, args) -> dict:
     sampling = {} if temp == 0 else dict(temperature=temp, **FILTERS)
-    models = {}
-    for label, kw in OURS:
-        models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads,
-                                       draft_model_path=None if kw is None else pair["draft"], **(kw or {}))
-        models[label].generate(prompts[0], max_tokens=8, seed=0, **sampling)  # warm-up, auto's calibration
-    acc = {label: {"tokens": 0, "ms": 0.0, "committed": 0, "rounds": 0, "outputs": []} for label, _ in OURS}
-    for i, text in enumerate(prompts):
-        for label, _ in OURS:  # interleaved
-            c = models[label].generate(text, max_tokens=args.max_tokens, seed=1000 + i, **sampling)
-            a, t = acc[label], c.timings
-            a["tokens"] += max(0, len(c.tokens) - 1)
-            a["ms"] += t["predicted_ms"]
-            a["outputs"].append(c.tokens)
-            if "n_rounds" in t:
-                a["committed"] += t["draft_n_accepted"] + t["n_rounds"]
-                a["rounds"] += t["n_rounds"]
-    for m in models.values():
-        m.close()
-    rows = {}
-    for label, a in acc.items():
-        rows[label] = {"tok_s": 1000.0 * a["tokens"] / a["ms"] if a["ms"] else 0.0,
-                       "same": sum(x == y for x, y in zip(a["outputs"], acc["plain"]["outputs"]))}
-        if a["rounds"]:
-            rows[label]["tau"] = a["committed"] / a["rounds"]
-    return rows
+    return bench_tree.run_ours(pair, prompts, args, OURS, lambda i: dict(seed=1000 + i, **sampling))
 
 
 def run_llama(pair: dict, prompts: list[str], temp: float, args, tmp: Path) -> dict:
@@ -166,7 +143,7 @@ def speed_table(args) -> None:
                         continue
                     tau = f"{r['tau']:.2f}" if "tau" in r else "-"
                     vs_llama = f"{r['tok_s'] / llama[0]:.2f}" if llama else "-"
-                    same = f"{r['same']}/{len(prompts)}" if "same" in r else "-"
+                    same = f"{r['same_as_plain']}/{len(prompts)}" if "same_as_plain" in r else "-"
                     print(f"  {temp:4.1f} {label:<20} {r['tok_s']:8.1f} {tau:>6} {r['tok_s'] / plain:8.2f} "
                           f"{vs_llama:>8} {same:>6}", flush=True)
 

@@ -74,17 +74,20 @@ def tiny_pairs(archs) -> list[dict]:
              "draft": pair_file(arch, "dflash", t)} for arch in archs for t in ("f16", "q8_0")]
 
 
-def run_ours(pair: dict, prompts: list[str], args) -> dict:
+def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs=lambda i: {}) -> dict:
+    """Each engine (label, Model keyword arguments; the first: plain) over the prompts, interleaved;
+    generate_kwargs(i): what prompt i's generate() takes besides the prompt and max_tokens."""
     models = {}
-    for label, kw in OURS:
+    for label, kw in engines:
         models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads,
                                        draft_model_path=None if kw is None else pair["draft"], **(kw or {}))
-        models[label].generate(prompts[0], max_tokens=8)  # warm-up: pages, graphs, auto's calibration
+        # warm-up: pages, graphs, auto's calibration
+        models[label].generate(prompts[0], max_tokens=8, **generate_kwargs(0))
     totals = {label: {"tokens": 0, "ms": 0.0, "committed": 0, "rounds": 0, "verified": 0, "outputs": []}
-              for label, _ in OURS}
-    for text in prompts:
-        for label, _ in OURS:  # interleaved
-            c = models[label].generate(text, max_tokens=args.max_tokens)
+              for label, _ in engines}
+    for i, text in enumerate(prompts):
+        for label, _ in engines:  # interleaved
+            c = models[label].generate(text, max_tokens=args.max_tokens, **generate_kwargs(i))
             t, acc = c.timings, totals[label]
             acc["tokens"] += max(0, len(c.tokens) - 1)
             acc["ms"] += t["predicted_ms"]
@@ -98,7 +101,7 @@ def run_ours(pair: dict, prompts: list[str], args) -> dict:
                 for k in ("auto_skipped", "auto_plain", "auto_chain", "auto_tree"):
                     acc["auto"][k] = acc["auto"].get(k, 0) + t[k]
     rows = {}
-    plain_out = totals["plain"]["outputs"]
+    plain_out = totals[engines[0][0]]["outputs"]
     for label, acc in totals.items():
         row = {"tok_s": 1000.0 * acc["tokens"] / acc["ms"] if acc["ms"] else 0.0}
         if acc["rounds"]:
