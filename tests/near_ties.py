@@ -10,6 +10,8 @@ import numpy as np
 
 from pydflash import _core
 
+import sampling_ref as ref
+
 TIE = 1e-2
 
 
@@ -29,15 +31,13 @@ def draw_is_fragile(model, prompt_ids, tokens, k, sampling: dict) -> bool:
     logit noise of TIE can change it, either the candidates the chain keeps or the Gumbel-max that picks among
     them (its winning margin, in log-probability, under 2 * TIE / temperature). The sampling counterpart of
     tie_gap (tests/sampling_ref.py is the reference)."""
-    import sampling_ref as ref
-
     history = list(prompt_ids) + list(tokens[:k])
     s = _core.Session(model._model, n_ctx=model.n_ctx)
     logits, _ = s.eval(np.array(history, dtype=np.int32), all_logits=False)
     row = np.asarray(logits[-1], dtype=np.float32)
     params = {key: v for key, v in sampling.items() if key != "seed"}
     ids, probs = ref.distribution(row, history, **params)
-    token, margin = ref.draw(ids, probs, sampling["seed"], k)
+    _, margin = ref.draw(ids, probs, sampling["seed"], k)
     temperature = params.get("temperature", 1.0)
     if temperature > 0 and margin < 2 * TIE / temperature:
         return True
