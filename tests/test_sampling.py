@@ -288,6 +288,16 @@ def test_logprobs_with_a_drafter_equal_plain(qwen3_pair):
     np.testing.assert_allclose(spec.logprobs["token_logprobs"], plain.logprobs["token_logprobs"], atol=1e-3)
 
 
+def test_logit_bias_steers_greedy_decoding(qwen3_pair):
+    """A large bias makes a token the greedy pick at every step (keys as ints or OpenAI's decimal strings);
+    -inf bans the token the target would pick."""
+    m, prompt = qwen3_pair, "def add(a, b):"
+    assert m.generate(prompt, max_tokens=5, logit_bias={"17": 100.0}).tokens == [17] * 5
+    assert m.generate(prompt, max_tokens=5, logit_bias={17: 100.0}, speculative=False).tokens == [17] * 5
+    first = m.generate(prompt, max_tokens=1).tokens[0]
+    assert m.generate(prompt, max_tokens=1, logit_bias={first: float("-inf")}).tokens[0] != first
+
+
 def test_greedy_with_penalties_changes_the_output(qwen3_pair):
     m, prompt = qwen3_pair, "x = x + 1\nx = x + 1\nx = x + 1\n"
     base = m.generate(prompt, max_tokens=24)
@@ -427,12 +437,14 @@ DISTRIBUTION_CASES = [
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
-@pytest.mark.parametrize("k, setting", DISTRIBUTION_CASES)
-def test_first_tokens_follow_the_target_distribution(kind, k, setting):
-    """k-token continuations over N_SEEDS fixed seeds, plain and speculative (tree), against the exact
-    distribution computed from the target's logits with the reference chain."""
+@pytest.mark.parametrize("mode, k, setting", [("tree", k, setting) for k, setting in DISTRIBUTION_CASES] +
+                         # (k = 1 comes from the prompt's logits, before any draft: once is enough)
+                         [("chain", k, setting) for k, setting in DISTRIBUTION_CASES if k > 1])
+def test_first_tokens_follow_the_target_distribution(kind, mode, k, setting):
+    """k-token continuations over N_SEEDS fixed seeds, plain and speculative, against the exact distribution
+    computed from the target's logits with the reference chain."""
     # (the prompt is one the drafter continues well: drafted nodes are accepted in many rounds)
-    with pydflash.Model(pair_file(kind, "target", "f32"), n_ctx=256, spec_mode="tree", tree_budget=12,
+    with pydflash.Model(pair_file(kind, "target", "f32"), n_ctx=256, spec_mode=mode, tree_budget=12,
                         draft_model_path=pair_file(kind, "dflash", "f32")) as m:
         prompt = m.tokenize("def main():\n    ")
         exact = exact_outcomes(m, prompt, setting, k)
@@ -442,7 +454,9 @@ def test_first_tokens_follow_the_target_distribution(kind, k, setting):
             p, bins = chi_square_p([outcome(c.tokens, k) for c in runs], exact)
             assert bins >= 10, bins  # a test with power
             assert p > 0.01, (speculative, p)
-            if speculative and k == 3:  # third tokens were drawn at drafted nodes
+            # third tokens were drawn at drafted nodes (the qwen35 drafter's top-1 chain after this prompt is
+            # rarely what the target samples: there the tree's siblings are what gets accepted)
+            if speculative and k == 3 and (mode == "tree" or kind == "qwen3"):
                 assert sum(c.timings["draft_n_accepted"] for c in runs) > N_SEEDS // 10
 
 
