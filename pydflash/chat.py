@@ -20,7 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import PydflashError
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "split_reasoning"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "ReasoningStream", "split_reasoning"]
 
 
 class ChatTemplateError(PydflashError, ValueError):
@@ -127,3 +127,62 @@ def split_reasoning(text: str, *, start: str = "<think>", end: str = "</think>",
     if at < 0:
         return ReasoningSplit(body.strip(), "")
     return ReasoningSplit(body[:at].strip(), body[at + len(end):].lstrip())
+
+
+class ReasoningStream:
+    """split_reasoning for a reply arriving in pieces: feed() returns (field, text) pairs, field being
+    "reasoning_content" or "content"; text that could still be the start of a tag is held back."""
+
+    def __init__(self, *, start: str = "<think>", end: str = "</think>", started: bool = False):
+        self._start, self._end = start, end
+        self._state = "reasoning" if started else "maybe"  # maybe: no visible text yet
+        self._pending = ""
+        self._lstrip = started  # whitespace after a tag is dropped until text comes
+
+    def _held(self, tag: str) -> int:
+        """Length of the longest suffix of the pending text that is a proper prefix of `tag`."""
+        for k in range(min(len(tag) - 1, len(self._pending)), 0, -1):
+            if self._pending.endswith(tag[:k]):
+                return k
+        return 0
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self._pending += text
+        out: list[tuple[str, str]] = []
+        while True:
+            if self._lstrip:
+                self._pending = self._pending.lstrip()
+                self._lstrip = not self._pending
+            if self._state == "maybe":
+                stripped = self._pending.lstrip()
+                if stripped.startswith(self._start):
+                    self._pending = stripped[len(self._start):]
+                    self._state, self._lstrip = "reasoning", True
+                    continue
+                if stripped and not self._start.startswith(stripped):
+                    self._state = "content"
+                    continue
+                return out
+            if self._state == "reasoning":
+                at = self._pending.find(self._end)
+                if at >= 0:
+                    if self._pending[:at].rstrip():
+                        out.append(("reasoning_content", self._pending[:at].rstrip()))
+                    self._pending = self._pending[at + len(self._end):]
+                    self._state, self._lstrip = "content", True
+                    continue
+                # held back: a possible start of the end tag, and trailing whitespace (dropped before the tag)
+                ready = self._pending[: len(self._pending) - self._held(self._end)].rstrip()
+                if ready:
+                    out.append(("reasoning_content", ready))
+                self._pending = self._pending[len(ready):]
+                return out
+            if self._pending:
+                out.append(("content", self._pending))
+            self._pending = ""
+            return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        reasoning = self._state == "reasoning"
+        text, self._pending = (self._pending.rstrip() if reasoning else self._pending), ""
+        return [("reasoning_content" if reasoning else "content", text)] if text else []

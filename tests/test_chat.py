@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from pydflash.chat import ChatTemplate, ChatTemplateError, split_reasoning
+from pydflash.chat import ChatTemplate, ChatTemplateError, ReasoningStream, split_reasoning
 
 TEMPLATES = ["Qwen-Qwen3-0.6B.jinja", "Qwen3.5-4B.jinja", "Qwen3-Coder.jinja"]
 
@@ -98,3 +98,22 @@ def test_templates_are_sandboxed():
 def test_split_reasoning(text, started, reasoning, content):
     r = split_reasoning(text, started=started)
     assert (r.reasoning_content, r.content) == (reasoning, content)
+
+
+@pytest.mark.parametrize("text, started", [
+    ("<think>\nAdd them.\n</think>\n\nFour.", False), ("Four.", False), ("<think>\n\n</think>\n\nFour.", False),
+    ("Add them.\n</think>\n\nFour.", True), ("<think>\nStill thinking  ", False), ("  <think>x</think>y", False),
+    ("  plain", False), ("<thin", False), ("a </thin", True)])
+@pytest.mark.parametrize("cut", [1, 2, 3, 7])
+def test_reasoning_stream_equals_the_whole_split(text, started, cut):
+    """Fed in pieces of every size, the stream gives what split_reasoning gives for the whole text."""
+    stream = ReasoningStream(started=started)
+    parts: dict[str, str] = {"reasoning_content": "", "content": ""}
+    for i in range(0, len(text), cut):
+        for field, piece in stream.feed(text[i:i + cut]):
+            parts[field] += piece
+    for field, piece in stream.flush():
+        parts[field] += piece
+    whole = split_reasoning(text, started=started)
+    assert parts["reasoning_content"] == (whole.reasoning_content or "")
+    assert parts["content"] == whole.content
