@@ -360,16 +360,22 @@ class Model:
         item (None for a last piece of text that was held back), text what became safe to print."""
         sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
                                   frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
-        with_logprobs = logprobs is not None
+        for text, lp in self._generate_iter(prompt, max_tokens, stop, speculative, sampling):
+            if logprobs is not None:
+                yield text, lp
+            elif text:
+                yield text
+
+    def _generate_iter(self, prompt, max_tokens, stop, speculative, sampling) -> Iterator[tuple[str, dict | None]]:
+        """(text, logprobs or None) as tokens are committed, generated on a worker thread; returns (as
+        StopIteration.value) the core's result. Closing the iterator early aborts the generation."""
         pieces: queue.Queue = queue.Queue()
         done = object()
         outcome: dict = {}
 
         def put(text: str, lp: dict | None) -> None:
-            if with_logprobs and (text or lp is not None):
+            if text or lp is not None:
                 pieces.put((text, lp))
-            elif text:
-                pieces.put(text)
 
         def worker():
             try:
@@ -393,6 +399,49 @@ class Model:
             thread.join()
         if "error" in outcome:
             raise outcome["error"]
+        return outcome["result"]
+
+    # ---- OpenAI-shaped calls (llama-cpp-python's) ----
+    def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,
+                          top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+                          logprobs: int | None = None, echo: bool = False, stop: str | Sequence[str] | None = None,
+                          frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                          repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
+                          seed: int | None = None, logit_bias: dict | None = None, repeat_last_n: int = 64,
+                          stream_options: dict | None = None, speculative: bool = True) -> dict | Iterator[dict]:
+        """An OpenAI-shaped text completion (llama-cpp-python's defaults); stream=True returns an iterator of
+        chunks, the last carrying finish_reason and timings (and, with stream_options={"include_usage": True},
+        one more with usage)."""
+        from .completions import create_completion
+
+        sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
+                                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
+        return create_completion(self, prompt, max_tokens=max_tokens, echo=echo, stop=stop, stream=stream,
+                                 stream_options=stream_options, speculative=speculative, sampling=sampling)
+
+    def create_chat_completion(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                               tool_choice: str | None = None, temperature: float = 0.2, top_p: float = 0.95,
+                               top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0, stream: bool = False,
+                               stop: str | Sequence[str] | None = None, seed: int | None = None,
+                               response_format: dict | None = None, max_tokens: int | None = None,
+                               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                               repeat_penalty: float = 1.0, repeat_last_n: int = 64, logit_bias: dict | None = None,
+                               logprobs: bool = False, top_logprobs: int | None = None,
+                               chat_template: str | None = None, chat_format: str | None = None,
+                               chat_template_kwargs: dict | None = None, stream_options: dict | None = None,
+                               speculative: bool = True) -> dict | Iterator[dict]:
+        """An OpenAI-shaped chat completion (llama-cpp-python's defaults): the prompt is the GGUF's chat template
+        (or chat_template= / chat_format="chatml") rendered with `tools` and `chat_template_kwargs` (e.g.
+        {"enable_thinking": False}); a <think> block in the reply comes back as reasoning_content."""
+        from .completions import create_chat_completion
+
+        sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
+                                  frequency_penalty, repeat_last_n, logit_bias, seed, None)
+        return create_chat_completion(self, messages, tools=tools, tool_choice=tool_choice,
+                                      response_format=response_format, chat_template_kwargs=chat_template_kwargs,
+                                      template=chat_template, chat_format=chat_format, max_tokens=max_tokens,
+                                      stop=stop, stream=stream, stream_options=stream_options, logprobs=logprobs,
+                                      top_logprobs=top_logprobs, speculative=speculative, sampling=sampling)
 
     def _sampling(self, temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
                   frequency_penalty, repeat_last_n, logit_bias, seed, logprobs) -> dict:

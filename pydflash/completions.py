@@ -1,0 +1,203 @@
+"""OpenAI-shaped completions over a `Model` (llama-cpp-python's `create_completion` / `create_chat_completion`):
+the result dicts and stream chunks, with `usage`, and `timings` in llama-server's names plus the draft stats.
+
+Chat prompts come from the GGUF's chat template (pydflash.chat), rendered as Hugging Face renders them; the
+reply's `<think>` block is returned as `reasoning_content`, apart from `content`, as llama-server does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+from ._arguments import bool_arg, optional_int_arg
+from .chat import ChatTemplate, ChatTemplateError, ReasoningStream, split_reasoning
+
+if TYPE_CHECKING:
+    from .model import Model
+
+# chat_format names with a built-in template
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+          "{%- endif %}")
+CHAT_FORMATS = {"chatml": CHATML}
+
+
+def _timings(result: dict) -> dict:
+    from .model import _timings as timings  # (model.py imports this module)
+
+    return timings(result["timings"])
+
+
+def _usage(result: dict) -> dict:
+    t = result["timings"]
+    prompt = t.get("prompt_n", 0) + t.get("cached_n", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": len(result["tokens"]),
+            "total_tokens": prompt + len(result["tokens"])}
+
+
+def _drain(it: Iterator) -> tuple[list, Any]:
+    """The items of a generator and its return value."""
+    items = []
+    while True:
+        try:
+            items.append(next(it))
+        except StopIteration as stop:
+            return items, stop.value
+
+
+def _include_usage(stream_options: Mapping | None) -> bool:
+    if stream_options is None:
+        return False
+    if not isinstance(stream_options, Mapping):
+        raise TypeError(f"stream_options must be a dict, got {type(stream_options).__name__}")
+    return bool_arg("stream_options.include_usage", stream_options.get("include_usage", False))
+
+
+def create_completion(model: "Model", prompt, *, max_tokens: int | None, echo: bool, stop, stream: bool,
+                      stream_options, speculative: bool, sampling: dict) -> dict | Iterator[dict]:
+    bool_arg("echo", echo)
+    bool_arg("stream", stream)
+    with_usage = _include_usage(stream_options)
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model.model_path}
+    prefix = (prompt if isinstance(prompt, str) else model.detokenize(prompt)) if echo else ""
+    it = model._generate_iter(prompt, max_tokens, stop, speculative, sampling)
+
+    def choice(text: str, lp: dict | None, finish: str | None) -> dict:
+        return {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
+
+    if not stream:
+        pieces, result = _drain(it)
+        text = prefix + "".join(p for p, _ in pieces)
+        lp = model._logprobs(result["tokens"], result.get("logprobs"))
+        return {**base, "choices": [choice(text, lp, result["finish_reason"])], "usage": _usage(result),
+                "timings": _timings(result)}
+
+    def chunks() -> Iterator[dict]:
+        if prefix:
+            yield {**base, "choices": [choice(prefix, None, None)]}
+        pieces = iter(it)
+        while True:
+            try:
+                text, lp = next(pieces)
+            except StopIteration as stop:
+                result = stop.value
+                break
+            yield {**base, "choices": [choice(text, lp, None)]}
+        yield {**base, "choices": [choice("", None, result["finish_reason"])], "timings": _timings(result)}
+        if with_usage:
+            yield {**base, "choices": [], "usage": _usage(result)}
+
+    return chunks()
+
+
+def chat_template(model: "Model", template: str | None, chat_format: str | None) -> ChatTemplate:
+    """The template to render with: an explicit `template`, a named `chat_format`, or the GGUF's own."""
+    tok = model.tokenizer
+    def text_of(token: int | None) -> str:
+        return "" if token is None else tok.token_bytes(token).decode("utf-8", errors="replace")
+
+    specials = {"bos_token": text_of(tok.bos_token_id), "eos_token": text_of(tok.eos_token_id)}
+    if template is not None and chat_format is not None:
+        raise ValueError("give chat_template or chat_format, not both")
+    if chat_format is not None:
+        if chat_format not in CHAT_FORMATS:
+            raise ValueError(f"chat_format={chat_format!r} is not one of {', '.join(sorted(CHAT_FORMATS))}")
+        return ChatTemplate(CHAT_FORMATS[chat_format], name=f"chat_format {chat_format}", **specials)
+    if template is not None:
+        if not isinstance(template, str):
+            raise TypeError(f"chat_template must be a string, got {type(template).__name__}")
+        return ChatTemplate(template, name="chat_template", **specials)
+    if not tok.chat_template:
+        raise ChatTemplateError(f"{model.model_path}: the model has no tokenizer.chat_template; pass "
+                                f"chat_template= or chat_format=")
+    return ChatTemplate(tok.chat_template, name=f"{model.model_path}: tokenizer.chat_template", **specials)
+
+
+def _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs) -> None:
+    if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)):
+        raise TypeError(f"tools must be a list of tool schemas, got {type(tools).__name__}")
+    if tool_choice not in (None, "auto", "none"):
+        raise ValueError(f"tool_choice={tool_choice!r} is not supported (None, 'auto' or 'none'): the model chooses "
+                         f"whether to call a tool")
+    if response_format is not None:
+        if not isinstance(response_format, Mapping) or response_format.get("type") != "text":
+            raise ValueError(f"response_format={response_format!r} is not supported: only {{'type': 'text'}} "
+                             f"(JSON mode and schemas are not implemented)")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+
+
+def _chat_logprobs(lp: dict | None) -> dict | None:
+    """OpenAI's chat shape (content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]) from
+    the completion shape (Model._logprobs)."""
+    if lp is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(t, v), "top_logprobs": [entry(a, av) for a, av in top.items()]}
+                        for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]}
+
+
+def create_chat_completion(model: "Model", messages, *, tools, tool_choice, response_format, chat_template_kwargs,
+                           template: str | None, chat_format: str | None, max_tokens: int | None, stop,
+                           stream: bool, stream_options, logprobs: bool, top_logprobs: int | None,
+                           speculative: bool, sampling: dict) -> dict | Iterator[dict]:
+    bool_arg("stream", stream)
+    bool_arg("logprobs", logprobs)
+    top_logprobs = optional_int_arg("top_logprobs", top_logprobs, 0, 20)
+    _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs)
+    with_usage = _include_usage(stream_options)
+    text = chat_template(model, template, chat_format).render(
+        messages, tools=None if tool_choice == "none" else tools, add_generation_prompt=True,
+        **(chat_template_kwargs or {}))
+    prompt = model.tokenize(text, add_special=False, parse_special=True)
+    # a template may open the reasoning block itself (the reply then starts inside it)
+    started = text.rstrip().endswith("<think>")
+    sampling = {**sampling, "logprobs": (top_logprobs or 0) if logprobs else None}
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model.model_path}
+    it = model._generate_iter(prompt, max_tokens, stop, speculative, sampling)
+
+    if not stream:
+        pieces, result = _drain(it)
+        split = split_reasoning("".join(p for p, _ in pieces), started=started)
+        message = {"role": "assistant", "content": split.content}
+        if split.reasoning_content is not None:
+            message["reasoning_content"] = split.reasoning_content
+        lp = _chat_logprobs(model._logprobs(result["tokens"], result.get("logprobs")))
+        return {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "logprobs": lp,
+                             "finish_reason": result["finish_reason"]}],
+                "usage": _usage(result), "timings": _timings(result)}
+
+    def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
+        return {**base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+    def chunks() -> Iterator[dict]:
+        yield chunk({"role": "assistant"})
+        reasoning = ReasoningStream(started=started)
+        pieces = iter(it)
+        while True:
+            try:
+                piece, lp = next(pieces)
+            except StopIteration as stop:
+                result = stop.value
+                break
+            fields = reasoning.feed(piece)
+            chat_lp = _chat_logprobs(lp)
+            if not fields and chat_lp is not None:
+                yield chunk({}, lp=chat_lp)
+            for i, (field, text) in enumerate(fields):
+                yield chunk({field: text}, lp=chat_lp if i == 0 else None)
+        for field, text in reasoning.flush():
+            yield chunk({field: text})
+        yield {**chunk({}, result["finish_reason"]), "timings": _timings(result)}
+        if with_usage:
+            yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(result)}
+
+    return chunks()

@@ -1,0 +1,101 @@
+"""The OpenAI-shaped calls (llama-cpp-python's create_completion / create_chat_completion) on a committed pair
+with its drafter: what they return equals what generate() gives for the same prompt and seed, streamed or not,
+with usage and timings; unsupported options are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+import pydflash
+from pydflash.chat import ChatTemplate, split_reasoning
+
+from export_pairs import pair_file
+
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A parser, please."}]
+
+
+@pytest.fixture(scope="module")
+def model():
+    with pydflash.Model(pair_file("qwen3", "target", "f32"), n_ctx=1024,
+                        draft_model_path=pair_file("qwen3", "dflash", "f32")) as m:
+        yield m
+
+
+def test_chat_completion_is_generate_on_the_rendered_template(model):
+    r = model.create_chat_completion(MESSAGES, max_tokens=24, seed=4, temperature=0.7)
+    text = ChatTemplate(model.tokenizer.chat_template).render(MESSAGES)
+    prompt = model.tokenize(text, add_special=False, parse_special=True)
+    c = model.generate(prompt, max_tokens=24, seed=4, temperature=0.7, top_k=40, top_p=0.95, min_p=0.05)
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
+    choice = r["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == split_reasoning(c.text).content
+    assert choice["finish_reason"] == c.finish_reason
+    assert r["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens),
+                          "total_tokens": len(prompt) + len(c.tokens)}
+    assert r["timings"]["predicted_n"] == len(c.tokens) and "tau" in r["timings"]
+
+
+def test_streamed_chat_equals_the_whole_reply(model):
+    whole = model.create_chat_completion(MESSAGES, max_tokens=32, seed=9, logprobs=True, top_logprobs=2)
+    chunks = list(model.create_chat_completion(MESSAGES, max_tokens=32, seed=9, logprobs=True, top_logprobs=2,
+                                               stream=True, stream_options={"include_usage": True}))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    body = [c for c in chunks if c["choices"]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in body) == \
+        whole["choices"][0]["message"]["content"]
+    assert body[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    streamed_lp = [e for c in body if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed_lp == whole["choices"][0]["logprobs"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 for e in streamed_lp)
+
+
+def test_reasoning_content_when_the_template_opens_the_block(model):
+    """A template whose generation prompt ends inside <think>: the reply is reasoning until </think> (this
+    small model never closes it, so all of it), streamed or not."""
+    template = ChatTemplate(model.tokenizer.chat_template).source + "{{- '<think>\\n' }}"
+    kw = dict(max_tokens=24, seed=3, temperature=1.0, chat_template=template)
+    whole = model.create_chat_completion(MESSAGES, **kw)["choices"][0]["message"]
+    prompt = model.tokenize(ChatTemplate(template).render(MESSAGES), add_special=False, parse_special=True)
+    reply = model.generate(prompt, max_tokens=24, seed=3, temperature=1.0).text
+    assert "</think>" not in reply and reply.strip()
+    assert whole["content"] == "" and whole["reasoning_content"] == reply.strip()
+    chunks = list(model.create_chat_completion(MESSAGES, stream=True, **kw))
+    assert "".join(c["choices"][0]["delta"].get("reasoning_content", "") for c in chunks) == \
+        whole["reasoning_content"]
+
+
+def test_completion_streamed_and_not(model):
+    r = model.create_completion("def parse(line):", max_tokens=20, seed=5, logprobs=1)
+    c = model.generate("def parse(line):", max_tokens=20, seed=5, temperature=0.8, logprobs=1)
+    assert r["object"] == "text_completion" and r["choices"][0]["text"] == c.text
+    assert r["choices"][0]["logprobs"] == c.logprobs
+    chunks = list(model.create_completion("def parse(line):", max_tokens=20, seed=5, stream=True))
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == c.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == c.finish_reason
+    echoed = model.create_completion("def parse(line):", max_tokens=20, seed=5, echo=True)
+    assert echoed["choices"][0]["text"] == "def parse(line):" + c.text
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(response_format={"type": "json_object"}), ValueError, "response_format"),
+    (dict(tool_choice="required"), ValueError, "tool_choice='required' is not supported"),
+    (dict(chat_format="vicuna"), ValueError, "chat_format='vicuna' is not one of chatml"),
+    (dict(chat_template="{% if %}"), ValueError, "does not compile"),
+    (dict(chat_template_kwargs=["enable_thinking"]), TypeError, "chat_template_kwargs must be a dict"),
+    (dict(top_logprobs=50, logprobs=True), ValueError, "top_logprobs = 50"),
+    (dict(stream="yes"), TypeError, "stream must be True or False"),
+])
+def test_unsupported_options_are_refused(model, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        model.create_chat_completion(MESSAGES, max_tokens=4, **kwargs)
+
+
+def test_chat_format_chatml(model):
+    r = model.create_chat_completion(MESSAGES, max_tokens=8, seed=1, chat_format="chatml")
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in MESSAGES) + "<|im_start|>assistant\n"
+    c = model.generate(model.tokenize(text, add_special=False, parse_special=True), max_tokens=8, seed=1,
+                       temperature=0.2)
+    assert r["choices"][0]["message"]["content"] == c.text
