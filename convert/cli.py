@@ -17,7 +17,8 @@ from pydflash.errors import ConversionError
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pydflash-convert",
                                 description="Convert a Hugging Face checkpoint to a llama.cpp-compatible GGUF file")
-    p.add_argument("model", type=Path, help="Hugging Face model folder (config.json, tokenizer.json, *.safetensors)")
+    p.add_argument("model", type=Path, nargs="?",
+                   help="Hugging Face model folder (config.json, tokenizer.json, *.safetensors)")
     p.add_argument("--outfile", type=Path, default=None,
                    help="output path; a folder gets llama.cpp's default name; '{ftype}' is replaced by the outtype")
     p.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0", "auto"], default="auto",
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_supported_models:
         print("\n".join(supported_architectures()))
         return 0
+    if args.model is None:
+        build_parser().error("the following arguments are required: model")
     try:
         out = convert_hf_to_gguf(args.model, args.outfile, outtype=args.outtype, vocab_only=args.vocab_only,
                                  dry_run=args.dry_run, model_name=args.model_name,

@@ -99,3 +99,17 @@ def test_chat_format_chatml(model):
     c = model.generate(model.tokenize(text, add_special=False, parse_special=True), max_tokens=8, seed=1,
                        temperature=0.2)
     assert r["choices"][0]["message"]["content"] == c.text
+
+
+def test_a_model_without_a_template_says_so(tmp_path):
+    from gguf_edit import rewrite
+
+    from pydflash.chat import ChatTemplateError
+
+    path = rewrite(pair_file("qwen3", "target", "f32"), tmp_path / "no-template.gguf",
+                   drop_keys=["tokenizer.chat_template"])
+    with pydflash.Model(path, n_ctx=256) as m:
+        with pytest.raises(ChatTemplateError, match="no-template.gguf: the model has no tokenizer.chat_template"):
+            m.create_chat_completion(MESSAGES, max_tokens=4)
+        # an explicit format works
+        assert m.create_chat_completion(MESSAGES, max_tokens=4, chat_format="chatml")["choices"][0]["message"]

@@ -189,6 +189,14 @@ def test_conversion_needs_no_torch(qwen3_checkpoint, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+def test_cli_lists_the_supported_models_without_a_model(capsys):
+    assert convert_main(["--print-supported-models"]) == 0
+    assert "Qwen3ForCausalLM" in capsys.readouterr().out.split()
+    with pytest.raises(SystemExit) as e:
+        convert_main([])
+    assert e.value.code == 2 and "required: model" in capsys.readouterr().err
+
+
 def test_cli(qwen3_checkpoint, tmp_path, capsys):
     model = qwen3_checkpoint("gqa4x2_hd64")
     out = tmp_path / "cli-{ftype}.gguf"
