@@ -1,26 +1,149 @@
-"""The `pydflash` command: `pydflash demo`, `pydflash generate MODEL.gguf "prompt" [--draft DRAFT.gguf]`."""
+"""The `pydflash` command:
+
+    pydflash demo                                   speculative vs plain decoding on the embedded trained pair
+    pydflash run MODEL.gguf -p "prompt" [--draft D] one continuation, streamed (sampling flags as llama.cpp's)
+    pydflash chat MODEL.gguf [--draft D]            an interactive chat in the terminal (/reset, Ctrl-C stops
+                                                    the answer being written)
+    pydflash bench MODEL.gguf [--draft D]           plain vs speculative decoding on built-in prompts
+
+`pydflash generate MODEL PROMPT` is `run` with the prompt as a positional argument (the older spelling).
+"""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
+from typing import Callable, TextIO
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _open_model(args: argparse.Namespace):
     from .model import Model
 
-    with Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
-               n_gpu_layers=args.n_gpu_layers, draft_model_path=args.draft, block_size=args.block_size,
-               spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose) as model:
-        sampling = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        typical_p=args.typical, repeat_penalty=args.repeat_penalty,
-                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                        repeat_last_n=args.repeat_last_n, seed=args.seed)
-        for piece in model.stream(args.prompt, max_tokens=args.max_tokens, **sampling):
-            sys.stdout.write(piece)
+    return Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
+                 n_gpu_layers=args.n_gpu_layers, draft_model_path=args.draft, block_size=args.block_size,
+                 spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose)
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, typical_p=args.typical,
+                repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+
+
+def _run(args: argparse.Namespace) -> int:
+    prompt = args.prompt if args.prompt is not None else args.prompt_text
+    if prompt is None:
+        raise ValueError("no prompt: pass -p TEXT")
+    with _open_model(args) as model:
+        sampling = model._sampling(**_sampling(args), logit_bias=None, logprobs=None)
+        pieces = model._pieces(prompt, args.max_tokens, None, True, sampling)
+        for text, _ in pieces:
+            sys.stdout.write(text)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        result = pieces.result
+        t = result["timings"]
+        if result["finish_reason"] == "length" and t["prompt_n"] + t["cached_n"] + len(result["tokens"]) >= model.n_ctx:
+            print(f"pydflash: warning: generation stopped at the end of the context (n_ctx = {model.n_ctx})",
+                  file=sys.stderr)
+    return 0
+
+
+class _Style:
+    """ANSI styling only when writing to a terminal."""
+
+    def __init__(self, out: TextIO):
+        self.on = hasattr(out, "isatty") and out.isatty()
+
+    def dim(self, text: str) -> str:
+        return f"\x1b[2m{text}\x1b[0m" if self.on and text else text
+
+    def bold(self, text: str) -> str:
+        return f"\x1b[1m{text}\x1b[0m" if self.on and text else text
+
+
+def chat_loop(model, read: Callable[[str], str], out: TextIO, *, sampling: dict, max_tokens: int | None,
+              system: str | None = None, chat_template_kwargs: dict | None = None) -> None:
+    """The interactive chat: read() a line per turn ('/reset' forgets the conversation, '/exit' or end of input
+    leaves), the answer streamed to `out` (reasoning dimmed on a terminal). Ctrl-C while an answer is being
+    written stops that answer only (what was written stays in the history); at the prompt it leaves."""
+    style = _Style(out)
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = read(style.bold("> "))
+        except (EOFError, KeyboardInterrupt):
+            out.write("\n")
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history = history[:1] if system else []
+            out.write("(conversation reset)\n")
+            continue
+        history.append({"role": "user", "content": line})
+        answer, finish = "", None
+        chunks = model.create_chat_completion(history, stream=True, max_tokens=max_tokens,
+                                              chat_template_kwargs=chat_template_kwargs, **sampling)
+        try:
+            for chunk in chunks:
+                if not chunk["choices"]:
+                    continue
+                delta = chunk["choices"][0]["delta"]
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                if delta.get("reasoning_content"):
+                    out.write(style.dim(delta["reasoning_content"]))
+                if delta.get("content"):
+                    answer += delta["content"]
+                    out.write(delta["content"])
+                out.flush()
+        except KeyboardInterrupt:
+            chunks.close()  # aborts the generation
+            finish = "interrupted"
+            out.write(style.dim(" [stopped]"))
+        out.write("\n")
+        if finish == "length" and max_tokens is None:
+            out.write(style.dim(f"(the context of {model.n_ctx} tokens is full: /reset to go on)") + "\n")
+        history.append({"role": "assistant", "content": answer})
+
+
+def _chat(args: argparse.Namespace) -> int:
+    with _open_model(args) as model:
+        kwargs = {"enable_thinking": False} if args.no_think else None
+        chat_loop(model, input, sys.stdout, sampling=_sampling(args), max_tokens=args.max_tokens,
+                  system=args.system, chat_template_kwargs=kwargs)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .demo import demo_prompts
+
+    prompts = demo_prompts()[: args.n_prompts]
+    with _open_model(args) as model:
+        model.generate(prompts[0], max_tokens=8, speculative=False)  # warm-up: pages, graphs
+        if args.draft:
+            model.generate(prompts[0], max_tokens=8)  # and the drafter's (auto's calibration)
+        modes = [("plain", False)] + ([("speculative", True)] if args.draft else [])
+        rows = {name: {"tokens": 0, "ms": 0.0, "tau": []} for name, _ in modes}
+        for prompt in prompts:
+            for name, speculative in modes:  # interleaved
+                c = model.generate(prompt, max_tokens=args.max_tokens, speculative=speculative, **_sampling(args))
+                rows[name]["tokens"] += max(0, len(c.tokens) - 1)  # the first comes from the prompt pass
+                rows[name]["ms"] += c.timings["predicted_ms"]
+                if c.timings.get("n_rounds"):
+                    rows[name]["tau"].append(c.timings["tau"])
+    plain = 1000.0 * rows["plain"]["tokens"] / rows["plain"]["ms"] if rows["plain"]["ms"] else 0.0
+    print(f"{len(prompts)} prompts x {args.max_tokens} tokens, temperature {args.temp}")
+    print(f"{'mode':<12} {'tok/s':>9} {'tau':>6} {'/ plain':>8}")
+    for name, r in rows.items():
+        tps = 1000.0 * r["tokens"] / r["ms"] if r["ms"] else 0.0
+        tau = f"{statistics.mean(r['tau']):.2f}" if r["tau"] else "-"
+        print(f"{name:<12} {tps:9.1f} {tau:>6} {tps / plain if plain else 0.0:8.2f}")
     return 0
 
 
@@ -36,25 +159,25 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pydflash", description="DFlash speculative decoding on GGUF models")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generation from a GGUF model (greedy unless --temp > 0)")
-    gen.add_argument("model", help="path to a qwen3 / qwen35 GGUF")
-    gen.add_argument("prompt")
-    gen.add_argument("-n", "--max-tokens", type=int, default=128)
-    gen.add_argument("-c", "--n-ctx", type=int, default=4096)
-    gen.add_argument("-t", "--threads", type=int, default=None)
-    gen.add_argument("--kv-type", default="f16")
-    gen.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
-    gen.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF for speculative decoding")
-    gen.add_argument("-b", "--block-size", type=int, default=None)
-    gen.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto",
-                     help="with a draft: choose per round (auto), DDTree trees, or DFlash chains")
-    gen.add_argument("--tree-budget", type=int, default=None, help="draft nodes a tree verifies (tree: per round, "
-                                                                    "auto: at most)")
-    samp = gen.add_argument_group("sampling (llama.cpp's flags and order; the defaults are llama-cpp-python's)")
-    samp.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
+def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
+    p.add_argument("model", help="path to a qwen3 / qwen35 GGUF")
+    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
+    p.add_argument("-c", "--n-ctx", type=int, default=4096)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--kv-type", default="f16")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    p.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF for speculative decoding")
+    p.add_argument("-b", "--block-size", type=int, default=None)
+    p.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto",
+                   help="with a draft: choose per round (auto), DDTree trees, or DFlash chains")
+    p.add_argument("--tree-budget", type=int, default=None, help="draft nodes a tree verifies (tree: per round, "
+                                                                  "auto: at most)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _sampling_arguments(p: argparse.ArgumentParser, temp: float) -> None:
+    samp = p.add_argument_group("sampling (llama.cpp's flags and order; the defaults are llama-cpp-python's)")
+    samp.add_argument("--temp", type=float, default=temp, help=f"temperature (0: greedy; default {temp})")
     samp.add_argument("--top-k", type=int, default=40, help="0: off")
     samp.add_argument("--top-p", type=float, default=0.95, help="1: off")
     samp.add_argument("--min-p", type=float, default=0.05, help="0: off")
@@ -64,8 +187,31 @@ def main(argv: list[str] | None = None) -> int:
     samp.add_argument("--frequency-penalty", type=float, default=0.0)
     samp.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look at (-1: all)")
     samp.add_argument("-s", "--seed", type=int, default=None, help="a seed makes sampling reproducible")
-    gen.add_argument("-v", "--verbose", action="store_true")
-    gen.set_defaults(func=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pydflash", description="DFlash speculative decoding on GGUF models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("run", "one continuation of a prompt, streamed"),
+                            ("generate", "the same as run, the prompt as a positional argument")):
+        run = sub.add_parser(name, help=help_text)
+        _model_arguments(run, max_tokens=128)
+        if name == "generate":
+            run.add_argument("prompt_text", metavar="prompt")
+        run.add_argument("-p", "--prompt", default=None, help="the text to continue")
+        _sampling_arguments(run, temp=0.0)
+        run.set_defaults(func=_run, **({"prompt_text": None} if name == "run" else {}))
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)")
+    _model_arguments(chat, max_tokens=None)
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--no-think", action="store_true", help="thinking off (enable_thinking=False)")
+    _sampling_arguments(chat, temp=0.7)
+    chat.set_defaults(func=_chat)
+    bench = sub.add_parser("bench", help="plain vs speculative decoding on built-in prompts")
+    _model_arguments(bench, max_tokens=96)
+    bench.add_argument("--n-prompts", type=int, default=4)
+    _sampling_arguments(bench, temp=0.0)
+    bench.set_defaults(func=_bench)
     demo = sub.add_parser("demo", help="speculative vs plain decoding on the embedded trained pair (no download)")
     demo.add_argument("prompt", nargs="?", default=None, help="a prompt (default: held-out code prompts)")
     demo.add_argument("-n", "--max-tokens", type=int, default=128)
@@ -76,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--cache-dir", type=Path, default=None,
                       help="where the cost-realistic target is built (default: ~/.cache/pydflash)")
     demo.set_defaults(func=_demo)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except Exception as e:  # a clear one-line message instead of a traceback for user errors

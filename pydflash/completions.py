@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 from ._arguments import bool_arg, optional_int_arg
 from .chat import ChatTemplate, ChatTemplateError, ReasoningStream, split_reasoning
@@ -37,16 +37,6 @@ def _usage(result: dict) -> dict:
             "total_tokens": prompt + len(result["tokens"])}
 
 
-def _drain(it: Iterator) -> tuple[list, Any]:
-    """The items of a generator and its return value."""
-    items = []
-    while True:
-        try:
-            items.append(next(it))
-        except StopIteration as stop:
-            return items, stop.value
-
-
 def _include_usage(stream_options: Mapping | None) -> bool:
     if stream_options is None:
         return False
@@ -63,14 +53,14 @@ def create_completion(model: "Model", prompt, *, max_tokens: int | None, echo: b
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model.model_path}
     prefix = (prompt if isinstance(prompt, str) else model.detokenize(prompt)) if echo else ""
-    it = model._generate_iter(prompt, max_tokens, stop, speculative, sampling)
+    pieces = model._pieces(prompt, max_tokens, stop, speculative, sampling)
 
     def choice(text: str, lp: dict | None, finish: str | None) -> dict:
         return {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
 
     if not stream:
-        pieces, result = _drain(it)
         text = prefix + "".join(p for p, _ in pieces)
+        result = pieces.result
         lp = model._logprobs(result["tokens"], result.get("logprobs"))
         return {**base, "choices": [choice(text, lp, result["finish_reason"])], "usage": _usage(result),
                 "timings": _timings(result)}
@@ -78,14 +68,9 @@ def create_completion(model: "Model", prompt, *, max_tokens: int | None, echo: b
     def chunks() -> Iterator[dict]:
         if prefix:
             yield {**base, "choices": [choice(prefix, None, None)]}
-        pieces = iter(it)
-        while True:
-            try:
-                text, lp = next(pieces)
-            except StopIteration as stop:
-                result = stop.value
-                break
+        for text, lp in pieces:
             yield {**base, "choices": [choice(text, lp, None)]}
+        result = pieces.result
         yield {**base, "choices": [choice("", None, result["finish_reason"])], "timings": _timings(result)}
         if with_usage:
             yield {**base, "choices": [], "usage": _usage(result)}
@@ -160,11 +145,11 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
     started = text.rstrip().endswith("<think>")
     sampling = {**sampling, "logprobs": (top_logprobs or 0) if logprobs else None}
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model.model_path}
-    it = model._generate_iter(prompt, max_tokens, stop, speculative, sampling)
+    pieces = model._pieces(prompt, max_tokens, stop, speculative, sampling)
 
     if not stream:
-        pieces, result = _drain(it)
         split = split_reasoning("".join(p for p, _ in pieces), started=started)
+        result = pieces.result
         message = {"role": "assistant", "content": split.content}
         if split.reasoning_content is not None:
             message["reasoning_content"] = split.reasoning_content
@@ -181,13 +166,7 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
     def chunks() -> Iterator[dict]:
         yield chunk({"role": "assistant"})
         reasoning = ReasoningStream(started=started)
-        pieces = iter(it)
-        while True:
-            try:
-                piece, lp = next(pieces)
-            except StopIteration as stop:
-                result = stop.value
-                break
+        for piece, lp in pieces:
             fields = reasoning.feed(piece)
             chat_lp = _chat_logprobs(lp)
             if not fields and chat_lp is not None:
@@ -196,6 +175,7 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
                 yield chunk({field: text}, lp=chat_lp if i == 0 else None)
         for field, text in reasoning.flush():
             yield chunk({field: text})
+        result = pieces.result
         yield {**chunk({}, result["finish_reason"]), "timings": _timings(result)}
         if with_usage:
             yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(result)}

@@ -81,6 +81,20 @@ def sampling_args(n_vocab: int, temperature, top_k, top_p, min_p, typical_p, rep
     return args
 
 
+class Pieces:
+    """The (text, logprobs) pieces of a generation, iterated once; `result` is the core's result after."""
+
+    def __init__(self, it: Iterator[tuple[str, dict | None]]):
+        self._it = it
+        self.result: dict | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, dict | None]]:
+        self.result = yield from self._it
+
+    def close(self) -> None:
+        self._it.close()
+
+
 def _seed_arg(seed) -> int | None:
     return optional_int_arg("seed", seed, -(2**63), 2**64 - 1)
 
@@ -365,6 +379,9 @@ class Model:
                 yield text, lp
             elif text:
                 yield text
+
+    def _pieces(self, prompt, max_tokens, stop, speculative, sampling) -> "Pieces":
+        return Pieces(self._generate_iter(prompt, max_tokens, stop, speculative, sampling))
 
     def _generate_iter(self, prompt, max_tokens, stop, speculative, sampling) -> Iterator[tuple[str, dict | None]]:
         """(text, logprobs or None) as tokens are committed, generated on a worker thread; returns (as

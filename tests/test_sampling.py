@@ -461,7 +461,7 @@ def test_first_tokens_follow_the_target_distribution(kind, mode, k, setting):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# what auto learns, and the command line
+# what auto learns
 
 def learnt_acceptance(**sampling) -> tuple[float, float]:
     """(the learnt acceptance of the drafter's first choices at depth 1, the share of rounds that accepted a
@@ -484,20 +484,6 @@ def test_auto_learns_the_sampled_acceptance():
     hot, hot_measured = learnt_acceptance(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
     assert hot_measured < greedy_measured
     assert hot < greedy - 0.1, (hot, greedy)
-
-
-def test_cli_samples_like_the_api(capsys):
-    from pydflash.cli import main
-
-    target, draft = str(pair_file("qwen3", "target", "f32")), str(pair_file("qwen3", "dflash", "f32"))
-    assert main(["generate", target, "def f(x):", "-n", "24", "--temp", "0.9", "--top-k", "20", "--seed", "5",
-                 "-md", draft]) == 0
-    printed = capsys.readouterr().out
-    with pydflash.Model(target, n_ctx=4096) as m:
-        expected = m.generate("def f(x):", max_tokens=24, temperature=0.9, top_k=20, seed=5).text
-    assert printed == expected + "\n"
-    assert main(["generate", target, "x", "--top-p", "2"]) == 1
-    assert "top_p = 2.0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("params, logits, allowed", [

@@ -1,0 +1,96 @@
+"""The `pydflash` command: run (and its older spelling generate), chat and bench, on a committed pair."""
+
+from __future__ import annotations
+
+import io
+
+import pydflash
+from pydflash.cli import chat_loop, main
+
+from export_pairs import pair_file
+
+TARGET, DRAFT = str(pair_file("qwen3", "target", "f32")), str(pair_file("qwen3", "dflash", "f32"))
+
+
+def test_run_streams_what_generate_gives(capsys):
+    assert main(["run", TARGET, "-p", "def f(x):", "-n", "24", "--temp", "0.9", "--top-k", "20", "--seed", "5",
+                 "-md", DRAFT]) == 0
+    printed = capsys.readouterr().out
+    with pydflash.Model(TARGET, n_ctx=4096) as m:
+        expected = m.generate("def f(x):", max_tokens=24, temperature=0.9, top_k=20, seed=5).text
+    assert printed == expected + "\n"
+    assert main(["generate", TARGET, "def f(x):", "-n", "24", "--temp", "0.9", "--top-k", "20", "-s", "5"]) == 0
+    assert capsys.readouterr().out == printed
+    assert main(["run", TARGET, "-p", "x", "--top-p", "2"]) == 1
+    assert "top_p = 2.0" in capsys.readouterr().err
+    assert main(["run", TARGET]) == 1
+    assert "no prompt" in capsys.readouterr().err
+
+
+def test_run_warns_when_the_context_is_full(capsys):
+    assert main(["run", TARGET, "-p", "def f(x):", "-c", "24"]) == 0
+    assert "stopped at the end of the context (n_ctx = 24)" in capsys.readouterr().err
+
+
+class _Lines:
+    def __init__(self, lines):
+        self.lines = list(lines)
+
+    def __call__(self, prompt):
+        if not self.lines:
+            raise EOFError
+        return self.lines.pop(0)
+
+
+def test_chat_keeps_history_and_resets():
+    with pydflash.Model(TARGET, n_ctx=1024, draft_model_path=DRAFT) as m:
+        out = io.StringIO()
+        sampling = dict(temperature=0.0)
+        chat_loop(m, _Lines(["hello", "and more", "/reset", "hello"]), out, sampling=sampling, max_tokens=12)
+        text = out.getvalue()
+        assert "\x1b[" not in text  # no ANSI codes off a terminal
+        first = m.create_chat_completion([{"role": "user", "content": "hello"}], max_tokens=12, temperature=0.0)
+        answer = first["choices"][0]["message"]["content"]
+        second = m.create_chat_completion([{"role": "user", "content": "hello"}, {"role": "assistant", "content": answer},
+                                           {"role": "user", "content": "and more"}], max_tokens=12, temperature=0.0)
+        lines = text.split("\n")
+        assert lines[0] == answer and lines[1] == second["choices"][0]["message"]["content"]
+        assert lines[2] == "(conversation reset)" and lines[3] == answer  # the same first turn again
+
+
+class _Interrupting:
+    """A model whose answers raise KeyboardInterrupt (Ctrl-C) after the first chunk of the first answer."""
+
+    def __init__(self, model):
+        self.model, self.n_ctx, self.calls = model, model.n_ctx, 0
+
+    def create_chat_completion(self, messages, **kw):
+        self.calls += 1
+        inner = self.model.create_chat_completion(messages, **kw)
+        if self.calls > 1:
+            return inner
+
+        def chunks():
+            for i, c in enumerate(inner):
+                if i == 2:
+                    raise KeyboardInterrupt
+                yield c
+        return chunks()
+
+
+def test_ctrl_c_stops_the_answer_only():
+    with pydflash.Model(TARGET, n_ctx=1024) as m:
+        out = io.StringIO()
+        fake = _Interrupting(m)
+        chat_loop(fake, _Lines(["hello", "again"]), out, sampling=dict(temperature=0.0), max_tokens=12)
+        lines = out.getvalue().split("\n")
+        assert lines[0].endswith("[stopped]")
+        assert fake.calls == 2 and lines[1]  # the chat went on with the next turn
+
+
+def test_bench_prints_plain_and_speculative(capsys):
+    assert main(["bench", TARGET, "-md", DRAFT, "-n", "16", "--n-prompts", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "2 prompts x 16 tokens, temperature 0.0"
+    assert out[2].split()[0] == "plain" and out[3].split()[0] == "speculative"
+    assert float(out[3].split()[2]) > 1.0  # tau of the trained pair
