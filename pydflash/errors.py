@@ -11,6 +11,7 @@ __all__ = [
     "ContextLengthExceededError",
     "BackendError",
     "ConversionError",
+    "ModelBusyError",
 ]
 
 
@@ -45,3 +46,8 @@ class BackendError(PydflashError):
 
 class ConversionError(PydflashError):
     """A Hugging Face checkpoint or GGUF could not be converted or quantized."""
+
+
+class ModelBusyError(PydflashError, RuntimeError):
+    """A Model (one session: KV cache, recurrent state, drafter context) was asked to generate while it already
+    is, from another thread or in a stream not yet finished. One generation at a time per Model."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import contextlib
 import logging
 import math
 import os
@@ -20,7 +21,7 @@ from typing import Iterator, Sequence
 from . import _core
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
-from .errors import ContextLengthExceededError, ModelLoadError
+from .errors import ContextLengthExceededError, ModelBusyError, ModelLoadError
 from .tokenizer import Tokenizer
 
 __all__ = ["Model", "Completion"]
@@ -503,7 +504,12 @@ class Model:
             emit(stops.feed(new_tokens), lp)
             return not stops.stopped
 
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            raise ModelBusyError(f"{self.model_path}: this Model is already generating (in another thread, or in a "
+                                 f"stream not yet finished); it runs one generation at a time: use one Model per "
+                                 f"thread, or finish (or close) the stream first")
+        with contextlib.ExitStack() as held:
+            held.callback(self._lock.release)
             if not speculative and self._draft is not None:
                 self._draft.forget()  # the target's cache moves on without the drafter's rows
             if max_tokens == 0:

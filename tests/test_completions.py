@@ -113,3 +113,19 @@ def test_a_model_without_a_template_says_so(tmp_path):
             m.create_chat_completion(MESSAGES, max_tokens=4)
         # an explicit format works
         assert m.create_chat_completion(MESSAGES, max_tokens=4, chat_format="chatml")["choices"][0]["message"]
+
+
+def test_a_second_generation_on_a_busy_model_is_refused(model):
+    """One Model runs one generation at a time: a call while a stream is unfinished (or from another thread)
+    raises ModelBusyError instead of racing on the session; once the stream is done the Model is free."""
+    from pydflash.errors import ModelBusyError
+
+    # (no end-of-generation token and no max_tokens: it runs to the end of the context, ~1000 steps, while the
+    # second call comes microseconds after the first piece)
+    no_end = {t: float("-inf") for t in model.tokenizer.eog_token_ids}
+    stream = model.stream("def f(x):", max_tokens=None, temperature=0.0, logit_bias=no_end)
+    next(stream)
+    with pytest.raises(ModelBusyError, match="already generating"):
+        model.generate("x", max_tokens=2)
+    stream.close()
+    assert model.generate("x", max_tokens=2).tokens
