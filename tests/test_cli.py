@@ -14,7 +14,7 @@ TARGET, DRAFT = str(pair_file("qwen3", "target", "f32")), str(pair_file("qwen3",
 
 def test_run_streams_what_generate_gives(capsys):
     assert main(["run", TARGET, "-p", "def f(x):", "-n", "24", "--temp", "0.9", "--top-k", "20", "--seed", "5",
-                 "-md", DRAFT]) == 0
+                 "-md", DRAFT, "--spec-mode", "chain"]) == 0
     printed = capsys.readouterr().out
     with pydflash.Model(TARGET, n_ctx=4096) as m:
         expected = m.generate("def f(x):", max_tokens=24, temperature=0.9, top_k=20, seed=5).text
@@ -43,7 +43,7 @@ class _Lines:
 
 
 def test_chat_keeps_history_and_resets():
-    with pydflash.Model(TARGET, n_ctx=1024, draft_model_path=DRAFT) as m:
+    with pydflash.Model(TARGET, n_ctx=1024, draft_model_path=DRAFT, spec_mode="chain") as m:
         out = io.StringIO()
         sampling = dict(temperature=0.0)
         chat_loop(m, _Lines(["hello", "and more", "/reset", "hello"]), out, sampling=sampling, max_tokens=12)
