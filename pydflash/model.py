@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import codecs
-import contextlib
 import logging
 import math
 import os
@@ -91,9 +90,6 @@ class Pieces:
 
     def __iter__(self) -> Iterator[tuple[str, dict | None]]:
         self.result = yield from self._it
-
-    def close(self) -> None:
-        self._it.close()
 
 
 def _seed_arg(seed) -> int | None:
@@ -375,7 +371,7 @@ class Model:
         item (None for a last piece of text that was held back), text what became safe to print."""
         sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
                                   frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
-        for text, lp in self._generate_iter(prompt, max_tokens, stop, speculative, sampling):
+        for text, lp in self._pieces(prompt, max_tokens, stop, speculative, sampling):
             if logprobs is not None:
                 yield text, lp
             elif text:
@@ -508,8 +504,7 @@ class Model:
             raise ModelBusyError(f"{self.model_path}: this Model is already generating (in another thread, or in a "
                                  f"stream not yet finished); it runs one generation at a time: use one Model per "
                                  f"thread, or finish (or close) the stream first")
-        with contextlib.ExitStack() as held:
-            held.callback(self._lock.release)
+        try:
             if not speculative and self._draft is not None:
                 self._draft.forget()  # the target's cache moves on without the drafter's rows
             if max_tokens == 0:
@@ -524,6 +519,8 @@ class Model:
                                             draft=self._draft if speculative else None, spec_mode=self.spec_mode,
                                             tree_budget=self.tree_budget or 0, tree_seed=self.tree_seed,
                                             sampling=sampling)
+        finally:
+            self._lock.release()
         if stops.stopped:
             result["finish_reason"] = "stop"
         else:

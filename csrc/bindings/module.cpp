@@ -743,8 +743,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 generate_params            p;
                 p.max_tokens  = (int) checked("max_tokens", max_tokens, 0, INT32_MAX);
                 p.stop_tokens = int32_array("stop_tokens", stop_tokens_in);
-                p.sampling    = parse_sampling(sampling);
-                p.sampling.validate(s.model().info().n_vocab);
+                p.sampling    = parse_sampling(sampling);  // (checked by generate before any work)
                 spec_params sp;
                 sp.mode        = parse_spec_mode(mode);
                 sp.tree_budget = (int) checked("tree_budget", tree_budget, 0, 1 << 16);

@@ -192,21 +192,21 @@ void token_sampler::select_top_k(int k) {
 }
 
 void token_sampler::dense_top_k(int k) {
-    // one pass over work_ with a heap of the k best so far, its worst at the front: most tokens are turned away
-    // by one comparison with it
-    const auto worse_first = [](const candidate & a, const candidate & b) { return better(a.logit, a.id, b.logit, b.id); };
+    // one pass over work_ with a heap of the k best so far (ordered by `better`, so its worst is at the front):
+    // most tokens are turned away by one comparison with it
+    const auto ahead = [](const candidate & a, const candidate & b) { return better(a.logit, a.id, b.logit, b.id); };
     cand_.clear();
     for (int64_t i = 0; i < n_vocab_; ++i) {
         if ((int) cand_.size() < k) {
             cand_.push_back({work_[i], (int32_t) i});
-            std::push_heap(cand_.begin(), cand_.end(), worse_first);
+            std::push_heap(cand_.begin(), cand_.end(), ahead);
         } else if (work_[i] > cand_.front().logit) {  // (a tie goes to the earlier, lower id, already in)
-            std::pop_heap(cand_.begin(), cand_.end(), worse_first);
+            std::pop_heap(cand_.begin(), cand_.end(), ahead);
             cand_.back() = {work_[i], (int32_t) i};
-            std::push_heap(cand_.begin(), cand_.end(), worse_first);
+            std::push_heap(cand_.begin(), cand_.end(), ahead);
         }
     }
-    std::sort(cand_.begin(), cand_.end(), worse_first);  // best first, as select_top_k leaves them
+    std::sort(cand_.begin(), cand_.end(), ahead);  // best first, as select_top_k leaves them
     dense_ = false;
 }
 
