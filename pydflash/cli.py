@@ -5,6 +5,7 @@
     pydflash chat MODEL.gguf [--draft D]            an interactive chat in the terminal (/reset, Ctrl-C stops
                                                     the answer being written)
     pydflash bench MODEL.gguf [--draft D]           plain vs speculative decoding on built-in prompts
+    pydflash serve MODEL.gguf [--draft D]           an OpenAI-compatible server (pip install "pydflash[server]")
 
 `pydflash generate MODEL PROMPT` is `run` with the prompt as a positional argument (the older spelling).
 """
@@ -147,6 +148,21 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .server import serve
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    if args.parallel < 1:
+        raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
+    with _open_model(args) as model:
+        serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_key,
+              alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import demo_prompts, run_demo
 
@@ -212,6 +228,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--n-prompts", type=int, default=4)
     _sampling_arguments(bench, temp=0.0)
     bench.set_defaults(func=_bench)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/chat/completions, /v1/completions, "
+                                         "/v1/models, /health")
+    _model_arguments(serve, max_tokens=None)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    serve.add_argument("-np", "--parallel", type=int, default=1,
+                       help="requests served at once, each in a session of its own over one copy of the weights")
+    serve.add_argument("--max-queue", type=int, default=16,
+                       help="requests that may wait for a slot; more get 503 (default 16)")
+    serve.add_argument("--read-timeout", type=float, default=30.0,
+                       help="seconds a request body may take to arrive (408 after)")
+    serve.add_argument("-a", "--alias", default=None, help="the model id clients see (default: the file name)")
+    serve.set_defaults(func=_serve)
     demo = sub.add_parser("demo", help="speculative vs plain decoding on the embedded trained pair (no download)")
     demo.add_argument("prompt", nargs="?", default=None, help="a prompt (default: held-out code prompts)")
     demo.add_argument("-n", "--max-tokens", type=int, default=128)

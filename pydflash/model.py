@@ -216,47 +216,73 @@ class Model:
         logger.info("%s: %s, %d layers, weights %.1f MiB, KV cache (n_ctx=%d, %s) %.1f MiB", self.model_path,
                     self._model.arch, self._model.n_layer, self._model.weight_bytes / 2**20, n_ctx, kv_type,
                     kv_bytes / 2**20)
-        self._draft = None
+        self.draft_model_path = None
+        self._draft_model = None
+        self._draft_config: dict = {}
         n_rollback = 16
         self.spec_mode = spec_mode
         self.tree_seed = tree_seed
         self.tree_budget = None
         if draft_model_path is not None:
-            draft_path = os.fspath(draft_model_path)
-            if not os.path.exists(draft_path):
-                raise ModelLoadError(f"{draft_path}: no such file")
+            self.draft_model_path = os.fspath(draft_model_path)
+            if not os.path.exists(self.draft_model_path):
+                raise ModelLoadError(f"{self.draft_model_path}: no such file")
+            self._draft_model = _core.DraftModel(self._model, self.draft_model_path)
             # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify (a chain's
             # block, or a tree's root and nodes)
             max_verify = 0 if spec_mode == "chain" else 1 + (tree_budget or MAX_TREE_BUDGET)
-            self._draft = _core.DraftSession(self._model, draft_path, n_ctx=n_ctx, block_size=block_size or 0,
-                                             window=draft_window, ring_capacity=max(n_ubatch, max_verify),
-                                             top_k=1 if spec_mode == "chain" else DRAFT_TOP_K,
-                                             with_logprobs=spec_mode != "chain", max_verify=max_verify)
-            self.tree_budget = tree_budget or self._default_tree_budget()
+            self._draft_config = dict(n_ctx=n_ctx, block_size=block_size or 0, window=draft_window,
+                                      ring_capacity=max(n_ubatch, max_verify),
+                                      top_k=1 if spec_mode == "chain" else DRAFT_TOP_K,
+                                      with_logprobs=spec_mode != "chain", max_verify=max_verify)
+            block = block_size or self._draft_model.block_size
+            self.tree_budget = tree_budget or self._default_tree_budget(block)
             # a hybrid target keeps the state of every token (chain) or node (tree) of a verify
-            n_rollback = max(n_rollback, self._draft.block_size,
-                             1 + self.tree_budget if spec_mode != "chain" else 0)
-            logger.info("%s: DFlash draft, block %d (trained %d), target layers %s, weights %.1f MiB, "
-                        "context cache (window %d) %.1f MiB, feature ring (%d rows) %.1f MiB", draft_path,
-                        self._draft.block_size, self._draft.trained_block_size, self._draft.capture_layers,
-                        self._draft.weight_bytes / 2**20, self._draft.window, self._draft.kv_bytes / 2**20,
-                        self._draft.ring_capacity, self._draft.ring_bytes / 2**20)
+            n_rollback = max(n_rollback, block, 1 + self.tree_budget if spec_mode != "chain" else 0)
         elif block_size is not None or tree_budget is not None:
             raise ValueError("block_size and tree_budget need a draft model (draft_model_path)")
-        self._session = _core.Session(self._model, n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch,
-                                      n_rollback=n_rollback)
-        if self._model.is_recurrent:
+        self._session_config = dict(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch,
+                                    n_rollback=n_rollback)
+        self._open_session(log=True)
+
+    def _open_session(self, log: bool = False) -> None:
+        """This Model's own session over the loaded weights: KV cache, recurrent state, the drafter's context
+        cache and feature ring, compute buffers and backends."""
+        self._draft = None
+        if self._draft_model is not None:
+            self._draft = _core.DraftSession(self._model, self._draft_model, **self._draft_config)
+            if log:
+                logger.info("%s: DFlash draft, block %d (trained %d), target layers %s, weights %.1f MiB, "
+                            "context cache (window %d) %.1f MiB, feature ring (%d rows) %.1f MiB",
+                            self.draft_model_path, self._draft.block_size, self._draft.trained_block_size,
+                            self._draft.capture_layers, self._draft.weight_bytes / 2**20, self._draft.window,
+                            self._draft.kv_bytes / 2**20, self._draft.ring_capacity, self._draft.ring_bytes / 2**20)
+        self._session = _core.Session(self._model, **self._session_config)
+        if log and self._model.is_recurrent:
+            n_rollback = self._session_config["n_rollback"]
             per_node = self._model.recurrent_bytes_for(2) - self._model.recurrent_bytes_for(1)
             logger.info("%s: recurrent state %.1f MiB: the committed state and %d per-token / per-node states of "
                         "%.2f MiB each (a verify of up to %d tokens or tree nodes)", self.model_path,
                         self._session.recurrent_bytes / 2**20, n_rollback, per_node / 2**20, n_rollback)
         self._lock = threading.Lock()
+        self._cancelled = threading.Event()
 
-    def _default_tree_budget(self) -> int:
+    def new_session(self) -> "Model":
+        """Another Model over the same loaded weights (target, drafter, tokenizer) with a session of its own:
+        KV cache, recurrent state, the drafter's cache and feature ring, compute buffers, prompt cache and what
+        the cost-aware choice has learnt. Generations on the two run in parallel threads; weights are not
+        copied (`pydflash serve --parallel N` runs N of them)."""
+        self._check_open()
+        other = object.__new__(type(self))
+        other.__dict__.update({k: v for k, v in self.__dict__.items()
+                               if k not in ("_session", "_draft", "_lock", "_cancelled")})
+        other._open_session()
+        return other
+
+    def _default_tree_budget(self, block: int) -> int:
         """Draft nodes per verify when tree_budget is not given: tree mode verifies four blocks' worth; auto may
         go up to 63, on hybrid targets only as far as the per-node recurrent states stay within
         max(512 MiB, a quarter of the weights)."""
-        block = self._draft.block_size
         if self.spec_mode == "chain":
             return block - 1
         budget = 4 * (block - 1) if self.spec_mode == "tree" else MAX_TREE_BUDGET
@@ -318,8 +344,8 @@ class Model:
 
     # ---- generation ----
     def _prepare(self, prompt: str | bytes | Sequence[int], max_tokens: int | None,
-                 speculative: bool) -> tuple[list[int], int]:
-        """The prompt's tokens and the max_tokens to ask the core for, every argument checked."""
+                 speculative: bool) -> tuple[list[int], int, bool]:
+        """The prompt's tokens, the max_tokens to ask the core for and `speculative`, every argument checked."""
         self._check_open()
         bool_arg("speculative", speculative)
         max_tokens = optional_int_arg("max_tokens", max_tokens, 0)
@@ -333,7 +359,7 @@ class Model:
             raise ContextLengthExceededError(
                 f"the prompt has {len(tokens)} tokens but n_ctx = {self.n_ctx}", len(tokens), self.n_ctx)
         # None: until an end-of-generation token or the end of the context (where the core stops)
-        return tokens, INT32_MAX if max_tokens is None else max_tokens
+        return tokens, INT32_MAX if max_tokens is None else max_tokens, speculative
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0, *,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
@@ -355,7 +381,8 @@ class Model:
         sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
                                   frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
         pieces: list[str] = []
-        result = self._run(prompt, max_tokens, stop, lambda text, _: pieces.append(text), speculative, sampling)
+        prepared = self._prepare(prompt, max_tokens, speculative)
+        result = self._run(prepared, stop, lambda text, _: pieces.append(text), sampling)
         return Completion("".join(pieces), result["tokens"], result["finish_reason"], _timings(result["timings"]),
                           sampling.get("seed"), self._logprobs(result["tokens"], result.get("logprobs")))
 
@@ -378,9 +405,11 @@ class Model:
                 yield text
 
     def _pieces(self, prompt, max_tokens, stop, speculative, sampling) -> "Pieces":
-        return Pieces(self._generate_iter(prompt, max_tokens, stop, speculative, sampling))
+        """The generation's pieces; the prompt and max_tokens are checked now (a prompt over the context raises
+        here, not in the first next())."""
+        return Pieces(self._generate_iter(self._prepare(prompt, max_tokens, speculative), stop, sampling))
 
-    def _generate_iter(self, prompt, max_tokens, stop, speculative, sampling) -> Iterator[tuple[str, dict | None]]:
+    def _generate_iter(self, prepared, stop, sampling) -> Iterator[tuple[str, dict | None]]:
         """(text, logprobs or None) as tokens are committed, generated on a worker thread; returns (as
         StopIteration.value) the core's result. Closing the iterator early aborts the generation."""
         pieces: queue.Queue = queue.Queue()
@@ -393,7 +422,7 @@ class Model:
 
         def worker():
             try:
-                outcome["result"] = self._run(prompt, max_tokens, stop, put, speculative, sampling)
+                outcome["result"] = self._run(prepared, stop, put, sampling)
             except BaseException as e:  # re-raised in the consumer
                 outcome["error"] = e
             finally:
@@ -486,8 +515,9 @@ class Model:
         return {"tokens": texts, "text_offset": offsets, "token_logprobs": raw["token_logprobs"],
                 "top_logprobs": [{piece(t): lp for t, lp in top} for top in raw["top_logprobs"]]}
 
-    def _run(self, prompt, max_tokens, stop, emit, speculative, sampling) -> dict:
-        tokens, max_tokens = self._prepare(prompt, max_tokens, speculative)
+    def _run(self, prepared, stop, emit, sampling) -> dict:
+        """Generate from `prepared` (what _prepare returned), emit(text, logprobs) as tokens are committed."""
+        tokens, max_tokens, speculative = prepared
         stops = _StopStrings(self.tokenizer, stop_strings(stop))
 
         produced = 0  # characters of the committed tokens so far (logprobs' text offsets)
@@ -498,12 +528,13 @@ class Model:
             if lp is not None:
                 produced += sum(len(t) for t in lp["tokens"])
             emit(stops.feed(new_tokens), lp)
-            return not stops.stopped
+            return not stops.stopped and not self._cancelled.is_set()
 
         if not self._lock.acquire(blocking=False):
             raise ModelBusyError(f"{self.model_path}: this Model is already generating (in another thread, or in a "
                                  f"stream not yet finished); it runs one generation at a time: use one Model per "
                                  f"thread, or finish (or close) the stream first")
+        self._cancelled.clear()
         try:
             if not speculative and self._draft is not None:
                 self._draft.forget()  # the target's cache moves on without the drafter's rows
@@ -526,6 +557,13 @@ class Model:
         else:
             emit(stops.flush(), None)
         return result
+
+    def abort(self) -> None:
+        """Stop the generation in progress on this Model (callable from any thread): it ends within one round
+        (a verify or a prefill micro-batch), with finish_reason "abort" and the text committed so far."""
+        if self._session is not None:
+            self._cancelled.set()
+            self._session.abort()
 
     # ---- lifetime ----
     def _check_open(self) -> None:

@@ -140,6 +140,11 @@ struct py_model {
     std::shared_ptr<const target_model> model;
 };
 
+// DFlash draft weights, loaded once and shared by the draft sessions of every target session over its target
+struct py_draft_model {
+    std::shared_ptr<const dflash_draft> model;
+};
+
 // A drafter for one target session, with what the decode loop learns about it on this machine (costs, how far
 // its probabilities can be trusted), kept across generate calls
 struct py_draft {
@@ -477,8 +482,18 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             return kv_cache::n_bytes_for(m.model->info(), (uint32_t) n_ctx, parse_kv_type(tk), parse_kv_type(tv));
         });
 
+    py::class_<py_draft_model>(m, "DraftModel")
+        .def(py::init([](const py_model & target, const std::string & path) {
+                 py::gil_scoped_release nogil;
+                 return py_draft_model{std::make_shared<dflash_draft>(path, target.model)};
+             }),
+             py::arg("target"), py::arg("path"), py::keep_alive<1, 2>(),
+             "DFlash draft weights for `target`, to share between DraftSessions (one per target session).")
+        .def_property_readonly("block_size", [](const py_draft_model & d) { return d.model->block_size(); })
+        .def_property_readonly("weight_bytes", [](const py_draft_model & d) { return d.model->weight_bytes(); });
+
     py::class_<py_draft>(m, "DraftSession")
-        .def(py::init([](const py_model & target, const std::string & path, int64_t n_ctx, int64_t block_size,
+        .def(py::init([](const py_model & target, const py::object & weights, int64_t n_ctx, int64_t block_size,
                          int64_t window, int64_t ring_capacity, int64_t top_k, bool with_logprobs,
                          int64_t max_verify) {
                  checked("n_ctx", n_ctx, 1, MAX_CTX);
@@ -488,9 +503,18 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  checked("top_k", top_k, 1, INT32_MAX);
                  checked("max_verify", max_verify, 0, INT32_MAX);
                  std::shared_ptr<const dflash_draft> draft;
-                 {
+                 if (py::isinstance<py_draft_model>(weights)) {
+                     draft = weights.cast<const py_draft_model &>().model;
+                     if (&draft->target() != target.model.get()) {
+                         throw std::invalid_argument("the DraftModel was loaded for another target Model");
+                     }
+                 } else if (py::isinstance<py::str>(weights)) {
+                     const std::string path = weights.cast<std::string>();
                      py::gil_scoped_release nogil;
                      draft = std::make_shared<dflash_draft>(path, target.model);
+                 } else {
+                     throw py::type_error(format("draft must be a path (str) or a DraftModel, got %s",
+                                                 py::str(py::type::of(weights).attr("__name__")).cast<std::string>().c_str()));
                  }
                  draft_params params;
                  params.block         = (int) block_size;
@@ -510,7 +534,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  d.state = std::make_unique<speculation_state>((int) max_verify);
                  return d;
              }),
-             py::arg("target"), py::arg("path"), py::arg("n_ctx"), py::arg("block_size") = 0,
+             py::arg("target"), py::arg("draft"), py::arg("n_ctx"), py::arg("block_size") = 0,
              py::arg("window") = draft_params{}.window, py::arg("ring_capacity") = draft_params{}.ring_capacity,
              py::arg("top_k") = draft_params{}.top_k, py::arg("with_logprobs") = true, py::arg("max_verify") = 0,
              py::keep_alive<1, 2>())

@@ -59,12 +59,6 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_la
     if (!cpu_dev_) {
         throw backend_error("ggml has no CPU backend");
     }
-    cpu_ = ggml_backend_dev_init(cpu_dev_, nullptr);
-    if (!cpu_) {
-        throw backend_error("could not initialise the ggml CPU backend");
-    }
-    ggml_backend_cpu_set_n_threads(cpu_, n_threads_);
-
     // the CPU's extra buffer types (weights repacked for faster matmul kernels)
     ggml_backend_reg_t cpu_reg = ggml_backend_dev_backend_reg(cpu_dev_);
     auto get_extra = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(
@@ -86,28 +80,21 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_la
         n_gpu_layers = 0;
     }
     if (n_gpu_layers != 0) {
-        gpu_ = ggml_backend_dev_init(gpu_dev_, nullptr);
-        if (!gpu_) {
-            ggml_backend_free(cpu_);  // (a throwing constructor runs no destructor)
-            cpu_ = nullptr;
+        // started once here so that a device that cannot start fails the load, not a later session
+        ggml_backend_t probe = ggml_backend_dev_init(gpu_dev_, nullptr);
+        if (!probe) {
             throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(gpu_dev_)));
         }
+        ggml_backend_free(probe);
     }
     // n_gpu_layers < 0 or > n_layer means everything, output head included
     n_gpu_layers_ = n_gpu_layers < 0 ? n_layer + 1 : std::min(n_gpu_layers, n_layer + 1);
 }
 
-backends::~backends() {
-    if (gpu_) {
-        ggml_backend_free(gpu_);
-    }
-    if (cpu_) {
-        ggml_backend_free(cpu_);
-    }
-}
+backends::~backends() = default;
 
 bool backends::on_gpu(int il) const {
-    if (!gpu_ || il < 0) {
+    if (n_gpu_layers_ == 0 || il < 0) {
         return false;  // input embeddings stay on the CPU (row lookups), as in llama.cpp
     }
     // the last n_gpu_layers of [0 .. n_layer] (n_layer = output head) are offloaded
@@ -147,7 +134,30 @@ ggml_backend_buffer_type_t backends::state_buft(int il) const {
     return on_gpu(il) ? ggml_backend_dev_buffer_type(gpu_dev_) : ggml_backend_cpu_buffer_type();
 }
 
-ggml_backend_sched_t backends::new_sched(size_t graph_size) const {
+compute_backends::compute_backends(const backends & devices) {
+    cpu_ = ggml_backend_dev_init(devices.cpu_device(), nullptr);
+    if (!cpu_) {
+        throw backend_error("could not initialise the ggml CPU backend");
+    }
+    ggml_backend_cpu_set_n_threads(cpu_, devices.n_threads());
+    if (ggml_backend_dev_t dev = devices.gpu_device()) {
+        gpu_ = ggml_backend_dev_init(dev, nullptr);
+        if (!gpu_) {
+            ggml_backend_free(cpu_);  // (a throwing constructor runs no destructor)
+            cpu_ = nullptr;
+            throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(dev)));
+        }
+    }
+}
+
+compute_backends::~compute_backends() {
+    if (gpu_) {
+        ggml_backend_free(gpu_);
+    }
+    ggml_backend_free(cpu_);
+}
+
+ggml_backend_sched_t compute_backends::new_sched(size_t graph_size) const {
     std::vector<ggml_backend_t> list;
     if (gpu_) {
         list.push_back(gpu_);

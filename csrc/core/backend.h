@@ -1,6 +1,9 @@
-// Compute devices for one model: the CPU backend always, plus the first GPU device when ggml was built
-// with one (CUDA, HIP, Vulkan, Metal ...). Decides where each weight lives (n_gpu_layers) and which buffer
-// type holds it (the CPU's repacking buffer types for matmul weights, as llama.cpp does).
+// Compute devices for one model: the CPU always, plus the first GPU device when ggml was built with one (CUDA,
+// HIP, Vulkan, Metal ...). `backends` decides where each weight and each piece of session state lives
+// (n_gpu_layers) and which buffer type holds it (the CPU's repacking buffer types for matmul weights, as
+// llama.cpp does); it is shared, read-only, by every session over the model. `compute_backends` are the backend
+// instances one session computes with: a CPU backend has a work buffer it reallocates during a compute and a GPU
+// backend a stream, so two sessions computing at once in two threads each need their own.
 #pragma once
 
 #include "ggml-backend.h"
@@ -26,9 +29,10 @@ class backends {
     backends(const backends &)             = delete;
     backends & operator=(const backends &) = delete;
 
-    ggml_backend_t cpu() const { return cpu_; }
-    ggml_backend_t gpu() const { return gpu_; }
-    int            n_threads() const { return n_threads_; }
+    ggml_backend_dev_t cpu_device() const { return cpu_dev_; }
+    // the GPU device when layers are offloaded to it, else nullptr
+    ggml_backend_dev_t gpu_device() const { return n_gpu_layers_ > 0 ? gpu_dev_ : nullptr; }
+    int                n_threads() const { return n_threads_; }
 
     // true when layer `il` (-1 = input embeddings, n_layer = output head) runs on the GPU
     bool on_gpu(int il) const;
@@ -36,20 +40,34 @@ class backends {
     ggml_backend_buffer_type_t weight_buft(int il, weight_use use, ggml_tensor * w) const;
     // buffer type for per-session state (KV cache, recurrent state) of layer `il`
     ggml_backend_buffer_type_t state_buft(int il) const;
-    // a fresh scheduler over all backends (GPU first so it gets the work it can do)
-    ggml_backend_sched_t new_sched(size_t graph_size) const;
     // free bytes on the device that holds layer `il`'s state (system memory for the CPU)
     size_t free_memory(int il) const;
 
   private:
-    ggml_backend_t                          cpu_     = nullptr;
-    ggml_backend_t                          gpu_     = nullptr;
     ggml_backend_dev_t                      cpu_dev_ = nullptr;
     ggml_backend_dev_t                      gpu_dev_ = nullptr;
     std::vector<ggml_backend_buffer_type_t> cpu_extra_bufts_;
     int                                     n_threads_;
     int                                     n_layer_;
     int                                     n_gpu_layers_;
+};
+
+class compute_backends {
+  public:
+    // instances of the devices `devices` uses, with its thread count; throws backend_error when one cannot start
+    explicit compute_backends(const backends & devices);
+    ~compute_backends();
+    compute_backends(const compute_backends &)             = delete;
+    compute_backends & operator=(const compute_backends &) = delete;
+
+    ggml_backend_t cpu() const { return cpu_; }
+    ggml_backend_t gpu() const { return gpu_; }  // nullptr without offloaded layers
+    // a fresh scheduler over these backends (GPU first so it gets the work it can do)
+    ggml_backend_sched_t new_sched(size_t graph_size) const;
+
+  private:
+    ggml_backend_t cpu_ = nullptr;
+    ggml_backend_t gpu_ = nullptr;
 };
 
 }  // namespace pdf

@@ -3,7 +3,7 @@
 
 namespace pdf {
 
-graph_cache::graph_cache(const backends & devices) : devices_(devices) {}
+graph_cache::graph_cache(const compute_backends & compute) : compute_(compute) {}
 
 graph_cache::~graph_cache() {
     if (sched_) {
@@ -25,7 +25,7 @@ ggml_context * graph_cache::begin(size_t n_nodes) {
         if (sched_) {
             ggml_backend_sched_free(sched_);
         }
-        sched_       = devices_.new_sched(n_nodes);
+        sched_       = compute_.new_sched(n_nodes);
         sched_nodes_ = n_nodes;
         if (!sched_) {
             throw backend_error("could not create the backend scheduler");

@@ -1,5 +1,5 @@
 // One compute graph of a session, rebuilt only when what it computes changes: the tensor metadata live in a
-// host buffer of its own, the compute buffer in a backend scheduler. The target and draft sessions each keep
+// host buffer of its own, the compute buffer in a scheduler over the session's own backends. The target and draft sessions each keep
 // one and decide, by comparing their own keys, when to rebuild.
 //
 //   if (!cache.ready() || key != old_key) {
@@ -20,7 +20,7 @@ namespace pdf {
 
 class graph_cache {
   public:
-    explicit graph_cache(const backends & devices);
+    explicit graph_cache(const compute_backends & compute);
     ~graph_cache();
     graph_cache(const graph_cache &)             = delete;
     graph_cache & operator=(const graph_cache &) = delete;
@@ -35,7 +35,7 @@ class graph_cache {
     bool ready() const { return ready_; }
 
   private:
-    const backends &     devices_;
+    const compute_backends & compute_;
     ggml_backend_sched_t sched_       = nullptr;
     size_t               sched_nodes_ = 0;  // graph size the scheduler was made for
     ggml_context *       ctx_         = nullptr;

@@ -23,8 +23,8 @@ static int append_rows(int queued) {
 }
 
 draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params)
-    : draft_(std::move(draft)), draft_graph_(draft_->target().devices()),
-      append_small_(draft_->target().devices()), append_large_(draft_->target().devices()) {
+    : draft_(std::move(draft)), compute_(draft_->target().devices()), draft_graph_(compute_),
+      append_small_(compute_), append_large_(compute_) {
     block_ = params.block > 0 ? params.block : draft_->block_size();
     if (block_ < 2 || block_ > draft_->block_size()) {
         throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)",

@@ -74,7 +74,7 @@ class draft_session {
     // one graph: append m queued rows (padded to n_rows), then draft n_block (0: none)
     void run(int m, int n_rows, int n_block, int32_t anchor, int start);
     struct graph {
-        explicit graph(const backends & devices) : cache(devices) {}
+        explicit graph(const compute_backends & compute) : cache(compute) {}
         graph_cache     cache;
         int             key_rows = -1, key_block = -1, key_kv = -1;
         ggml_tensor *   ring_rows = nullptr;  // I32 [n_rows]: ring rows of the appended context
@@ -85,6 +85,7 @@ class draft_session {
     int  slot(int64_t position) const { return (int) (position % n_slots_); }
 
     std::shared_ptr<const dflash_draft> draft_;
+    compute_backends                    compute_;  // this session's own (see core/backend.h)
     std::unique_ptr<feature_ring>       ring_;
     std::unique_ptr<kv_cache>           kv_;
     int                                 block_;

@@ -45,7 +45,7 @@ size_t kv_cache::n_bytes_for(const model_info & info, uint32_t n_ctx, ggml_type 
 }
 
 kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx, ggml_type type_k, ggml_type type_v)
-    : devices_(be), n_ctx_(n_ctx) {
+    : n_ctx_(n_ctx) {
     check_types(info, type_k, type_v);
     ggml_init_params params = {ggml_tensor_overhead() * (2 * info.kv_layers.size() + 1), nullptr, true};
     ctx_                    = ggml_init(params);
@@ -99,7 +99,7 @@ void kv_cache::fill(state_tensors & st, int n_layer) const {
     }
 }
 
-void kv_cache::move_rows(const std::vector<std::pair<int, int>> & moves) {
+void kv_cache::move_rows(const std::vector<std::pair<int, int>> & moves, const compute_backends & compute) {
     // In waves: a wave holds the moves whose destination no later move still has to read, so the copies of one
     // graph never depend on each other's order (a backend may run independent nodes in any order); a wave per
     // graph compute, usually one.
@@ -118,22 +118,22 @@ void kv_cache::move_rows(const std::vector<std::pair<int, int>> & moves) {
             throw std::logic_error("move_rows: the moves form a cycle");  // never from a commit (destinations
                                                                           // are below their sources)
         }
-        copy_rows(wave);
+        copy_rows(wave, compute);
         left.swap(later);
     }
 }
 
-void kv_cache::copy_rows(const std::vector<std::pair<int, int>> & moves) {
+void kv_cache::copy_rows(const std::vector<std::pair<int, int>> & moves, const compute_backends & compute) {
     // one small graph of row copies (same type: a plain copy, also of quantized rows) per device that holds
     // cache layers
-    for (ggml_backend_t backend : {devices_.gpu(), devices_.cpu()}) {
+    for (ggml_backend_t backend : {compute.gpu(), compute.cpu()}) {
         if (!backend) {
             continue;
         }
         std::vector<ggml_tensor *> tensors;
         for (const auto & kv : layers_) {
             for (ggml_tensor * t : {kv.second.first, kv.second.second}) {
-                if ((backend == devices_.cpu()) == ggml_backend_buffer_is_host(t->buffer)) {
+                if ((backend == compute.cpu()) == ggml_backend_buffer_is_host(t->buffer)) {
                     tensors.push_back(t);
                 }
             }

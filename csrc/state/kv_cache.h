@@ -29,17 +29,16 @@ class kv_cache {
     // the K/V tensors by layer index, for the graph builders
     void          fill(state_tensors & st, int n_layer) const;
     // copy the rows of every layer's K and V from slot `first` to slot `second` of each pair, on the device;
-    // every row is read before it is overwritten (the pairs must not form a cycle)
-    void          move_rows(const std::vector<std::pair<int, int>> & moves);
+    // every row is read before it is overwritten (the pairs must not form a cycle); computed on `compute`
+    void          move_rows(const std::vector<std::pair<int, int>> & moves, const compute_backends & compute);
     uint32_t      n_ctx() const { return n_ctx_; }
     size_t        n_bytes() const;
 
   private:
     void release();  // frees the buffers and the context (the destructor, or a constructor that fails)
     // one graph of copies that do not depend on each other's order
-    void copy_rows(const std::vector<std::pair<int, int>> & moves);
+    void copy_rows(const std::vector<std::pair<int, int>> & moves, const compute_backends & compute);
 
-    const backends &                            devices_;
     uint32_t                                    n_ctx_;
     ggml_context *                              ctx_ = nullptr;
     std::vector<ggml_backend_buffer_t>          buffers_;

@@ -157,6 +157,7 @@ class session {
     void cut_history_to(int n);
 
     std::shared_ptr<const target_model> model_;
+    compute_backends                    compute_;  // this session's own: sessions over one model run in parallel
     std::unique_ptr<kv_cache>           kv_;
     std::unique_ptr<recurrent_state>    rs_;
     int                                 n_past_ = 0;
@@ -166,7 +167,7 @@ class session {
     // the evaluation graphs, one per key (batch size, KV window, outputs, tree shape), the most recently used
     // kept: alternating widths (auto's rounds, plain steps between them) costs no rebuild
     struct compiled_graph {
-        explicit compiled_graph(const backends & devices) : cache(devices) {}
+        explicit compiled_graph(const compute_backends & compute) : cache(compute) {}
         graph_cache   cache;
         graph_key     key;
         eval_inputs   in;

@@ -1,0 +1,395 @@
+"""`pydflash serve` end to end: a server process started on a free localhost port with a committed trained pair,
+driven by the real `openai` client and by raw HTTP (httpx, sockets) for what clients should not send."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+PAIRS = Path(__file__).resolve().parent / "data" / "pairs"
+KEY = "test-key"
+MESSAGES = [{"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "Write a function that reverses a list."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`pydflash serve` in a child process (its own cwd, so the installed package is imported)."""
+
+    def __init__(self, tmp: Path, arch: str = "qwen3", *extra: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"server-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-c", "import sys; from pydflash.cli import main; sys.exit(main())", "serve",
+               str(PAIRS / f"{arch}-target-q8_0.gguf"), "--draft", str(PAIRS / f"{arch}-dflash-q8_0.gguf"),
+               "--port", str(self.port), "-t", "1", *extra]
+        self.proc = subprocess.Popen(cmd, cwd=tmp, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"the server did not come up:\n{self.log_text()}")
+            time.sleep(0.1)
+
+    def client(self, key: str = KEY, **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def rss_kib(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1))
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"), "qwen3", "--api-key", KEY, "--parallel", "2", "-c", "1024",
+               "--read-timeout", "2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The same pair in this process: what the server must reproduce."""
+    import pydflash
+
+    with pydflash.Model(PAIRS / "qwen3-target-q8_0.gguf", draft_model_path=PAIRS / "qwen3-dflash-q8_0.gguf",
+                        n_ctx=1024, n_threads=1) as m:
+        yield m
+
+
+def _chat_text(message) -> tuple[str, str | None]:
+    return message.content, getattr(message, "reasoning_content", None)
+
+
+# ---- the OpenAI client ----
+def test_models_lists_the_served_model(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["qwen3-target-q8_0.gguf"]
+    assert models[0].meta["draft"] == "qwen3-dflash-q8_0.gguf" and models[0].meta["parallel"] == 2
+    health = server.health()
+    assert health["status"] == "ok" and health["slots_idle"] == 2
+
+
+def test_api_key(server):
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        server.client(key="wrong").models.list()
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
+    assert httpx.get(server.url + "/v1/models").status_code == 401  # no header
+    assert httpx.get(server.url + "/health").status_code == 200  # health is public, as llama-server's
+
+
+def test_chat_greedy_equals_plain_decoding(client, model):
+    """The server's speculative answer is the target's own greedy answer (plain decoding in this process)."""
+    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=48, temperature=0.0)
+    plain = model.create_chat_completion(MESSAGES, max_tokens=48, temperature=0.0, speculative=False)
+    assert r.choices[0].message.content == plain["choices"][0]["message"]["content"]
+    assert r.choices[0].finish_reason == plain["choices"][0]["finish_reason"]
+    assert r.usage.completion_tokens == plain["usage"]["completion_tokens"] > 0
+    assert r.usage.prompt_tokens == plain["usage"]["prompt_tokens"]
+    assert r.model == "qwen3-target-q8_0.gguf"  # the alias, not a path on the server
+    timings = r.model_extra["timings"]
+    assert timings["predicted_n"] == r.usage.completion_tokens and timings["tau"] >= 1.0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_chat_stream_equals_non_stream(client, seed):
+    kw = dict(model="m", messages=MESSAGES, max_tokens=40, temperature=0.9, seed=seed)
+    whole = client.chat.completions.create(**kw)
+    content, reasoning, finish, usage = [], [], None, None
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            content.append(choice.delta.content or "")
+            reasoning.append(getattr(choice.delta, "reasoning_content", None) or "")
+            finish = choice.finish_reason or finish
+    assert "".join(content) == whole.choices[0].message.content
+    assert "".join(reasoning) == (_chat_text(whole.choices[0].message)[1] or "")
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_thinking_off_and_tools_reach_the_template(client, model):
+    kw = dict(max_tokens=24, temperature=0.0)
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "the time",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    r = client.chat.completions.create(model="m", messages=MESSAGES, tools=tools,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **kw)
+    ref = model.create_chat_completion(MESSAGES, tools=tools, chat_template_kwargs={"enable_thinking": False},
+                                       speculative=False, **kw)
+    assert r.usage.prompt_tokens == ref["usage"]["prompt_tokens"]
+    assert r.choices[0].message.content == ref["choices"][0]["message"]["content"]
+
+
+def test_completions_stream_and_not(client, model):
+    prompt = "def fibonacci(n):\n"
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=40, temperature=0.0)
+    assert r.choices[0].text == model.generate(prompt, max_tokens=40, speculative=False).text
+    streamed = "".join(c.choices[0].text for c in
+                       client.completions.create(model="m", prompt=prompt, max_tokens=40, temperature=0.0,
+                                                 stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+    echoed = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0.0, echo=True,
+                                       logprobs=2)
+    assert echoed.choices[0].text.startswith(prompt)
+    lp = echoed.choices[0].logprobs
+    assert len(lp.token_logprobs) == echoed.usage.completion_tokens and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_a_reply_with_stop_strings_and_token_prompt(client, model):
+    tokens = model.tokenize("class Stack:\n")
+    r = client.completions.create(model="m", prompt=tokens, max_tokens=64, temperature=0.0, stop=["\n\n"])
+    ref = model.generate(tokens, max_tokens=64, stop=["\n\n"], speculative=False)
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+
+
+# ---- concurrency ----
+def _stream_chat(client, messages, seed) -> str:
+    out = []
+    for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=48, temperature=0.8,
+                                                seed=seed, stream=True):
+        for choice in chunk.choices:
+            out.append((choice.delta.content or "") + (getattr(choice.delta, "reasoning_content", None) or ""))
+    return "".join(out)
+
+
+def test_eight_parallel_streams_each_equal_alone(client):
+    jobs = [([*MESSAGES[:1], {"role": "user", "content": f"Write function number {i} of a queue class."}], 10 + i)
+            for i in range(8)]
+    alone = [_stream_chat(client, m, s) for m, s in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda job: _stream_chat(client, *job), jobs))
+    assert together == alone
+    assert len(set(alone)) > 1
+
+
+def test_a_disconnect_mid_stream_frees_the_slot(tmp_path):
+    s = Server(tmp_path, "qwen3", "--parallel", "1", "-c", "4096")
+    try:
+        client = s.client(key="none")
+        # a long answer: every end-of-generation token banned, so it runs to max_tokens unless aborted
+        bias = {str(t): -100 for t in _eog_ids()}
+        t0 = time.time()
+        full = client.completions.create(model="m", prompt="def", max_tokens=3000, temperature=0.0,
+                                         logit_bias=bias)
+        full_s = time.time() - t0
+        assert full.usage.completion_tokens == 3000
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
+                          json={"prompt": "def", "max_tokens": 3000, "temperature": 0.0, "stream": True,
+                                "logit_bias": bias}) as r:
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+            cut = time.time()
+        # the slot comes back long before the 3000 tokens would have been generated
+        while s.health()["slots_idle"] != 1:
+            assert time.time() - cut < max(2.0, full_s / 3), "the slot was not freed after the disconnect"
+            time.sleep(0.02)
+        freed_s = time.time() - cut
+        r2 = client.completions.create(model="m", prompt="def f(x):", max_tokens=8, temperature=0.0)
+        assert r2.usage.completion_tokens == 8
+        assert freed_s < full_s / 3, (freed_s, full_s)
+        print(f"3000 tokens in {full_s:.2f} s; the slot came back {freed_s:.3f} s after the disconnect")
+        assert "client gone" in s.log_text()
+    finally:
+        s.stop()
+
+
+def _eog_ids() -> list[int]:
+    from pydflash.tokenizer import Tokenizer
+
+    return sorted(Tokenizer.from_gguf(PAIRS / "qwen3-target-q8_0.gguf").eog_token_ids)
+
+
+def test_parallel_hybrid_slots_keep_their_own_state(tmp_path):
+    """Qwen3.5 (gated delta net state per session): concurrent streams equal the same requests made alone."""
+    s = Server(tmp_path, "qwen35", "--parallel", "3", "-c", "1024")
+    try:
+        client = s.client(key="none")
+        jobs = [([{"role": "user", "content": f"Explain item {i} of a list in Python."}], i) for i in range(6)]
+        alone = [_stream_chat(client, m, seed) for m, seed in jobs]
+        with ThreadPoolExecutor(6) as pool:
+            together = list(pool.map(lambda job: _stream_chat(client, *job), jobs))
+        assert together == alone
+    finally:
+        s.stop()
+
+
+# ---- abuse ----
+def _post(server, path: str, body, **kw) -> httpx.Response:
+    content = json.dumps(body) if isinstance(body, (dict, list)) else body
+    return httpx.post(server.url + path, content=content, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, **kw)
+
+
+@pytest.mark.parametrize("body, where", [
+    (b"{not json", "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+    ([1, 2], "must be a JSON object"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": "5"}, "max_tokens"),
+    ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+    ({"messages": MESSAGES, "top_p": 2.0}, "top_p"),
+    ({"messages": MESSAGES, "stream": 1}, "stream"),
+    ({"messages": MESSAGES, "n": 2}, "n"),
+    ({"messages": MESSAGES, "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, "n_ctx"),
+    ({"messages": [{"role": "user", "content": "word " * 3000}], "stream": True}, "n_ctx"),
+])
+def test_bad_chat_requests_get_400(server, body, where):
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert where in r.json()["error"]["message"]
+
+
+def test_bad_completion_requests_get_400(server):
+    for body, where in [({"prompt": ["a", "b"]}, "one prompt per request"), ({}, "prompt"),
+                        ({"prompt": "x", "logprobs": "2"}, "logprobs"), ({"prompt": [10**9]}, "prompt")]:
+        r = _post(server, "/v1/completions", body)
+        assert r.status_code == 400 and where in r.json()["error"]["message"], (body, r.text)
+
+
+def test_unknown_routes_and_methods(server):
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    assert httpx.get(server.url + "/v1/chat/completions").status_code == 405
+
+
+def test_a_huge_body_gets_413(server):
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * (9 * 2**20)}]})
+    assert _post(server, "/v1/chat/completions", huge).status_code == 413
+
+    def chunks():  # no Content-Length: the limit holds while the body streams in
+        for _ in range(10):
+            yield b"x" * 2**20
+
+    assert _post(server, "/v1/chat/completions", chunks()).status_code == 413
+    assert server.health()["status"] == "ok"
+
+
+def test_fifty_connections_against_two_slots(server, client):
+    """Past the slots and the bounded queue requests get 503; every other one is served; the server survives."""
+    bias = {str(t): -100 for t in _eog_ids()}  # each request runs its 1500 tokens: the queue fills up
+
+    def one(i):
+        return _post(server, "/v1/completions", {"prompt": f"def f{i}(x):", "max_tokens": 1500, "temperature": 0.0,
+                                                 "logit_bias": bias})
+
+    with ThreadPoolExecutor(50) as pool:
+        codes = [r.status_code for r in pool.map(one, range(50))]
+    assert set(codes) == {200, 503}, codes
+    assert codes.count(200) >= 2 + 16  # the slots and the queue
+    r = client.completions.create(model="m", prompt="def g(x):", max_tokens=8, temperature=0.0)
+    assert r.usage.completion_tokens == 8
+    assert server.health()["slots_idle"] == 2
+
+
+def test_slowloris_requests_are_cut_off_and_others_served(server, client):
+    """Clients that trickle headers or a body hold no slot; a body that does not arrive in --read-timeout gets
+    408; meanwhile the server answers others."""
+    header_only, body_trickle = [], []
+    for _ in range(10):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never end
+        header_only.append(s)
+    for _ in range(10):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+        body_trickle.append(s)
+    try:
+        r = client.completions.create(model="m", prompt="def h(x):", max_tokens=8, temperature=0.0)
+        assert r.usage.completion_tokens == 8
+        assert server.health()["slots_idle"] == 2
+        for s in body_trickle:
+            s.settimeout(15)
+            reply = s.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
+    finally:
+        for s in header_only + body_trickle:
+            s.close()
+    assert client.completions.create(model="m", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_rss_stays_flat_over_a_thousand_requests(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+        def one(i):
+            kind = i % 4
+            if kind == 0:
+                return http.post("/v1/completions", json={"prompt": f"x{i}", "max_tokens": 4}).status_code
+            if kind == 1:
+                return http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": f"q{i}"}],
+                                                               "max_tokens": 4, "stream": True}).status_code
+            if kind == 2:
+                return http.post("/v1/chat/completions", json={"messages": "bad"}).status_code
+            return http.post("/v1/completions", json={"prompt": f"y{i}", "max_tokens": 4, "logprobs": 3,
+                                                      "temperature": 0.7}).status_code
+
+        codes = [one(i) for i in range(200)]  # warm-up: caches, graphs, allocator pools
+        before = server.rss_kib()
+        codes += [one(i) for i in range(200, 1200)]
+        after = server.rss_kib()
+    assert set(codes) == {200, 400}
+    assert after - before < 8 * 1024, f"RSS grew by {(after - before) / 1024:.1f} MiB over 1000 requests"
+
+
+def test_one_log_line_per_request(server, client):
+    n_before = server.log_text().count(" slot ")
+    client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16, temperature=0.0)
+    list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16, temperature=0.0, stream=True))
+    deadline = time.time() + 5
+    while server.log_text().count(" slot ") < n_before + 2 and time.time() < deadline:
+        time.sleep(0.05)
+    lines = [l for l in server.log_text().splitlines() if " slot " in l][n_before:]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert re.search(r"16 tok at [\d.]+ tok/s; tau [\d.]+, acceptance [\d.]+", line), line

@@ -1,0 +1,120 @@
+"""One Model, several conversations: `Model.new_session()` shares the loaded weights (target, drafter,
+tokenizer) and owns its state (KV, recurrent state, draft cache, feature ring, compute backends), so sessions
+generate in parallel threads with the results each gives alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import pydflash
+from pydflash import _core
+
+PAIRS = Path(__file__).resolve().parent / "data" / "pairs"
+PROMPTS = ["def quicksort(items):\n", "class LinkedList:\n    def __init__(self):\n", "import os\n\ndef walk(",
+           "def parse_args(argv):\n", "# binary search\ndef search(a, x):\n", "def merge(a, b):\n"]
+
+
+def _pair(arch: str, quant: str = "q8_0") -> tuple[Path, Path]:
+    return PAIRS / f"{arch}-target-{quant}.gguf", PAIRS / f"{arch}-dflash-{quant}.gguf"
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def model(request):
+    target, draft = _pair(request.param)
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=512, n_threads=1, n_ubatch=16) as m:
+        yield m
+
+
+def test_a_new_session_shares_weights_and_owns_its_state(model):
+    other = model.new_session()
+    assert other._model is model._model and other._draft_model is model._draft_model
+    assert other.tokenizer is model.tokenizer
+    assert other._session is not model._session and other._draft is not model._draft
+    assert other.kv_bytes == model.kv_bytes and other.n_ctx == model.n_ctx
+    assert (other.spec_mode, other.tree_budget, other.block_size) == (model.spec_mode, model.tree_budget,
+                                                                       model.block_size)
+
+
+def _job(m: pydflash.Model, i: int) -> tuple:
+    kw = dict(max_tokens=40, seed=100 + i, temperature=0.0 if i % 2 else 0.8)
+    out = m.generate(PROMPTS[i % len(PROMPTS)], **kw)
+    return out.text, out.tokens, out.finish_reason
+
+
+def test_sessions_generate_in_parallel_threads_as_alone(model):
+    """Speculative generations (greedy and sampled) on 4 sessions at once, three times over, equal the same calls
+    made one by one on one session (a shared CPU work buffer or graph would garble them)."""
+    alone = [_job(model, i) for i in range(len(PROMPTS))]
+    sessions = [model] + [model.new_session() for _ in range(3)]
+    for _ in range(3):
+        n = len(sessions)
+        with ThreadPoolExecutor(n) as pool:  # session k runs jobs k, k + n, ... in turn
+            runs = list(pool.map(lambda k: [_job(sessions[k], i) for i in range(k, len(PROMPTS), n)], range(n)))
+        together = {i: out for k in range(n) for i, out in zip(range(k, len(PROMPTS), n), runs[k])}
+        assert [together[i] for i in range(len(PROMPTS))] == alone
+
+
+def test_the_prompt_cache_is_per_session(model):
+    a, b = model.new_session(), model.new_session()
+    first = a.generate(PROMPTS[0] * 4, max_tokens=4)
+    b.generate(PROMPTS[1] * 4, max_tokens=4)  # another session's prompt does not evict a's cache
+    again = a.generate(PROMPTS[0] * 4 + "# more\n", max_tokens=4)
+    # (a prefix is reused in whole micro-batches of n_ubatch = 16)
+    assert first.timings["cached_n"] == 0 and again.timings["cached_n"] >= 16
+    fresh = model.new_session().generate(PROMPTS[0] * 4 + "# more\n", max_tokens=4)
+    assert fresh.timings["cached_n"] == 0 and fresh.tokens == again.tokens
+
+
+def test_one_session_in_two_threads_is_an_error(model):
+    from pydflash.errors import ModelBusyError
+
+    m = model.new_session()
+    stream = m.stream(PROMPTS[0], max_tokens=64)
+    next(stream)
+    errors = []
+
+    def other_thread():
+        try:
+            m.generate(PROMPTS[1], max_tokens=4)
+        except Exception as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], ModelBusyError) and "already generating" in str(errors[0])
+    stream.close()
+    assert m.generate(PROMPTS[1], max_tokens=4).tokens
+
+
+def test_abort_from_another_thread(model):
+    """abort() ends the generation in progress within a round, with finish_reason "abort"; the next call runs."""
+    m = model.new_session()
+    ban = {t: float("-inf") for t in m.tokenizer.eog_token_ids}
+    started = time.perf_counter()
+    full = m.generate(PROMPTS[2], max_tokens=400, logit_bias=ban)
+    full_s = time.perf_counter() - started
+    assert len(full.tokens) == 400
+    timer = threading.Timer(full_s / 4, m.abort)
+    timer.start()
+    out = m.generate(PROMPTS[2], max_tokens=400, logit_bias=ban)
+    timer.join()
+    assert out.finish_reason == "abort" and 0 < len(out.tokens) < 400
+    assert out.tokens == full.tokens[: len(out.tokens)]
+    assert m.generate(PROMPTS[2], max_tokens=400, logit_bias=ban).tokens == full.tokens
+
+
+def test_a_draft_model_belongs_to_its_target():
+    target, draft = _pair("qwen3")
+    a, b = _core.Model(str(target)), _core.Model(str(target))
+    weights = _core.DraftModel(a, str(draft))
+    assert _core.DraftSession(a, weights, n_ctx=64).block_size == weights.block_size
+    with pytest.raises(ValueError, match="loaded for another target Model"):
+        _core.DraftSession(b, weights, n_ctx=64)
+    with pytest.raises(TypeError, match="draft must be a path .* or a DraftModel, got int"):
+        _core.DraftSession(a, 3, n_ctx=64)
