@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
+import sys
+import time
 
 import pydflash
 from pydflash.cli import chat_loop, main
@@ -94,3 +97,79 @@ def test_bench_prints_plain_and_speculative(capsys):
     assert out[0] == "2 prompts x 16 tokens, temperature 0.0"
     assert out[2].split()[0] == "plain" and out[3].split()[0] == "speculative"
     assert float(out[3].split()[2]) > 1.0  # tau of the trained pair
+
+
+class _Terminal:
+    """`pydflash ...` run on a pseudo-terminal (its controlling terminal: Ctrl-C there is a SIGINT)."""
+
+    def __init__(self, args: list[str], cwd: str):
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child
+            os.chdir(cwd)
+            os.execv(sys.executable, [sys.executable, "-c", "import sys; from pydflash.cli import main; "
+                                      "sys.exit(main())", *args])
+        self.seen = b""
+
+    def read_until(self, marker: bytes, timeout: float = 120.0) -> bytes:
+        """Everything up to and including the next `marker` (what was read before is not searched again)."""
+        import select
+
+        start = len(self.seen)
+        deadline = time.time() + timeout
+        while marker not in self.seen[start:]:
+            left = deadline - time.time()
+            assert left > 0, f"no {marker!r} within {timeout} s; the terminal shows:\n{self.seen[-2000:]!r}"
+            if select.select([self.fd], [], [], left)[0]:
+                try:
+                    data = os.read(self.fd, 65536)
+                except OSError:  # the child is gone
+                    data = b""
+                assert data, f"the program ended before {marker!r}:\n{self.seen[-2000:]!r}"
+                self.seen += data
+        end = self.seen.index(marker, start) + len(marker)
+        got, self.seen = self.seen[start:end], self.seen[:end]  # later reads start after the marker
+        return got
+
+    def read_more(self, n: int, timeout: float = 120.0) -> None:
+        """Wait until at least n more bytes have arrived."""
+        import select
+
+        want, deadline = len(self.seen) + n, time.time() + timeout
+        while len(self.seen) < want:
+            assert time.time() < deadline, f"no output within {timeout} s:\n{self.seen[-2000:]!r}"
+            if select.select([self.fd], [], [], 0.1)[0]:
+                self.seen += os.read(self.fd, 65536)
+
+    def type(self, text: bytes) -> None:
+        os.write(self.fd, text)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        os.kill(self.pid, 9)
+        raise AssertionError("the program did not exit")
+
+
+def test_chat_on_a_terminal(tmp_path):
+    """Type, read the streamed answer, Ctrl-C stops that answer only, /reset, /exit."""
+    # the trained tiny pair never ends a chat answer on its own: each runs to -n tokens unless stopped
+    term = _Terminal(["chat", TARGET, "-md", DRAFT, "-c", "8192", "-n", "4000", "--temp", "0", "-t", "1"],
+                     str(tmp_path))
+    prompt = b"\x1b[1m> \x1b[0m"  # bold: stdout is a terminal
+    term.read_until(prompt)
+    term.type(b"write a long module\r")
+    term.read_until(b"module\r\n")  # the terminal's echo of the line
+    term.read_more(20)  # the answer is streaming
+    term.type(b"\x03")  # Ctrl-C
+    stopped = term.read_until(prompt, timeout=30)
+    assert b"[stopped]" in stopped
+    term.type(b"/reset\r")
+    assert b"(conversation reset)" in term.read_until(prompt)
+    term.type(b"/exit\r")
+    assert term.wait() == 0

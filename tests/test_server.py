@@ -361,6 +361,8 @@ def test_slowloris_requests_are_cut_off_and_others_served(server, client):
 
 
 def test_rss_stays_flat_over_a_thousand_requests(server):
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("AddressSanitizer's quarantine keeps freed memory resident")
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
         def one(i):
             kind = i % 4
@@ -379,6 +381,7 @@ def test_rss_stays_flat_over_a_thousand_requests(server):
         codes += [one(i) for i in range(200, 1200)]
         after = server.rss_kib()
     assert set(codes) == {200, 400}
+    print(f"RSS {before / 1024:.1f} MiB after 200 requests, {after / 1024:.1f} MiB after 1200")
     assert after - before < 8 * 1024, f"RSS grew by {(after - before) / 1024:.1f} MiB over 1000 requests"
 
 

@@ -5,7 +5,6 @@ generate in parallel threads with the results each gives alone."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,20 +92,25 @@ def test_one_session_in_two_threads_is_an_error(model):
 
 
 def test_abort_from_another_thread(model):
-    """abort() ends the generation in progress within a round, with finish_reason "abort"; the next call runs."""
-    m = model.new_session()
-    ban = {t: float("-inf") for t in m.tokenizer.eog_token_ids}
-    started = time.perf_counter()
-    full = m.generate(PROMPTS[2], max_tokens=400, logit_bias=ban)
-    full_s = time.perf_counter() - started
-    assert len(full.tokens) == 400
-    timer = threading.Timer(full_s / 4, m.abort)
-    timer.start()
-    out = m.generate(PROMPTS[2], max_tokens=400, logit_bias=ban)
-    timer.join()
-    assert out.finish_reason == "abort" and 0 < len(out.tokens) < 400
-    assert out.tokens == full.tokens[: len(out.tokens)]
-    assert m.generate(PROMPTS[2], max_tokens=400, logit_bias=ban).tokens == full.tokens
+    """abort() ends the generation in progress within a round, with finish_reason "abort" and the text so far;
+    the next call runs in full."""
+    target, draft = _pair(model.arch)
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=4096, n_threads=1) as big:
+        m = big.new_session()
+        kw = dict(max_tokens=3500, temperature=0.0, logit_bias={t: float("-inf") for t in m.tokenizer.eog_token_ids})
+        full = m.create_completion(PROMPTS[2], **kw)
+        assert full["usage"]["completion_tokens"] == 3500
+        chunks = m.create_completion(PROMPTS[2], stream=True, **kw)
+        texts = [next(chunks)["choices"][0]["text"]]  # generating now
+        aborter = threading.Thread(target=m.abort)
+        aborter.start()
+        aborter.join()
+        rest = list(chunks)
+        texts += [c["choices"][0]["text"] for c in rest]
+        assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+        text = "".join(texts)
+        assert 0 < len(text) < len(full["choices"][0]["text"]) and full["choices"][0]["text"].startswith(text)
+        assert m.create_completion(PROMPTS[2], **kw)["choices"][0]["text"] == full["choices"][0]["text"]
 
 
 def test_a_draft_model_belongs_to_its_target():
