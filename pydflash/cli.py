@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ def _open_model(args: argparse.Namespace):
 
     return Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
                  n_gpu_layers=args.n_gpu_layers, draft_model_path=args.draft, block_size=args.block_size,
-                 spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose)
+                 spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose, progress=True)
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -157,6 +158,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
+    if args.threads is None:  # slots compute at once: share the cores rather than each spinning on all of them
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        args.threads = max(1, cores // args.parallel)
     with _open_model(args) as model:
         serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_key,
               alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout)

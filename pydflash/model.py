@@ -155,6 +155,31 @@ class _StopStrings:
         return out
 
 
+class _LoadBar:
+    """A tqdm bar over the bytes of weights read while a GGUF loads (none unless asked for; tqdm itself draws
+    nothing when stderr is not a terminal)."""
+
+    def __init__(self, path: str, show: bool):
+        self._desc, self._show, self._bar = f"loading {os.path.basename(path)}", show, None
+
+    def update(self, done: int, total: int) -> None:
+        if not self._show:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=self._desc, unit="B", unit_scale=True, unit_divisor=1024,
+                             leave=False, disable=None)
+        self._bar.update(done - self._bar.n)
+
+    def __enter__(self) -> "_LoadBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 class Model:
     """A GGUF target model with its session (KV cache) and tokenizer.
 
@@ -179,6 +204,7 @@ class Model:
         draft_window: int = 4096,
         seed: int | None = None,
         verbose: bool = False,
+        progress: bool = False,
     ):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a str or os.PathLike, got {type(model_path).__name__}")
@@ -194,6 +220,7 @@ class Model:
         draft_window = int_arg("draft_window", draft_window, 1)
         seed = _seed_arg(seed)
         verbose = bool_arg("verbose", verbose)
+        progress = bool_arg("progress", progress)
         choice_arg("kv_type", kv_type, KV_TYPES)
         choice_arg("spec_mode", spec_mode, SPEC_MODES)
         choice_arg("tree_seed", tree_seed, ("chain", "best_first"))
@@ -207,7 +234,9 @@ class Model:
         self.seed = seed  # the default of sampled calls (None: a fresh seed per call)
         self.kv_type = kv_type
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
-        self._model = _core.Model(self.model_path, n_gpu_layers=n_gpu_layers, n_threads=n_threads or 0)
+        with _LoadBar(self.model_path, progress) as bar:
+            self._model = _core.Model(self.model_path, n_gpu_layers=n_gpu_layers, n_threads=n_threads or 0,
+                                      progress=bar.update)
         if self.tokenizer.n_vocab > self._model.n_vocab:
             raise ModelLoadError(
                 f"{self.model_path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
@@ -227,7 +256,8 @@ class Model:
             self.draft_model_path = os.fspath(draft_model_path)
             if not os.path.exists(self.draft_model_path):
                 raise ModelLoadError(f"{self.draft_model_path}: no such file")
-            self._draft_model = _core.DraftModel(self._model, self.draft_model_path)
+            with _LoadBar(self.draft_model_path, progress) as bar:
+                self._draft_model = _core.DraftModel(self._model, self.draft_model_path, progress=bar.update)
             # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify (a chain's
             # block, or a tree's root and nodes)
             max_verify = 0 if spec_mode == "chain" else 1 + (tree_budget or MAX_TREE_BUDGET)
@@ -248,15 +278,6 @@ class Model:
     def _open_session(self, log: bool = False) -> None:
         """This Model's own session over the loaded weights: KV cache, recurrent state, the drafter's context
         cache and feature ring, compute buffers and backends."""
-        self._draft = None
-        if self._draft_model is not None:
-            self._draft = _core.DraftSession(self._model, self._draft_model, **self._draft_config)
-            if log:
-                logger.info("%s: DFlash draft, block %d (trained %d), target layers %s, weights %.1f MiB, "
-                            "context cache (window %d) %.1f MiB, feature ring (%d rows) %.1f MiB",
-                            self.draft_model_path, self._draft.block_size, self._draft.trained_block_size,
-                            self._draft.capture_layers, self._draft.weight_bytes / 2**20, self._draft.window,
-                            self._draft.kv_bytes / 2**20, self._draft.ring_capacity, self._draft.ring_bytes / 2**20)
         self._session = _core.Session(self._model, **self._session_config)
         if log and self._model.is_recurrent:
             n_rollback = self._session_config["n_rollback"]
@@ -264,6 +285,16 @@ class Model:
             logger.info("%s: recurrent state %.1f MiB: the committed state and %d per-token / per-node states of "
                         "%.2f MiB each (a verify of up to %d tokens or tree nodes)", self.model_path,
                         self._session.recurrent_bytes / 2**20, n_rollback, per_node / 2**20, n_rollback)
+        self._draft = None
+        if self._draft_model is not None:
+            # over the target session: the two take turns on one CPU thread pool
+            self._draft = _core.DraftSession(self._session, self._draft_model, **self._draft_config)
+            if log:
+                logger.info("%s: DFlash draft, block %d (trained %d), target layers %s, weights %.1f MiB, "
+                            "context cache (window %d) %.1f MiB, feature ring (%d rows) %.1f MiB",
+                            self.draft_model_path, self._draft.block_size, self._draft.trained_block_size,
+                            self._draft.capture_layers, self._draft.weight_bytes / 2**20, self._draft.window,
+                            self._draft.kv_bytes / 2**20, self._draft.ring_capacity, self._draft.ring_bytes / 2**20)
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
 

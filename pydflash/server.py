@@ -18,8 +18,9 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 try:
     import anyio
@@ -33,7 +34,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"pydflash serve needs the server extra: pip install \"pydflash[server]\" ({e})") from e
 
-from .errors import ModelBusyError, PydflashError
+from .errors import ModelBusyError
 from .model import Model
 
 __all__ = ["create_app", "serve"]

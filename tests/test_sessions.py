@@ -122,3 +122,24 @@ def test_a_draft_model_belongs_to_its_target():
         _core.DraftSession(b, weights, n_ctx=64)
     with pytest.raises(TypeError, match="draft must be a path .* or a DraftModel, got int"):
         _core.DraftSession(a, 3, n_ctx=64)
+
+
+def test_load_progress_reports_the_bytes_read():
+    """The core calls progress(done, total) as the weights load: done rises to total, the bytes of the file's
+    tensors (gguf's reader); an exception raised by the callback stops the load and comes back as it was."""
+    import gguf
+
+    target, draft = _pair("qwen3")
+    for path, load in ((target, lambda cb: _core.Model(str(target), progress=cb)),
+                       (draft, lambda cb: _core.DraftModel(_core.Model(str(target)), str(draft), progress=cb))):
+        calls = []
+        load(lambda done, total: calls.append((done, total)))
+        dones = [d for d, _ in calls]
+        assert len(calls) > 1 and dones == sorted(dones) and calls[-1][0] == calls[-1][1]
+        assert calls[-1][1] == sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+        def interrupt(done, total):
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            load(interrupt)

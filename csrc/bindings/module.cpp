@@ -136,6 +136,20 @@ static py::object gguf_value(const gguf_context * g, int64_t id, gguf_type t, si
 }
 
 // Model: the read-only weights, shareable between sessions
+// a Python progress(done, total) callable as a load_progress (empty for None). It runs with the GIL released
+// around it and takes it back for the call; it holds a handle, not an object, so that copying the std::function
+// without the GIL touches no reference count (the callable must outlive the load).
+static load_progress progress_callback(const py::object & progress) {
+    if (progress.is_none()) {
+        return {};
+    }
+    py::handle callback = progress;
+    return [callback](size_t done, size_t total) {
+        py::gil_scoped_acquire gil;
+        callback(done, total);
+    };
+}
+
 struct py_model {
     std::shared_ptr<const target_model> model;
 };
@@ -451,10 +465,11 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         "auto's per-round choice (spec/proposer.h) with the given costs and an untrained acceptance model.");
 
     py::class_<py_model>(m, "Model")
-        .def(py::init([](const std::string & path, int64_t n_gpu_layers, int64_t n_threads) {
+        .def(py::init([](const std::string & path, int64_t n_gpu_layers, int64_t n_threads, py::object progress) {
                  model_params p;
                  p.n_gpu_layers = (int) checked("n_gpu_layers", n_gpu_layers, -1, INT32_MAX);
                  p.n_threads    = (int) checked("n_threads", n_threads, 0, INT32_MAX);
+                 p.progress     = progress_callback(progress);
                  std::unique_ptr<target_model> loaded;
                  {
                      py::gil_scoped_release nogil;
@@ -462,7 +477,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  }
                  return py_model{std::shared_ptr<const target_model>(std::move(loaded))};
              }),
-             py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("n_threads") = 0)
+             py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("n_threads") = 0, py::arg("progress") = py::none(),
+             "progress: called as progress(bytes read, bytes in all) while the weights load.")
         .def_property_readonly("arch", [](const py_model & m) { return m.model->info().arch; })
         .def_property_readonly("n_vocab", [](const py_model & m) { return m.model->info().n_vocab; })
         .def_property_readonly("n_embd", [](const py_model & m) { return m.model->info().n_embd; })
@@ -483,19 +499,34 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         });
 
     py::class_<py_draft_model>(m, "DraftModel")
-        .def(py::init([](const py_model & target, const std::string & path) {
+        .def(py::init([](const py_model & target, const std::string & path, py::object progress) {
+                 const load_progress on_progress = progress_callback(progress);
                  py::gil_scoped_release nogil;
-                 return py_draft_model{std::make_shared<dflash_draft>(path, target.model)};
+                 return py_draft_model{std::make_shared<dflash_draft>(path, target.model, on_progress)};
              }),
-             py::arg("target"), py::arg("path"), py::keep_alive<1, 2>(),
+             py::arg("target"), py::arg("path"), py::arg("progress") = py::none(), py::keep_alive<1, 2>(),
              "DFlash draft weights for `target`, to share between DraftSessions (one per target session).")
         .def_property_readonly("block_size", [](const py_draft_model & d) { return d.model->block_size(); })
         .def_property_readonly("weight_bytes", [](const py_draft_model & d) { return d.model->weight_bytes(); });
 
     py::class_<py_draft>(m, "DraftSession")
-        .def(py::init([](const py_model & target, const py::object & weights, int64_t n_ctx, int64_t block_size,
-                         int64_t window, int64_t ring_capacity, int64_t top_k, bool with_logprobs,
+        .def(py::init([](const py::object & target_arg, const py::object & weights, int64_t n_ctx,
+                         int64_t block_size, int64_t window, int64_t ring_capacity, int64_t top_k, bool with_logprobs,
                          int64_t max_verify) {
+                 // the target: a Model, or a Session whose backends and thread pool the drafter then shares
+                 std::shared_ptr<const target_model> target_model_ptr;
+                 std::shared_ptr<compute_backends>   compute;
+                 if (py::isinstance<session>(target_arg)) {
+                     const session & s = target_arg.cast<const session &>();
+                     compute           = s.compute();
+                     target_model_ptr  = s.shared_model();
+                 } else if (py::isinstance<py_model>(target_arg)) {
+                     target_model_ptr = target_arg.cast<const py_model &>().model;
+                 } else {
+                     throw py::type_error(format("target must be a Model or a Session, got %s",
+                                                 py::str(py::type::of(target_arg).attr("__name__")).cast<std::string>().c_str()));
+                 }
+                 const py_model target{target_model_ptr};
                  checked("n_ctx", n_ctx, 1, MAX_CTX);
                  checked("block_size", block_size, 0, dflash_draft::MAX_BLOCK_SIZE);
                  checked("window", window, 1, INT32_MAX);
@@ -523,7 +554,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  params.top_k         = (int) top_k;
                  params.with_logprobs = with_logprobs;
                  py_draft d;
-                 d.session = std::make_unique<draft_session>(draft, (uint32_t) n_ctx, params);
+                 d.session = std::make_unique<draft_session>(draft, (uint32_t) n_ctx, params, compute);
                  if (max_verify == 0) {
                      max_verify = std::min(64, d.session->ring().capacity());
                  }

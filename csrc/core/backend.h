@@ -7,6 +7,7 @@
 #pragma once
 
 #include "ggml-backend.h"
+#include "ggml-cpu.h"
 #include "ggml.h"
 
 #include <vector>
@@ -64,10 +65,14 @@ class compute_backends {
     ggml_backend_t gpu() const { return gpu_; }  // nullptr without offloaded layers
     // a fresh scheduler over these backends (GPU first so it gets the work it can do)
     ggml_backend_sched_t new_sched(size_t graph_size) const;
+    // the CPU workers sleep now instead of polling for the next graph (a generation ended: polling threads
+    // would take cores from other sessions); the next compute wakes them
+    void                 pause() const;
 
   private:
-    ggml_backend_t cpu_ = nullptr;
-    ggml_backend_t gpu_ = nullptr;
+    ggml_backend_t    cpu_        = nullptr;
+    ggml_backend_t    gpu_        = nullptr;
+    ggml_threadpool_t threadpool_ = nullptr;  // the CPU backend's worker threads, this session's alone
 };
 
 }  // namespace pdf

@@ -57,7 +57,7 @@ ggml_tensor * weights::optional(const std::string & name, std::initializer_list<
     return meta ? add(meta, il, use) : nullptr;
 }
 
-void weights::load() {
+void weights::load(const load_progress & progress) {
     for (auto & kv : ctx_by_buft_) {
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(kv.second, kv.first);
         if (!buf) {
@@ -69,8 +69,19 @@ void weights::load() {
         PDF_LOG_INFO("%s: %.2f MiB of weights in %s", file_.path().c_str(),
                      ggml_backend_buffer_get_size(buf) / 1048576.0, ggml_backend_buft_name(kv.first));
     }
+    size_t total = 0, done = 0;
+    for (auto & p : to_load_) {
+        total += ggml_nbytes(p.second);
+    }
+    for (auto & p : to_transpose_) {
+        total += ggml_nbytes(p.second);
+    }
     for (auto & p : to_load_) {
         ggml_backend_tensor_set(p.first, file_.tensor_data(p.second), 0, ggml_nbytes(p.second));
+        done += ggml_nbytes(p.second);
+        if (progress) {
+            progress(done, total);
+        }
     }
     to_load_.clear();
     std::vector<float> tmp;
@@ -84,6 +95,10 @@ void weights::load() {
             }
         }
         ggml_backend_tensor_set(p.first, tmp.data(), 0, tmp.size() * sizeof(float));
+        done += ggml_nbytes(p.second);
+        if (progress) {
+            progress(done, total);
+        }
     }
     to_transpose_.clear();
 }

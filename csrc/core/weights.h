@@ -5,12 +5,16 @@
 #include "core/backend.h"
 #include "core/gguf_file.h"
 
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
 
 namespace pdf {
+
+// progress of a load: bytes read so far, bytes in all
+using load_progress = std::function<void(size_t done, size_t total)>;
 
 class weights {
   public:
@@ -26,7 +30,8 @@ class weights {
     // layout (per-channel conv kernel taps): made once at load
     ggml_tensor * transposed_copy(const std::string & name, int il, weight_use use);
     // allocate the backend buffers and copy every declared tensor in
-    void   load();
+    // allocates the buffers and reads every tensor, calling progress(bytes read, bytes in all) as it goes
+    void   load(const load_progress & progress = {});
     size_t n_bytes() const;
 
   private:

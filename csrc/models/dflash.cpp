@@ -8,7 +8,8 @@
 
 namespace pdf {
 
-dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const target_model> target)
+dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const target_model> target,
+                           const load_progress & progress)
     : target_(std::move(target)) {
     file_               = std::make_unique<gguf_file>(path);
     const gguf_file & f = *file_;
@@ -118,7 +119,7 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
         l.ffn_up    = w.require(name("ffn_up.weight"), {E, n_ff_}, place, WEIGHT_USE_MATMUL);
         l.ffn_down  = w.require(name("ffn_down.weight"), {n_ff_, E}, place, WEIGHT_USE_MATMUL);
     }
-    w.load();
+    w.load(progress);
 }
 
 dflash_draft::~dflash_draft() = default;

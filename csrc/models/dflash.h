@@ -34,7 +34,8 @@ class dflash_draft {
     static constexpr int MAX_BLOCK_SIZE = 256;
 
     // loads `path` and checks it against `target` (typed errors naming each mismatched field)
-    dflash_draft(const std::string & path, std::shared_ptr<const target_model> target);
+    dflash_draft(const std::string & path, std::shared_ptr<const target_model> target,
+                 const load_progress & progress = {});
     ~dflash_draft();
 
     const model_info &       info() const { return info_; }  // kv_layers: the draft layers

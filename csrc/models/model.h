@@ -19,6 +19,7 @@ namespace pdf {
 struct model_params {
     int n_gpu_layers = 0;   // layers (counted from the output end) placed on the GPU; -1 = all
     int n_threads    = 0;   // 0 = hardware concurrency
+    load_progress progress;  // called as the weights are read (may be empty)
 };
 
 // Inputs of one evaluation graph, all set by the session before each compute.

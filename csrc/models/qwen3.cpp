@@ -94,7 +94,7 @@ class qwen3_model : public target_model {
             l.ffn_up   = w.require(name("ffn_up.weight"), {E, hp_.n_ff}, il, WEIGHT_USE_MATMUL);
             l.ffn_down = w.require(name("ffn_down.weight"), {hp_.n_ff, E}, il, WEIGHT_USE_MATMUL);
         }
-        w.load();
+        w.load(params.progress);
     }
 
     // x: [E, n] -> hidden [E, n_outputs] after the final norm (n_outputs = n, or 1 without in.all_outputs)

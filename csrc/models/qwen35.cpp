@@ -180,7 +180,7 @@ class qwen35_model : public target_model {
                 l.k_norm = w.require(name("attn_k_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
             }
         }
-        w.load();
+        w.load(params.progress);
     }
 
     size_t max_graph_nodes(int n_tree_levels) const override {

@@ -74,6 +74,10 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
     generate_result    r;
     generate_timings & t = r.timings;
     s.abort.store(false);
+    struct pause_when_done {  // also when an exception leaves
+        const compute_backends & compute;
+        ~pause_when_done() { compute.pause(); }
+    } pause_workers{*s.compute()};
     if (p.ring() && (int) s.n_ubatch() > p.ring()->capacity()) {
         throw std::invalid_argument(format("n_ubatch = %u exceeds the feature ring's %d rows", s.n_ubatch(),
                                            p.ring()->capacity()));

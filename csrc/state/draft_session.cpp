@@ -22,9 +22,11 @@ static int append_rows(int queued) {
     return queued <= APPEND_ROWS_SMALL ? APPEND_ROWS_SMALL : APPEND_ROWS_LARGE;
 }
 
-draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params)
-    : draft_(std::move(draft)), compute_(draft_->target().devices()), draft_graph_(compute_),
-      append_small_(compute_), append_large_(compute_) {
+draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params,
+                             std::shared_ptr<compute_backends> compute)
+    : draft_(std::move(draft)),
+      compute_(compute ? std::move(compute) : std::make_shared<compute_backends>(draft_->target().devices())),
+      draft_graph_(*compute_), append_small_(*compute_), append_large_(*compute_) {
     block_ = params.block > 0 ? params.block : draft_->block_size();
     if (block_ < 2 || block_ > draft_->block_size()) {
         throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)",

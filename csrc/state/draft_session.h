@@ -37,7 +37,10 @@ struct draft_proposals {
 
 class draft_session {
   public:
-    draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params);
+    // compute: the backends of the target session it drafts for (one thread pool per conversation: two pools
+    // taking turns spin against each other); nullptr: backends of its own
+    draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params,
+                  std::shared_ptr<compute_backends> compute = nullptr);
     ~draft_session();
     draft_session(const draft_session &)             = delete;
     draft_session & operator=(const draft_session &) = delete;
@@ -85,7 +88,7 @@ class draft_session {
     int  slot(int64_t position) const { return (int) (position % n_slots_); }
 
     std::shared_ptr<const dflash_draft> draft_;
-    compute_backends                    compute_;  // this session's own (see core/backend.h)
+    std::shared_ptr<compute_backends>   compute_;  // its target session's, or its own (see core/backend.h)
     std::unique_ptr<feature_ring>       ring_;
     std::unique_ptr<kv_cache>           kv_;
     int                                 block_;

@@ -27,7 +27,7 @@ static void set_input(ggml_tensor * t, const void * data, size_t offset, size_t 
 }
 
 session::session(std::shared_ptr<const target_model> model, const session_params & params)
-    : model_(std::move(model)), compute_(model_->devices()) {
+    : model_(std::move(model)), compute_(std::make_shared<compute_backends>(model_->devices())) {
     const model_info & info = model_->info();
     if (params.n_ctx == 0 || params.n_ubatch == 0) {
         throw std::invalid_argument(format("n_ctx (%u) and n_ubatch (%u) must be positive", params.n_ctx,
@@ -71,7 +71,7 @@ void session::prepare_graph(const graph_key & key, feature_ring * ring) {
     }
     // a new graph: in a free entry, else in place of the least recently used one
     if (graphs_.size() < MAX_CACHED_GRAPHS) {
-        graphs_.push_back(std::make_unique<compiled_graph>(compute_));
+        graphs_.push_back(std::make_unique<compiled_graph>(*compute_));
         cur_ = graphs_.back().get();
     } else {
         cur_ = std::min_element(graphs_.begin(), graphs_.end(), [](const auto & a, const auto & b) {
@@ -491,7 +491,7 @@ void session::commit(const std::vector<int> & rows) {
             moves.emplace_back(n_past_ + slots[d], n_past_ + d);
         }
     }
-    kv_->move_rows(moves, compute_);
+    kv_->move_rows(moves, *compute_);
     for (int d = 0; d < m; ++d) {
         tokens_.push_back(pending_[slots[d]]);
     }

@@ -127,6 +127,9 @@ class session {
     int n_pending() const { return (int) pending_.size(); }  // rows of the last eval, not yet committed
 
     const target_model &         model() const { return *model_; }
+    const std::shared_ptr<const target_model> & shared_model() const { return model_; }
+    // the backends and CPU thread pool this session computes with (a draft session for it may share them)
+    const std::shared_ptr<compute_backends> & compute() const { return compute_; }
     const std::vector<int32_t> & tokens() const { return tokens_; }  // committed token ids
     const kv_cache &             kv() const { return *kv_; }
     const recurrent_state *      recurrent() const { return rs_.get(); }
@@ -157,7 +160,9 @@ class session {
     void cut_history_to(int n);
 
     std::shared_ptr<const target_model> model_;
-    compute_backends                    compute_;  // this session's own: sessions over one model run in parallel
+    // this session's own (sessions over one model run in parallel), shared with its draft session: one
+    // conversation computes on one thread pool
+    std::shared_ptr<compute_backends>   compute_;
     std::unique_ptr<kv_cache>           kv_;
     std::unique_ptr<recurrent_state>    rs_;
     int                                 n_past_ = 0;
