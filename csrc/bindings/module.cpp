@@ -135,7 +135,6 @@ static py::object gguf_value(const gguf_context * g, int64_t id, gguf_type t, si
     }
 }
 
-// Model: the read-only weights, shareable between sessions
 // a Python progress(done, total) callable as a load_progress (empty for None). It runs with the GIL released
 // around it and takes it back for the call; it holds a handle, not an object, so that copying the std::function
 // without the GIL touches no reference count (the callable must outlive the load).
@@ -150,6 +149,7 @@ static load_progress progress_callback(const py::object & progress) {
     };
 }
 
+// Model: the read-only weights, shareable between sessions
 struct py_model {
     std::shared_ptr<const target_model> model;
 };

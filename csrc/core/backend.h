@@ -7,7 +7,6 @@
 #pragma once
 
 #include "ggml-backend.h"
-#include "ggml-cpu.h"
 #include "ggml.h"
 
 #include <vector>

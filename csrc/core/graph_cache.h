@@ -1,6 +1,6 @@
 // One compute graph of a session, rebuilt only when what it computes changes: the tensor metadata live in a
-// host buffer of its own, the compute buffer in a scheduler over the session's own backends. The target and draft sessions each keep
-// one and decide, by comparing their own keys, when to rebuild.
+// host buffer of its own, the compute buffer in a scheduler over the session's own backends. The target and
+// draft sessions each keep one and decide, by comparing their own keys, when to rebuild.
 //
 //   if (!cache.ready() || key != old_key) {
 //       ggml_context * ctx = cache.begin(n_nodes);  // a fresh, empty graph
