@@ -396,3 +396,20 @@ def test_one_log_line_per_request(server, client):
     assert len(lines) == 2, lines
     for line in lines:
         assert re.search(r"16 tok at [\d.]+ tok/s; tau [\d.]+, acceptance [\d.]+", line), line
+
+
+def test_a_target_without_drafter_serves_plainly():
+    """In-process (Starlette's test client): no --draft, one slot; the log line then has no tau."""
+    from fastapi.testclient import TestClient
+
+    import pydflash
+    from pydflash.server import create_app
+
+    with pydflash.Model(PAIRS / "qwen3-target-q8_0.gguf", n_ctx=512, n_threads=1) as m:
+        ref = m.create_chat_completion(MESSAGES, max_tokens=12, temperature=0.0)
+        with TestClient(create_app(m, parallel=1)) as http:
+            assert http.get("/v1/models").json()["data"][0]["meta"]["draft"] is None
+            r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 12, "temperature": 0.0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+            assert "tau" not in r.json()["timings"]
