@@ -176,6 +176,31 @@ def test_many_rollbacks_do_not_drift(checkpoint):
     assert errors[-50:].max() <= 2 * errors[:50].max() + 1e-5, (errors[:50].max(), errors[-50:].max())
 
 
+def test_a_whole_eval_keeps_only_the_final_state(checkpoint):
+    """A prefill micro-batch (whole=True) writes no per-token states: committed whole it continues exactly as
+    an eval that kept them (the same kernel, bit for bit); a partial commit of it is a typed error, and an
+    uncommitted one still rolls back."""
+    _, gguf_path, _ = checkpoint
+    results = []
+    for whole in (False, True):
+        s = session(gguf_path)
+        first, _ = s.eval(np.array(PROMPT, dtype=np.int32), whole=whole)
+        s.commit(len(PROMPT))
+        nxt, _ = s.eval(np.array([7, 8], dtype=np.int32))
+        results.append((first, nxt))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    s = session(gguf_path)
+    s.eval(np.array(PROMPT, dtype=np.int32), whole=True)
+    with pytest.raises(IndexError, match="cannot keep 5 of 12"):
+        s.commit(5)
+    s.eval(np.array(PROMPT[:5], dtype=np.int32))  # the whole eval was never committed: rolled back
+    s.commit(5)
+    ours, _ = s.eval(np.array([PROMPT[5]], dtype=np.int32))
+    theirs, _ = session(gguf_path).eval(np.array(PROMPT[:6], dtype=np.int32))
+    assert close(ours[0], theirs[-1])
+
+
 def test_rollback_limits_are_typed_errors(checkpoint):
     _, gguf_path, _ = checkpoint
     s = session(gguf_path, n_rollback=4)

@@ -694,7 +694,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def(
             "eval",
             [](session & s, py::object tokens_in, py::object positions, py::object mask, py::object parents,
-               bool all_logits, std::vector<int> capture_layers, int64_t top_k, bool read_logits) -> py::tuple {
+               bool all_logits, std::vector<int> capture_layers, int64_t top_k, bool read_logits,
+               bool whole) -> py::tuple {
                 const std::vector<int32_t> toks = int32_array("tokens", tokens_in);
                 const int                  n    = (int) toks.size();
                 checked("top_k", top_k, 0, INT32_MAX);
@@ -724,6 +725,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 layout.positions = pos.empty() ? nullptr : pos.data();
                 layout.mask      = mk.empty() ? nullptr : mk.data();
                 layout.parents   = par.empty() ? nullptr : par.data();
+                layout.whole     = whole;
                 {
                     py::gil_scoped_release nogil;
                     s.eval(toks.data(), n, layout, readout{all_logits, read_logits, (int) top_k}, capture_layers);
@@ -749,10 +751,12 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             py::arg("tokens"), py::arg("positions") = py::none(), py::arg("mask") = py::none(),
             py::arg("parents") = py::none(), py::arg("all_logits") = true,
             py::arg("capture_layers") = std::vector<int>{}, py::arg("top_k") = 0, py::arg("read_logits") = true,
+            py::arg("whole") = false,
             "Evaluate tokens into cache slots n_past..; returns (logits [n_out, n_vocab], [hidden [n, n_embd] ...]) "
             "(and top_k ids, log-probabilities [n_out, top_k] when top_k > 0). parents: a tree (parent row per row, "
             "-1: the committed past); mask: any visibility (attention-only models). read_logits=False reads only "
-            "the greedy picks (Session.argmax), as the decode loop does; the logits array is then empty.")
+            "the greedy picks (Session.argmax), as the decode loop does; the logits array is then empty. whole=True: "
+            "the chain will be committed whole (a prefill), so a hybrid model keeps only its final state.")
         .def("commit", [](session & s, int64_t n) { s.commit((int) checked("n", n, 0, INT32_MAX)); }, py::arg("n"))
         .def("commit", py::overload_cast<const std::vector<int> &>(&session::commit), py::arg("rows"))
         .def("eval_slot", [](const session & s, int64_t row) {

@@ -52,7 +52,9 @@ bool prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, gen
         const int n = std::min(ub, L - i);
         p.before_eval(i, n);
         // the last row's logits stay on the device unless read (the last micro-batch's: a sampled first token)
-        s.eval(prompt.data() + i, n, {}, read_logits_last, p.capture(), p.ring());
+        batch_layout whole;
+        whole.whole = true;  // committed whole: a hybrid target keeps no per-token states
+        s.eval(prompt.data() + i, n, whole, read_logits_last, p.capture(), p.ring());
         s.commit(n);
         p.after_prefill_chunk(i, n);
         if (n == ub && i + n == L / ub * ub) {

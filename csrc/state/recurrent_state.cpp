@@ -138,14 +138,14 @@ void recurrent_state::conv_rows_from(int first) {
     }
 }
 
-void recurrent_state::commit(int n_tokens, int i) {
-    const int k = n_snapshots(n_tokens);
+void recurrent_state::commit(int n_tokens, int k, int i) {
     // the state after token i: the input row when i == 0, else snapshot n-i when it was kept (n-i < k)
     const int s = n_tokens - i;
     // (the conv window of a long evaluation keeps only its last n_rollback inputs: i >= conv_keep_from)
     if (i < conv_keep_from(n_tokens) || i > n_tokens || (i > 0 && s >= k)) {
-        throw std::out_of_range(format("commit: cannot keep %d of %d evaluated tokens: the recurrent state is kept "
-                                       "only for the last %u tokens of an evaluation", i, n_tokens, n_rollback_));
+        throw std::out_of_range(format("commit: cannot keep %d of %d evaluated tokens: the recurrent state was kept "
+                                       "only for the last %d tokens of this evaluation (n_rollback = %u; an eval "
+                                       "committed whole keeps only its end)", i, n_tokens, k, n_rollback_));
     }
     if (i > 0) {
         ssm_row_ = snapshot_row(s);

@@ -44,12 +44,16 @@ class recurrent_state {
 
     // chain evaluation of n tokens: the snapshots it keeps, the row of snapshot s (most recent first: the s-th
     // row that is not the input row), and the first row of [window ‖ inputs] it writes back to the conv buffer
-    int     n_snapshots(int n_tokens) const { return std::min<int>(n_tokens, (int) n_rollback_); }
+    // states a chain evaluation of n tokens keeps: the last k tokens' (whole: it is committed whole, k = 1)
+    int     n_snapshots(int n_tokens, bool whole = false) const {
+        return whole ? 1 : std::min<int>(n_tokens, (int) n_rollback_);
+    }
     int32_t snapshot_row(int s) const { return s < ssm_row_ ? s : s + 1; }
     int     conv_keep_from(int n_tokens) const { return std::max<int>(0, n_tokens - (int) n_rollback_); }
 
-    // after a chain evaluation of n tokens, keep the state as of its first i tokens (throws if not kept)
-    void commit(int n_tokens, int i);
+    // after a chain evaluation of n tokens that kept k states, keep the state as of its first i tokens
+    // (throws if not kept)
+    void commit(int n_tokens, int k, int i);
     // after a tree evaluation (n <= n_rollback nodes): keep node j's state (row snapshot_row(j)) and its conv
     // window, i.e. the last d_conv-1 of the node's conv taps (rows of [window ‖ inputs], oldest first)
     void commit_node(int j, const int32_t * taps);

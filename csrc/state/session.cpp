@@ -103,7 +103,7 @@ void session::prepare_graph(const graph_key & key, feature_ring * ring) {
         ggml_set_input(in.conv_rows);
         if (key.tree_levels.empty()) {
             in.ssm_row           = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
-            in.ssm_snapshot_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, rs_->n_snapshots(key.n_tokens));
+            in.ssm_snapshot_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.ssm_snapshots);
             in.conv_keep_from    = rs_->conv_keep_from(key.n_tokens);
             ggml_set_input(in.ssm_row);
             ggml_set_input(in.ssm_snapshot_rows);
@@ -166,7 +166,7 @@ void session::rollback_pending() {
     if (pending_tree_) {
         rs_->commit_no_node();
     } else {
-        rs_->commit((int) pending_.size(), 0);
+        rs_->commit((int) pending_.size(), pending_snapshots_, 0);
     }
 }
 
@@ -259,6 +259,7 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
     key.capture     = capture_layers;
     key.ring_id     = capture_layers.empty() || !ring ? 0 : ring->id();
     key.tree_levels = levels;
+    key.ssm_snapshots = rs_ && !tree ? rs_->n_snapshots(n, layout.whole) : 0;
     // until this eval has run, there is nothing to commit (a failed allocation or compute leaves none)
     pending_.clear();
     pending_tree_    = false;
@@ -308,7 +309,7 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
         set_input(cur_->in.conv_rows, rs_->conv_rows().data(), 0, sizeof(int32_t) * W);
         if (!tree) {
             const int32_t        ssm_row = rs_->ssm_row();
-            std::vector<int64_t> snapshot_rows(rs_->n_snapshots(n));
+            std::vector<int64_t> snapshot_rows(cur_->key.ssm_snapshots);
             for (size_t s = 0; s < snapshot_rows.size(); ++s) {
                 snapshot_rows[s] = rs_->snapshot_row((int) s);
             }
@@ -362,8 +363,9 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
         set_input(cur_->ring_slots, ring_rows.data(), 0, sizeof(int64_t) * n);
     }
     cur_->cache.compute("the target graph");
-    pending_      = std::move(tokens_by_slot);
-    pending_tree_ = tree;
+    pending_           = std::move(tokens_by_slot);
+    pending_tree_      = tree;
+    pending_snapshots_ = key.ssm_snapshots;
 
     // outputs, back in batch order (a reordered tree computed every row: keep what the caller asked for)
     const int n_rows = (int) cur_->argmax->ne[0];
@@ -481,7 +483,7 @@ void session::commit(const std::vector<int> & rows) {
         } else if (pending_tree_) {
             rs_->commit_node(slots[m - 1], conv_taps_.data() + (size_t) slots[m - 1] * (rs_->conv_window() + 1));
         } else {
-            rs_->commit(n, m);  // a chain prefix: slots[d] == d
+            rs_->commit(n, pending_snapshots_, m);  // a chain prefix: slots[d] == d
         }
     }
     // the kept rows move to consecutive slots (below their sources, so the moves never form a cycle)

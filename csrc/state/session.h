@@ -53,6 +53,8 @@ struct batch_layout {
                                           // attention-only models (a recurrent state follows parents only)
     const int32_t * parents   = nullptr;  // a tree: parent row of each row (-1: the committed past), parents
                                           // before children; a row sees its ancestors and itself
+    bool whole = false;  // a chain that will be committed whole (a prefill micro-batch): a hybrid model then
+                         // keeps the final recurrent state only, not one per token
 };
 
 class session {
@@ -144,10 +146,11 @@ class session {
         std::vector<int> capture;
         uint64_t         ring_id = 0;  // the feature ring written (0: none)
         std::vector<int> tree_levels;
+        int              ssm_snapshots = 0;  // hybrid chains: recurrent states kept (the last k tokens')
         bool operator==(const graph_key & o) const {
             return n_tokens == o.n_tokens && n_kv == o.n_kv && what.all_rows == o.what.all_rows &&
                    what.logits == o.what.logits && what.top_k == o.what.top_k && capture == o.capture &&
-                   ring_id == o.ring_id && tree_levels == o.tree_levels;
+                   ring_id == o.ring_id && tree_levels == o.tree_levels && ssm_snapshots == o.ssm_snapshots;
         }
     };
     // makes cur_ the graph for `key` (writing captures into `ring`), building it if no cached one has it
@@ -195,6 +198,7 @@ class session {
     std::vector<int32_t>            conv_taps_;   // tree evals of recurrent models: [n, d_conv] per slot
     std::vector<int32_t>            slot_of_;     // batch row -> slot (empty: the identity)
     bool                            pending_tree_    = false;  // the last eval ran the tree graph
+    int                             pending_snapshots_ = 0;    // hybrid chains: states the last eval kept
     bool                            pending_parents_ = false;  // the last eval's batch was a tree
     int                             n_outputs_    = 0;
     int                             top_k_        = 0;
