@@ -76,7 +76,8 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_la
 
     gpu_dev_ = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
     if (n_gpu_layers != 0 && !gpu_dev_) {
-        PDF_LOG_WARN("n_gpu_layers=%d ignored: this build of pydflash has no GPU backend (CPU only)", n_gpu_layers);
+        PDF_LOG_WARN("n_gpu_layers=%d ignored: no GPU device (a CPU-only build of pydflash, or its GPU backend "
+                     "found no usable device or driver)", n_gpu_layers);
         n_gpu_layers = 0;
     }
     if (n_gpu_layers != 0) {
