@@ -2,7 +2,8 @@
 """Plain (autoregressive) decode and prefill speed: pydflash vs llama.cpp built from the same pinned sdist.
 
 Same GGUF, same thread count, same shapes of work as `llama-bench -p N_PROMPT -n N_GEN`: prefill of N_PROMPT
-tokens into an empty cache, and N_GEN decode steps from a one-token prompt. The two engines run in turn,
+tokens into an empty cache (ours in micro-batches of --n-ubatch, as llama-bench's default -ub 512), and N_GEN
+decode steps from a one-token prompt. The two engines run in turn,
 --reps times (default 5): each speed is the median of its runs, each ratio the median of the ratios of
 runs made one after the other (on a small shared VM one run of either engine can be 20-40% off, more than
 the differences being measured, and the machine's speed drifts between runs). Beside the decode ratio: the
@@ -32,19 +33,27 @@ from random_gguf import HYBRID_SHAPES, SHAPES, write_random_qwen3, write_random_
 from pydflash import _core  # noqa: E402
 
 
-def ours(path: Path, threads: int, n_prompt: int, n_gen: int) -> tuple[float, float]:
+def ours(path: Path, threads: int, n_prompt: int, n_gen: int, n_ubatch: int = 512) -> tuple[float, float]:
     """(prefill tokens/s, decode tokens/s)"""
     model = _core.Model(str(path), n_threads=threads)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 150000, n_prompt).astype(np.int32)
 
-    session = _core.Session(model, n_ctx=n_prompt + n_gen + 16, n_ubatch=n_prompt)
+    session = _core.Session(model, n_ctx=n_prompt + n_gen + 16, n_ubatch=n_ubatch)
+
+    def prefill() -> None:
+        # as the engine's prefill runs it: micro-batches of n_ubatch, each committed whole (no per-token states)
+        for i in range(0, n_prompt, n_ubatch):
+            part = prompt[i:i + n_ubatch]
+            session.eval(part, all_logits=False, read_logits=False, whole=True)
+            session.commit(len(part))
+
     # warm-up with the same prompt, as llama-bench does: first touch of the weights, and the graph and compute
-    # buffer for a 512-token batch allocated outside the timed pass
-    session.eval(prompt, all_logits=False, whole=True)
+    # buffer for a micro-batch allocated outside the timed pass
+    prefill()
     session.truncate(0)
     t0 = time.perf_counter()
-    session.eval(prompt, all_logits=False, whole=True)  # as a prefill: committed whole (no per-token states)
+    prefill()
     pp = n_prompt / (time.perf_counter() - t0)
 
     session = _core.Session(model, n_ctx=n_prompt + n_gen + 16)
@@ -70,6 +79,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
+    ap.add_argument("--n-ubatch", type=int, default=512,
+                    help="our prefill micro-batch (Model's default; llama-bench runs its default, also 512)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved runs of each engine; medians printed")
     ap.add_argument("--peer", choices=["use", "build", "skip"], default="use",
                     help="use llama.cpp if built (default), build it first, or skip it")
@@ -99,7 +110,7 @@ def main() -> None:
                 write(path, shape, wtype, vocab)
             runs_ours, runs_peer = [], []
             for _ in range(args.reps):
-                runs_ours.append(ours(path, args.threads, args.n_prompt, args.n_gen))
+                runs_ours.append(ours(path, args.threads, args.n_prompt, args.n_gen, args.n_ubatch))
                 if use_peer:
                     runs_peer.append(llama_cpp(path, args.threads, args.n_prompt, args.n_gen))
             pp, tg = np.median(np.array(runs_ours), axis=0)
