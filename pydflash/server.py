@@ -34,7 +34,6 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"pydflash serve needs the server extra: pip install \"pydflash[server]\" ({e})") from e
 
-from .errors import ModelBusyError
 from .model import Model
 
 __all__ = ["create_app", "serve"]
@@ -270,8 +269,6 @@ def _public_error(e: BaseException) -> RequestError:
         return e
     if isinstance(e, (ValueError, TypeError)):  # bad parameters, a prompt over the context, a template error
         return RequestError(400, str(e))
-    if isinstance(e, ModelBusyError):  # cannot happen with one job per slot; never a 500 either
-        return RequestError(503, str(e), "server_overloaded")
     return RequestError(500, f"{type(e).__name__}: {e}", "server_error")
 
 
@@ -284,7 +281,6 @@ class ServerState:
     max_body: int
     read_timeout: float
     created: int = field(default_factory=lambda: int(time.time()))
-    n_requests: int = 0
 
 
 def create_app(model: Model, *, parallel: int = 1, api_key: str | None = None, alias: str | None = None,
@@ -402,7 +398,6 @@ class _RequestLog:
         self.client = f"{request.client.host}:{request.client.port}" if request.client else "-"
 
     def write(self, status: str, result: dict | None) -> None:
-        self.state.n_requests += 1
         wall = time.perf_counter() - self.started
         parts = [f"{self.client} {self.kind} slot {self.slot} {status} in {wall:.2f} s"]
         t = (result or {}).get("timings")

@@ -135,6 +135,10 @@ static py::object gguf_value(const gguf_context * g, int64_t id, gguf_type t, si
     }
 }
 
+static std::string type_name(const py::handle & o) {
+    return py::str(py::type::of(o).attr("__name__")).cast<std::string>();
+}
+
 // a Python progress(done, total) callable as a load_progress (empty for None). It runs with the GIL released
 // around it and takes it back for the call; it holds a handle, not an object, so that copying the std::function
 // without the GIL touches no reference count (the callable must outlive the load).
@@ -514,19 +518,18 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                          int64_t block_size, int64_t window, int64_t ring_capacity, int64_t top_k, bool with_logprobs,
                          int64_t max_verify) {
                  // the target: a Model, or a Session whose backends and thread pool the drafter then shares
-                 std::shared_ptr<const target_model> target_model_ptr;
+                 std::shared_ptr<const target_model> target;
                  std::shared_ptr<compute_backends>   compute;
                  if (py::isinstance<session>(target_arg)) {
                      const session & s = target_arg.cast<const session &>();
                      compute           = s.compute();
-                     target_model_ptr  = s.shared_model();
+                     target            = s.shared_model();
                  } else if (py::isinstance<py_model>(target_arg)) {
-                     target_model_ptr = target_arg.cast<const py_model &>().model;
+                     target = target_arg.cast<const py_model &>().model;
                  } else {
                      throw py::type_error(format("target must be a Model or a Session, got %s",
-                                                 py::str(py::type::of(target_arg).attr("__name__")).cast<std::string>().c_str()));
+                                                 type_name(target_arg).c_str()));
                  }
-                 const py_model target{target_model_ptr};
                  checked("n_ctx", n_ctx, 1, MAX_CTX);
                  checked("block_size", block_size, 0, dflash_draft::MAX_BLOCK_SIZE);
                  checked("window", window, 1, INT32_MAX);
@@ -536,16 +539,16 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  std::shared_ptr<const dflash_draft> draft;
                  if (py::isinstance<py_draft_model>(weights)) {
                      draft = weights.cast<const py_draft_model &>().model;
-                     if (&draft->target() != target.model.get()) {
+                     if (&draft->target() != target.get()) {
                          throw std::invalid_argument("the DraftModel was loaded for another target Model");
                      }
                  } else if (py::isinstance<py::str>(weights)) {
                      const std::string path = weights.cast<std::string>();
                      py::gil_scoped_release nogil;
-                     draft = std::make_shared<dflash_draft>(path, target.model);
+                     draft = std::make_shared<dflash_draft>(path, target);
                  } else {
                      throw py::type_error(format("draft must be a path (str) or a DraftModel, got %s",
-                                                 py::str(py::type::of(weights).attr("__name__")).cast<std::string>().c_str()));
+                                                 type_name(weights).c_str()));
                  }
                  draft_params params;
                  params.block         = (int) block_size;

@@ -42,9 +42,9 @@ class recurrent_state {
     int32_t                      ssm_row() const { return ssm_row_; }
     const std::vector<int32_t> & conv_rows() const { return conv_rows_; }  // oldest first
 
-    // chain evaluation of n tokens: the snapshots it keeps, the row of snapshot s (most recent first: the s-th
-    // row that is not the input row), and the first row of [window ‖ inputs] it writes back to the conv buffer
-    // states a chain evaluation of n tokens keeps: the last k tokens' (whole: it is committed whole, k = 1)
+    // chain evaluation of n tokens: the snapshots it keeps (the last k tokens' states; k = 1 when it is committed
+    // whole), the row of snapshot s (most recent first: the s-th row that is not the input row), and the first
+    // row of [window ‖ inputs] it writes back to the conv buffer
     int     n_snapshots(int n_tokens, bool whole = false) const {
         return whole ? 1 : std::min<int>(n_tokens, (int) n_rollback_);
     }

@@ -166,7 +166,7 @@ void session::rollback_pending() {
     if (pending_tree_) {
         rs_->commit_no_node();
     } else {
-        rs_->commit((int) pending_.size(), pending_snapshots_, 0);
+        rs_->commit((int) pending_.size(), cur_->key.ssm_snapshots, 0);
     }
 }
 
@@ -363,9 +363,8 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
         set_input(cur_->ring_slots, ring_rows.data(), 0, sizeof(int64_t) * n);
     }
     cur_->cache.compute("the target graph");
-    pending_           = std::move(tokens_by_slot);
-    pending_tree_      = tree;
-    pending_snapshots_ = key.ssm_snapshots;
+    pending_      = std::move(tokens_by_slot);
+    pending_tree_ = tree;
 
     // outputs, back in batch order (a reordered tree computed every row: keep what the caller asked for)
     const int n_rows = (int) cur_->argmax->ne[0];
@@ -483,7 +482,7 @@ void session::commit(const std::vector<int> & rows) {
         } else if (pending_tree_) {
             rs_->commit_node(slots[m - 1], conv_taps_.data() + (size_t) slots[m - 1] * (rs_->conv_window() + 1));
         } else {
-            rs_->commit(n, pending_snapshots_, m);  // a chain prefix: slots[d] == d
+            rs_->commit(n, cur_->key.ssm_snapshots, m);  // a chain prefix: slots[d] == d
         }
     }
     // the kept rows move to consecutive slots (below their sources, so the moves never form a cycle)

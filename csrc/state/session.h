@@ -198,7 +198,6 @@ class session {
     std::vector<int32_t>            conv_taps_;   // tree evals of recurrent models: [n, d_conv] per slot
     std::vector<int32_t>            slot_of_;     // batch row -> slot (empty: the identity)
     bool                            pending_tree_    = false;  // the last eval ran the tree graph
-    int                             pending_snapshots_ = 0;    // hybrid chains: states the last eval kept
     bool                            pending_parents_ = false;  // the last eval's batch was a tree
     int                             n_outputs_    = 0;
     int                             top_k_        = 0;
