@@ -5,6 +5,7 @@ from .errors import (
     ContextLengthExceededError,
     ConversionError,
     GGUFFormatError,
+    InsufficientMemoryError,
     ModelLoadError,
     PydflashError,
     UnsupportedModelError,
@@ -16,10 +17,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Model",
     "Completion",
+    "plan",
+    "MemoryPlan",
     "Tokenizer",
     "PydflashError",
     "ModelLoadError",
     "GGUFFormatError",
+    "InsufficientMemoryError",
     "UnsupportedModelError",
     "ContextLengthExceededError",
     "BackendError",
@@ -33,4 +37,8 @@ def __getattr__(name):
         from . import model
 
         return getattr(model, name)
+    if name in ("plan", "MemoryPlan"):
+        from . import memory_plan
+
+        return getattr(memory_plan, name)
     raise AttributeError(f"module 'pydflash' has no attribute {name!r}")

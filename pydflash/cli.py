@@ -6,6 +6,9 @@
                                                     the answer being written)
     pydflash bench MODEL.gguf [--draft D]           plain vs speculative decoding on built-in prompts
     pydflash serve MODEL.gguf [--draft D]           an OpenAI-compatible server (pip install "pydflash[server]")
+    pydflash plan MODEL.gguf [--draft D] [--vram 24GiB] [--json]
+                                                    the memory a configuration needs per device, and whether
+                                                    it fits (from the GGUFs' metadata; nothing is loaded)
 
 `pydflash generate MODEL PROMPT` is `run` with the prompt as a positional argument (the older spelling).
 """
@@ -167,6 +170,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .memory_plan import plan
+
+    memory = plan(args.model, args.draft, n_ctx=args.n_ctx, kv_type=args.kv_type, n_gpu_layers=args.n_gpu_layers,
+                  n_ubatch=args.n_ubatch, spec_mode=args.spec_mode, block_size=args.block_size,
+                  tree_budget=args.tree_budget, draft_window=args.draft_window, vram=args.vram, ram=args.ram)
+    if args.json:
+        print(json.dumps(memory.as_dict(), indent=2))
+    else:
+        c = memory.config
+        print(f"{c['model_path']}" + (f" + {c['draft_model_path']}" if c["draft_model_path"] else "") +
+              f": n_ctx {c['n_ctx']}, kv {c['kv_type']}, n_gpu_layers {c['n_gpu_layers']}, n_ubatch {c['n_ubatch']}"
+              + (f", {c['spec_mode']} (block {c['block_size']}, tree budget {c['tree_budget']})"
+                 if c["draft_model_path"] else ""))
+        print(memory.table())
+    return 0 if memory.fits is not False else 2
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import demo_prompts, run_demo
 
@@ -177,6 +200,10 @@ def _demo(args: argparse.Namespace) -> int:
     run_demo(prompts, max_tokens=args.max_tokens, n_threads=args.threads, block_size=args.block_size,
              realistic=not args.tiny_only, cache=args.cache_dir)
     return 0
+
+
+def _int_or_auto(text: str):
+    return text if text == "auto" else int(text)
 
 
 def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
@@ -246,6 +273,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a request body may take to arrive (408 after)")
     serve.add_argument("-a", "--alias", default=None, help="the model id clients see (default: the file name)")
     serve.set_defaults(func=_serve)
+    plan_cmd = sub.add_parser("plan", help="the memory a configuration needs on each device and whether it fits "
+                                           "(the GGUFs' metadata only: tensor data may be absent)")
+    plan_cmd.add_argument("model", help="path to a qwen3 / qwen35 GGUF")
+    plan_cmd.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF")
+    plan_cmd.add_argument("-c", "--n-ctx", type=int, default=4096)
+    plan_cmd.add_argument("--kv-type", default="f16")
+    plan_cmd.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="-1: all layers and the head")
+    plan_cmd.add_argument("-ub", "--n-ubatch", type=_int_or_auto, default="auto",
+                          help="prefill micro-batch (default auto: the largest Model may choose)")
+    plan_cmd.add_argument("-b", "--block-size", type=int, default=None)
+    plan_cmd.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto")
+    plan_cmd.add_argument("--tree-budget", type=int, default=None)
+    plan_cmd.add_argument("--draft-window", type=int, default=4096)
+    plan_cmd.add_argument("--vram", default=None, help="GPU memory to fit in, e.g. 24GiB (default: the GPU's free "
+                                                       "memory, when this machine has one)")
+    plan_cmd.add_argument("--ram", default=None, help="system memory to fit in (default: what is available)")
+    plan_cmd.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    plan_cmd.set_defaults(func=_plan)
     demo = sub.add_parser("demo", help="speculative vs plain decoding on the embedded trained pair (no download)")
     demo.add_argument("prompt", nargs="?", default=None, help="a prompt (default: held-out code prompts)")
     demo.add_argument("-n", "--max-tokens", type=int, default=128)

@@ -12,6 +12,7 @@ __all__ = [
     "BackendError",
     "ConversionError",
     "ModelBusyError",
+    "InsufficientMemoryError",
 ]
 
 
@@ -38,6 +39,16 @@ class ContextLengthExceededError(PydflashError, ValueError):
         super().__init__(message)
         self.n_tokens = n_tokens
         self.n_ctx = n_ctx
+
+
+class InsufficientMemoryError(ModelLoadError, ContextLengthExceededError):
+    """A configuration's memory plan (pydflash.plan) exceeds what a device has: raised by Model(...) before it
+    loads anything. `plan` holds the breakdown, its shortfall() and suggestions (what would fit instead). Also a
+    ContextLengthExceededError, which a context too large for memory always was."""
+
+    def __init__(self, message: str, plan=None):
+        ContextLengthExceededError.__init__(self, message, None, plan.config["n_ctx"] if plan else None)
+        self.plan = plan
 
 
 class BackendError(PydflashError):

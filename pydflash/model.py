@@ -17,10 +17,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from . import _core
+from . import _core, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
-from .errors import ContextLengthExceededError, ModelBusyError, ModelLoadError
+from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
+from .memory_plan import KV_TYPES, MAX_TREE_BUDGET, SPEC_MODES, engine_config, plan
 from .tokenizer import Tokenizer
 
 __all__ = ["Model", "Completion"]
@@ -37,15 +38,6 @@ _core.set_log_callback(_forward_core_log)
 # drop the callback before the interpreter goes away: the core holds a reference to it in a static
 atexit.register(_core.set_log_callback, None)
 
-KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
-SPEC_MODES = ("auto", "tree", "chain")
-# tree / auto: candidates the drafter returns per position (DDTree's K; trees rarely take a sibling ranked lower)
-DRAFT_TOP_K = 8
-# the most draft nodes one verify may hold (a verify of 64 tokens)
-MAX_TREE_BUDGET = 63
-# hybrid targets keep one recurrent state per verified node: by default auto's trees stay within this share of
-# the weights' memory (or 512 MiB, whichever is more)
-TREE_STATE_SHARE = 0.25
 
 
 @dataclass
@@ -185,6 +177,11 @@ class Model:
 
     >>> with pydflash.Model("qwen3.gguf", n_ctx=2048) as m:
     ...     print(m.generate("def fib(n):", max_tokens=32).text)
+
+    n_ubatch: the prefill micro-batch; "auto" measures which size is fastest on this machine at the first long
+    prompt (pydflash/ubatch.py). delta_net (Qwen3.5 targets): how prefill micro-batches run the delta rule,
+    "fused" (ggml's op), "chunked" (stock ops) or "auto" (fused where the backend has it). A configuration that
+    does not fit in memory is refused before anything loads (InsufficientMemoryError; see pydflash.plan).
     """
 
     def __init__(
@@ -195,7 +192,7 @@ class Model:
         n_gpu_layers: int = 0,
         n_threads: int | None = None,
         kv_type: str = "f16",
-        n_ubatch: int = 512,
+        n_ubatch: int | str = "auto",
         draft_model_path: str | os.PathLike | None = None,
         block_size: int | None = None,
         spec_mode: str = "auto",
@@ -205,6 +202,7 @@ class Model:
         seed: int | None = None,
         verbose: bool = False,
         progress: bool = False,
+        delta_net: str = "auto",
     ):
         if not isinstance(model_path, (str, os.PathLike)):
             raise TypeError(f"model_path must be a str or os.PathLike, got {type(model_path).__name__}")
@@ -214,6 +212,12 @@ class Model:
         n_gpu_layers = int_arg("n_gpu_layers", n_gpu_layers, -1)
         n_threads = optional_int_arg("n_threads", n_threads, 1)
         # a micro-batch never holds more than the context (nor sizes the feature ring beyond it)
+        # "auto": the fastest per token of ubatch.candidates, measured on the first long prompt (pydflash/ubatch.py);
+        # until then (and for the memory plan, the feature ring's rows) the largest
+        self._ubatch_sizes = None
+        if n_ubatch == "auto":
+            self._ubatch_sizes = ubatch.candidates(n_ctx)
+            n_ubatch = max(self._ubatch_sizes)
         n_ubatch = min(int_arg("n_ubatch", n_ubatch, 1, 2**30), n_ctx)
         block_size = optional_int_arg("block_size", block_size, 2, 256)
         tree_budget = optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET)
@@ -224,6 +228,7 @@ class Model:
         choice_arg("kv_type", kv_type, KV_TYPES)
         choice_arg("spec_mode", spec_mode, SPEC_MODES)
         choice_arg("tree_seed", tree_seed, ("chain", "best_first"))
+        choice_arg("delta_net", delta_net, ("auto", "fused", "chunked"))
         self.model_path = os.fspath(model_path)
         if verbose:
             logger.setLevel(logging.DEBUG)
@@ -231,12 +236,15 @@ class Model:
                 logger.addHandler(logging.StreamHandler())
         if not os.path.exists(self.model_path):
             raise ModelLoadError(f"{self.model_path}: no such file")
+        self._refuse_if_short(draft_model_path, n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers,
+                              n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
+                              tree_budget=tree_budget, draft_window=draft_window)
         self.seed = seed  # the default of sampled calls (None: a fresh seed per call)
         self.kv_type = kv_type
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
         with _LoadBar(self.model_path, progress) as bar:
             self._model = _core.Model(self.model_path, n_gpu_layers=n_gpu_layers, n_threads=n_threads or 0,
-                                      progress=bar.update)
+                                      progress=bar.update, delta_net=delta_net)
         if self.tokenizer.n_vocab > self._model.n_vocab:
             raise ModelLoadError(
                 f"{self.model_path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
@@ -247,32 +255,22 @@ class Model:
                     kv_bytes / 2**20)
         self.draft_model_path = None
         self._draft_model = None
-        self._draft_config: dict = {}
-        n_rollback = 16
         self.spec_mode = spec_mode
         self.tree_seed = tree_seed
-        self.tree_budget = None
         if draft_model_path is not None:
             self.draft_model_path = os.fspath(draft_model_path)
-            if not os.path.exists(self.draft_model_path):
-                raise ModelLoadError(f"{self.draft_model_path}: no such file")
             with _LoadBar(self.draft_model_path, progress) as bar:
                 self._draft_model = _core.DraftModel(self._model, self.draft_model_path, progress=bar.update)
-            # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify (a chain's
-            # block, or a tree's root and nodes)
-            max_verify = 0 if spec_mode == "chain" else 1 + (tree_budget or MAX_TREE_BUDGET)
-            self._draft_config = dict(n_ctx=n_ctx, block_size=block_size or 0, window=draft_window,
-                                      ring_capacity=max(n_ubatch, max_verify),
-                                      top_k=1 if spec_mode == "chain" else DRAFT_TOP_K,
-                                      with_logprobs=spec_mode != "chain", max_verify=max_verify)
-            block = block_size or self._draft_model.block_size
-            self.tree_budget = tree_budget or self._default_tree_budget(block)
-            # a hybrid target keeps the state of every token (chain) or node (tree) of a verify
-            n_rollback = max(n_rollback, block, 1 + self.tree_budget if spec_mode != "chain" else 0)
-        elif block_size is not None or tree_budget is not None:
-            raise ValueError("block_size and tree_budget need a draft model (draft_model_path)")
-        self._session_config = dict(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch,
-                                    n_rollback=n_rollback)
+        config = engine_config(self._model, self._draft_model, n_ctx=n_ctx, kv_type=kv_type, n_ubatch=n_ubatch,
+                               block_size=block_size, spec_mode=spec_mode, tree_budget=tree_budget,
+                               draft_window=draft_window)
+        self.tree_budget = config.tree_budget
+        self._draft_config = config.draft or {}
+        self._session_config = config.session
+        self._ubatch_key = None
+        if self._ubatch_sizes is not None:
+            self._ubatch_key = ubatch.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
+                                                n_gpu_layers, self._ubatch_sizes)
         self._open_session(log=True)
 
     def _open_session(self, log: bool = False) -> None:
@@ -297,6 +295,19 @@ class Model:
                             self._draft.kv_bytes / 2**20, self._draft.ring_capacity, self._draft.ring_bytes / 2**20)
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
+        self._ubatch_pending = self._ubatch_sizes is not None
+
+    def _choose_ubatch(self, tokens: list[int]) -> None:
+        """n_ubatch "auto": before the first prefill that needs more than one of the smallest micro-batches,
+        measure (or read from the disk cache) which size is fastest here, and keep it for this session."""
+        if not self._ubatch_pending or len(tokens) <= min(self._ubatch_sizes):
+            return
+        self._ubatch_pending = False
+        size, measured = ubatch.calibrate(self._session, self._draft, tokens, self._ubatch_sizes, self._ubatch_key)
+        self._session.n_ubatch = size
+        if measured:
+            logger.info("%s: prefill micro-batch %d (ms per token: %s)", self.model_path, size,
+                        ", ".join(f"{k}: {v:.3f}" for k, v in sorted(measured.items())))
 
     def new_session(self) -> "Model":
         """Another Model over the same loaded weights (target, drafter, tokenizer) with a session of its own:
@@ -310,19 +321,24 @@ class Model:
         other._open_session()
         return other
 
-    def _default_tree_budget(self, block: int) -> int:
-        """Draft nodes per verify when tree_budget is not given: tree mode verifies four blocks' worth; auto may
-        go up to 63, on hybrid targets only as far as the per-node recurrent states stay within
-        max(512 MiB, a quarter of the weights)."""
-        if self.spec_mode == "chain":
-            return block - 1
-        budget = 4 * (block - 1) if self.spec_mode == "tree" else MAX_TREE_BUDGET
-        budget = min(budget, MAX_TREE_BUDGET)
-        if self._model.is_recurrent:
-            per_node = self._model.recurrent_bytes_for(2) - self._model.recurrent_bytes_for(1)
-            allowed = max(512 * 2**20, TREE_STATE_SHARE * self._model.weight_bytes)
-            budget = max(block - 1, min(budget, int(allowed // per_node) - 2))
-        return budget
+    def _refuse_if_short(self, draft_model_path, **config) -> None:
+        """Plan this configuration (pydflash.plan: the GGUFs' metadata, nothing loaded) and raise
+        InsufficientMemoryError, naming the device, the shortfall and what would fit, if it needs more than the
+        system's available memory or the GPU's free memory (compute buffers measured over the whole context's
+        graphs: a smaller window's may need a few percent more)."""
+        if draft_model_path is not None and not os.path.exists(draft_model_path):
+            raise ModelLoadError(f"{os.fspath(draft_model_path)}: no such file")
+        if "gpu_free" not in _core.device_memory():
+            config["n_gpu_layers"] = 0  # no GPU: the load keeps every layer on the CPU (and says so)
+        # the whole context's graphs only (sweep=False): a few ms, where the windows' sweep could take seconds
+        memory = plan(self.model_path, draft_model_path, sweep=False, **config)
+        if memory.fits is False:
+            short = ", ".join(f"{d.upper()} needs {memory.total(d) / 2**20:.1f} MiB, {memory.budget[d] / 2**20:.1f} "
+                              f"MiB available ({n / 2**20:.1f} MiB short)" for d, n in memory.shortfall().items())
+            parts = ", ".join(f"{c} {sum(memory.bytes[c].values()) / 2**20:.1f} MiB" for c in memory.bytes)
+            fix = "; ".join(f"{k}={v!r}" for k, v in memory.suggestions.items()) or "none found"
+            raise InsufficientMemoryError(f"{self.model_path}: this configuration does not fit: {short} ({parts}). "
+                                          f"Would fit instead: {fix}", memory)
 
     @classmethod
     def demo(cls, **kwargs) -> "Model":
@@ -334,10 +350,32 @@ class Model:
         kwargs.setdefault("draft_model_path", draft)
         return cls(target, **kwargs)
 
+    def memory(self) -> dict:
+        """Bytes allocated now, by category and device, in the shape `pydflash.plan(...)` plans them:
+        {"weights" | "kv" | "recurrent" | "ring" | "draft" | "compute": {"cpu": n, "gpu": n}}. Compute buffers
+        grow to the largest graph run so far (the plan's figure is the largest this configuration can run)."""
+        self._check_open()
+
+        def add(*pairs):
+            return {"cpu": sum(p[0] for p in pairs), "gpu": sum(p[1] for p in pairs)}
+
+        none = (0, 0)
+        draft = self._draft
+        return {"weights": add(self._model.weight_memory), "kv": add(self._session.kv_memory),
+                "recurrent": add(self._session.recurrent_memory),
+                "ring": add(draft.ring_memory if draft else none),
+                "draft": add(self._draft_model.weight_memory if draft else none, draft.kv_memory if draft else none),
+                "compute": add(self._session.compute_memory, draft.compute_memory if draft else none)}
+
     # ---- properties ----
     @property
     def n_ctx(self) -> int:
         return self._session.n_ctx
+
+    @property
+    def n_ubatch(self) -> int:
+        """The prefill micro-batch (with n_ubatch="auto": the largest candidate until the first long prompt)."""
+        return self._session.n_ubatch
 
     @property
     def n_vocab(self) -> int:
@@ -576,6 +614,7 @@ class Model:
                 if sampling.get("logprobs") is not None:
                     result["logprobs"] = {"token_logprobs": [], "top_logprobs": []}
                 return result
+            self._choose_ubatch(tokens)
             result = self._session.generate(tokens, max_tokens=max_tokens,
                                             stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
                                             draft=self._draft if speculative else None, spec_mode=self.spec_mode,

@@ -271,3 +271,102 @@ def test_draft_top_k_logprobs_match_the_pytorch_reference(pair):
         # the same set, up to entries the reference itself cannot tell apart
         for tok, lp in zip(ids[pos], lps[pos]):
             assert tok in ref_ids[:k].tolist() or abs(float(lp) - float(ref_vals[k - 1])) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def swa_pair(tmp_path_factory):
+    """A qwen3 target and a drafter whose first layer attends a sliding window of 6 positions (z-lab config:
+    use_sliding_window, sliding_window, layer_types), f32."""
+    root = tmp_path_factory.mktemp("swa")
+    target_dir = make_qwen3_shape(root / "target", "gqa4x2_hd64", seed=5)
+    target = convert_hf_to_gguf(target_dir, root / "target.gguf", outtype="f32", progress=False)
+    draft_dir = make_dflash_checkpoint(root / "draft", target_dir, target_layer_ids=[0], seed=3, extra_config={
+        "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 0,
+        "layer_types": ["sliding_attention", "full_attention"]})
+    draft = convert_hf_to_gguf(draft_dir, root / "draft.gguf", outtype="f32", target_model_dir=target_dir,
+                               progress=False)
+    return target, draft, target_dir, draft_dir
+
+
+def _reference_block_logits(target_dir, draft_model, prompt, n):
+    import torch
+    import transformers
+
+    from dflash_ref import extract_features
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = target(torch.tensor([prompt]), output_hidden_states=True)
+        feats = extract_features(out.hidden_states, draft_model.target_layer_ids)
+        anchor = int(out.logits[0, -1].argmax())
+        block = torch.tensor([[anchor] + [draft_model.mask_token_id] * n])
+        return target, feats, anchor, block
+
+
+def _assert_draft_matches(target_gguf, draft_gguf, feats, anchor, ref):
+    """Our one draft call over the context features `feats` [1, P, n_ext*E] against reference logits `ref`
+    [B-1, V]: the same greedy proposals, but where the reference itself is tied."""
+    import torch
+
+    P = feats.shape[1]
+    ours = _core.DraftSession(_core.Model(str(target_gguf)), str(draft_gguf), n_ctx=256).draft(
+        feats[0].numpy(), np.arange(P, dtype=np.int32), anchor, P)
+    top2 = torch.topk(ref, 2).values
+    for k, (a, b) in enumerate(zip(ours, ref.argmax(-1).tolist())):
+        assert a == b or float(top2[k, 0] - top2[k, 1]) < 1e-3, (k, a, b)
+
+
+def test_sliding_window_draft_follows_its_metadata(swa_pair):
+    """dflash.attention.sliding_window + sliding_window_pattern: the sliding layer's block queries see the last
+    6 positions, causally (z-lab's default for sliding layers), the full layer everything. Our proposals
+    against the reference drafter given the same config; the same reference run with the window switched off
+    proposes differently, so the window is what is being matched."""
+    import torch
+
+    from dflash_ref import DFlashDraftModel
+
+    target_gguf, draft_gguf, target_dir, draft_dir = swa_pair
+    meta = _core.gguf_metadata(str(draft_gguf), ["dflash.attention.sliding_window",
+                                                 "dflash.attention.sliding_window_pattern"])
+    assert meta["dflash.attention.sliding_window"][2] == 6
+    assert list(meta["dflash.attention.sliding_window_pattern"][2]) == [True, False]
+    prompt, n = PROMPTS[3], 15
+    P = len(prompt)
+    draft = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    target, feats, anchor, block = _reference_block_logits(target_dir, draft, prompt, n)
+    positions = torch.arange(0, P + n + 1)[None]
+    with torch.no_grad():
+        emb = target.get_input_embeddings()(block)
+        ref = target.get_output_embeddings()(draft(emb, feats, positions))[0, 1:]
+        draft.config.use_sliding_window = False
+        full = DFlashDraftModel(draft.config)
+        full.load_state_dict(draft.state_dict())
+        unwindowed = target.get_output_embeddings()(full.eval()(emb, feats, positions))[0, 1:]
+    assert ref.argmax(-1).tolist() != unwindowed.argmax(-1).tolist()
+    _assert_draft_matches(target_gguf, draft_gguf, feats, anchor, ref)
+
+
+def test_sliding_window_draft_against_zlab_dflash(swa_pair):
+    """The same against z-lab's own drafter (dflash 0.1.0 from PyPI, when installed: its dependencies pin
+    datasets/requests/tqdm, so it is not in the test extra)."""
+    dflash = pytest.importorskip("dflash")
+    import torch
+
+    target_gguf, draft_gguf, target_dir, draft_dir = swa_pair
+    zlab = dflash.DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    prompt, n = PROMPTS[3], 15
+    P = len(prompt)
+    target, feats, anchor, block = _reference_block_logits(target_dir, zlab, prompt, n)
+    with torch.no_grad():
+        h = zlab(position_ids=torch.arange(0, P + n + 1)[None], noise_embedding=target.get_input_embeddings()(block),
+                 target_hidden=feats)
+        ref = target.get_output_embeddings()(h)[0, 1:]
+    _assert_draft_matches(target_gguf, draft_gguf, feats, anchor, ref)
+
+
+def test_sliding_window_draft_stays_lossless(swa_pair):
+    target_gguf, draft_gguf, _, _ = swa_pair
+    for mode in ("chain", "tree"):
+        for prompt in PROMPTS:
+            assert generate(target_gguf, prompt, 40, draft=draft_gguf, spec_mode=mode).tokens == \
+                generate(target_gguf, prompt, 40).tokens

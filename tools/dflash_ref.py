@@ -94,9 +94,28 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+def sliding_window_mask(position_ids: torch.Tensor, q_len: int, window: int, causal: bool) -> torch.Tensor:
+    """A sliding-window layer's mask, as z-lab's dflash 0.1.0 trains it (`_attention_mask`): a query at
+    position q sees a key at p iff q - p < window, and p <= q (causal) or p - q < window (not). Positions are
+    the given ones (context rows, then the block), so a context cut to its last rows keeps its positions.
+    position_ids [N, C+Q] -> bool [N, 1, Q, C+Q], True = visible."""
+    q = position_ids[:, -q_len:, None]
+    k = position_ids[:, None, :]
+    visible = (q - k) < window
+    visible &= (k <= q) if causal else (k - q) < window
+    return visible[:, None]
+
+
 class DFlashAttention(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, layer_idx: int = 0):
         super().__init__()
+        # z-lab: a "sliding_attention" layer attends a window and is causal unless the config says is_causal
+        types = getattr(config, "layer_types", None)
+        sliding = bool(getattr(config, "use_sliding_window", False)) and types is not None and \
+            types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if sliding else None
+        is_causal = getattr(config, "is_causal", None)
+        self.swa_causal = True if is_causal is None else bool(is_causal)
         self.head_dim = config.head_dim
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
@@ -109,9 +128,12 @@ class DFlashAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # h: [N, Q, H] normed block states; ctx: [N, C, H] fused context; cos/sin: [N, C+Q, head_dim]
         n, q_len, _ = h.shape
+        if self.sliding_window is not None:
+            swa = sliding_window_mask(position_ids, q_len, self.sliding_window, self.swa_causal)
+            mask = swa if mask is None else mask & swa
         c_len = ctx.shape[1]
         q = self.q_norm(self.q_proj(h).view(n, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         kv_in = torch.cat([ctx, h], dim=1)                                   # context rows first, then the block
@@ -125,16 +147,16 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = DFlashAttention(config)
+        self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, h, ctx, cos, sin, mask):
+    def forward(self, h, ctx, cos, sin, mask, position_ids=None):
         # the input norm applies to the block only; ctx already went through hidden_norm
-        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, mask)
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, mask, position_ids)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -147,7 +169,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.target_layer_ids = list(draft_value(config, "target_layer_ids"))
         self.mask_token_id = int(draft_value(config, "mask_token_id"))
         self.block_size = int(draft_value(config, "block_size", 16))
@@ -167,7 +189,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         h = noise_embedding
         for layer in self.layers:
-            h = layer(h, ctx, cos, sin, attention_mask)
+            h = layer(h, ctx, cos, sin, attention_mask, position_ids)
         return self.norm(h)
 
 

@@ -18,6 +18,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <algorithm>
 #include <map>
 
 namespace py = pybind11;
@@ -310,6 +311,19 @@ static py::array_t<float> f32_rows(const ggml_tensor * t, const std::vector<int3
     return out;
 }
 
+// (CPU bytes, GPU bytes)
+static std::pair<size_t, size_t> as_pair(const device_bytes & n) {
+    return {n.cpu, n.gpu};
+}
+
+static py::list placement_list(const std::vector<weights::placed> & placed) {
+    py::list out;
+    for (const auto & p : placed) {
+        out.append(py::make_tuple(p.name, p.on_gpu ? "gpu" : "cpu", p.buffer_type));
+    }
+    return out;
+}
+
 PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
     m.doc() = "pydflash core (C++/ggml); use the pydflash package, not this module";
     register_errors(m);
@@ -468,12 +482,38 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
         "auto's per-round choice (spec/proposer.h) with the given costs and an untrained acceptance model.");
 
+    m.def("device_memory", []() {
+        py::dict out;
+        out["cpu_free"] = host_available_memory();
+        if (ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU)) {
+            size_t free = 0, total = 0;
+            ggml_backend_dev_memory(dev, &free, &total);
+            out["gpu_name"]  = std::string(ggml_backend_dev_name(dev)) + " (" + ggml_backend_dev_description(dev) + ")";
+            out["gpu_free"]  = free;
+            out["gpu_total"] = total;
+        }
+        return out;
+    }, "Memory this process may use: the system's available bytes, and the first GPU's free and total bytes "
+       "(keys absent without a GPU).");
+
     py::class_<py_model>(m, "Model")
-        .def(py::init([](const std::string & path, int64_t n_gpu_layers, int64_t n_threads, py::object progress) {
+        .def(py::init([](const std::string & path, int64_t n_gpu_layers, int64_t n_threads, py::object progress,
+                         bool plan_only, const std::string & delta_net) {
                  model_params p;
                  p.n_gpu_layers = (int) checked("n_gpu_layers", n_gpu_layers, -1, INT32_MAX);
                  p.n_threads    = (int) checked("n_threads", n_threads, 0, INT32_MAX);
                  p.progress     = progress_callback(progress);
+                 p.plan_only    = plan_only;
+                 if (delta_net == "auto") {
+                     p.delta_net = delta_net_form::automatic;
+                 } else if (delta_net == "fused") {
+                     p.delta_net = delta_net_form::fused;
+                 } else if (delta_net == "chunked") {
+                     p.delta_net = delta_net_form::chunked;
+                 } else {
+                     throw std::invalid_argument(format("delta_net = '%s', expected 'auto', 'fused' or 'chunked'",
+                                                        delta_net.c_str()));
+                 }
                  std::unique_ptr<target_model> loaded;
                  {
                      py::gil_scoped_release nogil;
@@ -482,7 +522,20 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                  return py_model{std::shared_ptr<const target_model>(std::move(loaded))};
              }),
              py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("n_threads") = 0, py::arg("progress") = py::none(),
-             "progress: called as progress(bytes read, bytes in all) while the weights load.")
+             py::arg("plan_only") = false, py::arg("delta_net") = "auto",
+             "progress: called as progress(bytes read, bytes in all) while the weights load. plan_only: for a memory "
+             "plan (pydflash.plan): the GGUF's metadata only, buffers that reserve address space only, layers "
+             "placeable on a GPU this machine lacks; sessions over it measure graphs and cannot run them. delta_net "
+             "(hybrid targets): how prefill micro-batches run the delta rule: 'fused' (ggml_gated_delta_net), "
+             "'chunked' (stock ops, models/delta_net.h) or 'auto' (fused where the backend has the op).")
+        .def_property_readonly("plan_only", [](const py_model & m) { return m.model->devices().plan_only(); })
+        .def_property_readonly("n_gpu_layers", [](const py_model & m) { return m.model->devices().n_gpu_layers(); },
+                               "Layers of [0 .. n_layer] on the GPU (the output head counts as layer n_layer).")
+        .def_property_readonly("weight_memory", [](const py_model & m) { return as_pair(m.model->weight_memory()); },
+                               "(CPU bytes, GPU bytes) of the weight buffers.")
+        .def_property_readonly("placement", [](const py_model & m) { return placement_list(m.model->weight_placement()); },
+                               "Where each weight went: [(tensor name, 'cpu' or 'gpu', buffer type name)] (a tied "
+                               "head's copy is listed under token_embd.weight too).")
         .def_property_readonly("arch", [](const py_model & m) { return m.model->info().arch; })
         .def_property_readonly("n_vocab", [](const py_model & m) { return m.model->info().n_vocab; })
         .def_property_readonly("n_embd", [](const py_model & m) { return m.model->info().n_embd; })
@@ -511,7 +564,11 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
              py::arg("target"), py::arg("path"), py::arg("progress") = py::none(), py::keep_alive<1, 2>(),
              "DFlash draft weights for `target`, to share between DraftSessions (one per target session).")
         .def_property_readonly("block_size", [](const py_draft_model & d) { return d.model->block_size(); })
-        .def_property_readonly("weight_bytes", [](const py_draft_model & d) { return d.model->weight_bytes(); });
+        .def_property_readonly("weight_bytes", [](const py_draft_model & d) { return d.model->weight_bytes(); })
+        .def_property_readonly("weight_memory", [](const py_draft_model & d) { return as_pair(d.model->weight_memory()); })
+        .def_property_readonly("placement", [](const py_draft_model & d) {
+            return placement_list(d.model->weight_placement());
+        });
 
     py::class_<py_draft>(m, "DraftSession")
         .def(py::init([](const py::object & target_arg, const py::object & weights, int64_t n_ctx,
@@ -595,6 +652,20 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def_property_readonly("top_k", [](const py_draft & d) { return d.session->top_k(); })
         .def_property_readonly("ring_capacity", [](py_draft & d) { return d.session->ring().capacity(); })
         .def_property_readonly("ring_bytes", [](py_draft & d) { return d.session->ring().n_bytes(); })
+        .def_property_readonly("kv_memory", [](const py_draft & d) { return as_pair(d.session->kv_memory()); })
+        .def_property_readonly("ring_memory", [](const py_draft & d) { return as_pair(d.session->ring_memory()); })
+        .def_property_readonly("compute_memory", [](const py_draft & d) { return as_pair(d.session->compute_memory()); },
+                               "(CPU bytes, GPU bytes) of the compute buffer its graphs share, as allocated so far.")
+        .def("measure_compute", [](py_draft & d, int64_t n_rows, int64_t n_block, int64_t n_kv) {
+                 return d.session->measure((int) checked("n_rows", n_rows, 0, INT32_MAX),
+                                           (int) checked("n_block", n_block, 0, INT32_MAX),
+                                           (int) checked("n_kv", n_kv, 0, INT32_MAX));
+             }, py::arg("n_rows"), py::arg("n_block"), py::arg("n_kv"),
+             "Compute buffer bytes of the graph appending n_rows context rows (0 or one of append_row_counts) and "
+             "drafting n_block positions over n_kv cache slots (ggml's allocator; nothing allocated).")
+        .def_property_readonly_static("append_row_counts", [](py::object) { return draft_session::append_row_counts(); })
+        .def_property_readonly_static("window_step", [](py::object) { return draft_session::window_step(); })
+        .def_property_readonly("n_slots", [](const py_draft & d) { return d.session->n_slots(); })
         .def(
             "costs",
             [](const py_draft & d) {
@@ -692,6 +763,87 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def_property_readonly("n_rollback", &session::n_rollback)
         .def_property_readonly("kv_bytes", &session::kv_bytes)
         .def_property_readonly("recurrent_bytes", &session::recurrent_bytes)
+        .def_property("n_ubatch", &session::n_ubatch,
+                      [](session & s, int64_t n) { s.set_n_ubatch((uint32_t) checked("n_ubatch", n, 1, MAX_CTX)); },
+                      "The prefill micro-batch; setting it forgets the prompt cache's marks.")
+        .def(
+            "time_prefill",
+            [](session & s, py::object tokens_in, std::vector<int> sizes, py_draft * draft, int64_t reps) {
+                const std::vector<int32_t> tokens = int32_array("tokens", tokens_in);
+                checked("reps", reps, 1, 100);
+                py::gil_scoped_release nogil;
+                if (draft) {
+                    dflash_proposer dp(*draft->session, *draft->state, spec_params{}, s.is_recurrent());
+                    return time_prefill_microbatches(s, dp, tokens, sizes, (int) reps);
+                }
+                plain_proposer pp;
+                return time_prefill_microbatches(s, pp, tokens, sizes, (int) reps);
+            },
+            py::arg("tokens"), py::arg("sizes"), py::arg("draft") = nullptr, py::arg("reps") = 1,
+            "Milliseconds per token of a prefill micro-batch of each size (evaluations of the first `size` tokens "
+            "into an empty cache, as a prefill with `draft` capturing runs them); the session is left empty.")
+        .def(
+            "ssm_state",
+            [](const session & s, int64_t il) {
+                const recurrent_state * rs = s.recurrent();
+                if (!rs) {
+                    throw std::invalid_argument("ssm_state: the model has no recurrent layers");
+                }
+                const model_info & info = s.model().info();
+                const auto it = std::find_if(info.recurrent_layers.begin(), info.recurrent_layers.end(),
+                                             [il](const recurrent_layer_desc & l) { return l.il == il; });
+                if (it == info.recurrent_layers.end()) {
+                    throw std::out_of_range(format("ssm_state: layer %lld is not a recurrent layer",
+                                                   (long long) il));
+                }
+                ggml_tensor *             t = rs->ssm((int) il);
+                py::array_t<float>        out(it->ssm_size);
+                ggml_backend_tensor_get(t, out.mutable_data(), (size_t) rs->ssm_row() * t->nb[1],
+                                        it->ssm_size * sizeof(float));
+                return out;
+            },
+            py::arg("layer"), "The committed gated-delta-net state of a recurrent layer ([S*S*H_v] floats, the "
+                              "fused op's layout).")
+        .def_property_readonly("kv_memory", [](const session & s) { return as_pair(s.kv_memory()); })
+        .def_property_readonly("recurrent_memory", [](const session & s) { return as_pair(s.recurrent_memory()); })
+        .def_property_readonly("compute_memory", [](const session & s) { return as_pair(s.compute_memory()); },
+                               "(CPU bytes, GPU bytes) of the compute buffer its graphs share, as allocated so far.")
+        .def(
+            "measure_eval",
+            [](session & s, int64_t n_tokens, int64_t n_kv, std::vector<int> tree_levels, bool whole, bool all_rows,
+               bool logits, const py::object & draft) {
+                checked("n_tokens", n_tokens, 1, (int64_t) s.n_ctx());
+                if (n_kv == 0) {
+                    n_kv = s.n_ctx();
+                }
+                checked("n_kv", n_kv, n_tokens, (int64_t) s.n_ctx());
+                int64_t in_levels = 0;
+                for (int l : tree_levels) {
+                    checked("tree_levels entry", l, 1, n_tokens);
+                    in_levels += l;
+                }
+                if (!tree_levels.empty() && in_levels != n_tokens) {
+                    throw std::invalid_argument(format("tree_levels hold %lld nodes, n_tokens = %lld",
+                                                       (long long) in_levels, (long long) n_tokens));
+                }
+                std::vector<int> capture;
+                feature_ring *   ring = nullptr;
+                if (!draft.is_none()) {
+                    py_draft & d = draft.cast<py_draft &>();
+                    capture      = d.session->model().capture_layers();
+                    ring         = &d.session->ring();
+                }
+                const readout what{all_rows, logits, 0};
+                py::gil_scoped_release nogil;
+                return s.measure_eval((int) n_tokens, (int) n_kv, tree_levels, whole, what, capture, ring);
+            },
+            py::arg("n_tokens"), py::arg("n_kv") = 0, py::arg("tree_levels") = std::vector<int>{},
+            py::arg("whole") = false,
+            py::arg("all_rows") = true, py::arg("logits") = true, py::arg("draft") = py::none(),
+            "Compute buffer bytes of an evaluation of n_tokens over a window of n_kv cache slots (0: the whole "
+            "context; a chain, or a tree of tree_levels nodes per depth), capturing into `draft`'s ring as a "
+            "speculative eval does: ggml's allocator over its graph, nothing allocated.")
+        .def_property_readonly_static("kv_window_step", [](py::object) { return session::KV_WINDOW_STEP; })
         .def_property_readonly("tokens", &session::tokens)
         .def_property_readonly("argmax", &session::argmax, "The greedy pick of each row read by the last eval.")
         .def(

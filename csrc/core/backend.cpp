@@ -1,6 +1,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/planned_buffer.h"
 
 #include "ggml-cpu.h"
 
@@ -44,7 +45,8 @@ static int usable_cores() {
     return (int) std::max(1u, std::thread::hardware_concurrency());
 }
 
-backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_layer) {
+backends::backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only)
+    : n_layer_(n_layer), plan_only_(plan_only) {
     if (n_threads < 0) {
         throw std::invalid_argument(format("n_threads = %d, expected 0 (all usable cores) or a positive count",
                                            n_threads));
@@ -75,12 +77,12 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer) : n_layer_(n_la
     }
 
     gpu_dev_ = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-    if (n_gpu_layers != 0 && !gpu_dev_) {
+    if (n_gpu_layers != 0 && !gpu_dev_ && !plan_only) {
         PDF_LOG_WARN("n_gpu_layers=%d ignored: no GPU device (a CPU-only build of pydflash, or its GPU backend "
                      "found no usable device or driver)", n_gpu_layers);
         n_gpu_layers = 0;
     }
-    if (n_gpu_layers != 0) {
+    if (n_gpu_layers != 0 && !plan_only) {
         // started once here so that a device that cannot start fails the load, not a later session
         ggml_backend_t probe = ggml_backend_dev_init(gpu_dev_, nullptr);
         if (!probe) {
@@ -118,21 +120,34 @@ static bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_typ
 }
 
 ggml_backend_buffer_type_t backends::weight_buft(int il, weight_use use, ggml_tensor * w) const {
+    ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
     if (on_gpu(il)) {
-        return ggml_backend_dev_buffer_type(gpu_dev_);
-    }
-    if (use == WEIGHT_USE_MATMUL) {
-        for (ggml_backend_buffer_type_t buft : cpu_extra_bufts_) {
-            if (buft_supports_matmul(cpu_dev_, buft, w)) {
-                return buft;
+        buft = gpu_dev_ ? ggml_backend_dev_buffer_type(gpu_dev_) : nullptr;  // nullptr: a plan's absent GPU
+    } else if (use == WEIGHT_USE_MATMUL) {
+        for (ggml_backend_buffer_type_t extra : cpu_extra_bufts_) {
+            if (buft_supports_matmul(cpu_dev_, extra, w)) {
+                buft = extra;
+                break;
             }
         }
     }
-    return ggml_backend_cpu_buffer_type();
+    return plan_only_ ? planned_buft(buft, on_gpu(il)) : buft;
 }
 
 ggml_backend_buffer_type_t backends::state_buft(int il) const {
-    return on_gpu(il) ? ggml_backend_dev_buffer_type(gpu_dev_) : ggml_backend_cpu_buffer_type();
+    ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
+    if (on_gpu(il)) {
+        buft = gpu_dev_ ? ggml_backend_dev_buffer_type(gpu_dev_) : nullptr;
+    }
+    return plan_only_ ? planned_buft(buft, on_gpu(il)) : buft;
+}
+
+device_bytes bytes_by_device(const std::vector<ggml_backend_buffer_t> & buffers) {
+    device_bytes n;
+    for (ggml_backend_buffer_t b : buffers) {
+        (buffer_on_gpu(b) ? n.gpu : n.cpu) += ggml_backend_buffer_get_size(b);
+    }
+    return n;
 }
 
 compute_backends::compute_backends(const backends & devices) {
@@ -183,12 +198,7 @@ ggml_backend_sched_t compute_backends::new_sched(size_t graph_size) const {
     return ggml_backend_sched_new(list.data(), nullptr, (int) list.size(), graph_size, false, true);
 }
 
-size_t backends::free_memory(int il) const {
-    size_t free = 0, total = 0;
-    if (on_gpu(il)) {
-        ggml_backend_dev_memory(gpu_dev_, &free, &total);
-        return free;
-    }
+size_t host_available_memory() {
     // MemAvailable counts reclaimable page cache, which free pages (sysconf) do not
     FILE * f = fopen("/proc/meminfo", "r");
     if (f) {
@@ -205,6 +215,18 @@ size_t backends::free_memory(int il) const {
     long pages = sysconf(_SC_AVPHYS_PAGES);
     long page  = sysconf(_SC_PAGESIZE);
     return pages > 0 && page > 0 ? (size_t) pages * (size_t) page : SIZE_MAX;
+}
+
+size_t backends::free_memory(int il) const {
+    if (plan_only_) {
+        return SIZE_MAX;  // what fits is the plan's answer, not the load's
+    }
+    size_t free = 0, total = 0;
+    if (on_gpu(il)) {
+        ggml_backend_dev_memory(gpu_dev_, &free, &total);
+        return free;
+    }
+    return host_available_memory();
 }
 
 }  // namespace pdf

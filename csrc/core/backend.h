@@ -24,15 +24,19 @@ enum weight_use {
 
 class backends {
   public:
-    backends(int n_threads, int n_gpu_layers, int n_layer);
+    // plan_only: for a memory plan (core/planned_buffer.h): every buffer is a planned one, layers may be placed
+    // on a GPU this machine lacks, and only the CPU computes (graphs are measured, never run)
+    backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only = false);
     ~backends();
     backends(const backends &)             = delete;
     backends & operator=(const backends &) = delete;
 
     ggml_backend_dev_t cpu_device() const { return cpu_dev_; }
-    // the GPU device when layers are offloaded to it, else nullptr
-    ggml_backend_dev_t gpu_device() const { return n_gpu_layers_ > 0 ? gpu_dev_ : nullptr; }
+    // the GPU device sessions compute on when layers are offloaded to it, else nullptr (and in a plan)
+    ggml_backend_dev_t gpu_device() const { return n_gpu_layers_ > 0 && !plan_only_ ? gpu_dev_ : nullptr; }
     int                n_threads() const { return n_threads_; }
+    bool               plan_only() const { return plan_only_; }
+    int                n_gpu_layers() const { return n_gpu_layers_; }  // of [0 .. n_layer], the head counted
 
     // true when layer `il` (-1 = input embeddings, n_layer = output head) runs on the GPU
     bool on_gpu(int il) const;
@@ -40,7 +44,7 @@ class backends {
     ggml_backend_buffer_type_t weight_buft(int il, weight_use use, ggml_tensor * w) const;
     // buffer type for per-session state (KV cache, recurrent state) of layer `il`
     ggml_backend_buffer_type_t state_buft(int il) const;
-    // free bytes on the device that holds layer `il`'s state (system memory for the CPU)
+    // free bytes on the device that holds layer `il`'s state (system memory for the CPU; a plan: unbounded)
     size_t free_memory(int il) const;
 
   private:
@@ -50,7 +54,24 @@ class backends {
     int                                     n_threads_;
     int                                     n_layer_;
     int                                     n_gpu_layers_;
+    bool                                    plan_only_;
 };
+
+// system memory available to this process (MemAvailable: free pages and reclaimable page cache)
+size_t host_available_memory();
+
+// bytes of buffers by the device holding them
+struct device_bytes {
+    size_t cpu = 0;
+    size_t gpu = 0;
+    size_t total() const { return cpu + gpu; }
+    device_bytes & operator+=(const device_bytes & o) {
+        cpu += o.cpu;
+        gpu += o.gpu;
+        return *this;
+    }
+};
+device_bytes bytes_by_device(const std::vector<ggml_backend_buffer_t> & buffers);
 
 class compute_backends {
   public:

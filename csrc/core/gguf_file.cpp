@@ -91,7 +91,7 @@ static std::string shape_str(const int64_t * ne, int n) {
     return s + "}";
 }
 
-gguf_file::gguf_file(const std::string & path) : path_(path) {
+gguf_file::gguf_file(const std::string & path, bool metadata_only) : path_(path), metadata_only_(metadata_only) {
     int fd = open(path.c_str(), O_RDONLY);
     if (fd < 0) {
         throw file_error(format("%s: cannot open file: %s", path.c_str(), strerror(errno)));
@@ -132,11 +132,11 @@ gguf_file::gguf_file(const std::string & path) : path_(path) {
         map_ = nullptr;
         throw file_error(format("%s: malformed or truncated GGUF header/metadata", path.c_str()));
     }
-    // every tensor's bytes must lie inside the file
+    // every tensor's bytes must lie inside the file (unless only its metadata is read: a plan)
     const size_t data_offset = gguf_get_data_offset(gguf_);
     for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i) {
         const size_t end = data_offset + gguf_get_tensor_offset(gguf_, i) + gguf_get_tensor_size(gguf_, i);
-        if (end > size_) {
+        if (end > size_ && !metadata_only_) {
             std::string name = gguf_get_tensor_name(gguf_, i);
             release();
             throw file_error(format("%s: truncated: tensor '%s' needs bytes up to %zu but the file has %zu",
@@ -394,6 +394,7 @@ ggml_tensor * gguf_file::optional_tensor(const std::string & name, std::initiali
 const void * gguf_file::tensor_data(const ggml_tensor * t) const {
     int64_t id = gguf_find_tensor(gguf_, ggml_get_name(t));
     GGML_ASSERT(id >= 0);
+    GGML_ASSERT(!metadata_only_);  // a plan reads no tensor data
     return (const char *) map_ + gguf_get_data_offset(gguf_) + gguf_get_tensor_offset(gguf_, id);
 }
 

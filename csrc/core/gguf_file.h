@@ -14,7 +14,8 @@ namespace pdf {
 
 class gguf_file {
   public:
-    explicit gguf_file(const std::string & path);
+    // metadata_only: tensor data need not be present (the memory planner reads shapes and types only)
+    explicit gguf_file(const std::string & path, bool metadata_only = false);
     ~gguf_file();
     gguf_file(const gguf_file &)             = delete;
     gguf_file & operator=(const gguf_file &) = delete;
@@ -64,6 +65,7 @@ class gguf_file {
     void    check_shape(ggml_tensor * t, std::initializer_list<int64_t> ne) const;
 
     std::string    path_;
+    bool           metadata_only_ = false;
     gguf_context * gguf_ = nullptr;
     ggml_context * meta_ = nullptr;
     void *         map_  = nullptr;

@@ -3,11 +3,50 @@
 
 namespace pdf {
 
-graph_cache::graph_cache(const compute_backends & compute) : compute_(compute) {}
+graph_arena::graph_arena(const compute_backends & compute) : compute_(compute) {}
 
-graph_cache::~graph_cache() {
+graph_arena::~graph_arena() {
     if (sched_) {
         ggml_backend_sched_free(sched_);
+    }
+}
+
+ggml_backend_sched_t graph_arena::sched_for(size_t n_nodes) {
+    // the scheduler's hash set is sized for its largest graph
+    if (!sched_ || n_nodes > sched_nodes_) {
+        if (sched_) {
+            ggml_backend_sched_free(sched_);
+        }
+        resident_    = nullptr;
+        sched_       = compute_.new_sched(n_nodes);
+        sched_nodes_ = n_nodes;
+        if (!sched_) {
+            throw backend_error("could not create the backend scheduler");
+        }
+    }
+    return sched_;
+}
+
+size_t graph_arena::bytes(ggml_backend_t backend) const {
+    return sched_ && backend ? ggml_backend_sched_get_buffer_size(sched_, backend) : 0;
+}
+
+size_t graph_arena::bytes() const {
+    return bytes(compute_.cpu()) + bytes(compute_.gpu());
+}
+
+device_bytes graph_arena::memory() const {
+    device_bytes n;
+    n.cpu = bytes(compute_.cpu());
+    n.gpu = bytes(compute_.gpu());
+    return n;
+}
+
+graph_cache::graph_cache(graph_arena & arena) : arena_(arena) {}
+
+graph_cache::~graph_cache() {
+    if (arena_.resident() == this) {
+        arena_.set_resident(nullptr);
     }
     if (ctx_) {
         ggml_free(ctx_);
@@ -15,42 +54,61 @@ graph_cache::~graph_cache() {
 }
 
 ggml_context * graph_cache::begin(size_t n_nodes) {
-    ready_ = false;
+    built_ = false;
+    if (arena_.resident() == this) {
+        arena_.set_resident(nullptr);
+    }
     if (ctx_) {
         ggml_free(ctx_);
         ctx_ = nullptr;
     }
-    // the scheduler's hash set is sized for its largest graph: a larger one needs a new scheduler
-    if (!sched_ || n_nodes > sched_nodes_) {
-        if (sched_) {
-            ggml_backend_sched_free(sched_);
-        }
-        sched_       = compute_.new_sched(n_nodes);
-        sched_nodes_ = n_nodes;
-        if (!sched_) {
-            throw backend_error("could not create the backend scheduler");
-        }
-    } else {
-        ggml_backend_sched_reset(sched_);
-    }
+    n_nodes_ = n_nodes;
     meta_.resize(ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false));
     ggml_init_params params = {meta_.size(), meta_.data(), true};
     ctx_                    = ggml_init(params);
     gf_                     = ggml_new_graph_custom(ctx_, n_nodes, false);
+    built_                  = true;
     return ctx_;
 }
 
+void graph_cache::clear_placement() {
+    // the graph's own tensors (made in ctx_) lose their places; weights, caches and state, made elsewhere, keep
+    // theirs. ggml's allocator places a tensor with no data, and re-derives a view's data when its buffer is unset.
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx_); t; t = ggml_get_next_tensor(ctx_, t)) {
+        t->data   = nullptr;
+        t->buffer = nullptr;
+    }
+}
+
 void graph_cache::allocate(const char * what) {
-    if (!ggml_backend_sched_alloc_graph(sched_, gf_)) {
+    if (arena_.resident() == this) {
+        return;
+    }
+    ggml_backend_sched_t sched = arena_.sched_for(n_nodes_);
+    clear_placement();
+    ggml_backend_sched_reset(sched);
+    if (!ggml_backend_sched_alloc_graph(sched, gf_)) {
+        arena_.set_resident(nullptr);
         throw backend_error(format("could not allocate %s", what));
     }
-    ready_ = true;
+    arena_.set_resident(this);
 }
 
 void graph_cache::compute(const char * what) {
-    if (ggml_backend_sched_graph_compute(sched_, gf_) != GGML_STATUS_SUCCESS) {
+    GGML_ASSERT(arena_.resident() == this);
+    if (ggml_backend_sched_graph_compute(arena_.sched_for(n_nodes_), gf_) != GGML_STATUS_SUCCESS) {
         throw backend_error(format("%s: computation failed", what));
     }
+}
+
+std::vector<size_t> graph_cache::measure() {
+    ggml_backend_sched_t sched = arena_.sched_for(n_nodes_);
+    arena_.set_resident(nullptr);  // the scheduler's state is this measurement's now: the next graph re-allocates
+    clear_placement();
+    std::vector<size_t> sizes(ggml_backend_sched_get_n_backends(sched), 0);
+    ggml_backend_sched_reserve_size(sched, gf_, sizes.data());
+    ggml_backend_sched_reset(sched);
+    return sizes;
 }
 
 }  // namespace pdf

@@ -1,6 +1,7 @@
 #include "core/weights.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/planned_buffer.h"
 
 #include "ggml-alloc.h"
 
@@ -66,8 +67,16 @@ void weights::load(const load_progress & progress) {
         }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         buffers_.push_back(buf);
-        PDF_LOG_INFO("%s: %.2f MiB of weights in %s", file_.path().c_str(),
-                     ggml_backend_buffer_get_size(buf) / 1048576.0, ggml_backend_buft_name(kv.first));
+        if (!be_.plan_only()) {
+            PDF_LOG_INFO("%s: %.2f MiB of weights in %s", file_.path().c_str(),
+                         ggml_backend_buffer_get_size(buf) / 1048576.0, ggml_backend_buft_name(kv.first));
+        }
+    }
+    if (be_.plan_only()) {
+        // a plan reads no tensor data (the file may hold none)
+        to_load_.clear();
+        to_transpose_.clear();
+        return;
     }
     size_t total = 0, done = 0;
     for (auto & p : to_load_) {
@@ -101,6 +110,22 @@ void weights::load(const load_progress & progress) {
         }
     }
     to_transpose_.clear();
+}
+
+std::vector<weights::placed> weights::placement() const {
+    std::vector<placed> out;
+    for (const auto & kv : ctx_by_buft_) {
+        for (ggml_tensor * t = ggml_get_first_tensor(kv.second); t; t = ggml_get_next_tensor(kv.second, t)) {
+            if (t->buffer) {
+                out.push_back({ggml_get_name(t), ggml_backend_buft_name(kv.first), buffer_on_gpu(t->buffer)});
+            }
+        }
+    }
+    return out;
+}
+
+device_bytes weights::memory() const {
+    return bytes_by_device(buffers_);
 }
 
 size_t weights::n_bytes() const {

@@ -32,7 +32,15 @@ class weights {
     // allocate the backend buffers and copy every declared tensor in
     // allocates the buffers and reads every tensor, calling progress(bytes read, bytes in all) as it goes
     void   load(const load_progress & progress = {});
-    size_t n_bytes() const;
+    size_t       n_bytes() const;
+    device_bytes memory() const;
+    // where each weight went: (tensor name, buffer type name, on the GPU), after load()
+    struct placed {
+        std::string name;
+        std::string buffer_type;
+        bool        on_gpu;
+    };
+    std::vector<placed> placement() const;
 
   private:
     ggml_context * context_for(ggml_backend_buffer_type_t buft);

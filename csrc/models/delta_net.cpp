@@ -101,6 +101,86 @@ ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const 
     return ggml_view_3d(ctx, out, S, Hv, n, S * f, S * Hv * f, 0);
 }
 
+// Per value head h (q and k heads tiled over the value heads as ggml_gated_delta_net does), with the state M
+// [S(k), S(v)] (M[j][i] at j*S + i, as the fused op keeps it), a chunk of C tokens whose in-chunk cumulative
+// log-decay is G_t (Γ_t = exp(G_t)) and M_0 the state it starts from:
+//   δ_t  = β_t (v_t - Γ_t M_0 k_t - Σ_{s<t} (Γ_t/Γ_s)(k_t·k_s) δ_s)   i.e. (I + A) Δ = Vβ - diag(βΓ) K M_0ᵀ
+//   Δ    = U - W M_0ᵀ, with T = (I + A)⁻¹, U = T·Vβ, W = T·diag(βΓ)·K       (A strictly lower, per chunk)
+//   o_t  = scale (Γ_t M_0 q_t + Σ_{s<=t} (Γ_t/Γ_s)(q_t·k_s) δ_s)
+//   M_C  = Γ_C M_0 + Σ_s (Γ_C/Γ_s) δ_s k_sᵀ
+// Everything but the three lines that involve M_0 is computed for all chunks at once; those run chunk by chunk.
+// Padding tokens (to a multiple of C) have β = 0 and g = 0: they change nothing.
+ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                            const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
+                                            ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) {
+    const int64_t S = v->ne[0], Hv = v->ne[1], n = v->ne[2], Hk = q->ne[1];
+    const int64_t C = DELTA_NET_CHUNK, NC = (n + C - 1) / C, pad = NC * C - n;
+    const int64_t D   = S * S * Hv;
+    ggml_tensor * buf = st.ssm[il];  // [D, n_rollback+1]
+    GGML_ASSERT(in.ssm_snapshot_rows->ne[0] == 1);
+
+    // tokens innermost per head: [S, n, Hv] (q, k tiled from Hk heads: value head h reads key head h % Hk)
+    auto per_head = [&](ggml_tensor * t, int64_t H) {  // [S, H, n] -> [S, n+pad, H]
+        ggml_tensor * c = ggml_cont(ctx, ggml_permute(ctx, as_4d(ctx, t), 0, 2, 1, 3));  // [S, n, H, 1]
+        if (H != Hv) {
+            c = ggml_repeat_4d(ctx, c, S, n, Hv, 1);
+        }
+        return ggml_reshape_4d(ctx, ggml_pad(ctx, c, 0, pad, 0, 0), S, C, NC, Hv);
+    };
+    const float   scale = 1.0f / std::sqrt((float) S);
+    ggml_tensor * Q     = per_head(ggml_scale(ctx, q, scale), Hk);  // [S, C, NC, Hv]
+    ggml_tensor * K     = per_head(k, Hk);
+    ggml_tensor * V     = per_head(v, Hv);
+    auto per_token = [&](ggml_tensor * t) {  // [1, Hv, n] -> [C, NC, Hv]: tokens innermost
+        ggml_tensor * c = ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, t, Hv, n)));  // [n, Hv]
+        return ggml_reshape_3d(ctx, ggml_pad(ctx, c, pad, 0, 0, 0), C, NC, Hv);
+    };
+    ggml_tensor * B = per_token(beta);
+    ggml_tensor * G = ggml_cumsum(ctx, per_token(g));  // [C, NC, Hv]: G_t within each chunk
+    ggml_tensor * G_s = ggml_reshape_4d(ctx, G, C, 1, NC, Hv);                                   // G at ne0
+    ggml_tensor * G_t = ggml_repeat_4d(ctx, ggml_reshape_4d(ctx, G, 1, C, NC, Hv), C, C, NC, Hv);  // G at ne1
+    // decay[s, t] = Γ_t/Γ_s for s <= t (ne0 = s, ne1 = t), zeroed above before exp so nothing overflows
+    ggml_tensor * decay = ggml_exp(ctx, ggml_tri(ctx, ggml_sub(ctx, G_t, G_s), GGML_TRI_TYPE_LOWER_DIAG));
+    ggml_tensor * B_t   = ggml_reshape_4d(ctx, B, 1, C, NC, Hv);
+    ggml_tensor * Gam_t = ggml_reshape_4d(ctx, ggml_exp(ctx, G), 1, C, NC, Hv);  // Γ_t per token (ne1)
+
+    // A[t][s] = β_t Γ_t/Γ_s k_t·k_s, s < t; T - I = (I + A)⁻¹(-A), so T = that + I
+    ggml_tensor * A   = ggml_tri(ctx, ggml_mul(ctx, ggml_mul(ctx, ggml_mul_mat(ctx, K, K), decay), B_t),
+                                 GGML_TRI_TYPE_LOWER);  // [C(s), C(t), NC, Hv]
+    ggml_tensor * eye = ggml_diag(ctx, ggml_fill(ctx, ggml_view_1d(ctx, A, C, 0), 1.0f));  // [C, C]
+    ggml_tensor * T   = ggml_add(ctx, ggml_solve_tri(ctx, ggml_add(ctx, A, eye), ggml_neg(ctx, A), true, true, false),
+                                 eye);
+    auto tokens_first = [&](ggml_tensor * t) { return ggml_cont(ctx, ggml_transpose(ctx, t)); };  // [S,C] -> [C,S]
+    ggml_tensor * U = ggml_mul_mat(ctx, tokens_first(ggml_mul(ctx, V, B_t)), T);                  // [S(v), C(t)]
+    ggml_tensor * W = ggml_mul_mat(ctx, tokens_first(ggml_mul(ctx, K, ggml_mul(ctx, B_t, Gam_t))), T);  // [S(k), C]
+    // P[s, t] = Γ_t/Γ_s q_t·k_s for s <= t
+    ggml_tensor * P = ggml_tri(ctx, ggml_mul(ctx, ggml_mul_mat(ctx, K, Q), decay), GGML_TRI_TYPE_LOWER_DIAG);
+    ggml_tensor * QG = ggml_mul(ctx, Q, Gam_t);  // Γ_t q_t
+    // the chunk's last decay Γ_C, and k_s Γ_C/Γ_s (tokens first, for the state update)
+    ggml_tensor * G_last = ggml_cont(ctx, ggml_view_4d(ctx, G, 1, 1, NC, Hv, G->nb[1], G->nb[1], G->nb[2],
+                                                       (C - 1) * G->nb[0]));  // [1, 1, NC, Hv]
+    ggml_tensor * Gam_C  = ggml_exp(ctx, G_last);
+    ggml_tensor * G_tok  = ggml_reshape_4d(ctx, G, 1, C, NC, Hv);
+    ggml_tensor * KG     = tokens_first(ggml_mul(ctx, K, ggml_exp(ctx, ggml_neg(ctx, ggml_sub(ctx, G_tok, G_last)))));
+
+    ggml_tensor * M   = ggml_reshape_4d(ctx, ggml_get_rows(ctx, buf, in.ssm_row), S, S, 1, Hv);  // M_0
+    ggml_tensor * out = U;  // chunk c's outputs overwrite U's chunk c once it has been read
+    auto chunk = [&](ggml_tensor * t, int64_t c) {
+        return ggml_view_4d(ctx, t, t->ne[0], t->ne[1], 1, Hv, t->nb[1], t->nb[2], t->nb[3], c * t->nb[2]);
+    };
+    for (int64_t c = 0; c < NC; ++c) {
+        ggml_tensor * delta = ggml_sub(ctx, chunk(U, c), ggml_mul_mat(ctx, M, chunk(W, c)));  // [S(v), C]
+        ggml_tensor * delta_t = tokens_first(delta);                                          // [C, S(v)]
+        ggml_tensor * o = ggml_add(ctx, ggml_mul_mat(ctx, M, chunk(QG, c)), ggml_mul_mat(ctx, delta_t, chunk(P, c)));
+        out = ggml_set_inplace(ctx, out, o, out->nb[1], out->nb[2], out->nb[3], c * out->nb[2]);
+        M   = ggml_add(ctx, ggml_mul(ctx, M, chunk(Gam_C, c)), ggml_mul_mat(ctx, chunk(KG, c), delta_t));
+    }
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, buf, ggml_reshape_2d(ctx, M, D, 1), in.ssm_snapshot_rows));
+    // [S, C*NC, Hv] -> the first n tokens -> [S, Hv, n]
+    ggml_tensor * o = ggml_view_3d(ctx, out, S, n, Hv, out->nb[1], out->nb[3], 0);
+    return ggml_cont(ctx, ggml_permute(ctx, o, 0, 2, 1, 3));
+}
+
 ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                          const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                          ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) {

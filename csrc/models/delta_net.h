@@ -27,6 +27,17 @@ ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const 
                                     const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                     ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta);
 
+// The same in the chunked (WY) form of the delta rule, for a chain committed whole (in.ssm_snapshot_rows holds
+// one row: the final state): chunks of DELTA_NET_CHUNK tokens become matmuls and one triangular solve each,
+// and the state passes from chunk to chunk; only stock ops (mul_mat, cumsum, tri, solve_tri, exp), so it runs
+// where ggml_gated_delta_net does not (Vulkan in the pinned ggml), as llama.cpp's chunked path does.
+ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                            const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
+                                            ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta);
+constexpr int64_t DELTA_NET_CHUNK = 64;
+// graph nodes the chunked form adds per layer: a fixed part and one per chunk (upper bounds)
+constexpr size_t DELTA_NET_CHUNKED_NODES = 64, DELTA_NET_CHUNKED_NODES_PER_CHUNK = 16;
+
 // The same for a tree (rows in level order), level by level: the nodes of one depth run as independent
 // one-token sequences whose input states are gathered from their parents' states (the level before), and
 // every node's state is written to its row. Only stock ops, so it runs on every ggml backend.

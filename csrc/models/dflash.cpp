@@ -11,7 +11,7 @@ namespace pdf {
 dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const target_model> target,
                            const load_progress & progress)
     : target_(std::move(target)) {
-    file_               = std::make_unique<gguf_file>(path);
+    file_               = std::make_unique<gguf_file>(path, target_->devices().plan_only());
     const gguf_file & f = *file_;
     const std::string arch = f.arch();
     if (arch != "dflash") {
@@ -70,7 +70,19 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
         }
     }
     if (f.has_key(a + "attention.sliding_window")) {
-        throw unsupported_error(format("%s: sliding-window DFlash drafts are not supported yet", path.c_str()));
+        swa_window_ = (int) f.u32_in(a + "attention.sliding_window", 1, 1u << 24);
+        // llama.cpp requires the per-layer pattern with the window (src/models/dflash.cpp); so do we
+        if (!f.has_key(a + "attention.sliding_window_pattern")) {
+            throw format_error(format("%s: dflash.attention.sliding_window is set but "
+                                      "dflash.attention.sliding_window_pattern (one bool per layer) is missing",
+                                      path.c_str()));
+        }
+        swa_layers_ = f.bool_array(a + "attention.sliding_window_pattern");
+        if ((int) swa_layers_.size() != n_layer) {
+            throw format_error(format("%s: dflash.attention.sliding_window_pattern has %zu entries, expected %d (one "
+                                      "per layer)", path.c_str(), swa_layers_.size(), n_layer));
+        }
+        swa_causal_ = f.boolean_or(a + "attention.causal", true);
     }
     if (f.has_key(a + "hidden_activation") && f.str(a + "hidden_activation") != "silu") {
         throw unsupported_error(format("%s: dflash.hidden_activation = '%s', only 'silu' is supported", path.c_str(),
@@ -125,6 +137,8 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
 dflash_draft::~dflash_draft() = default;
 
 size_t dflash_draft::weight_bytes() const { return weights_->n_bytes(); }
+device_bytes dflash_draft::weight_memory() const { return weights_->memory(); }
+std::vector<weights::placed> dflash_draft::weight_placement() const { return weights_->placement(); }
 
 // ctx_feats: [n_ext*E, m] -> context K/V rows in the draft cache; block: [anchor, MASK x (B-1)] -> [E, B-1]
 ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in,
@@ -165,6 +179,7 @@ ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const dr
         ggml_tensor * v  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, hn), hd, Hkv, B);
         build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, eps, in.pos, att_.rope);
         // block K/V go to the cache slots after the context; the next round overwrites them
+        att.kq_mask     = is_swa(il) ? in.kq_mask_swa : in.kq_mask;
         ggml_tensor * o = build_kv_attention(ctx, gf, att, st, il, q, k, v, 1.0f / std::sqrt((float) hd));
         if (il == info_.n_layer - 1) {
             // past the last attention only the B-1 proposal rows matter (row 0 is the anchor, already known)

@@ -14,7 +14,7 @@ namespace pdf {
 //   ctx_feats: F32 [n_ext*E, n_ctx_rows]  target features of newly committed tokens (may be 0 rows)
 //   ctx_pos, ctx_slots: I32 / I64 [n_ctx_rows]
 //   tokens: I32 [B] block tokens (anchor, masks); pos: I32 [B]; slots: I64 [B]
-//   kq_mask: F16 [n_kv, B]
+//   kq_mask: F16 [n_kv, B]; kq_mask_swa: the same for sliding-window layers (nullptr without any)
 struct draft_inputs {
     ggml_tensor * ctx_feats = nullptr;
     ggml_tensor * ctx_pos   = nullptr;
@@ -23,6 +23,7 @@ struct draft_inputs {
     ggml_tensor * pos       = nullptr;
     ggml_tensor * slots     = nullptr;
     ggml_tensor * kq_mask   = nullptr;
+    ggml_tensor * kq_mask_swa = nullptr;
     int           n_ctx_rows = 0;
     int           n_block    = 0;  // 0: only append context rows
     int           n_kv       = 0;
@@ -44,7 +45,15 @@ class dflash_draft {
     int                      block_size() const { return block_size_; }
     int32_t                  mask_token() const { return mask_token_; }
     bool                     causal() const { return causal_; }
+    // Sliding-window layers (dflash.attention.sliding_window + sliding_window_pattern): a query at position q
+    // sees keys at q - window < p, and (swa_causal) none after itself, as z-lab's drafter trains them: its
+    // sliding layers are causal unless the config says is_causal (here: dflash.attention.causal, when present)
+    int                      swa_window() const { return swa_window_; }  // 0: no sliding-window layer
+    bool                     is_swa(int il) const { return swa_window_ > 0 && swa_layers_[il]; }
+    bool                     swa_causal() const { return swa_causal_; }
     size_t                   weight_bytes() const;
+    device_bytes             weight_memory() const;
+    std::vector<weights::placed> weight_placement() const;
     size_t                   max_graph_nodes() const { return 128 + 64 * (size_t) info_.n_layer; }
 
     // appends context K/V rows (into the draft cache st.k / st.v); when in.n_block > 0 also runs the block and
@@ -65,6 +74,9 @@ class dflash_draft {
     int                                 block_size_ = 16;
     int32_t                             mask_token_ = -1;
     bool                                causal_     = false;
+    int                                 swa_window_ = 0;
+    std::vector<bool>                   swa_layers_;
+    bool                                swa_causal_ = true;
     attention_hparams                   att_;
     int64_t                             n_ff_ = 0;
     ggml_tensor *                       fc_ = nullptr, * hidden_norm_ = nullptr, * output_norm_ = nullptr;

@@ -16,10 +16,18 @@
 
 namespace pdf {
 
+// how a hybrid target's prefill micro-batches (chains committed whole) run the delta rule: ggml's fused op
+// (token by token, on the backends that have it), or the chunked form in stock ops (models/delta_net.h);
+// automatic: fused where the backend holding the layer supports ggml_gated_delta_net, else chunked, as
+// llama.cpp decides (a probe of the op)
+enum class delta_net_form { automatic, fused, chunked };
+
 struct model_params {
     int n_gpu_layers = 0;   // layers (counted from the output end) placed on the GPU; -1 = all
     int n_threads    = 0;   // 0 = hardware concurrency
     load_progress progress;  // called as the weights are read (may be empty)
+    bool plan_only = false;  // a memory plan: metadata only, planned buffers (core/planned_buffer.h)
+    delta_net_form delta_net = delta_net_form::automatic;
 };
 
 // Inputs of one evaluation graph, all set by the session before each compute.
@@ -71,6 +79,8 @@ class target_model {
     const model_info & info() const { return info_; }
     backends &         devices() const { return *backends_; }
     size_t             weight_bytes() const { return weights_->n_bytes(); }
+    device_bytes       weight_memory() const { return weights_->memory(); }
+    std::vector<weights::placed> weight_placement() const { return weights_->placement(); }
     // shared with a DFlash draft, which has neither of its own
     ggml_tensor *      token_embedding() const { return tok_embd_; }
     ggml_tensor *      output_head() const { return output_; }
@@ -79,8 +89,10 @@ class target_model {
 
     virtual eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                     const state_tensors & st) const = 0;
-    // upper bound on graph nodes for one evaluation (a tree evaluation of n_tree_levels depths, else 0)
-    virtual size_t max_graph_nodes(int n_tree_levels = 0) const { return 96 + 64 * (size_t) info_.n_layer; }
+    // upper bound on graph nodes for one evaluation of n_tokens (a tree evaluation of n_tree_levels depths)
+    virtual size_t max_graph_nodes(int n_tree_levels = 0, int n_tokens = 1) const {
+        return 96 + 64 * (size_t) info_.n_layer;
+    }
 
   protected:
     // token_embd (+ output, or a tied copy of token_embd in the head's buffer type), after backends_/weights_ exist

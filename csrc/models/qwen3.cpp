@@ -65,7 +65,7 @@ class qwen3_model : public target_model {
             info_.kv_layers.push_back({il, hd * hp_.att.n_head_kv, hd * hp_.att.n_head_kv, hd, hd});
         }
 
-        backends_ = std::make_unique<backends>(params.n_threads, params.n_gpu_layers, hp_.n_layer);
+        backends_ = std::make_unique<backends>(params.n_threads, params.n_gpu_layers, hp_.n_layer, params.plan_only);
         weights_  = std::make_unique<weights>(f, *backends_);
         weights & w = *weights_;
         const int out_il = hp_.n_layer;

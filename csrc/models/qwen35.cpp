@@ -141,7 +141,7 @@ class qwen35_model : public target_model {
             }
         }
 
-        backends_   = std::make_unique<backends>(params.n_threads, params.n_gpu_layers, hp_.n_layer);
+        backends_   = std::make_unique<backends>(params.n_threads, params.n_gpu_layers, hp_.n_layer, params.plan_only);
         weights_    = std::make_unique<weights>(f, *backends_);
         weights & w = *weights_;
         const int out_il = hp_.n_layer;
@@ -181,10 +181,13 @@ class qwen35_model : public target_model {
             }
         }
         w.load(params.progress);
+        choose_delta_net_form(params.delta_net);
     }
 
-    size_t max_graph_nodes(int n_tree_levels) const override {
-        return 128 + (96 + DELTA_NET_TREE_NODES_PER_LEVEL * (size_t) n_tree_levels) * (size_t) hp_.n_layer;
+    size_t max_graph_nodes(int n_tree_levels, int n_tokens) const override {
+        const size_t chunks  = (size_t) ((n_tokens + DELTA_NET_CHUNK - 1) / DELTA_NET_CHUNK);
+        const size_t chunked = any_chunked_ ? DELTA_NET_CHUNKED_NODES + DELTA_NET_CHUNKED_NODES_PER_CHUNK * chunks : 0;
+        return 128 + (96 + DELTA_NET_TREE_NODES_PER_LEVEL * (size_t) n_tree_levels + chunked) * (size_t) hp_.n_layer;
     }
 
     // x: [E, n] -> hidden [E, n_outputs] after the final norm (n_outputs = n, or 1 without in.all_outputs)
@@ -257,8 +260,11 @@ class qwen35_model : public target_model {
         q = build_l2_norm(ctx, q, eps);
         k = build_l2_norm(ctx, k, eps);
 
-        ggml_tensor * o = tree ? build_gated_delta_net_tree(ctx, gf, in, st, il, q, k, v, g, beta)
-                               : build_gated_delta_net(ctx, gf, in, st, il, q, k, v, g, beta);  // [S, Hv, n]
+        // a micro-batch committed whole (one state kept) of at least a chunk: the chunked form where chosen
+        const bool    chunked = !tree && chunked_[il] && in.ssm_snapshot_rows->ne[0] == 1 && n >= DELTA_NET_CHUNK;
+        ggml_tensor * o = tree      ? build_gated_delta_net_tree(ctx, gf, in, st, il, q, k, v, g, beta)
+                          : chunked ? build_gated_delta_net_chunked(ctx, gf, in, st, il, q, k, v, g, beta)
+                                    : build_gated_delta_net(ctx, gf, in, st, il, q, k, v, g, beta);  // [S, Hv, n]
         // gated RMSNorm per head: rms(o) * ssm_norm * silu(z)
         o = ggml_mul(ctx, build_rms_norm(ctx, o, l.ssm_norm, eps), ggml_silu(ctx, ggml_reshape_3d(ctx, z, S, Hv, n)));
         ggml_format_name(o, "gdn_out-%d", il);
@@ -290,9 +296,41 @@ class qwen35_model : public target_model {
         return ggml_mul_mat(ctx, l.wo, cur);
     }
 
+    // per layer: whether prefill micro-batches use the chunked delta rule (model.h, delta_net_form)
+    void choose_delta_net_form(delta_net_form form) {
+        chunked_.assign(hp_.n_layer, form == delta_net_form::chunked);
+        if (form == delta_net_form::automatic) {
+            // a probe op of this model's shapes, asked of each device holding recurrent layers
+            ggml_init_params params = {ggml_tensor_overhead() * 8, nullptr, true};
+            ggml_context *   ctx    = ggml_init(params);
+            const int64_t    S = hp_.S, n = 2;
+            ggml_tensor * probe = ggml_gated_delta_net(
+                ctx, ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S, hp_.Hk, n, 1),
+                ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S, hp_.Hk, n, 1),
+                ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S, hp_.Hv, n, 1),
+                ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 1, hp_.Hv, n, 1),
+                ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 1, hp_.Hv, n, 1),
+                ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S, S, hp_.Hv, 1), 1);
+            const backends & be = *backends_;
+            // a plan without the GPU it places layers on assumes the fused op (CUDA, HIP and Metal have it)
+            const bool cpu_fused = ggml_backend_dev_supports_op(be.cpu_device(), probe);
+            const bool gpu_fused = be.gpu_device() ? ggml_backend_dev_supports_op(be.gpu_device(), probe) : true;
+            ggml_free(ctx);
+            for (int il = 0; il < hp_.n_layer; ++il) {
+                chunked_[il] = !(be.on_gpu(il) ? gpu_fused : cpu_fused);
+            }
+        }
+        any_chunked_ = false;
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            any_chunked_ = any_chunked_ || (hp_.recurrent[il] && chunked_[il]);
+        }
+    }
+
     qwen35_hparams            hp_{};
     ggml_tensor *             output_norm_ = nullptr;
     std::vector<qwen35_layer> layers_;
+    std::vector<bool>         chunked_;
+    bool                      any_chunked_ = false;
 };
 
 std::unique_ptr<target_model> load_qwen35(std::unique_ptr<gguf_file> file, const model_params & params) {

@@ -37,7 +37,7 @@ void target_model::load_embedding_and_head(int64_t n_embd, int64_t n_vocab) {
 }
 
 std::unique_ptr<target_model> load_target_model(const std::string & path, const model_params & params) {
-    auto        file = std::make_unique<gguf_file>(path);
+    auto        file = std::make_unique<gguf_file>(path, params.plan_only);
     std::string arch = file->arch();
     auto        it   = registry().find(arch);
     if (it == registry().end()) {

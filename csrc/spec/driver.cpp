@@ -71,6 +71,36 @@ bool prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, gen
     return true;
 }
 
+std::vector<double> time_prefill_microbatches(session & s, proposer & p, const std::vector<int32_t> & tokens,
+                                              const std::vector<int> & sizes, int reps) {
+    std::vector<double> ms_per_token;
+    for (int n : sizes) {
+        if (n <= 0 || n > (int) tokens.size() || n > (int) s.n_ctx()) {
+            throw std::invalid_argument(format("time_prefill_microbatches: size %d needs %d tokens (%zu given) and "
+                                               "n_ctx >= %d (%u)", n, n, tokens.size(), n, s.n_ctx()));
+        }
+    }
+    p.before_prefill(0);  // the drafter forgets its context too
+    for (int n : sizes) {
+        batch_layout whole;
+        whole.whole = true;
+        double best = 1e30;
+        for (int r = 0; r <= reps; ++r) {
+            s.truncate(0);
+            p.before_eval(0, n);
+            const auto t0 = clock_type::now();
+            s.eval(tokens.data(), n, whole, read_logits_last, p.capture(), p.ring());
+            if (r > 0) {
+                best = std::min(best, ms_since(t0));
+            }
+        }
+        ms_per_token.push_back(best / n);
+    }
+    s.truncate(0);
+    s.compute()->pause();
+    return ms_per_token;
+}
+
 generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,
                          const generate_params & params, const token_callback & on_tokens) {
     generate_result    r;

@@ -60,4 +60,12 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
 // needs of each micro-batch.
 bool prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t);
 
+// Milliseconds per token of a prefill micro-batch of each size (how pydflash chooses n_ubatch "auto"): `reps`
+// evaluations of `tokens`' first `size` tokens into an empty cache, as prefill runs them (committed whole, last
+// logits, the proposer's captures), the fastest counting; a first, untimed one builds each graph. The session
+// is left empty (a hybrid model's state cannot be rolled back past a long evaluation; and a new micro-batch
+// size voids the prompt cache anyway).
+std::vector<double> time_prefill_microbatches(session & s, proposer & p, const std::vector<int32_t> & tokens,
+                                              const std::vector<int> & sizes, int reps);
+
 }  // namespace pdf

@@ -25,8 +25,9 @@ static int append_rows(int queued) {
 draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params,
                              std::shared_ptr<compute_backends> compute)
     : draft_(std::move(draft)),
+      own_pool_(!compute),
       compute_(compute ? std::move(compute) : std::make_shared<compute_backends>(draft_->target().devices())),
-      draft_graph_(*compute_), append_small_(*compute_), append_large_(*compute_) {
+      arena_(*compute_), draft_graph_(arena_), append_small_(arena_), append_large_(arena_) {
     block_ = params.block > 0 ? params.block : draft_->block_size();
     if (block_ < 2 || block_ > draft_->block_size()) {
         throw std::invalid_argument(format("block_size = %d must be in [2, %d] (the draft's trained block size)",
@@ -65,10 +66,88 @@ draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t
                                            (int) draft_->capture_layers().size(), draft_->info().n_embd,
                                            ring_rows);
     // f32 draft cache: the drafter's proposals are decided by argmax over small margins
-    kv_ = std::make_unique<kv_cache>(draft_->info(), target.devices(), n_slots_, GGML_TYPE_F32, GGML_TYPE_F32);
+    kv_ = std::make_unique<kv_cache>(draft_->info(), target.devices(), n_slots_, GGML_TYPE_F32, GGML_TYPE_F32,
+                                     target.info().n_layer - 1);
+    arena_.sched_for(draft_->max_graph_nodes());  // every graph it builds has at most this many nodes
 }
 
 draft_session::~draft_session() = default;
+
+std::vector<int> draft_session::append_row_counts() { return {APPEND_ROWS_SMALL, APPEND_ROWS_LARGE}; }
+
+int draft_session::window_step() { return KV_WINDOW_STEP; }
+
+size_t draft_session::measure(int n_rows, int n_block, int n_kv) {
+    if (n_rows != 0 && n_rows != APPEND_ROWS_SMALL && n_rows != APPEND_ROWS_LARGE) {
+        throw std::invalid_argument(format("measure: n_rows = %d, expected 0, %d or %d", n_rows, APPEND_ROWS_SMALL,
+                                           APPEND_ROWS_LARGE));
+    }
+    if (n_block < 0 || n_block > block_ || (n_block > 0 && (n_kv < n_block || n_kv > n_slots_))) {
+        throw std::invalid_argument(format("measure: n_block = %d, n_kv = %d; expected n_block in [0, %d] and n_kv "
+                                           "in [n_block, %d]", n_block, n_kv, block_, n_slots_));
+    }
+    graph g(arena_);
+    build(g, n_rows, n_block, n_block > 0 ? n_kv : 0);
+    size_t n = 0;
+    for (size_t s : g.cache.measure()) {
+        n += s;
+    }
+    return n;
+}
+
+void draft_session::build(graph & g, int n_rows, int n_block, int n_kv) {
+    draft_inputs & in = g.in;
+    ggml_context * ctx = g.cache.begin(draft_->max_graph_nodes());
+    ggml_cgraph *  gf  = g.cache.graph();
+    in                 = draft_inputs{};
+    in.n_ctx_rows      = n_rows;
+    in.n_block         = n_block;
+    in.n_kv            = n_kv;
+    g.ring_rows        = nullptr;
+    if (n_rows > 0) {
+        // the context features come straight from the ring, on the device
+        g.ring_rows  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
+        in.ctx_feats = ggml_get_rows(ctx, ring_->rows(), g.ring_rows);  // [n_ext*E, n_rows]
+        in.ctx_pos   = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
+        in.ctx_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_rows);
+        for (ggml_tensor * t : {g.ring_rows, in.ctx_pos, in.ctx_slots}) {
+            ggml_set_input(t);
+        }
+    }
+    if (n_block > 0) {
+        in.tokens  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+        in.pos     = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
+        in.slots   = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_block);
+        in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_block);
+        for (ggml_tensor * t : {in.tokens, in.pos, in.slots, in.kq_mask}) {
+            ggml_set_input(t);
+        }
+        if (draft_->swa_window() > 0) {
+            in.kq_mask_swa = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_block);
+            ggml_set_input(in.kq_mask_swa);
+        }
+    }
+    state_tensors st;
+    kv_->fill(st, draft_->info().n_layer);
+    ggml_tensor * hidden = draft_->build(ctx, gf, in, st);  // [E, n_block-1]
+    g.top_ids = g.top_logprobs = nullptr;
+    if (hidden) {
+        const target_model & target = draft_->target();
+        const head_outputs   head   = build_head(ctx, target.output_head(), hidden, target.head_on_host(), top_k_,
+                                                 with_logprobs_);
+        g.top_ids      = head.top_ids;
+        g.top_logprobs = head.top_logprobs;
+        for (ggml_tensor * t : {g.top_ids, g.top_logprobs}) {
+            if (t) {
+                ggml_set_output(t);
+                ggml_build_forward_expand(gf, t);
+            }
+        }
+    }
+    g.key_rows  = n_rows;
+    g.key_block = n_block;
+    g.key_kv    = n_kv;
+}
 
 void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int start) {
     // padding rows (beyond m) sit at the positions right after the appended ones (the block's, when drafting)
@@ -76,56 +155,11 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
     // slots are position % n_slots: while nothing has wrapped, only the first `end` slots are in use
     const int n_kv = n_block > 0 ? std::min(n_slots_, (int) GGML_PAD(start + n_block, KV_WINDOW_STEP)) : 0;
     graph &   g    = n_block > 0 ? draft_graph_ : n_rows <= APPEND_ROWS_SMALL ? append_small_ : append_large_;
-    draft_inputs & in = g.in;
     if (!(g.cache.ready() && g.key_rows == n_rows && g.key_block == n_block && g.key_kv == n_kv)) {
-        ggml_context * ctx = g.cache.begin(draft_->max_graph_nodes());
-        ggml_cgraph *  gf  = g.cache.graph();
-        in                 = draft_inputs{};
-        in.n_ctx_rows      = n_rows;
-        in.n_block         = n_block;
-        in.n_kv            = n_kv;
-        g.ring_rows        = nullptr;
-        if (n_rows > 0) {
-            // the context features come straight from the ring, on the device
-            g.ring_rows  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
-            in.ctx_feats = ggml_get_rows(ctx, ring_->rows(), g.ring_rows);  // [n_ext*E, n_rows]
-            in.ctx_pos   = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
-            in.ctx_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_rows);
-            for (ggml_tensor * t : {g.ring_rows, in.ctx_pos, in.ctx_slots}) {
-                ggml_set_input(t);
-            }
-        }
-        if (n_block > 0) {
-            in.tokens  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
-            in.pos     = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_block);
-            in.slots   = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_block);
-            in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_block);
-            for (ggml_tensor * t : {in.tokens, in.pos, in.slots, in.kq_mask}) {
-                ggml_set_input(t);
-            }
-        }
-        state_tensors st;
-        kv_->fill(st, draft_->info().n_layer);
-        ggml_tensor * hidden = draft_->build(ctx, gf, in, st);  // [E, n_block-1]
-        g.top_ids = g.top_logprobs = nullptr;
-        if (hidden) {
-            const target_model & target = draft_->target();
-            const head_outputs   head   = build_head(ctx, target.output_head(), hidden, target.head_on_host(), top_k_,
-                                                     with_logprobs_);
-            g.top_ids      = head.top_ids;
-            g.top_logprobs = head.top_logprobs;
-            for (ggml_tensor * t : {g.top_ids, g.top_logprobs}) {
-                if (t) {
-                    ggml_set_output(t);
-                    ggml_build_forward_expand(gf, t);
-                }
-            }
-        }
-        g.cache.allocate("the draft graph");
-        g.key_rows  = n_rows;
-        g.key_block = n_block;
-        g.key_kv    = n_kv;
+        build(g, n_rows, n_block, n_kv);
     }
+    draft_inputs & in = g.in;
+    g.cache.allocate("the draft graph");
 
     if (n_rows > 0) {
         // rows beyond m are padding: they read any ring row and land in the slots of the block positions right
@@ -156,18 +190,34 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
             slots[i] = slot(start + i);
             slot_pos_[slots[i]] = start + i;
         }
-        // block row i sees the context window [start - window, start) and, non-causally, the whole block
+        // block row i (position start + i) sees the context window [start - window, start) and, non-causally,
+        // the whole block; in sliding-window layers the positions p with start + i - swa_window < p, up to
+        // itself (causal, z-lab's default) or to start + i + swa_window (not)
         const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-        const int lo = std::max(0, start - window_);
-        std::vector<ggml_fp16_t> mask((size_t) n_kv * n_block, ninf);
-        for (int i = 0; i < n_block; ++i) {
-            const int hi = draft_->causal() ? start + i + 1 : start + n_block;
-            ggml_fp16_t * row = mask.data() + (size_t) i * n_kv;
-            for (int j = 0; j < n_kv; ++j) {
-                if (slot_pos_[j] >= lo && slot_pos_[j] < hi) {
-                    row[j] = zero;
+        auto fill_mask = [&](std::vector<ggml_fp16_t> & mask, bool swa) {
+            mask.assign((size_t) n_kv * n_block, ninf);
+            const int w = draft_->swa_window();
+            for (int i = 0; i < n_block; ++i) {
+                const int q  = start + i;
+                int       lo = std::max(0, start - window_);
+                int       hi = draft_->causal() ? q + 1 : start + n_block;
+                if (swa) {
+                    lo = std::max(lo, q - w + 1);
+                    hi = draft_->swa_causal() ? q + 1 : std::min(start + n_block, q + w);
+                }
+                ggml_fp16_t * row = mask.data() + (size_t) i * n_kv;
+                for (int j = 0; j < n_kv; ++j) {
+                    if (slot_pos_[j] >= lo && slot_pos_[j] < hi) {
+                        row[j] = zero;
+                    }
                 }
             }
+        };
+        std::vector<ggml_fp16_t> mask, mask_swa;
+        fill_mask(mask, false);
+        if (in.kq_mask_swa) {
+            fill_mask(mask_swa, true);
+            ggml_backend_tensor_set(in.kq_mask_swa, mask_swa.data(), 0, sizeof(ggml_fp16_t) * mask_swa.size());
         }
         ggml_backend_tensor_set(in.tokens, toks.data(), 0, sizeof(int32_t) * n_block);
         ggml_backend_tensor_set(in.pos, pos.data(), 0, sizeof(int32_t) * n_block);
@@ -175,6 +225,11 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
         ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, sizeof(ggml_fp16_t) * mask.size());
     }
     g.cache.compute("the draft graph");
+    if (own_pool_) {
+        // its workers would poll for the next graph while the target's pool computes: the two spin against
+        // each other on the same cores (a round took ~20 ms instead of ~0.5 ms on a tiny pair)
+        compute_->pause();
+    }
     // the block's slots and the padding rows hold transient rows: they become context only once appended
     for (int i = 0; i < std::min(std::max(n_rows - m, n_block), block_); ++i) {
         const int s = slot(pad_from + i);

@@ -72,12 +72,24 @@ class draft_session {
     int                  window() const { return window_; }
     int                  top_k() const { return top_k_; }
     size_t               kv_bytes() const { return kv_->n_bytes(); }
+    device_bytes         kv_memory() const { return kv_->memory(); }
+    device_bytes         ring_memory() const { return ring_->memory(); }
+    device_bytes         compute_memory() const { return arena_.memory(); }
+    // compute buffer bytes of the graph that appends n_rows context rows (0, or one of append_row_counts()) and
+    // drafts n_block positions over n_kv cache slots (ggml's allocator, nothing allocated; memory plans)
+    size_t               measure(int n_rows, int n_block, int n_kv);
+    static std::vector<int> append_row_counts();
+    static int              window_step();  // its attended window grows in steps of this many slots
+    int                     n_slots() const { return n_slots_; }  // window + block
 
   private:
     // one graph: append m queued rows (padded to n_rows), then draft n_block (0: none)
     void run(int m, int n_rows, int n_block, int32_t anchor, int start);
+    struct graph;
+    // builds the graph that appends n_rows context rows and drafts n_block positions over n_kv cache slots
+    void build(graph & g, int n_rows, int n_block, int n_kv);
     struct graph {
-        explicit graph(const compute_backends & compute) : cache(compute) {}
+        explicit graph(graph_arena & arena) : cache(arena) {}
         graph_cache     cache;
         int             key_rows = -1, key_block = -1, key_kv = -1;
         ggml_tensor *   ring_rows = nullptr;  // I32 [n_rows]: ring rows of the appended context
@@ -88,6 +100,7 @@ class draft_session {
     int  slot(int64_t position) const { return (int) (position % n_slots_); }
 
     std::shared_ptr<const dflash_draft> draft_;
+    bool                                own_pool_;  // no target session's backends were given
     std::shared_ptr<compute_backends>   compute_;  // its target session's, or its own (see core/backend.h)
     std::unique_ptr<feature_ring>       ring_;
     std::unique_ptr<kv_cache>           kv_;
@@ -100,6 +113,7 @@ class draft_session {
     std::vector<int32_t>                slot_pos_;  // position held by each cache slot (-1: none)
     std::vector<int32_t>                queued_rows_, queued_pos_;
 
+    graph_arena     arena_;         // the compute buffer the three graphs below share
     graph           draft_graph_;   // append a round's rows + draft
     graph           append_small_;  // append only, a few rows
     graph           append_large_;  // append only, many

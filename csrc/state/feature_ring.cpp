@@ -39,7 +39,11 @@ ggml_tensor * feature_ring::layer_view(ggml_context * ctx, int c) const {
 }
 
 size_t feature_ring::n_bytes() const {
-    return ggml_nbytes(rows_);
+    return memory().total();
+}
+
+device_bytes feature_ring::memory() const {
+    return bytes_by_device({buf_});
 }
 
 void feature_ring::write(const float * feats, const int32_t * positions, int m) {

@@ -28,7 +28,8 @@ class feature_ring {
     uint64_t      id() const { return id_; }
     int           slot(int64_t position) const { return (int) (position % capacity_); }
     int64_t       row_width() const { return rows_->ne[0]; }
-    size_t        n_bytes() const;
+    size_t        n_bytes() const;  // its buffer's, alignment included
+    device_bytes  memory() const;
 
     // host path (tests, external features): rows [m, row_width] for the given positions
     void write(const float * feats, const int32_t * positions, int m);

@@ -44,7 +44,8 @@ size_t kv_cache::n_bytes_for(const model_info & info, uint32_t n_ctx, ggml_type 
     return n;
 }
 
-kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx, ggml_type type_k, ggml_type type_v)
+kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx, ggml_type type_k, ggml_type type_v,
+                   int placed_with)
     : n_ctx_(n_ctx) {
     check_types(info, type_k, type_v);
     ggml_init_params params = {ggml_tensor_overhead() * (2 * info.kv_layers.size() + 1), nullptr, true};
@@ -57,7 +58,7 @@ kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx,
         ggml_format_name(k, "cache_k_l%d", l.il);
         ggml_format_name(v, "cache_v_l%d", l.il);
         layers_[l.il] = {k, v};
-        ggml_backend_buffer_type_t buft = be.state_buft(l.il);
+        ggml_backend_buffer_type_t buft = be.state_buft(placed_with == -2 ? l.il : placed_with);
         by_buft[buft].push_back(k);
         by_buft[buft].push_back(v);
     }
@@ -162,11 +163,11 @@ void kv_cache::copy_rows(const std::vector<std::pair<int, int>> & moves, const c
 }
 
 size_t kv_cache::n_bytes() const {
-    size_t n = 0;
-    for (ggml_backend_buffer_t b : buffers_) {
-        n += ggml_backend_buffer_get_size(b);
-    }
-    return n;
+    return memory().total();
+}
+
+device_bytes kv_cache::memory() const {
+    return bytes_by_device(buffers_);
 }
 
 }  // namespace pdf

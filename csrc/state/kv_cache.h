@@ -14,7 +14,10 @@ namespace pdf {
 
 class kv_cache {
   public:
-    kv_cache(const model_info & info, const backends & be, uint32_t n_ctx, ggml_type type_k, ggml_type type_v);
+    // placed_with: the layer of `be` whose device holds every layer's rows (-2: each layer's own; a drafter's
+    // cache lives with its weights, on the device of the target's last layer)
+    kv_cache(const model_info & info, const backends & be, uint32_t n_ctx, ggml_type type_k, ggml_type type_v,
+             int placed_with = -2);
     ~kv_cache();
     kv_cache(const kv_cache &)             = delete;
     kv_cache & operator=(const kv_cache &) = delete;
@@ -33,6 +36,7 @@ class kv_cache {
     void          move_rows(const std::vector<std::pair<int, int>> & moves, const compute_backends & compute);
     uint32_t      n_ctx() const { return n_ctx_; }
     size_t        n_bytes() const;
+    device_bytes  memory() const;
 
   private:
     void release();  // frees the buffers and the context (the destructor, or a constructor that fails)

@@ -81,11 +81,11 @@ void recurrent_state::fill(state_tensors & st, int n_layer) const {
 }
 
 size_t recurrent_state::n_bytes() const {
-    size_t n = 0;
-    for (ggml_backend_buffer_t b : buffers_) {
-        n += ggml_backend_buffer_get_size(b);
-    }
-    return n;
+    return memory().total();
+}
+
+device_bytes recurrent_state::memory() const {
+    return bytes_by_device(buffers_);
 }
 
 void recurrent_state::reset() {

@@ -37,6 +37,7 @@ class recurrent_state {
     uint32_t      n_rollback() const { return n_rollback_; }
     int           conv_window() const { return conv_window_; }  // d_conv - 1
     size_t        n_bytes() const;
+    device_bytes  memory() const;
 
     // rows the next evaluation reads
     int32_t                      ssm_row() const { return ssm_row_; }

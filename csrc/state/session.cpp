@@ -10,13 +10,13 @@
 
 namespace pdf {
 
-// The attended KV window grows in steps of this many slots: the graph is rebuilt once per step. Masked slots
+// The attended KV window grows in steps of KV_WINDOW_STEP slots (session.h): the graph is rebuilt once per step. Masked slots
 // still cost time in the CPU's small-window attention (matmul + softmax + the V transpose run over the whole
 // window), so the step is small: 64 instead of 256 took ~5% off a tiny 4-layer Qwen3's decode step over 128
 // tokens (perf samples per token), while its rebuilds (~0.5 ms each there, a fifth of one step) cost < 0.5%.
 // Which attention kernel runs is still decided on 256-slot windows (models/attention.cpp).
-static constexpr int KV_WINDOW_STEP = 64;
-// evaluation graphs kept (each with its own compute buffer)
+static constexpr int KV_WINDOW_STEP = session::KV_WINDOW_STEP;
+// evaluation graphs kept built (all placed in one compute buffer, core/graph_cache.h)
 static constexpr size_t MAX_CACHED_GRAPHS = 8;
 
 // an input the graph does not read (positions and masks of a model with no attention layer) gets no buffer
@@ -27,14 +27,15 @@ static void set_input(ggml_tensor * t, const void * data, size_t offset, size_t 
 }
 
 session::session(std::shared_ptr<const target_model> model, const session_params & params)
-    : model_(std::move(model)), compute_(std::make_shared<compute_backends>(model_->devices())) {
+    : model_(std::move(model)), compute_(std::make_shared<compute_backends>(model_->devices())), arena_(*compute_) {
     const model_info & info = model_->info();
     if (params.n_ctx == 0 || params.n_ubatch == 0) {
         throw std::invalid_argument(format("n_ctx (%u) and n_ubatch (%u) must be positive", params.n_ctx,
                                            params.n_ubatch));
     }
     n_ubatch_ = std::min(params.n_ubatch, params.n_ctx);  // a micro-batch never holds more than the context
-    if (params.n_ctx > info.n_ctx_train && info.n_ctx_train > 0) {
+    const bool quiet = model_->devices().plan_only();  // a memory plan: the load it plans will say it
+    if (params.n_ctx > info.n_ctx_train && info.n_ctx_train > 0 && !quiet) {
         PDF_LOG_WARN("n_ctx = %u exceeds the model's training context %u (%s); quality may degrade", params.n_ctx,
                      info.n_ctx_train, info.path.c_str());
     }
@@ -42,9 +43,11 @@ session::session(std::shared_ptr<const target_model> model, const session_params
     const size_t kv_need = kv_cache::n_bytes_for(info, params.n_ctx, params.type_k, params.type_v);
     const size_t rs_need = info.recurrent_layers.empty() ? 0 : recurrent_state::n_bytes_for(info, params.n_rollback);
     const size_t have    = model_->devices().free_memory(info.n_layer - 1);
-    PDF_LOG_INFO("KV cache: n_ctx = %u, K %s, V %s: %.2f MiB; recurrent state (rollback over %u tokens): %.2f MiB",
-                 params.n_ctx, ggml_type_name(params.type_k), ggml_type_name(params.type_v), kv_need / 1048576.0,
-                 params.n_rollback, rs_need / 1048576.0);
+    if (!quiet) {
+        PDF_LOG_INFO("KV cache: n_ctx = %u, K %s, V %s: %.2f MiB; recurrent state (rollback over %u tokens): "
+                     "%.2f MiB", params.n_ctx, ggml_type_name(params.type_k), ggml_type_name(params.type_v),
+                     kv_need / 1048576.0, params.n_rollback, rs_need / 1048576.0);
+    }
     if (kv_need + rs_need > have) {
         throw context_overflow_error(format("KV cache for n_ctx = %u (%.1f MiB) and recurrent state (%.1f MiB) need "
                                             "more than the %.1f MiB that are free; lower n_ctx or use a quantized "
@@ -56,6 +59,10 @@ session::session(std::shared_ptr<const target_model> model, const session_params
     if (!info.recurrent_layers.empty()) {
         rs_ = std::make_unique<recurrent_state>(info, model_->devices(), params.n_rollback);
     }
+    // one scheduler for every graph the session can build (a tree has at most n_rollback depths): a larger
+    // graph arriving later would replace it, and its compute buffer with it
+    arena_.sched_for(std::max(model_->max_graph_nodes(rs_ ? (int) rs_->n_rollback() : 0),
+                              model_->max_graph_nodes(0, (int) n_ubatch_)));
 }
 
 session::~session() = default;
@@ -66,22 +73,28 @@ void session::prepare_graph(const graph_key & key, feature_ring * ring) {
         if (g->cache.ready() && g->key == key) {
             cur_           = g.get();
             cur_->last_use = uses_;
+            cur_->cache.allocate("the compute graph");
             return;
         }
     }
     // a new graph: in a free entry, else in place of the least recently used one
     if (graphs_.size() < MAX_CACHED_GRAPHS) {
-        graphs_.push_back(std::make_unique<compiled_graph>(*compute_));
+        graphs_.push_back(std::make_unique<compiled_graph>(arena_));
         cur_ = graphs_.back().get();
     } else {
         cur_ = std::min_element(graphs_.begin(), graphs_.end(), [](const auto & a, const auto & b) {
                    return a->last_use < b->last_use;
                })->get();
     }
-    compiled_graph &   g    = *cur_;
-    g.last_use              = uses_;
+    cur_->last_use = uses_;
+    build_graph(*cur_, key, ring);
+    cur_->cache.allocate(
+        format("the compute graph for %d tokens over %d cache slots", key.n_tokens, key.n_kv).c_str());
+}
+
+void session::build_graph(compiled_graph & g, const graph_key & key, feature_ring * ring) {
     const model_info & info = model_->info();
-    ggml_context *     ctx  = g.cache.begin(model_->max_graph_nodes((int) key.tree_levels.size()));
+    ggml_context *     ctx  = g.cache.begin(model_->max_graph_nodes((int) key.tree_levels.size(), key.n_tokens));
     ggml_cgraph *      gf   = g.cache.graph();
 
     eval_inputs & in  = g.in;
@@ -155,8 +168,31 @@ void session::prepare_graph(const graph_key & key, feature_ring * ring) {
             ggml_build_forward_expand(gf, t);
         }
     }
-    g.cache.allocate(format("the compute graph for %d tokens over %d cache slots", key.n_tokens, key.n_kv).c_str());
     g.key = key;
+}
+
+size_t session::measure_eval(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
+                             const readout & what, const std::vector<int> & capture_layers, feature_ring * ring) {
+    graph_key key;
+    key.n_tokens      = n_tokens;
+    key.n_kv          = n_kv;
+    key.what          = what;
+    key.what.all_rows = what.all_rows || !tree_levels.empty();
+    key.capture       = capture_layers;
+    key.ring_id       = capture_layers.empty() || !ring ? 0 : ring->id();
+    key.tree_levels   = tree_levels;
+    key.ssm_snapshots = rs_ && tree_levels.empty() ? rs_->n_snapshots(n_tokens, whole) : 0;
+    compiled_graph g(arena_);
+    build_graph(g, key, capture_layers.empty() ? nullptr : ring);
+    size_t n = 0;
+    for (size_t s : g.cache.measure()) {
+        n += s;
+    }
+    return n;
+}
+
+device_bytes session::compute_memory() const {
+    return arena_.memory();
 }
 
 void session::rollback_pending() {
@@ -524,6 +560,18 @@ void session::cut_history_to(int n) {
     pending_.clear();
     slot_of_.clear();
     pending_tree_ = false;
+}
+
+void session::set_n_ubatch(uint32_t n) {
+    if (n == 0) {
+        throw std::invalid_argument("n_ubatch must be positive");
+    }
+    n = std::min(n, kv_->n_ctx());
+    if (n != n_ubatch_) {
+        n_ubatch_      = n;
+        marks_.aligned = 0;
+        marks_.whole   = false;
+    }
 }
 
 void session::forget_marks_from(int n_past) {

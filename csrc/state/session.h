@@ -102,12 +102,27 @@ class session {
     // back to a mark (or, attention-only models, any multiple of n_ubatch below `aligned`; 0: empty): the cache
     // is cut back to n tokens and a hybrid model's recurrent state restored
     void resume_prefill(int n);
+    // Compute buffer bytes an evaluation of n_tokens over a window of n_kv cache slots (a multiple of
+    // KV_WINDOW_STEP, or n_ctx) would need (ggml's allocator over its graph, nothing allocated): a chain
+    // (tree_levels empty; `whole`: committed whole) or a tree of those levels, reading `what`, capturing into
+    // `ring` as eval() would. For memory plans: the allocator packs each window's graph differently, so the
+    // largest need is not always the widest window's.
+    size_t measure_eval(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
+                        const readout & what, const std::vector<int> & capture_layers, feature_ring * ring);
+    // the attended window grows in steps of this many cache slots (one graph per step)
+    static constexpr int KV_WINDOW_STEP = 64;
+    // the compute buffer its graphs share, as allocated so far
+    device_bytes compute_memory() const;
+    device_bytes kv_memory() const { return kv_->memory(); }
+    device_bytes recurrent_memory() const { return rs_ ? rs_->memory() : device_bytes{}; }
     bool   is_recurrent() const { return rs_ != nullptr; }
     size_t recurrent_bytes() const { return rs_ ? rs_->n_bytes() : 0; }
 
     int      n_past() const { return n_past_; }
     uint32_t n_ctx() const { return kv_->n_ctx(); }
     uint32_t n_ubatch() const { return n_ubatch_; }
+    // a new prefill micro-batch (at most n_ctx): the prompt cache's marks, made with the old one, are forgotten
+    void     set_n_ubatch(uint32_t n);
     uint32_t n_rollback() const { return rs_ ? rs_->n_rollback() : n_ctx(); }
     size_t   kv_bytes() const { return kv_->n_bytes(); }
 
@@ -153,8 +168,11 @@ class session {
                    ring_id == o.ring_id && tree_levels == o.tree_levels && ssm_snapshots == o.ssm_snapshots;
         }
     };
+    struct compiled_graph;
     // makes cur_ the graph for `key` (writing captures into `ring`), building it if no cached one has it
     void prepare_graph(const graph_key & key, feature_ring * ring);
+    // builds the graph for `key` into g
+    void build_graph(compiled_graph & g, const graph_key & key, feature_ring * ring);
     // the recurrent state as of before the last (uncommitted) eval
     void rollback_pending();
     // the prompt cache's marks at or beyond n_past no longer hold
@@ -166,6 +184,7 @@ class session {
     // this session's own (sessions over one model run in parallel), shared with its draft session: one
     // conversation computes on one thread pool
     std::shared_ptr<compute_backends>   compute_;
+    graph_arena                         arena_;  // the compute buffer every graph below is placed in
     std::unique_ptr<kv_cache>           kv_;
     std::unique_ptr<recurrent_state>    rs_;
     int                                 n_past_ = 0;
@@ -175,7 +194,7 @@ class session {
     // the evaluation graphs, one per key (batch size, KV window, outputs, tree shape), the most recently used
     // kept: alternating widths (auto's rounds, plain steps between them) costs no rebuild
     struct compiled_graph {
-        explicit compiled_graph(const compute_backends & compute) : cache(compute) {}
+        explicit compiled_graph(graph_arena & arena) : cache(arena) {}
         graph_cache   cache;
         graph_key     key;
         eval_inputs   in;

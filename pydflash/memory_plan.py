@@ -1,0 +1,356 @@
+"""Memory plans: what a configuration of target, drafter and session needs on each device, before anything is
+loaded.
+
+A plan builds the model, a session and the drafter exactly as `Model(...)` does, from the GGUFs' metadata alone
+(their tensor data may be absent), in buffers that reserve address space only (csrc/core/planned_buffer.h). So
+the weights, KV cache, recurrent state, feature ring and the drafter's window are the sizes the same code
+allocates, in the buffer types a load would use (the CPU's repacking types included), and the compute buffers
+are ggml's graph allocator measuring the largest graphs the configuration runs (a prefill micro-batch, the
+widest verify, chain and tree, and the drafter's round) over the whole context. Layers placed on a GPU this
+machine lacks are sized by CUDA's rules (128-byte alignment, quantized matrices padded by up to 512 elements of
+one row); their compute buffer is measured with the CPU's allocator over the same graph and counted on the GPU.
+
+    from pydflash import plan
+    p = plan("Qwen3.5-27B-Q4_K_M.gguf", "dflash.gguf", n_ctx=131072, kv_type="q4_0", n_gpu_layers=-1,
+             spec_mode="tree", tree_budget=22, vram="22GiB")
+    print(p.table()); p.fits; p.as_dict()
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from . import _core, ubatch
+from ._arguments import choice_arg, int_arg, optional_int_arg
+from .errors import ModelLoadError
+
+__all__ = ["plan", "MemoryPlan", "parse_bytes", "engine_config"]
+
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+SPEC_MODES = ("auto", "tree", "chain")
+# tree / auto: candidates the drafter returns per position (DDTree's K; trees rarely take a sibling ranked lower)
+DRAFT_TOP_K = 8
+# the most draft nodes one verify may hold (a verify of 64 tokens)
+MAX_TREE_BUDGET = 63
+# hybrid targets keep one recurrent state per verified node: by default auto's trees stay within this share of
+# the weights' memory (or 512 MiB, whichever is more)
+TREE_STATE_SHARE = 0.25
+# a verify never holds more rows than the drafter's cost grid measures (spec/cost_model.h)
+CATEGORIES = ("weights", "kv", "recurrent", "ring", "draft", "compute")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a Model derives from its arguments: the session's, the drafter's (None without one) and the tree
+    budget. `Model(...)` and `plan(...)` both take it from engine_config, so a plan is of the session a load opens."""
+
+    session: dict
+    draft: dict | None
+    tree_budget: int | None
+    block: int | None
+
+
+def default_tree_budget(core_model, spec_mode: str, block: int) -> int:
+    """Draft nodes per verify when tree_budget is not given: tree mode verifies four blocks' worth; auto may go up
+    to 63, on hybrid targets only as far as the per-node recurrent states stay within max(512 MiB, a quarter of the
+    weights)."""
+    if spec_mode == "chain":
+        return block - 1
+    budget = min(4 * (block - 1) if spec_mode == "tree" else MAX_TREE_BUDGET, MAX_TREE_BUDGET)
+    if core_model.is_recurrent:
+        per_node = core_model.recurrent_bytes_for(2) - core_model.recurrent_bytes_for(1)
+        allowed = max(512 * 2**20, TREE_STATE_SHARE * core_model.weight_bytes)
+        budget = max(block - 1, min(budget, int(allowed // per_node) - 2))
+    return budget
+
+
+def engine_config(core_model, core_draft, *, n_ctx: int, kv_type: str, n_ubatch: int, block_size: int | None,
+                  spec_mode: str, tree_budget: int | None, draft_window: int) -> EngineConfig:
+    """The session and drafter arguments for a target (`_core.Model`) and drafter (`_core.DraftModel` or None),
+    from a Model's (already checked) arguments."""
+    n_rollback = 16
+    draft = None
+    block = None
+    if core_draft is not None:
+        # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify (a chain's
+        # block, or a tree's root and nodes)
+        max_verify = 0 if spec_mode == "chain" else 1 + (tree_budget or MAX_TREE_BUDGET)
+        draft = dict(n_ctx=n_ctx, block_size=block_size or 0, window=draft_window,
+                     ring_capacity=max(n_ubatch, max_verify), top_k=1 if spec_mode == "chain" else DRAFT_TOP_K,
+                     with_logprobs=spec_mode != "chain", max_verify=max_verify)
+        block = block_size or core_draft.block_size
+        tree_budget = tree_budget or default_tree_budget(core_model, spec_mode, block)
+        # a hybrid target keeps the state of every token (chain) or node (tree) of a verify
+        n_rollback = max(n_rollback, block, 1 + tree_budget if spec_mode != "chain" else 0)
+    elif block_size is not None or tree_budget is not None:
+        raise ValueError("block_size and tree_budget need a draft model (draft_model_path)")
+    session = dict(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch, n_rollback=n_rollback)
+    return EngineConfig(session, draft, tree_budget, block)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value, name: str = "vram") -> int:
+    """Bytes from an int or a string such as '24GiB', '22.5 GB', '8000MiB' (GiB/MiB: powers of 2; GB/MB: of 10)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a byte count or a string such as '24GiB', got bool")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name} = {value}, expected a positive byte count")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a byte count or a string such as '24GiB', got {type(value).__name__}")
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{name} = {value!r}: expected a size such as '24GiB', '22.5GB' or '8000MiB'")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"{name} = {value!r}, expected a positive size")
+    return n
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per category and device ('cpu', 'gpu'), the budgets they were checked against and the verdict.
+    `fits` is None when a device holds bytes but has no known budget (a GPU plan without vram= on a machine
+    without that GPU). `suggestions`: what would fit instead, when it does not (largest n_ctx, kv_type,
+    n_gpu_layers, tree_budget; each one change alone, searched on the whole context's graphs, n_ctx confirmed
+    with the windows' sweep)."""
+
+    config: dict
+    bytes: dict  # category -> {"cpu": n, "gpu": n}
+    budget: dict  # device -> bytes available (None: unknown)
+    graphs: dict = field(default_factory=dict)  # graph -> compute bytes measured
+    suggestions: dict = field(default_factory=dict)
+
+    def total(self, device: str | None = None) -> int:
+        devices = (device,) if device else ("cpu", "gpu")
+        return sum(self.bytes[c][d] for c in CATEGORIES for d in devices)
+
+    @property
+    def fits(self) -> bool | None:
+        verdict = True
+        for d in ("cpu", "gpu"):
+            need = self.total(d)
+            if need == 0:
+                continue
+            if self.budget.get(d) is None:
+                verdict = None if verdict else verdict
+            elif need > self.budget[d]:
+                return False
+        return verdict
+
+    def shortfall(self) -> dict:
+        """device -> bytes missing (only devices that are short)."""
+        return {d: self.total(d) - self.budget[d] for d in ("cpu", "gpu")
+                if self.budget.get(d) is not None and self.total(d) > self.budget[d]}
+
+    def as_dict(self) -> dict:
+        out = {f"{c}_bytes": self.bytes[c]["cpu"] + self.bytes[c]["gpu"] for c in CATEGORIES}
+        out["total_bytes"] = self.total()
+        out["devices"] = {d: {**{f"{c}_bytes": self.bytes[c][d] for c in CATEGORIES},
+                              "total_bytes": self.total(d), "budget_bytes": self.budget.get(d)}
+                          for d in ("cpu", "gpu") if self.total(d) or d == "cpu"}
+        out["fits"] = self.fits
+        out["config"] = dict(self.config)
+        out["compute_graphs"] = dict(self.graphs)
+        if self.suggestions:
+            out["suggestions"] = dict(self.suggestions)
+        return out
+
+    def table(self) -> str:
+        devices = [d for d in ("cpu", "gpu") if self.total(d) or d == "cpu"]
+        lines = [f"{'':12}" + "".join(f"{d.upper():>14}" for d in devices)]
+        for c in CATEGORIES:
+            lines.append(f"{c:12}" + "".join(f"{_gib(self.bytes[c][d]):>14}" for d in devices))
+        lines.append(f"{'total':12}" + "".join(f"{_gib(self.total(d)):>14}" for d in devices))
+        lines.append(f"{'budget':12}" + "".join(
+            f"{(_gib(self.budget[d]) if self.budget.get(d) is not None else 'unknown'):>14}" for d in devices))
+        verdict = {True: "fits", False: "does NOT fit", None: "unknown (no budget for a device: pass vram=)"}
+        lines.append(f"verdict: {verdict[self.fits]}")
+        for d, n in self.shortfall().items():
+            lines.append(f"  {d.upper()} short by {_gib(n)}")
+        for k, v in self.suggestions.items():
+            lines.append(f"  would fit: {k} = {v}")
+        return "\n".join(lines)
+
+
+def _tree_levels(width: int, block: int) -> list[int]:
+    """Nodes per depth of the deepest tree of `width` nodes a verify runs: a spine as deep as a block allows,
+    the other nodes siblings along it (the shape auto calibrates with; most depths, so the most levels)."""
+    spine = min(width - 2, block - 1)
+    depth = []
+    for i in range(width):
+        parent = i - 1 if i <= spine else (i - spine - 1) % spine
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    return [depth.count(d) for d in range(max(depth) + 1)]
+
+
+def _windows(n_tokens: int, n_ctx: int, step: int, sweep: bool) -> list[int]:
+    """The attended windows an evaluation of n_tokens can run over: multiples of `step` from the first that
+    holds it, and n_ctx (sweep=False: n_ctx only)."""
+    if not sweep:
+        return [n_ctx]
+    first = -(-n_tokens // step) * step
+    return list(range(first, n_ctx, step)) + [n_ctx]
+
+
+def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: str, sweep: bool) -> dict:
+    """Compute bytes of each graph kind this configuration runs, the largest over its windows, by name.
+    ggml's allocator packs each window's graph differently (a wider window's need can be smaller), so every
+    window the engine can build is measured (sweep=False: the whole context's only)."""
+    n_ctx, step = cfg.session["n_ctx"], _core.Session.kv_window_step
+
+    def target(n, **kw):
+        return max(session.measure_eval(n, n_kv=w, draft=draft_session, **kw)
+                   for w in _windows(n, n_ctx, step, sweep))
+
+    graphs = {}
+    n_ubatch = cfg.session["n_ubatch"]
+    graphs[f"prefill {n_ubatch}"] = target(n_ubatch, whole=True, all_rows=False)
+    if draft_session is None:
+        graphs["decode 1"] = target(1)
+        return graphs
+    width = cfg.block if spec_mode == "chain" else 1 + cfg.tree_budget
+    # a verify never holds more than the ring's rows, the context, or (hybrid) the states kept
+    width = min(width, draft_session.ring_capacity, n_ctx, session.n_rollback if core_model.is_recurrent else width)
+    graphs[f"verify {width}"] = target(width)
+    if spec_mode != "chain" and core_model.is_recurrent and width >= 3:
+        # a hybrid target runs trees depth by depth: the deepest tree and the widest (all nodes at depth 1)
+        for levels in (_tree_levels(width, draft_session.block_size), [1, width - 1]):
+            graphs[f"tree {width} over {len(levels)} depths"] = target(width, tree_levels=levels)
+    # the drafter: rows appended alone, or before a block drafted over its window
+    block, n_slots = draft_session.block_size, draft_session.n_slots
+    graphs["draft round"] = max(
+        [draft_session.measure_compute(rows, 0, 0) for rows in draft_session.append_row_counts] +
+        [draft_session.measure_compute(rows, block, w) for rows in draft_session.append_row_counts
+         for w in _windows(block, n_slots, draft_session.window_step, sweep)])
+    return graphs
+
+
+def _host_budget() -> int:
+    return _core.device_memory()["cpu_free"]
+
+
+def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str = "f16", n_gpu_layers: int = 0,
+         n_ubatch: int | str = "auto", spec_mode: str = "auto", block_size: int | None = None,
+         tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
+         suggest: bool = True, sweep: bool = True) -> MemoryPlan:
+    """The memory plan of `Model(model_path, draft_model_path=..., ...)` with these arguments (the same names and
+    defaults). vram / ram: the budgets to check against (bytes or '24GiB'); by default the GPU's free memory when
+    this machine has the GPU, and the system's available memory. suggest: when it does not fit, also find the
+    largest n_ctx, a kv_type, the n_gpu_layers and (hybrid targets) the tree_budget that would. sweep: measure
+    each graph over every attended window the engine can build (ggml's allocator packs each differently; ~1-2 ms
+    per graph for a 27B model, 2048 windows at 128K), else over the whole context only (a few percent of the
+    compute buffer may be missed)."""
+    for name, path in (("model_path", model_path), ("draft_model_path", draft_model_path)):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"{name} must be a str or os.PathLike, got {type(path).__name__}")
+        if path is not None and not os.path.exists(path):
+            raise ModelLoadError(f"{os.fspath(path)}: no such file")
+    if n_ubatch == "auto":  # as Model: sized for the largest micro-batch it may choose (pydflash/ubatch.py)
+        n_ubatch = max(ubatch.candidates(int_arg("n_ctx", n_ctx, 1, 2**30)))
+    args = dict(n_ctx=int_arg("n_ctx", n_ctx, 1, 2**30), kv_type=choice_arg("kv_type", kv_type, KV_TYPES),
+                n_gpu_layers=int_arg("n_gpu_layers", n_gpu_layers, -1),
+                n_ubatch=int_arg("n_ubatch", n_ubatch, 1, 2**30),
+                spec_mode=choice_arg("spec_mode", spec_mode, SPEC_MODES),
+                block_size=optional_int_arg("block_size", block_size, 2, 256),
+                tree_budget=optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET),
+                draft_window=int_arg("draft_window", draft_window, 1))
+    args["n_ubatch"] = min(args["n_ubatch"], args["n_ctx"])
+    devices = _core.device_memory()
+    budget = {"cpu": parse_bytes(ram, "ram") if ram is not None else devices["cpu_free"],
+              "gpu": parse_bytes(vram, "vram") if vram is not None else devices.get("gpu_free")}
+    paths = (os.fspath(model_path), None if draft_model_path is None else os.fspath(draft_model_path))
+    result = _plan_once(paths, args, budget, sweep)
+    if suggest and result.fits is False:
+        result.suggestions = _suggest(paths, args, budget, result, sweep)
+    return result
+
+
+def _plan_once(paths, args: dict, budget: dict, sweep: bool = True) -> MemoryPlan:
+    core_model = _core.Model(paths[0], n_gpu_layers=args["n_gpu_layers"], n_threads=1, plan_only=True)
+    core_draft = None if paths[1] is None else _core.DraftModel(core_model, paths[1])
+    cfg = engine_config(core_model, core_draft, n_ctx=args["n_ctx"], kv_type=args["kv_type"],
+                        n_ubatch=args["n_ubatch"], block_size=args["block_size"], spec_mode=args["spec_mode"],
+                        tree_budget=args["tree_budget"], draft_window=args["draft_window"])
+    session = _core.Session(core_model, **cfg.session)
+    draft_session = None if core_draft is None else _core.DraftSession(session, core_draft, **cfg.draft)
+    graphs = _measure(core_model, session, draft_session, cfg, args["spec_mode"], sweep)
+    # the target's graphs share one compute buffer, the drafter's another: each the size of its largest graph
+    target_compute = max(v for k, v in graphs.items() if k != "draft round")
+    compute = target_compute + graphs.get("draft round", 0)
+    on_gpu = core_model.n_gpu_layers > 0
+
+    def pair(cpu_gpu):
+        return {"cpu": cpu_gpu[0], "gpu": cpu_gpu[1]}
+
+    nothing = {"cpu": 0, "gpu": 0}
+    draft = nothing
+    ring = nothing
+    if draft_session is not None:
+        w, k = core_draft.weight_memory, draft_session.kv_memory
+        draft = {"cpu": w[0] + k[0], "gpu": w[1] + k[1]}
+        ring = pair(draft_session.ring_memory)
+    config = dict(args, model_path=paths[0], draft_model_path=paths[1], n_rollback=cfg.session["n_rollback"],
+                  tree_budget=cfg.tree_budget, block_size=cfg.block, n_layer=core_model.n_layer,
+                  n_gpu_layers=args["n_gpu_layers"])
+    return MemoryPlan(
+        config=config,
+        bytes={"weights": pair(core_model.weight_memory), "kv": pair(session.kv_memory),
+               "recurrent": pair(session.recurrent_memory), "ring": ring, "draft": draft,
+               "compute": {"cpu": 0 if on_gpu else compute, "gpu": compute if on_gpu else 0}},
+        budget=dict(budget), graphs=graphs)
+
+
+def _largest(lo: int, hi: int, fits) -> int | None:
+    """The largest n in [lo, hi] with fits(n) (fits is monotone: true up to some n), or None."""
+    if not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _suggest(paths, args: dict, budget: dict, failed: MemoryPlan, sweep: bool) -> dict:
+    # searched on the whole context's graphs (fast), the n_ctx found confirmed with the sweep
+    def fits_with(sweep=False, **change) -> bool:
+        return _plan_once(paths, {**args, **change}, budget, sweep).fits is not False
+
+    def ctx(k: int) -> dict:
+        return dict(n_ctx=256 * k, n_ubatch=min(args["n_ubatch"], 256 * k))
+
+    out = {}
+    # n_ctx in steps of 256
+    steps = _largest(1, args["n_ctx"] // 256, lambda k: fits_with(**ctx(k)))
+    while sweep and steps and not fits_with(sweep=True, **ctx(steps)):
+        steps -= 1
+    if steps and 256 * steps < args["n_ctx"]:
+        out["n_ctx"] = 256 * steps
+    for kv in ("q8_0", "q4_0"):
+        if KV_TYPES.index(kv) > KV_TYPES.index(args["kv_type"]) and fits_with(kv_type=kv):
+            out["kv_type"] = kv
+            break
+    n_layer = failed.config["n_layer"]
+    if args["n_gpu_layers"] != 0 and failed.shortfall().get("gpu"):
+        asked = n_layer + 1 if args["n_gpu_layers"] < 0 else min(args["n_gpu_layers"], n_layer + 1)
+        layers = _largest(0, asked - 1, lambda n: fits_with(n_gpu_layers=n)) if asked > 0 else None
+        if layers is not None:
+            out["n_gpu_layers"] = layers
+    if paths[1] is not None and args["spec_mode"] != "chain" and (failed.config["tree_budget"] or 0) > 1:
+        budget_nodes = _largest(1, failed.config["tree_budget"] - 1, lambda b: fits_with(tree_budget=b))
+        if budget_nodes is not None:
+            out["tree_budget"] = budget_nodes
+    return out

@@ -1,0 +1,109 @@
+"""The prefill micro-batch chosen by measurement (Model(n_ubatch="auto"), the default).
+
+How many prompt tokens one target evaluation should take depends on the model and the machine: a CPU's
+batched matmuls stop gaining past a few hundred rows while each row's attention over the growing window
+costs more, and lucebox measured 16 for short prompts and 192 for long ones on its RTX 3090. So the first prefill long enough to need more than one micro-batch times one evaluation of each
+candidate size on the session itself (uncommitted: the session is unchanged), takes the size with the
+lowest cost per token (the smaller one when two are within 3%), and keeps it for the session. The answer
+is cached on disk per model file, drafter, machine, thread count and offload, so a model measures once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+
+from . import _core
+
+__all__ = ["CANDIDATES", "candidates", "choose", "calibrate"]
+
+# at most llama.cpp's default micro-batch: the feature ring and the compute buffer are sized for the largest
+# candidate, which a 24 GB card cannot spare much of next to a 27B model (a 2048-row ring of its drafter's
+# features alone is 200 MiB)
+CANDIDATES = (64, 128, 256, 512)
+# a larger micro-batch must be at least this much cheaper per token to be preferred
+TIE = 0.03
+
+
+def candidates(n_ctx: int) -> tuple[int, ...]:
+    """The sizes timed: those that fit the context (else the context itself)."""
+    sizes = tuple(n for n in CANDIDATES if n <= n_ctx)
+    return sizes or (n_ctx,)
+
+
+def choose(ms_per_token: dict[int, float]) -> int:
+    """The size with the lowest cost per token; a larger size only where it is more than TIE cheaper."""
+    best = None
+    for size in sorted(ms_per_token):
+        if best is None or ms_per_token[size] < ms_per_token[best] * (1 - TIE):
+            best = size
+    return best
+
+
+def _cache_path() -> str:
+    from .demo import cache_dir  # ($PYDFLASH_CACHE, else $XDG_CACHE_HOME/pydflash, else ~/.cache/pydflash)
+
+    return os.path.join(cache_dir(), "ubatch.json")
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = _core.device_memory().get("gpu_name", "")
+    return f"{cpu}|{gpu}"
+
+
+def cache_key(model_path: str, draft_path: str | None, n_threads: int, n_gpu_layers: int, sizes) -> str:
+    def file_id(path):
+        st = os.stat(path)
+        return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
+
+    return "|".join([file_id(model_path), file_id(draft_path) if draft_path else "-", _machine(),
+                     f"threads={n_threads}", f"ngl={n_gpu_layers}", "sizes=" + ",".join(map(str, sizes))])
+
+
+def _read_cache() -> dict:
+    try:
+        with open(_cache_path()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, value: dict) -> None:
+    # best effort (a read-only home only means measuring again next time); replaced atomically
+    try:
+        data = _read_cache()
+        data[key] = value
+        path = _cache_path()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def calibrate(session, draft, tokens: list[int], sizes, key: str) -> tuple[int, dict[int, float]]:
+    """The micro-batch for `session` (and the DraftSession `draft` capturing from it, or None): from the disk
+    cache under `key`, else timed on `tokens` (repeated to the largest size when shorter), which leaves the
+    session empty. Returns the size and the measured milliseconds per token by size (empty when it came from
+    the cache)."""
+    cached = _read_cache().get(key)
+    if isinstance(cached, dict) and cached.get("n_ubatch") in sizes:
+        return cached["n_ubatch"], {}
+    longest = max(sizes)
+    tokens = list(tokens) or [0]
+    tokens = (tokens * (longest // len(tokens) + 1))[:longest]
+    measured = dict(zip(sizes, session.time_prefill(tokens, sizes, draft)))
+    size = choose(measured)
+    _write_cache(key, {"n_ubatch": size, "ms_per_token": {str(k): v for k, v in measured.items()}})
+    return size, measured

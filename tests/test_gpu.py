@@ -1,0 +1,126 @@
+"""`pytest -m gpu`: the GPU build on a machine with a GPU (CUDA, HIP, Vulkan, Metal: ggml's first GPU device).
+Skipped where pydflash was built without a GPU backend or no device is usable, which is every CI run; ready for
+the day one is there (README, "Building" has the CUDA and HIP builds).
+
+- CPU vs GPU: logits of both archs and the drafter's proposals, within f32 tolerance;
+- speculative == plain on the GPU for chain, tree and auto (greedy: the output must be the target's own);
+- placement: what the load allocates on the GPU is what pydflash.plan says;
+- a speed table (printed; run with -s): plain tok/s, the cost of a verify of 16 over one decode step, and
+  speculative tok/s on cost-realistic pairs (timings are reported, never asserted).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import pydflash
+from pydflash import _core
+
+from export_pairs import pair_file, prompt_rows  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+KINDS = ["qwen3", "qwen35"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu():
+    memory = _core.device_memory()
+    if "gpu_free" not in memory:
+        pytest.skip("no GPU device (a CPU-only build, or no usable device)")
+    return memory
+
+
+def _prompt() -> np.ndarray:
+    tok = pydflash.Tokenizer.from_gguf(str(pair_file("qwen3", "target", "f32")))
+    return np.array(tok.tokenize(prompt_rows("code")[0]["text"], add_special=False)[:48], dtype=np.int32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_target_logits_cpu_vs_gpu(kind):
+    path = str(pair_file(kind, "target", "f32"))
+    tokens = _prompt()
+    logits = {}
+    for ngl in (0, -1):
+        s = _core.Session(_core.Model(path, n_gpu_layers=ngl), n_ctx=256)
+        logits[ngl], _ = s.eval(tokens)
+    scale = np.abs(logits[0]).max()
+    assert np.abs(logits[0] - logits[-1]).max() <= 2e-3 * scale
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_draft_proposals_cpu_vs_gpu(kind):
+    target, draft = str(pair_file(kind, "target", "f32")), str(pair_file(kind, "dflash", "f32"))
+    tokens = _prompt()
+    out = {}
+    for ngl in (0, -1):
+        m = _core.Model(target, n_gpu_layers=ngl)
+        s = _core.Session(m, n_ctx=256)
+        ds = _core.DraftSession(s, _core.DraftModel(m, draft), n_ctx=256, top_k=4)
+        _, captured = s.eval(tokens, capture_layers=ds.capture_layers)
+        feats = np.concatenate(captured, axis=1)
+        out[ngl] = ds.draft(feats, np.arange(len(tokens), dtype=np.int32), int(tokens[-1]), len(tokens),
+                            with_logprobs=True)
+    ids0, lp0 = out[0]
+    ids1, lp1 = out[-1]
+    for pos in range(len(ids0)):
+        # the same candidates, up to near-ties of the f32 logits
+        gap = lp0[pos][0] - lp0[pos][1]
+        assert ids0[pos][0] == ids1[pos][0] or gap < 1e-3, pos
+        np.testing.assert_allclose(lp0[pos][0], lp1[pos][0], atol=2e-3)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_speculative_equals_plain_on_the_gpu(kind, mode):
+    target, draft = pair_file(kind, "target", "q8_0"), pair_file(kind, "dflash", "q8_0")
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, n_gpu_layers=-1, spec_mode=mode) as m:
+        for row in prompt_rows("code")[:4]:
+            plain = m.generate(row["text"], max_tokens=64, speculative=False)
+            spec = m.generate(row["text"], max_tokens=64)
+            assert spec.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_allocations_are_the_plan(kind):
+    target, draft = pair_file(kind, "target", "q8_0"), pair_file(kind, "dflash", "q8_0")
+    config = dict(n_ctx=512, n_ubatch=128, n_gpu_layers=-1, spec_mode="chain")
+    plan = pydflash.plan(target, draft, **config)
+    with pydflash.Model(target, draft_model_path=draft, **config) as m:
+        real = m.memory()
+    for c in ("weights", "kv", "recurrent", "ring", "draft"):
+        assert real[c] == plan.bytes[c], c
+    assert real["weights"]["gpu"] > 0 and real["kv"]["gpu"] > 0
+
+
+def test_speed_table(tmp_path):
+    """Printed, not asserted: plain decode, verify(16)/decode cost, speculative tok/s on cost-realistic pairs."""
+    from pydflash.convert.inflate import inflate_gguf
+
+    print(f"\n{'pair':10} {'plain tok/s':>12} {'verify16/AR':>12} {'chain tok/s':>12} {'auto tok/s':>11}")
+    for kind in KINDS:
+        big = inflate_gguf(pair_file(kind, "target", "f32"), tmp_path / f"{kind}.gguf", "q4mix", n_ff=8192,
+                           extra_layers=8, progress=False)
+        draft = pair_file(kind, "dflash", "q8_0")
+        m = _core.Model(str(big), n_gpu_layers=-1)
+        s = _core.Session(m, n_ctx=512)
+        tokens = np.arange(1, 17, dtype=np.int32)
+        timings = {}
+        for n in (1, 16):
+            s.eval(tokens[:n])  # graph built
+            t0 = time.perf_counter()
+            for _ in range(20):
+                s.eval(tokens[:n])
+            timings[n] = (time.perf_counter() - t0) / 20
+        rates = {}
+        with pydflash.Model(big, draft_model_path=draft, n_ctx=1024, n_gpu_layers=-1) as model:
+            text = prompt_rows("code")[0]["text"]
+            for mode in ("plain", "chain", "auto"):
+                model.spec_mode = "chain" if mode == "plain" else mode
+                c = model.generate(text, max_tokens=128, speculative=mode != "plain")
+                rates[mode] = c.timings["predicted_n"] / (c.timings["predicted_ms"] / 1000)
+        print(f"{kind:10} {rates['plain']:12.1f} {timings[16] / timings[1]:12.2f} {rates['chain']:12.1f} "
+              f"{rates['auto']:11.1f}")
