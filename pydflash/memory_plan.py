@@ -37,7 +37,7 @@ MAX_TREE_BUDGET = 63
 # hybrid targets keep one recurrent state per verified node: by default auto's trees stay within this share of
 # the weights' memory (or 512 MiB, whichever is more)
 TREE_STATE_SHARE = 0.25
-# a verify never holds more rows than the drafter's cost grid measures (spec/cost_model.h)
+# what a plan counts, per device
 CATEGORIES = ("weights", "kv", "recurrent", "ring", "draft", "compute")
 
 
@@ -137,16 +137,15 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
-        verdict = True
+        unknown = False
         for d in ("cpu", "gpu"):
-            need = self.total(d)
-            if need == 0:
+            if self.total(d) == 0:
                 continue
             if self.budget.get(d) is None:
-                verdict = None if verdict else verdict
-            elif need > self.budget[d]:
+                unknown = True
+            elif self.total(d) > self.budget[d]:
                 return False
-        return verdict
+        return None if unknown else True
 
     def shortfall(self) -> dict:
         """device -> bytes missing (only devices that are short)."""
@@ -243,7 +242,7 @@ def _host_budget() -> int:
 def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str = "f16", n_gpu_layers: int = 0,
          n_ubatch: int | str = "auto", spec_mode: str = "auto", block_size: int | None = None,
          tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
-         suggest: bool = True, sweep: bool = True) -> MemoryPlan:
+         suggest: bool = True, sweep: bool = True, delta_net: str = "auto") -> MemoryPlan:
     """The memory plan of `Model(model_path, draft_model_path=..., ...)` with these arguments (the same names and
     defaults). vram / ram: the budgets to check against (bytes or '24GiB'); by default the GPU's free memory when
     this machine has the GPU, and the system's available memory. suggest: when it does not fit, also find the
@@ -264,7 +263,8 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
                 spec_mode=choice_arg("spec_mode", spec_mode, SPEC_MODES),
                 block_size=optional_int_arg("block_size", block_size, 2, 256),
                 tree_budget=optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET),
-                draft_window=int_arg("draft_window", draft_window, 1))
+                draft_window=int_arg("draft_window", draft_window, 1),
+                delta_net=choice_arg("delta_net", delta_net, ("auto", "fused", "chunked")))
     args["n_ubatch"] = min(args["n_ubatch"], args["n_ctx"])
     devices = _core.device_memory()
     budget = {"cpu": parse_bytes(ram, "ram") if ram is not None else devices["cpu_free"],
@@ -277,7 +277,8 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
 
 
 def _plan_once(paths, args: dict, budget: dict, sweep: bool = True) -> MemoryPlan:
-    core_model = _core.Model(paths[0], n_gpu_layers=args["n_gpu_layers"], n_threads=1, plan_only=True)
+    core_model = _core.Model(paths[0], n_gpu_layers=args["n_gpu_layers"], n_threads=1, plan_only=True,
+                             delta_net=args["delta_net"])
     core_draft = None if paths[1] is None else _core.DraftModel(core_model, paths[1])
     cfg = engine_config(core_model, core_draft, n_ctx=args["n_ctx"], kv_type=args["kv_type"],
                         n_ubatch=args["n_ubatch"], block_size=args["block_size"], spec_mode=args["spec_mode"],

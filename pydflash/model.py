@@ -39,7 +39,6 @@ _core.set_log_callback(_forward_core_log)
 atexit.register(_core.set_log_callback, None)
 
 
-
 @dataclass
 class Completion:
     """The result of `Model.generate`. `timings` uses llama-server's names; `seed` is the one the call drew with
@@ -211,13 +210,13 @@ class Model:
         n_ctx = int_arg("n_ctx", n_ctx, 1, 2**30)
         n_gpu_layers = int_arg("n_gpu_layers", n_gpu_layers, -1)
         n_threads = optional_int_arg("n_threads", n_threads, 1)
-        # a micro-batch never holds more than the context (nor sizes the feature ring beyond it)
         # "auto": the fastest per token of ubatch.candidates, measured on the first long prompt (pydflash/ubatch.py);
         # until then (and for the memory plan, the feature ring's rows) the largest
         self._ubatch_sizes = None
         if n_ubatch == "auto":
             self._ubatch_sizes = ubatch.candidates(n_ctx)
             n_ubatch = max(self._ubatch_sizes)
+        # a micro-batch never holds more than the context (nor sizes the feature ring beyond it)
         n_ubatch = min(int_arg("n_ubatch", n_ubatch, 1, 2**30), n_ctx)
         block_size = optional_int_arg("block_size", block_size, 2, 256)
         tree_budget = optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET)
@@ -238,7 +237,7 @@ class Model:
             raise ModelLoadError(f"{self.model_path}: no such file")
         self._refuse_if_short(draft_model_path, n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers,
                               n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
-                              tree_budget=tree_budget, draft_window=draft_window)
+                              tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)
         self.seed = seed  # the default of sampled calls (None: a fresh seed per call)
         self.kv_type = kv_type
         self.tokenizer = Tokenizer.from_gguf(self.model_path)

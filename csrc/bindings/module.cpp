@@ -533,7 +533,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                                "Layers of [0 .. n_layer] on the GPU (the output head counts as layer n_layer).")
         .def_property_readonly("weight_memory", [](const py_model & m) { return as_pair(m.model->weight_memory()); },
                                "(CPU bytes, GPU bytes) of the weight buffers.")
-        .def_property_readonly("placement", [](const py_model & m) { return placement_list(m.model->weight_placement()); },
+        .def_property_readonly("placement",
+                               [](const py_model & m) { return placement_list(m.model->weight_placement()); },
                                "Where each weight went: [(tensor name, 'cpu' or 'gpu', buffer type name)] (a tied "
                                "head's copy is listed under token_embd.weight too).")
         .def_property_readonly("arch", [](const py_model & m) { return m.model->info().arch; })
@@ -565,7 +566,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
              "DFlash draft weights for `target`, to share between DraftSessions (one per target session).")
         .def_property_readonly("block_size", [](const py_draft_model & d) { return d.model->block_size(); })
         .def_property_readonly("weight_bytes", [](const py_draft_model & d) { return d.model->weight_bytes(); })
-        .def_property_readonly("weight_memory", [](const py_draft_model & d) { return as_pair(d.model->weight_memory()); })
+        .def_property_readonly("weight_memory",
+                               [](const py_draft_model & d) { return as_pair(d.model->weight_memory()); })
         .def_property_readonly("placement", [](const py_draft_model & d) {
             return placement_list(d.model->weight_placement());
         });
@@ -654,7 +656,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         .def_property_readonly("ring_bytes", [](py_draft & d) { return d.session->ring().n_bytes(); })
         .def_property_readonly("kv_memory", [](const py_draft & d) { return as_pair(d.session->kv_memory()); })
         .def_property_readonly("ring_memory", [](const py_draft & d) { return as_pair(d.session->ring_memory()); })
-        .def_property_readonly("compute_memory", [](const py_draft & d) { return as_pair(d.session->compute_memory()); },
+        .def_property_readonly("compute_memory",
+                               [](const py_draft & d) { return as_pair(d.session->compute_memory()); },
                                "(CPU bytes, GPU bytes) of the compute buffer its graphs share, as allocated so far.")
         .def("measure_compute", [](py_draft & d, int64_t n_rows, int64_t n_block, int64_t n_kv) {
                  return d.session->measure((int) checked("n_rows", n_rows, 0, INT32_MAX),
@@ -663,7 +666,8 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
              }, py::arg("n_rows"), py::arg("n_block"), py::arg("n_kv"),
              "Compute buffer bytes of the graph appending n_rows context rows (0 or one of append_row_counts) and "
              "drafting n_block positions over n_kv cache slots (ggml's allocator; nothing allocated).")
-        .def_property_readonly_static("append_row_counts", [](py::object) { return draft_session::append_row_counts(); })
+        .def_property_readonly_static("append_row_counts",
+                                      [](py::object) { return draft_session::append_row_counts(); })
         .def_property_readonly_static("window_step", [](py::object) { return draft_session::window_step(); })
         .def_property_readonly("n_slots", [](const py_draft & d) { return d.session->n_slots(); })
         .def(

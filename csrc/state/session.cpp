@@ -10,10 +10,11 @@
 
 namespace pdf {
 
-// The attended KV window grows in steps of KV_WINDOW_STEP slots (session.h): the graph is rebuilt once per step. Masked slots
-// still cost time in the CPU's small-window attention (matmul + softmax + the V transpose run over the whole
-// window), so the step is small: 64 instead of 256 took ~5% off a tiny 4-layer Qwen3's decode step over 128
-// tokens (perf samples per token), while its rebuilds (~0.5 ms each there, a fifth of one step) cost < 0.5%.
+// The attended KV window grows in steps of KV_WINDOW_STEP slots (session.h): the graph is rebuilt once per
+// step. Masked slots still cost time in the CPU's small-window attention (matmul + softmax + the V transpose
+// run over the whole window), so the step is small: 64 instead of 256 took ~5% off a tiny 4-layer Qwen3's
+// decode step over 128 tokens (perf samples per token), while its rebuilds (~0.5 ms each there, a fifth of one
+// step) cost < 0.5%.
 // Which attention kernel runs is still decided on 256-slot windows (models/attention.cpp).
 static constexpr int KV_WINDOW_STEP = session::KV_WINDOW_STEP;
 // evaluation graphs kept built (all placed in one compute buffer, core/graph_cache.h)
