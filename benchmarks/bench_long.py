@@ -83,7 +83,7 @@ def _agreement(a: list[int], b: list[int]) -> int:
 def run_llama(target: Path, draft: Path, text: str, n_gen: int, threads: int, n_ctx: int, tmp: Path) -> dict:
     prompt = peer.prompt_file(tmp / "long-prompt.txt", text)
     ar = peer.llama_ar(target, prompt, n_gen, threads, n_ctx)
-    sd = peer.llama_dflash(target, draft, prompt, n_gen, threads, n_ctx, n_draft=15)
+    sd = peer.llama_dflash(target, draft, prompt, n_gen, threads, n_ctx, n_draft=15, n_batch=n_ctx)
     return {"plain": ar["tokens"] / (ar["ms"] / 1000.0),
             "chain": sd["tokens"] / (sd["ms"] / 1000.0),
             "chain_tau": sd["n_predict"] / max(1, sd["rounds"])}

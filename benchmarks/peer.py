@@ -131,12 +131,14 @@ def llama_ar(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: i
 
 
 def llama_dflash(target: Path, draft: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int,
-                 n_draft: int, temp: float = 0.0, seed: int = 0) -> dict:
+                 n_draft: int, temp: float = 0.0, seed: int = 0, n_batch: int | None = None) -> dict:
     """llama-speculative-simple --spec-type draft-dflash (greedy unless temp > 0), -lv 4 for its statistics line;
-    "output" holds what it printed (the prompt and the continuation among the log lines)."""
+    "output" holds what it printed (the prompt and the continuation among the log lines). It evaluates the
+    prompt in one batch: n_batch (-b) must hold it (its default is 2048)."""
     cmd = [str(_exe("llama-speculative-simple")), "-m", str(target), "-md", str(draft), "--spec-type",
            "draft-dflash", "--spec-draft-n-max", str(n_draft), "-f", str(prompt), "-n", str(max_tokens),
-           *sampling_flags(temp, seed), "-t", str(threads), "-td", str(threads), "-c", str(n_ctx), "-lv", "4"]
+           *sampling_flags(temp, seed), "-t", str(threads), "-td", str(threads), "-c", str(n_ctx), "-lv", "4",
+           *(["-b", str(n_batch)] if n_batch else [])]
     return _run_and_parse(cmd, _parse_dflash)
 
 
