@@ -47,12 +47,13 @@ def held_out_code() -> str:
 
 
 def inflated_target(kind: str, out: Path) -> Path:
-    """The trained pair's target widened and deepened at a 0.3B model's cost (trained layers q8_0)."""
+    """The trained pair's target widened and deepened at a 0.3B model's cost (the demo's recipe: FFNs of 32768
+    units, 12 layers appended, zero output projections; q8_0)."""
     from pydflash.convert.inflate import inflate_gguf
 
     path = out / f"{kind}-inflated-long-q8_0.gguf"
     if not path.exists():
-        inflate_gguf(pair_file(kind, "target", "f32"), path, "q8_0", n_ff=8192, extra_layers=8, progress=False)
+        inflate_gguf(pair_file(kind, "target", "f32"), path, "q8_0", n_ff=32768, extra_layers=12, progress=False)
     return path
 
 
