@@ -44,10 +44,28 @@ class _InfoWriter:
         self.tensor(p + "attn_q_norm.weight", (hd,))
         self.tensor(p + "attn_k_norm.weight", (hd,))
 
+    def embeddings_and_head(self, V: int, E: int) -> None:
+        """Q4_K_M's token embeddings (Q4_K) and untied head (Q6_K), and the final norm."""
+        self.tensor("token_embd.weight", (V, E), Q.Q4_K)
+        self.tensor("output.weight", (V, E), Q.Q6_K)
+        self.tensor("output_norm.weight", (E,))
+
     def ffn(self, p: str, E: int, n_ff: int, mat: Q, down: Q) -> None:
         self.tensor(p + "ffn_gate.weight", (n_ff, E), mat)
         self.tensor(p + "ffn_up.weight", (n_ff, E), mat)
         self.tensor(p + "ffn_down.weight", (E, n_ff), down)
+
+
+def _decoder_keys(w: gguf.GGUFWriter, arch: str, *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+                  head_dim: int, rope_base: float, context: int = 262144, **more: int) -> None:
+    """The `{arch}.` hyper-parameters every decoder has, and `more` u32 keys (`__` for `.` in their names)."""
+    keys = {"block_count": layers, "context_length": context, "embedding_length": hidden, "feed_forward_length": ffn,
+            "attention.head_count": heads, "attention.head_count_kv": kv_heads, "attention.key_length": head_dim,
+            "attention.value_length": head_dim, **more}
+    for key, value in keys.items():
+        w.add_uint32(f"{arch}.{key.replace('__', '.')}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(f"{arch}.rope.freq_base", rope_base)
 
 
 def _finish(writer: gguf.GGUFWriter) -> None:
@@ -68,22 +86,13 @@ def write_qwen35_27b(path: Path) -> tuple[Path, dict]:
     S, Hk, Hv, K = 128, 16, 48, 4
     C = 2 * S * Hk + S * Hv  # conv channels, 10240
     w = gguf.GGUFWriter(path, "qwen35")
-    a = "qwen35."
     w.add_name("Qwen3.5-27B shape (metadata only)")
-    for key, value in (("block_count", L), ("context_length", 262144), ("embedding_length", E),
-                       ("feed_forward_length", n_ff), ("attention.head_count", n_heads),
-                       ("attention.head_count_kv", n_kv), ("attention.key_length", hd),
-                       ("attention.value_length", hd), ("rope.dimension_count", 64), ("ssm.conv_kernel", K),
-                       ("ssm.state_size", S), ("ssm.group_count", Hk), ("ssm.time_step_rank", Hv),
-                       ("ssm.inner_size", S * Hv), ("full_attention_interval", 4)):
-        w.add_uint32(a + key, value)
-    w.add_float32(a + "attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32(a + "rope.freq_base", 10_000_000.0)
-    w.add_array(a + "rope.dimension_sections", [11, 11, 10, 0])
+    _decoder_keys(w, "qwen35", layers=L, hidden=E, ffn=n_ff, heads=n_heads, kv_heads=n_kv, head_dim=hd,
+                  rope_base=10_000_000.0, rope__dimension_count=64, ssm__conv_kernel=K, ssm__state_size=S,
+                  ssm__group_count=Hk, ssm__time_step_rank=Hv, ssm__inner_size=S * Hv, full_attention_interval=4)
+    w.add_array("qwen35.rope.dimension_sections", [11, 11, 10, 0])
     t = _InfoWriter(w)
-    t.tensor("token_embd.weight", (V, E), Q.Q4_K)
-    t.tensor("output.weight", (V, E), Q.Q6_K)
-    t.tensor("output_norm.weight", (E,))
+    t.embeddings_and_head(V, E)
     for il in range(L):
         p = f"blk.{il}."
         down = Q.Q6_K if il % 2 == 0 else Q.Q4_K
@@ -110,17 +119,11 @@ def write_qwen35_27b_dflash(path: Path) -> tuple[Path, dict]:
     E, L, n_ff = 5120, 5, 17408
     hd, n_heads, n_kv = 128, 32, 8
     w = gguf.GGUFWriter(path, "dflash")
-    a = "dflash."
     w.add_name("z-lab Qwen3.5-27B-DFlash shape (metadata only)")
-    for key, value in (("block_count", L), ("context_length", 262144), ("embedding_length", E),
-                       ("feed_forward_length", n_ff), ("attention.head_count", n_heads),
-                       ("attention.head_count_kv", n_kv), ("attention.key_length", hd),
-                       ("attention.value_length", hd), ("block_size", 16)):
-        w.add_uint32(a + key, value)
-    w.add_float32(a + "rope.freq_base", 10_000_000.0)
-    w.add_float32(a + "attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_array(a + "target_layers", [i + 1 for i in (1, 16, 31, 46, 61)])
-    w.add_array(a + "rope.dimension_sections", [hd // 2, 0, 0, 0])
+    _decoder_keys(w, "dflash", layers=L, hidden=E, ffn=n_ff, heads=n_heads, kv_heads=n_kv, head_dim=hd,
+                  rope_base=10_000_000.0, block_size=16)
+    w.add_array("dflash.target_layers", [i + 1 for i in (1, 16, 31, 46, 61)])
+    w.add_array("dflash.rope.dimension_sections", [hd // 2, 0, 0, 0])
     w.add_uint32("tokenizer.ggml.mask_token_id", 248070)
     t = _InfoWriter(w)
     t.tensor("fc.weight", (E, 5 * E), Q.Q8_0)
@@ -141,20 +144,10 @@ def write_qwen3_8b(path: Path) -> tuple[Path, dict]:
     hd, n_heads, n_kv = 128, 32, 8
     w = gguf.GGUFWriter(path, "qwen3")
     w.add_name("Qwen3-8B shape (metadata only)")
-    w.add_block_count(L)
-    w.add_context_length(40960)
-    w.add_embedding_length(E)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_heads)
-    w.add_head_count_kv(n_kv)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_layer_norm_rms_eps(1e-6)
+    _decoder_keys(w, "qwen3", layers=L, hidden=E, ffn=n_ff, heads=n_heads, kv_heads=n_kv, head_dim=hd,
+                  rope_base=1_000_000.0, context=40960)
     t = _InfoWriter(w)
-    t.tensor("token_embd.weight", (V, E), Q.Q4_K)
-    t.tensor("output.weight", (V, E), Q.Q6_K)
-    t.tensor("output_norm.weight", (E,))
+    t.embeddings_and_head(V, E)
     for il in range(L):
         p = f"blk.{il}."
         t.tensor(p + "attn_norm.weight", (E,))

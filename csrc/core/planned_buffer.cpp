@@ -2,6 +2,7 @@
 
 #include "ggml-backend-impl.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
