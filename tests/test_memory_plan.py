@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
 import pydflash
@@ -251,3 +252,18 @@ def test_bad_plan_arguments(shapes, tmp_path):
         pydflash.plan(not_gguf)
     with pytest.raises(ValueError, match="draft model"):
         pydflash.plan(shapes["8b"], tree_budget=4)
+
+
+def test_a_smaller_micro_batch_gives_back_compute_memory():
+    """n_ubatch="auto" sizes everything for 512 until it has measured; choosing less frees the compute buffer,
+    which regrows to the smaller graphs only."""
+    path = str(pair_file("qwen35", "target", "q8_0"))
+    s = _core.Session(_core.Model(path), n_ctx=1024, n_ubatch=512)
+    tokens = np.arange(1, 513, dtype=np.int32)
+    s.eval(tokens, whole=True, all_logits=False)
+    big = s.compute_memory[0]
+    s.n_ubatch = 64
+    assert s.compute_memory[0] == 0
+    s.truncate(0)
+    s.eval(tokens[:64], whole=True, all_logits=False)
+    assert 0 < s.compute_memory[0] < big

@@ -27,6 +27,17 @@ ggml_backend_sched_t graph_arena::sched_for(size_t n_nodes) {
     return sched_;
 }
 
+void graph_arena::release() {
+    if (sched_) {
+        ggml_backend_sched_free(sched_);
+        sched_    = compute_.new_sched(sched_nodes_);  // for graphs as large as before, its buffer still empty
+        resident_ = nullptr;
+        if (!sched_) {
+            throw backend_error("could not create the backend scheduler");
+        }
+    }
+}
+
 size_t graph_arena::bytes(ggml_backend_t backend) const {
     return sched_ && backend ? ggml_backend_sched_get_buffer_size(sched_, backend) : 0;
 }

@@ -34,6 +34,9 @@ class graph_arena {
     // the scheduler, made for graphs of at least n_nodes nodes (a larger graph needs a new one: nothing is
     // resident after that)
     ggml_backend_sched_t sched_for(size_t n_nodes);
+    // frees the compute buffer (it regrows to the next graphs' needs; a buffer only ever grows otherwise): after
+    // the largest graphs a session will run have changed (a smaller prefill micro-batch)
+    void                 release();
     // which graph is allocated now (an opaque owner; nullptr: none)
     const void *         resident() const { return resident_; }
     void                 set_resident(const void * owner) { resident_ = owner; }

@@ -569,6 +569,9 @@ void session::set_n_ubatch(uint32_t n) {
     }
     n = std::min(n, kv_->n_ctx());
     if (n != n_ubatch_) {
+        if (n < n_ubatch_) {
+            arena_.release();  // sized for the larger micro-batch's graphs, which will not run again
+        }
         n_ubatch_      = n;
         marks_.aligned = 0;
         marks_.whole   = false;

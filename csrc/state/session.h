@@ -121,7 +121,8 @@ class session {
     int      n_past() const { return n_past_; }
     uint32_t n_ctx() const { return kv_->n_ctx(); }
     uint32_t n_ubatch() const { return n_ubatch_; }
-    // a new prefill micro-batch (at most n_ctx): the prompt cache's marks, made with the old one, are forgotten
+    // a new prefill micro-batch (at most n_ctx): the prompt cache's marks, made with the old one, are forgotten;
+    // a smaller one also frees the compute buffer (it regrows to the graphs that then run)
     void     set_n_ubatch(uint32_t n);
     uint32_t n_rollback() const { return rs_ ? rs_->n_rollback() : n_ctx(); }
     size_t   kv_bytes() const { return kv_->n_bytes(); }
