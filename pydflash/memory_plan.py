@@ -26,7 +26,7 @@ from . import _core, ubatch
 from ._arguments import choice_arg, int_arg, optional_int_arg
 from .errors import ModelLoadError
 
-__all__ = ["plan", "MemoryPlan", "parse_bytes", "engine_config"]
+__all__ = ["plan", "MemoryPlan", "parse_bytes", "engine_config", "by_category"]
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 SPEC_MODES = ("auto", "tree", "chain")
@@ -182,6 +182,22 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def by_category(core_model, session, core_draft, draft_session, compute: dict) -> dict:
+    """{category: {"cpu": bytes, "gpu": bytes}} from the buffers of a target (`_core.Model`), its `_core.Session`,
+    and the drafter (`_core.DraftModel`, `_core.DraftSession`, or None); `compute` as given (a plan measures it,
+    a load reports what it allocated). What `MemoryPlan.bytes` and `Model.memory()` hold."""
+
+    def add(*pairs) -> dict:
+        return {"cpu": sum(p[0] for p in pairs), "gpu": sum(p[1] for p in pairs)}
+
+    drafter = draft_session is not None
+    return {"weights": add(core_model.weight_memory), "kv": add(session.kv_memory),
+            "recurrent": add(session.recurrent_memory),
+            "ring": add(draft_session.ring_memory) if drafter else add(),
+            "draft": add(core_draft.weight_memory, draft_session.kv_memory) if drafter else add(),
+            "compute": compute}
+
+
 def _tree_levels(width: int, block: int) -> list[int]:
     """Nodes per depth of the deepest tree of `width` nodes a verify runs: a spine as deep as a block allows,
     the other nodes siblings along it (the shape auto calibrates with; most depths, so the most levels)."""
@@ -235,10 +251,6 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
     return graphs
 
 
-def _host_budget() -> int:
-    return _core.device_memory()["cpu_free"]
-
-
 def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str = "f16", n_gpu_layers: int = 0,
          n_ubatch: int | str = "auto", spec_mode: str = "auto", block_size: int | None = None,
          tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
@@ -289,27 +301,13 @@ def _plan_once(paths, args: dict, budget: dict, sweep: bool = True) -> MemoryPla
     # the target's graphs share one compute buffer, the drafter's another: each the size of its largest graph
     target_compute = max(v for k, v in graphs.items() if k != "draft round")
     compute = target_compute + graphs.get("draft round", 0)
+    # measured with the CPU's allocator; counted where the layers are
     on_gpu = core_model.n_gpu_layers > 0
-
-    def pair(cpu_gpu):
-        return {"cpu": cpu_gpu[0], "gpu": cpu_gpu[1]}
-
-    nothing = {"cpu": 0, "gpu": 0}
-    draft = nothing
-    ring = nothing
-    if draft_session is not None:
-        w, k = core_draft.weight_memory, draft_session.kv_memory
-        draft = {"cpu": w[0] + k[0], "gpu": w[1] + k[1]}
-        ring = pair(draft_session.ring_memory)
+    compute_bytes = {"cpu": 0 if on_gpu else compute, "gpu": compute if on_gpu else 0}
     config = dict(args, model_path=paths[0], draft_model_path=paths[1], n_rollback=cfg.session["n_rollback"],
-                  tree_budget=cfg.tree_budget, block_size=cfg.block, n_layer=core_model.n_layer,
-                  n_gpu_layers=args["n_gpu_layers"])
-    return MemoryPlan(
-        config=config,
-        bytes={"weights": pair(core_model.weight_memory), "kv": pair(session.kv_memory),
-               "recurrent": pair(session.recurrent_memory), "ring": ring, "draft": draft,
-               "compute": {"cpu": 0 if on_gpu else compute, "gpu": compute if on_gpu else 0}},
-        budget=dict(budget), graphs=graphs)
+                  tree_budget=cfg.tree_budget, block_size=cfg.block, n_layer=core_model.n_layer)
+    return MemoryPlan(config=config, bytes=by_category(core_model, session, core_draft, draft_session, compute_bytes),
+                      budget=dict(budget), graphs=graphs)
 
 
 def _largest(lo: int, hi: int, fits) -> int | None:

@@ -21,7 +21,7 @@ from . import _core, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
 from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
-from .memory_plan import KV_TYPES, MAX_TREE_BUDGET, SPEC_MODES, engine_config, plan
+from .memory_plan import KV_TYPES, MAX_TREE_BUDGET, SPEC_MODES, by_category, engine_config, plan
 from .tokenizer import Tokenizer
 
 __all__ = ["Model", "Completion"]
@@ -354,17 +354,9 @@ class Model:
         {"weights" | "kv" | "recurrent" | "ring" | "draft" | "compute": {"cpu": n, "gpu": n}}. Compute buffers
         grow to the largest graph run so far (the plan's figure is the largest this configuration can run)."""
         self._check_open()
-
-        def add(*pairs):
-            return {"cpu": sum(p[0] for p in pairs), "gpu": sum(p[1] for p in pairs)}
-
-        none = (0, 0)
-        draft = self._draft
-        return {"weights": add(self._model.weight_memory), "kv": add(self._session.kv_memory),
-                "recurrent": add(self._session.recurrent_memory),
-                "ring": add(draft.ring_memory if draft else none),
-                "draft": add(self._draft_model.weight_memory if draft else none, draft.kv_memory if draft else none),
-                "compute": add(self._session.compute_memory, draft.compute_memory if draft else none)}
+        computes = [self._session.compute_memory] + ([self._draft.compute_memory] if self._draft else [])
+        compute = {"cpu": sum(c[0] for c in computes), "gpu": sum(c[1] for c in computes)}
+        return by_category(self._model, self._session, self._draft_model, self._draft, compute)
 
     # ---- properties ----
     @property

@@ -17,7 +17,7 @@ import tempfile
 
 from . import _core
 
-__all__ = ["CANDIDATES", "candidates", "choose", "calibrate"]
+__all__ = ["CANDIDATES", "candidates", "choose", "cache_key", "calibrate"]
 
 # at most llama.cpp's default micro-batch: the feature ring and the compute buffer are sized for the largest
 # candidate, which a 24 GB card cannot spare much of next to a 27B model (a 2048-row ring of its drafter's

@@ -65,11 +65,6 @@ struct device_bytes {
     size_t cpu = 0;
     size_t gpu = 0;
     size_t total() const { return cpu + gpu; }
-    device_bytes & operator+=(const device_bytes & o) {
-        cpu += o.cpu;
-        gpu += o.gpu;
-        return *this;
-    }
 };
 device_bytes bytes_by_device(const std::vector<ggml_backend_buffer_t> & buffers);
 

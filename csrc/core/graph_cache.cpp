@@ -30,20 +30,13 @@ ggml_backend_sched_t graph_arena::sched_for(size_t n_nodes) {
 void graph_arena::release() {
     if (sched_) {
         ggml_backend_sched_free(sched_);
-        sched_    = compute_.new_sched(sched_nodes_);  // for graphs as large as before, its buffer still empty
-        resident_ = nullptr;
-        if (!sched_) {
-            throw backend_error("could not create the backend scheduler");
-        }
+        sched_ = nullptr;
+        sched_for(sched_nodes_);  // for graphs as large as before, its buffer still empty
     }
 }
 
 size_t graph_arena::bytes(ggml_backend_t backend) const {
     return sched_ && backend ? ggml_backend_sched_get_buffer_size(sched_, backend) : 0;
-}
-
-size_t graph_arena::bytes() const {
-    return bytes(compute_.cpu()) + bytes(compute_.gpu());
 }
 
 device_bytes graph_arena::memory() const {
@@ -112,14 +105,18 @@ void graph_cache::compute(const char * what) {
     }
 }
 
-std::vector<size_t> graph_cache::measure() {
+size_t graph_cache::measure() {
     ggml_backend_sched_t sched = arena_.sched_for(n_nodes_);
     arena_.set_resident(nullptr);  // the scheduler's state is this measurement's now: the next graph re-allocates
     clear_placement();
     std::vector<size_t> sizes(ggml_backend_sched_get_n_backends(sched), 0);
     ggml_backend_sched_reserve_size(sched, gf_, sizes.data());
     ggml_backend_sched_reset(sched);
-    return sizes;
+    size_t total = 0;
+    for (size_t s : sizes) {
+        total += s;
+    }
+    return total;
 }
 
 }  // namespace pdf

@@ -30,7 +30,6 @@ class graph_arena {
     graph_arena(const graph_arena &)             = delete;
     graph_arena & operator=(const graph_arena &) = delete;
 
-    const compute_backends & compute() const { return compute_; }
     // the scheduler, made for graphs of at least n_nodes nodes (a larger graph needs a new one: nothing is
     // resident after that)
     ggml_backend_sched_t sched_for(size_t n_nodes);
@@ -40,12 +39,12 @@ class graph_arena {
     // which graph is allocated now (an opaque owner; nullptr: none)
     const void *         resident() const { return resident_; }
     void                 set_resident(const void * owner) { resident_ = owner; }
-    // compute buffer bytes on each backend (CPU, then the GPU when there is one) and in all
-    size_t               bytes(ggml_backend_t backend) const;
-    size_t               bytes() const;
-    device_bytes         memory() const;  // by backend: the CPU's, the GPU's
+    // compute buffer bytes by backend: the CPU's, the GPU's
+    device_bytes         memory() const;
 
   private:
+    size_t bytes(ggml_backend_t backend) const;
+
     const compute_backends & compute_;
     ggml_backend_sched_t     sched_       = nullptr;
     size_t                   sched_nodes_ = 0;
@@ -67,8 +66,8 @@ class graph_cache {
     void allocate(const char * what);
     // runs it (it must be resident); throws backend_error naming `what`
     void compute(const char * what);
-    // compute buffer bytes the graph needs on each backend, measured by ggml's allocator without allocating
-    std::vector<size_t> measure();
+    // compute buffer bytes the graph needs (all backends), measured by ggml's allocator without allocating
+    size_t measure();
     bool ready() const { return built_; }
 
   private:

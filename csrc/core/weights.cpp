@@ -129,11 +129,7 @@ device_bytes weights::memory() const {
 }
 
 size_t weights::n_bytes() const {
-    size_t n = 0;
-    for (ggml_backend_buffer_t b : buffers_) {
-        n += ggml_backend_buffer_get_size(b);
-    }
-    return n;
+    return memory().total();
 }
 
 }  // namespace pdf

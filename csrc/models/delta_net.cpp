@@ -136,13 +136,14 @@ ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf
         return ggml_reshape_3d(ctx, ggml_pad(ctx, c, pad, 0, 0, 0), C, NC, Hv);
     };
     ggml_tensor * B = per_token(beta);
-    ggml_tensor * G = ggml_cumsum(ctx, per_token(g));  // [C, NC, Hv]: G_t within each chunk
-    ggml_tensor * G_s = ggml_reshape_4d(ctx, G, C, 1, NC, Hv);                                   // G at ne0
-    ggml_tensor * G_t = ggml_repeat_4d(ctx, ggml_reshape_4d(ctx, G, 1, C, NC, Hv), C, C, NC, Hv);  // G at ne1
+    ggml_tensor * G     = ggml_cumsum(ctx, per_token(g));       // [C, NC, Hv]: G_t within each chunk
+    ggml_tensor * G_tok = ggml_reshape_4d(ctx, G, 1, C, NC, Hv);  // one per token along ne1
+    ggml_tensor * G_s   = ggml_reshape_4d(ctx, G, C, 1, NC, Hv);  // G at ne0
+    ggml_tensor * G_t   = ggml_repeat_4d(ctx, G_tok, C, C, NC, Hv);  // G at ne1
     // decay[s, t] = Γ_t/Γ_s for s <= t (ne0 = s, ne1 = t), zeroed above before exp so nothing overflows
     ggml_tensor * decay = ggml_exp(ctx, ggml_tri(ctx, ggml_sub(ctx, G_t, G_s), GGML_TRI_TYPE_LOWER_DIAG));
     ggml_tensor * B_t   = ggml_reshape_4d(ctx, B, 1, C, NC, Hv);
-    ggml_tensor * Gam_t = ggml_reshape_4d(ctx, ggml_exp(ctx, G), 1, C, NC, Hv);  // Γ_t per token (ne1)
+    ggml_tensor * Gam_t = ggml_exp(ctx, G_tok);  // Γ_t per token (ne1)
 
     // A[t][s] = β_t Γ_t/Γ_s k_t·k_s, s < t; T - I = (I + A)⁻¹(-A), so T = that + I
     ggml_tensor * A   = ggml_tri(ctx, ggml_mul(ctx, ggml_mul(ctx, ggml_mul_mat(ctx, K, K), decay), B_t),
@@ -160,7 +161,6 @@ ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf
     ggml_tensor * G_last = ggml_cont(ctx, ggml_view_4d(ctx, G, 1, 1, NC, Hv, G->nb[1], G->nb[1], G->nb[2],
                                                        (C - 1) * G->nb[0]));  // [1, 1, NC, Hv]
     ggml_tensor * Gam_C  = ggml_exp(ctx, G_last);
-    ggml_tensor * G_tok  = ggml_reshape_4d(ctx, G, 1, C, NC, Hv);
     ggml_tensor * KG     = tokens_first(ggml_mul(ctx, K, ggml_exp(ctx, ggml_neg(ctx, ggml_sub(ctx, G_tok, G_last)))));
 
     ggml_tensor * M   = ggml_reshape_4d(ctx, ggml_get_rows(ctx, buf, in.ssm_row), S, S, 1, Hv);  // M_0

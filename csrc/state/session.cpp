@@ -185,11 +185,7 @@ size_t session::measure_eval(int n_tokens, int n_kv, const std::vector<int> & tr
     key.ssm_snapshots = rs_ && tree_levels.empty() ? rs_->n_snapshots(n_tokens, whole) : 0;
     compiled_graph g(arena_);
     build_graph(g, key, capture_layers.empty() ? nullptr : ring);
-    size_t n = 0;
-    for (size_t s : g.cache.measure()) {
-        n += s;
-    }
-    return n;
+    return g.cache.measure();
 }
 
 device_bytes session::compute_memory() const {
