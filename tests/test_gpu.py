@@ -11,6 +11,7 @@ the day one is there (README, "Building" has the CUDA and HIP builds).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ import pydflash
 from pydflash import _core
 
 from export_pairs import pair_file, prompt_rows  # noqa: E402
+from near_ties import TIE, first_difference, tie_gap  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -28,6 +30,10 @@ KINDS = ["qwen3", "qwen35"]
 
 @pytest.fixture(scope="module", autouse=True)
 def gpu():
+    # tests/test_rpc.py runs this suite against an RPC device served by a CPU process (a device whose memory is
+    # not the host's, as a GPU's): the process that registers it offloads every later model to it
+    if os.environ.get("PYDFLASH_TEST_RPC"):
+        _core.rpc_add_server(os.environ["PYDFLASH_TEST_RPC"])
     memory = _core.device_memory()
     if "gpu_free" not in memory:
         pytest.skip("no GPU device (a CPU-only build, or no usable device)")
@@ -67,10 +73,12 @@ def test_draft_proposals_cpu_vs_gpu(kind):
     ids0, lp0 = out[0]
     ids1, lp1 = out[-1]
     for pos in range(len(ids0)):
-        # the same candidates, up to near-ties of the f32 logits
+        # the same candidates, up to near-ties. Not f32 agreement: CUDA's flash attention rounds Q, K and V to f16
+        # (seen on an H100: log-probabilities 2.8e-3 and 3.3e-3 apart), within the near-tie bound TIE = 1e-2 that
+        # the CPU's batched and single-token evaluations are held to (tests/near_ties.py)
         gap = lp0[pos][0] - lp0[pos][1]
-        assert ids0[pos][0] == ids1[pos][0] or gap < 1e-3, pos
-        np.testing.assert_allclose(lp0[pos][0], lp1[pos][0], atol=2e-3)
+        assert ids0[pos][0] == ids1[pos][0] or gap < 1e-2, pos
+        np.testing.assert_allclose(lp0[pos][0], lp1[pos][0], atol=1e-2)
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
@@ -81,7 +89,13 @@ def test_speculative_equals_plain_on_the_gpu(kind, mode):
         for row in prompt_rows("code")[:4]:
             plain = m.generate(row["text"], max_tokens=64, speculative=False)
             spec = m.generate(row["text"], max_tokens=64)
-            assert spec.tokens == plain.tokens
+            if spec.tokens != plain.tokens:
+                # a GPU's matmul kernels depend on the batch width (one token vs a verify), so a parting is
+                # allowed at a near-tie of the target's logits only, as on the CPU (tests/near_ties.py). Seen on an
+                # H100: qwen3, the first prompt's 4th token, 364 against 366 with logits 0.0093 apart (on the CPU
+                # too), where plain single-token decoding took 366 and every speculative mode 364
+                k = first_difference(spec.tokens, plain.tokens)
+                assert tie_gap(m, m.tokenize(row["text"]), spec.tokens, plain.tokens, k) < TIE, k
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -12,6 +12,8 @@
 #include "state/draft_session.h"
 #include "state/session.h"
 
+#include "ggml-rpc.h"
+
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -495,6 +497,19 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         return out;
     }, "Memory this process may use: the system's available bytes, and the first GPU's free and total bytes "
        "(keys absent without a GPU).");
+
+    m.def("rpc_add_server", [](const std::string & endpoint) {
+        ggml_backend_reg_t reg = ggml_backend_rpc_add_server(endpoint.c_str());
+        if (!reg) {
+            throw std::runtime_error(format("could not reach the RPC server at %s", endpoint.c_str()));
+        }
+        ggml_backend_register(reg);
+    }, py::arg("endpoint"));
+    m.def("rpc_serve", [](const std::string & endpoint, int64_t n_threads) {
+        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        py::gil_scoped_release nogil;
+        ggml_backend_rpc_start_server(endpoint.c_str(), nullptr, (size_t) n_threads, 1, &cpu);
+    }, py::arg("endpoint"), py::arg("n_threads") = 1);
 
     py::class_<py_model>(m, "Model")
         .def(py::init([](const std::string & path, int64_t n_gpu_layers, int64_t n_threads, py::object progress,

@@ -1,6 +1,8 @@
 #include "core/graph_cache.h"
 #include "core/error.h"
 
+#include <algorithm>
+
 namespace pdf {
 
 graph_arena::graph_arena(const compute_backends & compute) : compute_(compute) {}
@@ -67,6 +69,7 @@ ggml_context * graph_cache::begin(size_t n_nodes) {
         ctx_ = nullptr;
     }
     n_nodes_ = n_nodes;
+    sources_.clear();
     meta_.resize(ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false));
     ggml_init_params params = {meta_.size(), meta_.data(), true};
     ctx_                    = ggml_init(params);
@@ -84,12 +87,28 @@ void graph_cache::clear_placement() {
     }
 }
 
+void graph_cache::reset_sources() {
+    const int n = ggml_graph_n_nodes(gf_);
+    if (sources_.empty()) {
+        sources_.resize((size_t) n * GGML_MAX_SRC);
+        for (int i = 0; i < n; ++i) {
+            std::copy_n(ggml_graph_node(gf_, i)->src, GGML_MAX_SRC, sources_.begin() + (size_t) i * GGML_MAX_SRC);
+        }
+        return;
+    }
+    GGML_ASSERT(sources_.size() == (size_t) n * GGML_MAX_SRC);
+    for (int i = 0; i < n; ++i) {
+        std::copy_n(sources_.begin() + (size_t) i * GGML_MAX_SRC, GGML_MAX_SRC, ggml_graph_node(gf_, i)->src);
+    }
+}
+
 void graph_cache::allocate(const char * what) {
     if (arena_.resident() == this) {
         return;
     }
     ggml_backend_sched_t sched = arena_.sched_for(n_nodes_);
     clear_placement();
+    reset_sources();
     ggml_backend_sched_reset(sched);
     if (!ggml_backend_sched_alloc_graph(sched, gf_)) {
         arena_.set_resident(nullptr);
@@ -109,6 +128,7 @@ size_t graph_cache::measure() {
     ggml_backend_sched_t sched = arena_.sched_for(n_nodes_);
     arena_.set_resident(nullptr);  // the scheduler's state is this measurement's now: the next graph re-allocates
     clear_placement();
+    reset_sources();
     std::vector<size_t> sizes(ggml_backend_sched_get_n_backends(sched), 0);
     ggml_backend_sched_reserve_size(sched, gf_, sizes.data());
     ggml_backend_sched_reset(sched);

@@ -73,6 +73,11 @@ class graph_cache {
   private:
     // forgets where the graph's own tensors were placed (the buffer now holds another graph's)
     void clear_placement();
+    // ggml's scheduler points a node's sources at copies it makes in its own context when they live on another
+    // backend (a GPU split reading a CPU tensor), and remakes that context at every allocation: a kept graph made
+    // resident again must start from the sources it was built with, or it reads another graph's copies (a CUDA
+    // get_rows with garbage indices; the same through an RPC device). The first allocation saves them.
+    void reset_sources();
 
     graph_arena &        arena_;
     size_t               n_nodes_ = 0;
@@ -80,6 +85,8 @@ class graph_cache {
     ggml_cgraph *        gf_      = nullptr;
     std::vector<uint8_t> meta_;
     bool                 built_ = false;
+    // every node's sources as built (n_nodes x GGML_MAX_SRC), empty until the first allocation
+    std::vector<ggml_tensor *> sources_;
 };
 
 }  // namespace pdf

@@ -154,6 +154,14 @@ void kv_cache::copy_rows(const std::vector<std::pair<int, int>> & moves, const c
                 ggml_build_forward_expand(gf, ggml_cpy(ctx, src, dst));
             }
         }
+        // views made over an allocated tensor have its address but no buffer, which the CPU does not need and a
+        // device backend may (an RPC device sends tensors by buffer: without one they arrived as null pointers)
+        for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
+            if (t->view_src && !t->buffer && ggml_backend_view_init(t) != GGML_STATUS_SUCCESS) {
+                ggml_free(ctx);
+                throw backend_error("could not move KV cache rows");
+            }
+        }
         const ggml_status status = ggml_backend_graph_compute(backend, gf);
         ggml_free(ctx);
         if (status != GGML_STATUS_SUCCESS) {
