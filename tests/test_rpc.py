@@ -59,3 +59,13 @@ def test_gpu_suite_on_an_rpc_device(rpc_endpoint):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     assert re.search(r"^13 passed", out, re.M) and "skipped" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("endpoint,error", [("127.0.0.1:1", ConnectionError), ("no.such.host.invalid:80", ConnectionError),
+                                            ("nohost", ValueError), (":5", ValueError), ("host:", ValueError)])
+def test_unreachable_or_malformed_endpoint_raises(endpoint, error):
+    """(ggml's RPC client aborts the process on an endpoint it cannot reach; nothing is registered here.)"""
+    from pydflash import _core
+
+    with pytest.raises(error, match="RPC"):
+        _core.rpc_add_server(endpoint)
