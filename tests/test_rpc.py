@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+# a failing ggml assertion prints its message and ends the process, without running a debugger for a backtrace
+QUIET_ABORT = {**os.environ, "GGML_NO_BACKTRACE": "1"}
 
 
 def _free_port() -> int:
@@ -30,10 +32,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def rpc_endpoint():
+def rpc_endpoint(tmp_path_factory):
     endpoint = f"127.0.0.1:{_free_port()}"
+    log = tmp_path_factory.mktemp("rpc") / "server.log"  # (a file: it logs every connection, a pipe would fill)
+    sink = log.open("w")
     server = subprocess.Popen([sys.executable, "-c", f"from pydflash import _core; _core.rpc_serve('{endpoint}', 1)"],
-                              cwd=TESTS, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # (cwd: see below)
+                              cwd=TESTS, env=QUIET_ABORT, stdout=sink, stderr=subprocess.STDOUT)  # (cwd: see below)
     host, port = endpoint.split(":")
     deadline = time.monotonic() + 30
     while True:
@@ -43,19 +47,21 @@ def rpc_endpoint():
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                pytest.fail(f"the RPC server did not start: {server.stderr.read().decode(errors='replace')[-2000:]}")
+                sink.close()
+                pytest.fail(f"the RPC server did not start: {log.read_text(errors='replace')[-2000:]}")
             time.sleep(0.1)
     yield endpoint
     server.kill()
     server.wait()
+    sink.close()
 
 
 def test_gpu_suite_on_an_rpc_device(rpc_endpoint):
     # a process of its own: registering the device makes every later model in that process offload to it
     # (cwd tests/: `python -m pytest` puts its cwd on sys.path, and the checkout's pydflash has no _core)
     res = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-s",
-                          "test_gpu.py"], cwd=TESTS, env={**os.environ, "PYDFLASH_TEST_RPC": rpc_endpoint},
-                         capture_output=True, text=True, timeout=900)
+                          "test_gpu.py"], cwd=TESTS, env={**QUIET_ABORT, "PYDFLASH_TEST_RPC": rpc_endpoint},
+                         capture_output=True, text=True, timeout=600)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     assert re.search(r"^13 passed", out, re.M) and "skipped" not in out, out[-3000:]
