@@ -355,7 +355,8 @@ static void probe_tcp_endpoint(const std::string & endpoint) {
         freeaddrinfo(found);
     }
     if (!reached) {
-        PyErr_SetString(PyExc_ConnectionError, format("could not connect to the RPC server at %s", endpoint.c_str()).c_str());
+        const std::string msg = format("could not connect to the RPC server at %s", endpoint.c_str());
+        PyErr_SetString(PyExc_ConnectionError, msg.c_str());
         throw py::error_already_set();
     }
 #endif
