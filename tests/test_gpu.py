@@ -98,6 +98,32 @@ def test_speculative_equals_plain_on_the_gpu(kind, mode):
                 assert tie_gap(m, m.tokenize(row["text"]), spec.tokens, plain.tokens, k) < TIE, k
 
 
+@pytest.mark.parametrize("n_gpu_layers", [2, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_partial_offload(kind, n_gpu_layers):
+    """The last layers and the head on the GPU, the first on the CPU (as a model too large for the card is run):
+    the graph crosses devices inside the layer stack, the drafter reads features captured on both into a ring
+    on the GPU. Logits as the CPU's; speculative == plain for chain and tree (a parting at a near-tie only)."""
+    tokens = _prompt()
+    f32 = str(pair_file(kind, "target", "f32"))
+    logits = {}
+    for ngl in (0, n_gpu_layers):
+        logits[ngl], _ = _core.Session(_core.Model(f32, n_gpu_layers=ngl), n_ctx=256).eval(tokens)
+    assert np.abs(logits[0] - logits[n_gpu_layers]).max() <= 2e-3 * np.abs(logits[0]).max()
+    target, draft = pair_file(kind, "target", "q8_0"), pair_file(kind, "dflash", "q8_0")
+    for mode in ("chain", "tree"):
+        with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, n_gpu_layers=n_gpu_layers,
+                            spec_mode=mode) as m:
+            placed = {d for _, d, _ in m._model.placement}
+            assert placed == {"cpu", "gpu"}, placed
+            for row in prompt_rows("code")[:2]:
+                plain = m.generate(row["text"], max_tokens=48, speculative=False)
+                spec = m.generate(row["text"], max_tokens=48)
+                if spec.tokens != plain.tokens:
+                    k = first_difference(spec.tokens, plain.tokens)
+                    assert tie_gap(m, m.tokenize(row["text"]), spec.tokens, plain.tokens, k) < TIE, k
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_allocations_are_the_plan(kind):
     target, draft = pair_file(kind, "target", "q8_0"), pair_file(kind, "dflash", "q8_0")
