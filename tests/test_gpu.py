@@ -81,21 +81,25 @@ def test_draft_proposals_cpu_vs_gpu(kind):
         np.testing.assert_allclose(lp0[pos][0], lp1[pos][0], atol=1e-2)
 
 
+def _speculative_equals_plain(m, rows, max_tokens: int) -> None:
+    for row in rows:
+        plain = m.generate(row["text"], max_tokens=max_tokens, speculative=False)
+        spec = m.generate(row["text"], max_tokens=max_tokens)
+        if spec.tokens != plain.tokens:
+            # a GPU's matmul kernels depend on the batch width (one token vs a verify), so a parting is allowed at
+            # a near-tie of the target's logits only, as on the CPU (tests/near_ties.py). Seen on an H100: qwen3,
+            # the first prompt's 4th token, 364 against 366 with logits 0.0093 apart (on the CPU too), where plain
+            # single-token decoding took 366 and every speculative mode 364
+            k = first_difference(spec.tokens, plain.tokens)
+            assert tie_gap(m, m.tokenize(row["text"]), spec.tokens, plain.tokens, k) < TIE, k
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_speculative_equals_plain_on_the_gpu(kind, mode):
     target, draft = pair_file(kind, "target", "q8_0"), pair_file(kind, "dflash", "q8_0")
     with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, n_gpu_layers=-1, spec_mode=mode) as m:
-        for row in prompt_rows("code")[:4]:
-            plain = m.generate(row["text"], max_tokens=64, speculative=False)
-            spec = m.generate(row["text"], max_tokens=64)
-            if spec.tokens != plain.tokens:
-                # a GPU's matmul kernels depend on the batch width (one token vs a verify), so a parting is
-                # allowed at a near-tie of the target's logits only, as on the CPU (tests/near_ties.py). Seen on an
-                # H100: qwen3, the first prompt's 4th token, 364 against 366 with logits 0.0093 apart (on the CPU
-                # too), where plain single-token decoding took 366 and every speculative mode 364
-                k = first_difference(spec.tokens, plain.tokens)
-                assert tie_gap(m, m.tokenize(row["text"]), spec.tokens, plain.tokens, k) < TIE, k
+        _speculative_equals_plain(m, prompt_rows("code")[:4], 64)
 
 
 @pytest.mark.parametrize("n_gpu_layers", [2, 3])
@@ -116,12 +120,7 @@ def test_partial_offload(kind, n_gpu_layers):
                             spec_mode=mode) as m:
             placed = {d for _, d, _ in m._model.placement}
             assert placed == {"cpu", "gpu"}, placed
-            for row in prompt_rows("code")[:2]:
-                plain = m.generate(row["text"], max_tokens=48, speculative=False)
-                spec = m.generate(row["text"], max_tokens=48)
-                if spec.tokens != plain.tokens:
-                    k = first_difference(spec.tokens, plain.tokens)
-                    assert tie_gap(m, m.tokenize(row["text"]), spec.tokens, plain.tokens, k) < TIE, k
+            _speculative_equals_plain(m, prompt_rows("code")[:2], 48)
 
 
 @pytest.mark.parametrize("kind", KINDS)
