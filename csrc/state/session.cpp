@@ -172,19 +172,27 @@ void session::build_graph(compiled_graph & g, const graph_key & key, feature_rin
     g.key = key;
 }
 
-size_t session::measure_eval(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
-                             const readout & what, const std::vector<int> & capture_layers, feature_ring * ring) {
+session::graph_key session::key_for(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
+                                    const readout & what, const std::vector<int> & capture_layers,
+                                    const feature_ring * ring) const {
     graph_key key;
     key.n_tokens      = n_tokens;
     key.n_kv          = n_kv;
     key.what          = what;
+    // a tree computes every row, reordered: the caller's last row need not be the last slot
     key.what.all_rows = what.all_rows || !tree_levels.empty();
     key.capture       = capture_layers;
     key.ring_id       = capture_layers.empty() || !ring ? 0 : ring->id();
     key.tree_levels   = tree_levels;
     key.ssm_snapshots = rs_ && tree_levels.empty() ? rs_->n_snapshots(n_tokens, whole) : 0;
+    return key;
+}
+
+size_t session::measure_eval(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
+                             const readout & what, const std::vector<int> & capture_layers, feature_ring * ring) {
     compiled_graph g(arena_);
-    build_graph(g, key, capture_layers.empty() ? nullptr : ring);
+    build_graph(g, key_for(n_tokens, n_kv, tree_levels, whole, what, capture_layers, ring),
+                capture_layers.empty() ? nullptr : ring);
     return g.cache.measure();
 }
 
@@ -284,15 +292,8 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
         parent_slot_[s] = p < 0 ? -1 : (slot_of_.empty() ? p : slot_of_[p]);
     }
 
-    graph_key key;
-    key.n_tokens    = n;
-    key.n_kv        = (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP));
-    key.what        = what;
-    key.what.all_rows = what.all_rows || tree;  // reordered rows: the caller's last row need not be the last slot
-    key.capture     = capture_layers;
-    key.ring_id     = capture_layers.empty() || !ring ? 0 : ring->id();
-    key.tree_levels = levels;
-    key.ssm_snapshots = rs_ && !tree ? rs_->n_snapshots(n, layout.whole) : 0;
+    const graph_key key = key_for(n, (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP)),
+                                  levels, layout.whole, what, capture_layers, ring);  // (levels: empty unless tree)
     // until this eval has run, there is nothing to commit (a failed allocation or compute leaves none)
     pending_.clear();
     pending_tree_    = false;

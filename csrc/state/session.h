@@ -170,6 +170,10 @@ class session {
         }
     };
     struct compiled_graph;
+    // what an evaluation of n_tokens over n_kv slots computes (tree_levels: nodes per depth of a recurrent tree,
+    // else empty; whole: a chain committed whole), which names its graph
+    graph_key key_for(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole, const readout & what,
+                      const std::vector<int> & capture_layers, const feature_ring * ring) const;
     // makes cur_ the graph for `key` (writing captures into `ring`), building it if no cached one has it
     void prepare_graph(const graph_key & key, feature_ring * ring);
     // builds the graph for `key` into g
