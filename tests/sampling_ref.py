@@ -105,7 +105,7 @@ def _top_two(scores: dict) -> tuple:
 
 def draw(ids: np.ndarray, probs: np.ndarray, seed: int, t: int) -> tuple[int, float]:
     """The draw of output position t: Gumbel-max over the blocks of 256 ids by mass, then within the block
-    (src: csrc/spec/sampler.h). Returns the token and the smaller of the two levels' winning margins (in
+    (src: csrc/decode/sampler.h). Returns the token and the smaller of the two levels' winning margins (in
     log-probability: noise of that size can change the draw)."""
     key = draw_key(seed, t)
     blocks = ids >> BLOCK_BITS

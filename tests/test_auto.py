@@ -1,4 +1,4 @@
-"""auto's per-round choice of what to verify (spec/proposer.h, choose_verify_budget): the number of tree nodes b
+"""auto's per-round choice of what to verify (decode/proposer.h, choose_verify_budget): the number of tree nodes b
 that maximises  1 + sum of P(the target accepts each chosen node's path) - R * t_verify(1 + b),  with R the best
 rate reachable (tokens per ms: plain decoding's, or speculation's so far). Checked here on hand-made costs and
 trees, with the untrained acceptance model, whose P(accepted | parent accepted) is the drafter's probability

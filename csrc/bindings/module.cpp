@@ -6,9 +6,9 @@
 #include "core/quantize.h"
 #include "models/argmax.h"
 #include "models/model.h"
-#include "spec/driver.h"
-#include "spec/sampler.h"
-#include "spec/proposer.h"
+#include "decode/driver.h"
+#include "decode/sampler.h"
+#include "decode/proposer.h"
 #include "state/draft_session.h"
 #include "state/session.h"
 
@@ -518,7 +518,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
         },
         py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
         py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
-        "auto's per-round choice (spec/proposer.h) with the given costs and an untrained acceptance model.");
+        "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model.");
 
     m.def("device_memory", []() {
         py::dict out;

@@ -80,7 +80,7 @@ class session {
     // forget committed tokens from position n_past on (recurrent models: only back to 0, i.e. a reset)
     void truncate(int n_past);
 
-    // The prompt cache (spec/driver.cpp prefill). A prefill evaluates its prompt in micro-batches that start at
+    // The prompt cache (decode/driver.cpp prefill). A prefill evaluates its prompt in micro-batches that start at
     // multiples of n_ubatch, so a prompt's cache rows and last logits never depend on what was cached before it,
     // and marks two points: `aligned`, where its last whole micro-batch ended (a prompt sharing that prefix
     // computes the rows before it the same way), and, with `whole`, its end (the same prompt again needs no

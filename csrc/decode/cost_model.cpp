@@ -1,4 +1,4 @@
-#include "spec/cost_model.h"
+#include "decode/cost_model.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-// Proposers: what the decode loop (spec/driver.h) verifies each round. A proposal is a tree of drafts below
+// Proposers: what the decode loop (decode/driver.h) verifies each round. A proposal is a tree of drafts below
 // the round's root (the anchor token): just the root (plain decoding), a chain, or a DDTree tree.
 //   plain_proposer   no drafter: every round is one target step
 //   dflash_proposer  a DFlash drafter, in one of three modes:
@@ -6,14 +6,14 @@
 //                      tree   the best-first tree of `tree_budget` nodes (DDTree)
 //                      auto   per round, whatever maximises expected committed tokens per unit of time:
 //                             no draft at all, a chain or a tree of any size, from the learnt probability that
-//                             the target accepts each drafted path (spec/acceptance_model.h) and the measured
-//                             cost of each verify width (spec/cost_model.h)
+//                             the target accepts each drafted path (decode/acceptance_model.h) and the measured
+//                             cost of each verify width (decode/cost_model.h)
 #pragma once
 
 #include "core/clock.h"
-#include "spec/acceptance_model.h"
-#include "spec/cost_model.h"
-#include "spec/tree.h"
+#include "decode/acceptance_model.h"
+#include "decode/cost_model.h"
+#include "decode/tree.h"
 #include "state/draft_session.h"
 #include "state/session.h"
 

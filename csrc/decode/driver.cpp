@@ -1,7 +1,7 @@
-#include "spec/driver.h"
+#include "decode/driver.h"
 #include "core/clock.h"
 #include "core/error.h"
-#include "spec/verifier.h"
+#include "decode/verifier.h"
 
 #include <algorithm>
 

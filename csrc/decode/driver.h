@@ -1,12 +1,12 @@
 // The decode loop, entirely in C++: prefill (reusing the cached prompt prefix), then rounds of
 // propose -> verify in one batched target evaluation -> accept -> commit (no replay), until a stop token,
 // max_tokens, the context limit or an abort. What a round verifies is the proposer's choice
-// (spec/proposer.h): the root alone (plain decoding), a chain or a tree of drafts. Committed tokens reach the
+// (decode/proposer.h): the root alone (plain decoding), a chain or a tree of drafts. Committed tokens reach the
 // caller in one batch per round.
 #pragma once
 
-#include "spec/proposer.h"
-#include "spec/sampler.h"
+#include "decode/proposer.h"
+#include "decode/sampler.h"
 #include "state/session.h"
 
 #include <functional>

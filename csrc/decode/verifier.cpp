@@ -1,4 +1,4 @@
-#include "spec/verifier.h"
+#include "decode/verifier.h"
 #include "core/clock.h"
 #include "core/error.h"
 

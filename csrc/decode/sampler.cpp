@@ -1,4 +1,4 @@
-#include "spec/sampler.h"
+#include "decode/sampler.h"
 #include "core/error.h"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-#include "spec/acceptance_model.h"
+#include "decode/acceptance_model.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "spec/tree.h"
+#include "decode/tree.h"
 #include "core/error.h"
 
 #include <algorithm>

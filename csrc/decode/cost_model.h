@@ -1,7 +1,7 @@
 // What a round of speculation costs on this machine and model: the time of a target evaluation per batch width
 // (chain and tree graphs), measured once and refined online, and the rate speculation has been reaching (the
-// drafter's time is in it; it is also kept on its own, for the timings). spec/proposer.cpp weighs it against
-// spec/acceptance_model.h to choose, each round, what to verify.
+// drafter's time is in it; it is also kept on its own, for the timings). decode/proposer.cpp weighs it against
+// decode/acceptance_model.h to choose, each round, what to verify.
 #pragma once
 
 #include <vector>

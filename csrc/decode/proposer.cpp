@@ -1,4 +1,4 @@
-#include "spec/proposer.h"
+#include "decode/proposer.h"
 #include "core/clock.h"
 #include "core/error.h"
 

@@ -1,11 +1,11 @@
 // How the target's outputs become committed tokens: the first token after the prompt, and each round's walk
-// down the verified tree (spec/tree.h walk_target). Greedy decoding picks the target's argmax (computed on the
-// device); sampling draws from the target's logits with the full sampler chain (spec/sampler.h). Either way
+// down the verified tree (decode/tree.h walk_target). Greedy decoding picks the target's argmax (computed on the
+// device); sampling draws from the target's logits with the full sampler chain (decode/sampler.h). Either way
 // every committed token is the target's own choice, so speculative decoding commits what plain decoding would.
 #pragma once
 
-#include "spec/sampler.h"
-#include "spec/tree.h"
+#include "decode/sampler.h"
+#include "decode/tree.h"
 #include "state/session.h"
 
 #include <functional>
