@@ -89,4 +89,12 @@ class graph_cache {
     std::vector<ggml_tensor *> sources_;
 };
 
+// copies `size` bytes into graph input t at `offset` once its graph is resident; an input the graph does not
+// read (positions and masks of a model with no attention layer) got no buffer and is skipped
+inline void set_graph_input(ggml_tensor * t, const void * data, size_t offset, size_t size) {
+    if (t->buffer) {
+        ggml_backend_tensor_set(t, data, offset, size);
+    }
+}
+
 }  // namespace pdf

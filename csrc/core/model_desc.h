@@ -47,4 +47,39 @@ struct state_tensors {
     std::vector<ggml_tensor *> k, v, ssm, conv;
 };
 
+// The graph inputs that say where a batch goes in that memory, each set by the part of state/ that owns it.
+// The KV cache's (state/kv_cache.h): the cache rows written and what each token sees.
+//   slots: I64 [n_tokens]; kq_mask: F16 [n_kv, n_tokens] (0 = visible, -inf = hidden), over rows 0..n_kv-1
+struct kv_inputs {
+    ggml_tensor * slots   = nullptr;
+    ggml_tensor * kq_mask = nullptr;
+    int           n_kv    = 0;
+};
+
+// The recurrent state's (state/recurrent_state.h).
+// Chain evaluation (tree_levels empty: token i follows token i-1):
+//   ssm_row: I32 [1]: the state row to start from; ssm_snapshot_rows: I64 [K]: the rows the K most recent
+//   per-token states go to (most recent first, never ssm_row); conv_rows: I32 [d_conv-1]: the conv window
+//   rows (oldest first); conv_keep_from: the first row of [window ‖ inputs] written back to the conv buffer.
+// Tree evaluation (tree_levels = node counts per depth; rows are in level order: the nodes of depth d are rows
+// [sum of earlier levels, + tree_levels[d]), and a node's parent is in the level before):
+//   tree_root_state: I32 [tree_levels[0]]: the state row each depth-0 node starts from (all ssm_row);
+//   tree_parent: I32 [n - tree_levels[0]]: for the nodes of depth >= 1, the parent's index in its level;
+//   tree_state_rows: I64 [n]: the state row each node's state goes to; tree_out_rows: I64 [n]: 0 .. n-1;
+//   conv_taps: I32 [d_conv * n]: per node, the rows of [window ‖ inputs] under its conv kernel, oldest
+//   first (its d_conv-1 nearest ancestors, reaching into the window above depth 0, then itself);
+//   [window ‖ inputs] is written back to conv buffer rows 0 .. d_conv-2+n.
+struct recurrent_inputs {
+    ggml_tensor *    conv_rows         = nullptr;
+    ggml_tensor *    ssm_row           = nullptr;
+    ggml_tensor *    ssm_snapshot_rows = nullptr;
+    int              conv_keep_from    = 0;
+    std::vector<int> tree_levels;
+    ggml_tensor *    tree_root_state   = nullptr;
+    ggml_tensor *    tree_parent       = nullptr;
+    ggml_tensor *    tree_state_rows   = nullptr;
+    ggml_tensor *    tree_out_rows     = nullptr;
+    ggml_tensor *    conv_taps         = nullptr;
+};
+
 }  // namespace pdf

@@ -90,6 +90,11 @@ attention_hparams load_attention_hparams(const gguf_file & f, const std::string 
     return hp;
 }
 
+kv_layer_desc kv_layer_of(const attention_hparams & att, int il) {
+    const int64_t hd = att.head_dim;
+    return {il, hd * att.n_head_kv, hd * att.n_head_kv, hd, hd};
+}
+
 ggml_tensor * build_rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * positions, const rope_params & rope) {
     if (rope.multi) {
         int sections[GGML_MROPE_SECTIONS];
@@ -115,7 +120,7 @@ void build_qk_norm_rope(ggml_context * ctx, ggml_tensor *& q, ggml_tensor *& k, 
 static constexpr size_t SMALL_WINDOW_BYTES = 256 * 1024;
 static constexpr int    SMALL_WINDOW_STEP  = 256;
 
-ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const kv_inputs & in,
                                  const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                                  float scale, bool last_query_only) {
     const int64_t hd    = q->ne[0];
@@ -134,8 +139,8 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eva
     ggml_tensor * v_cache = st.v[il];  // [hdv*Hkv, n_ctx]
 
     // the writes come first in the graph so the reads below see them
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, hd * Hkv, n_new), in.kv_slots));
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, ggml_reshape_2d(ctx, v, hdv * Hkv, n_new), in.kv_slots));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, hd * Hkv, n_new), in.slots));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, ggml_reshape_2d(ctx, v, hdv * Hkv, n_new), in.slots));
 
     // cache rows 0..n_kv-1 as [hd, n_kv, Hkv]
     ggml_tensor * k_view = ggml_view_3d(ctx, k_cache, hd, Hkv, in.n_kv, ggml_row_size(k_cache->type, hd),

@@ -40,6 +40,9 @@ struct attention_hparams {
 // n_embd / n_head.
 attention_hparams load_attention_hparams(const gguf_file & f, const std::string & prefix, int64_t n_embd);
 
+// the K/V rows one attention layer il with these hyper-parameters keeps (for model_info::kv_layers)
+kv_layer_desc kv_layer_of(const attention_hparams & att, int il);
+
 // x: [hd, H, n], positions: I32 [n] (M-RoPE: [4n], section-major) -> rotated x
 ggml_tensor * build_rope(ggml_context * ctx, ggml_tensor * x, ggml_tensor * positions, const rope_params & rope);
 
@@ -48,9 +51,9 @@ void build_qk_norm_rope(ggml_context * ctx, ggml_tensor *& q, ggml_tensor *& k, 
                         ggml_tensor * k_norm, float eps, ggml_tensor * positions, const rope_params & rope);
 
 // q: [hd, H, n], k: [hd, Hkv, n], v: [hdv, Hkv, n] (already normed and rotated)
-// writes k, v into cache slots in.kv_slots of layer il, then attends over cache rows 0..in.n_kv-1 with
+// writes k, v into cache slots in.slots of layer il, then attends over cache rows 0..in.n_kv-1 with
 // in.kq_mask: all n queries, or with last_query_only the last token's alone. returns [hdv*H, n] / [hdv*H, 1]
-ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const kv_inputs & in,
                                  const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                                  float scale, bool last_query_only = false);
 

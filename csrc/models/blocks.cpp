@@ -15,6 +15,14 @@ ggml_tensor * build_swiglu_ffn(ggml_context * ctx, ggml_tensor * x, ggml_tensor 
     return ggml_mul_mat(ctx, down, ggml_swiglu_split(ctx, g, u));
 }
 
+ggml_tensor * build_swiglu_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, ggml_tensor * gate,
+                                    ggml_tensor * up, ggml_tensor * down, float eps, int il) {
+    ggml_tensor * cur = build_swiglu_ffn(ctx, build_rms_norm(ctx, x, norm, eps), gate, up, down);
+    x                 = ggml_add(ctx, cur, x);
+    ggml_format_name(x, "l_out-%d", il);
+    return x;
+}
+
 ggml_tensor * last_token(ggml_context * ctx, ggml_tensor * x) {
     const int     d = ggml_n_dims(x) - 1;  // the token dimension
     const int64_t n = x->ne[d];

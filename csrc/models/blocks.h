@@ -14,6 +14,10 @@ ggml_tensor * build_rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * 
 ggml_tensor * build_swiglu_ffn(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gate, ggml_tensor * up,
                                ggml_tensor * down);
 
+// the feed-forward half of a pre-norm layer il: x [n_embd, n] -> x + SwiGLU(rms_norm(x) * norm), named l_out-il
+ggml_tensor * build_swiglu_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, ggml_tensor * gate,
+                                    ggml_tensor * up, ggml_tensor * down, float eps, int il);
+
 // An evaluation that returns only the last token's hidden state needs, past the last layer's K/V (and recurrent
 // state) writes, only that token: its query, residual and FFN (llama.cpp's inp_out_ids). Not when the final
 // hidden state (capture index n_layer) is wanted for every token.

@@ -10,8 +10,8 @@ ggml_tensor * build_l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
     return ggml_scale(ctx, ggml_rms_norm(ctx, x, eps / n), 1.0f / std::sqrt(n));
 }
 
-ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const state_tensors & st,
-                               int il, ggml_tensor * x, ggml_tensor * kernel) {
+ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
+                               const state_tensors & st, int il, ggml_tensor * x, ggml_tensor * kernel) {
     // x: [C, n] (contiguous, time = rows); the buffer holds the last inputs as rows, the window is the W rows
     // in.conv_rows of it
     const int64_t C      = x->ne[0];
@@ -52,8 +52,8 @@ ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const eval_
     return ggml_silu(ctx, ggml_reshape_2d(ctx, y, C, n));
 }
 
-ggml_tensor * build_conv_tree(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const state_tensors & st,
-                              int il, ggml_tensor * x, ggml_tensor * kernel_t) {
+ggml_tensor * build_conv_tree(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
+                              const state_tensors & st, int il, ggml_tensor * x, ggml_tensor * kernel_t) {
     const int64_t C   = x->ne[0];
     const int64_t n   = x->ne[1];
     const int64_t K   = kernel_t->ne[1];  // d_conv
@@ -80,14 +80,20 @@ static ggml_tensor * as_4d(ggml_context * ctx, ggml_tensor * t) {
     return ggml_view_4d(ctx, t, t->ne[0], t->ne[1], t->ne[2], 1, t->nb[1], t->nb[2], t->nb[2] * t->ne[2], 0);
 }
 
-ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+// the sizes a delta rule reads off v ([S, Hv, n]) and the layer's state rows it reads and writes
+struct delta_net_state {
+    int64_t       S, Hv, n;
+    int64_t       D;    // one token's state: S * S * Hv floats
+    ggml_tensor * buf;  // st.ssm[il]: [D, n_rollback+1]
+};
+static delta_net_state state_of(const ggml_tensor * v, const state_tensors & st, int il) {
+    return {v->ne[0], v->ne[1], v->ne[2], v->ne[0] * v->ne[0] * v->ne[1], st.ssm[il]};
+}
+
+ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                     const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                     ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) {
-    const int64_t S   = v->ne[0];
-    const int64_t Hv  = v->ne[1];
-    const int64_t n   = v->ne[2];
-    const int64_t D   = S * S * Hv;
-    ggml_tensor * buf = st.ssm[il];  // [D, n_rollback+1]
+    const auto [S, Hv, n, D, buf] = state_of(v, st, il);
 
     ggml_tensor * state = ggml_get_rows(ctx, buf, in.ssm_row);  // [D, 1]
     const int64_t K     = in.ssm_snapshot_rows->ne[0];
@@ -110,7 +116,7 @@ ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const 
 //   M_C  = Γ_C M_0 + Σ_s (Γ_C/Γ_s) δ_s k_sᵀ
 // Everything but the three lines that involve M_0 is computed for all chunks at once; those run chunk by chunk.
 // Padding tokens (to a multiple of C) have β = 0 and g = 0: they change nothing.
-ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                             const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                             ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) {
     const int64_t S = v->ne[0], Hv = v->ne[1], n = v->ne[2], Hk = q->ne[1];
@@ -181,15 +187,11 @@ ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf
     return ggml_cont(ctx, ggml_permute(ctx, o, 0, 2, 1, 3));
 }
 
-ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                          const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                          ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) {
-    const int64_t S   = v->ne[0];
-    const int64_t Hv  = v->ne[1];
-    const int64_t n   = v->ne[2];
-    const int64_t D   = S * S * Hv;
-    ggml_tensor * buf = st.ssm[il];  // [D, n_rollback+1]
-    const size_t  f   = sizeof(float);
+    const auto [S, Hv, n, D, buf] = state_of(v, st, il);
+    const size_t f                = sizeof(float);
 
     // the nodes of depth d: rows [off, off+nd) as nd sequences of one token: [a, b, 1, nd]
     auto level = [ctx](ggml_tensor * t, int64_t off, int64_t nd) {

@@ -1,7 +1,7 @@
 // Gated delta net blocks (Qwen3.5's recurrent layers), free functions over stock ggml ops, for a chain of
 // tokens and for a tree of them (DDTree verification: every node starts from its parent's state).
 // Shapes: n = tokens, S = head dim (k = v), Hk / Hv = key / value heads, C = conv channels, W = d_conv - 1.
-// The state rows they read and write are described with eval_inputs (models/model.h).
+// The state rows they read and write are described with recurrent_inputs (core/model_desc.h).
 #pragma once
 
 #include "models/model.h"
@@ -13,17 +13,17 @@ ggml_tensor * build_l2_norm(ggml_context * ctx, ggml_tensor * x, float eps);
 
 // Short causal convolution with kept state, chain. x: [C, n] -> silu(conv) [C, n].
 // Reads the window (W rows of st.conv[il]) at in.conv_rows, writes the kept tail back.
-ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const state_tensors & st,
-                               int il, ggml_tensor * x, ggml_tensor * kernel);
+ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
+                               const state_tensors & st, int il, ggml_tensor * x, ggml_tensor * kernel);
 
 // The same for a tree (rows in level order): each node's kernel covers its ancestors (in.conv_taps).
 // kernel_t: the kernel transposed, [C, d_conv].
-ggml_tensor * build_conv_tree(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const state_tensors & st,
-                              int il, ggml_tensor * x, ggml_tensor * kernel_t);
+ggml_tensor * build_conv_tree(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
+                              const state_tensors & st, int il, ggml_tensor * x, ggml_tensor * kernel_t);
 
 // Gated delta rule with per-token snapshots, chain. q, k: [S, Hk, n], v: [S, Hv, n], g, beta: [1, Hv, n].
 // Reads the state row in.ssm_row of st.ssm[il], writes the snapshots back. Returns [S, Hv, n].
-ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                     const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                     ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta);
 
@@ -31,7 +31,7 @@ ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const 
 // one row: the final state): chunks of DELTA_NET_CHUNK tokens become matmuls and one triangular solve each,
 // and the state passes from chunk to chunk; only stock ops (mul_mat, cumsum, tri, solve_tri, exp), so it runs
 // where ggml_gated_delta_net does not (Vulkan in the pinned ggml), as llama.cpp's chunked path does.
-ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                             const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                             ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta);
 constexpr int64_t DELTA_NET_CHUNK = 64;
@@ -41,7 +41,7 @@ constexpr size_t DELTA_NET_CHUNKED_NODES = 64, DELTA_NET_CHUNKED_NODES_PER_CHUNK
 // The same for a tree (rows in level order), level by level: the nodes of one depth run as independent
 // one-token sequences whose input states are gathered from their parents' states (the level before), and
 // every node's state is written to its row. Only stock ops, so it runs on every ggml backend.
-ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                          const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                          ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta);
 

@@ -8,34 +8,56 @@
 
 namespace pdf {
 
+static const std::string A = "dflash.";  // the prefix of every key below
+
 dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const target_model> target,
                            const load_progress & progress)
-    : target_(std::move(target)) {
-    file_               = std::make_unique<gguf_file>(path, target_->devices().plan_only());
-    const gguf_file & f = *file_;
-    const std::string arch = f.arch();
+    : loaded_model(std::make_unique<gguf_file>(path, target->devices().plan_only())), target_(std::move(target)) {
+    const std::string arch = file_->arch();
     if (arch != "dflash") {
         throw unsupported_error(format("%s: general.architecture = '%s', expected 'dflash' for a draft model",
                                        path.c_str(), arch.c_str()));
     }
-    const model_info & t = target_->info();
-    const std::string  a = "dflash.";
     // every hyper-parameter is checked here, against its range, the tensors present (their shapes are checked as
-    // they are loaded below) and the target, before any of it sizes an allocation or reaches a ggml op
-    const int64_t      E = f.u32_in(a + "embedding_length", 1, 1 << 20);
-    const int      n_layer = f.block_count(a + "block_count");
-    n_ff_           = f.u32_in(a + "feed_forward_length", 1, 1 << 24);
-    att_            = load_attention_hparams(f, a, E);
+    // they are declared) and the target, before any of it sizes an allocation or reaches a ggml op
+    const gguf_file & f       = *file_;
+    const int64_t     E       = f.u32_in(A + "embedding_length", 1, 1 << 20);
+    const int         n_layer = f.block_count(A + "block_count");
+    n_ff_       = f.u32_in(A + "feed_forward_length", 1, 1 << 24);
+    att_        = load_attention_hparams(f, A, E);
     // a round drafts block_size - 1 tokens; trained drafters use 8 to 16
-    block_size_     = (int) f.u32_in_or(a + "block_size", 16, 2, MAX_BLOCK_SIZE);
-    causal_         = f.boolean_or(a + "attention.causal", false);
+    block_size_ = (int) f.u32_in_or(A + "block_size", 16, 2, MAX_BLOCK_SIZE);
+    causal_     = f.boolean_or(A + "attention.causal", false);
     if (!f.has_key("tokenizer.ggml.mask_token_id")) {
         throw format_error(format("%s: missing required key 'tokenizer.ggml.mask_token_id' (the DFlash MASK token)",
                                   path.c_str()));
     }
     mask_token_ = (int32_t) f.u32("tokenizer.ggml.mask_token_id");
+    check_pair(E);
+    check_rope_sections();
+    read_sliding_window(n_layer);
+    check_variant();
 
+    info_.arch        = "dflash";
+    info_.path        = path;
+    info_.n_vocab     = target_->info().n_vocab;
+    info_.n_embd      = E;
+    info_.n_layer     = n_layer;
+    info_.n_ctx_train = f.u32_or(A + "context_length", 0);
+    for (int il = 0; il < n_layer; ++il) {
+        info_.kv_layers.push_back(kv_layer_of(att_, il));
+    }
+    // the draft's layers live with the target's last layers (same device when offloaded); its devices are the
+    // target's, which the weights keep alive
+    read_weights(std::shared_ptr<backends>(target_, &target_->devices()), progress);
+}
+
+dflash_draft::~dflash_draft() = default;
+
+void dflash_draft::check_pair(int64_t E) {
     // the pair must fit together: each mismatch names the field and both values
+    const model_info &  t    = target_->info();
+    const std::string & path = file_->path();
     if (E != t.n_embd) {
         throw format_error(format("%s: dflash.embedding_length = %lld but the target's (%s) hidden size is %lld",
                                   path.c_str(), (long long) E, t.path.c_str(), (long long) t.n_embd));
@@ -44,7 +66,7 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
         throw format_error(format("%s: tokenizer.ggml.mask_token_id = %d is outside the target's vocabulary [0, %lld)",
                                   path.c_str(), mask_token_, (long long) t.n_vocab));
     }
-    std::vector<int32_t> layers = f.i32_array(a + "target_layers");
+    std::vector<int32_t> layers = file_->i32_array(A + "target_layers");
     if (layers.empty()) {
         throw format_error(format("%s: dflash.target_layers is empty", path.c_str()));
     }
@@ -56,8 +78,13 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
         }
         capture_layers_.push_back(layers[i]);
     }
+}
+
+void dflash_draft::check_rope_sections() const {
+    const gguf_file &          f    = *file_;
+    const std::string &        path = f.path();
     const std::vector<int32_t> sections =
-        f.has_key(a + "rope.dimension_sections") ? f.i32_array(a + "rope.dimension_sections") : std::vector<int32_t>{};
+        f.has_key(A + "rope.dimension_sections") ? f.i32_array(A + "rope.dimension_sections") : std::vector<int32_t>{};
     if (!sections.empty() && (sections[0] < 0 || sections[0] > att_.head_dim)) {
         throw format_error(format("%s: dflash.rope.dimension_sections[0] = %d, expected 0..%lld (the head dim)",
                                   path.c_str(), sections[0], (long long) att_.head_dim));
@@ -69,24 +96,35 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
                                            "sections are supported", path.c_str(), i, sections[i]));
         }
     }
-    if (f.has_key(a + "attention.sliding_window")) {
-        swa_window_ = (int) f.u32_in(a + "attention.sliding_window", 1, 1u << 24);
-        // llama.cpp requires the per-layer pattern with the window (src/models/dflash.cpp); so do we
-        if (!f.has_key(a + "attention.sliding_window_pattern")) {
-            throw format_error(format("%s: dflash.attention.sliding_window is set but "
-                                      "dflash.attention.sliding_window_pattern (one bool per layer) is missing",
-                                      path.c_str()));
-        }
-        swa_layers_ = f.bool_array(a + "attention.sliding_window_pattern");
-        if ((int) swa_layers_.size() != n_layer) {
-            throw format_error(format("%s: dflash.attention.sliding_window_pattern has %zu entries, expected %d (one "
-                                      "per layer)", path.c_str(), swa_layers_.size(), n_layer));
-        }
-        swa_causal_ = f.boolean_or(a + "attention.causal", true);
+}
+
+void dflash_draft::read_sliding_window(int n_layer) {
+    const gguf_file &   f    = *file_;
+    const std::string & path = f.path();
+    if (!f.has_key(A + "attention.sliding_window")) {
+        return;
     }
-    if (f.has_key(a + "hidden_activation") && f.str(a + "hidden_activation") != "silu") {
+    swa_window_ = (int) f.u32_in(A + "attention.sliding_window", 1, 1u << 24);
+    // llama.cpp requires the per-layer pattern with the window (src/models/dflash.cpp); so do we
+    if (!f.has_key(A + "attention.sliding_window_pattern")) {
+        throw format_error(format("%s: dflash.attention.sliding_window is set but "
+                                  "dflash.attention.sliding_window_pattern (one bool per layer) is missing",
+                                  path.c_str()));
+    }
+    swa_layers_ = f.bool_array(A + "attention.sliding_window_pattern");
+    if ((int) swa_layers_.size() != n_layer) {
+        throw format_error(format("%s: dflash.attention.sliding_window_pattern has %zu entries, expected %d (one "
+                                  "per layer)", path.c_str(), swa_layers_.size(), n_layer));
+    }
+    swa_causal_ = f.boolean_or(A + "attention.causal", true);
+}
+
+void dflash_draft::check_variant() const {
+    const gguf_file &   f    = *file_;
+    const std::string & path = f.path();
+    if (f.has_key(A + "hidden_activation") && f.str(A + "hidden_activation") != "silu") {
         throw unsupported_error(format("%s: dflash.hidden_activation = '%s', only 'silu' is supported", path.c_str(),
-                                       f.str(a + "hidden_activation").c_str()));
+                                       f.str(A + "hidden_activation").c_str()));
     }
     for (const char * name : {"selector_hidden.weight", "markov_w1.weight", "d2t", "token_embd.weight", "output.weight"}) {
         if (f.find_tensor(name)) {
@@ -95,28 +133,17 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
                                            path.c_str(), name));
         }
     }
+}
 
-    info_.arch        = "dflash";
-    info_.path        = path;
-    info_.n_vocab     = t.n_vocab;
-    info_.n_embd      = E;
-    info_.n_layer     = n_layer;
-    info_.n_ctx_train = f.u32_or(a + "context_length", 0);
+void dflash_draft::declare_weights(weights & w) {
+    const int     place = target_->info().n_layer;
+    const int64_t E = info_.n_embd, n_ext = (int64_t) capture_layers_.size();
     const int64_t hd = att_.head_dim, n_head = att_.n_head, n_head_kv = att_.n_head_kv;
-    for (int il = 0; il < n_layer; ++il) {
-        info_.kv_layers.push_back({il, hd * n_head_kv, hd * n_head_kv, hd, hd});
-    }
-
-    // the draft's layers live with the target's last layers (same device when offloaded)
-    weights_ = std::make_unique<weights>(f, target_->devices());
-    weights & w = *weights_;
-    const int place = t.n_layer;
-    const int64_t n_ext = (int64_t) capture_layers_.size();
     fc_          = w.require("fc.weight", {n_ext * E, E}, place, WEIGHT_USE_MATMUL);
     hidden_norm_ = w.require("enc.output_norm.weight", {E}, place, WEIGHT_USE_OTHER);
     output_norm_ = w.require("output_norm.weight", {E}, place, WEIGHT_USE_OTHER);
-    layers_.resize(n_layer);
-    for (int il = 0; il < n_layer; ++il) {
+    layers_.resize(info_.n_layer);
+    for (int il = 0; il < info_.n_layer; ++il) {
         layer & l = layers_[il];
         auto name = [il](const char * s) { return format("blk.%d.%s", il, s); };
         l.attn_norm = w.require(name("attn_norm.weight"), {E}, place, WEIGHT_USE_OTHER);
@@ -131,14 +158,7 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
         l.ffn_up    = w.require(name("ffn_up.weight"), {E, n_ff_}, place, WEIGHT_USE_MATMUL);
         l.ffn_down  = w.require(name("ffn_down.weight"), {n_ff_, E}, place, WEIGHT_USE_MATMUL);
     }
-    w.load(progress);
 }
-
-dflash_draft::~dflash_draft() = default;
-
-size_t dflash_draft::weight_bytes() const { return weights_->n_bytes(); }
-device_bytes dflash_draft::weight_memory() const { return weights_->memory(); }
-std::vector<weights::placed> dflash_draft::weight_placement() const { return weights_->placement(); }
 
 // ctx_feats: [n_ext*E, m] -> context K/V rows in the draft cache; block: [anchor, MASK x (B-1)] -> [E, B-1]
 ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in,
@@ -166,10 +186,7 @@ ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const dr
 
     // the block: [anchor, MASK x (B-1)] through the draft layers, attending over context + block K/V
     const int64_t B = in.n_block;
-    eval_inputs   att;  // the shared attention block's view of the inputs
-    att.kv_slots = in.slots;
-    att.kq_mask  = in.kq_mask;
-    att.n_kv     = in.n_kv;
+    kv_inputs     att{in.slots, in.kq_mask, in.n_kv};  // the block's K/V rows, seen as a target layer's
     ggml_tensor * h = ggml_get_rows(ctx, target_->token_embedding(), in.tokens);  // [E, B]
     for (int il = 0; il < info_.n_layer; ++il) {
         const layer & l  = layers_[il];

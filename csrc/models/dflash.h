@@ -29,7 +29,7 @@ struct draft_inputs {
     int           n_kv       = 0;
 };
 
-class dflash_draft {
+class dflash_draft final : public loaded_model {
   public:
     // the largest dflash.block_size accepted (drafts are trained with 8 to 16)
     static constexpr int MAX_BLOCK_SIZE = 256;
@@ -39,7 +39,7 @@ class dflash_draft {
                  const load_progress & progress = {});
     ~dflash_draft();
 
-    const model_info &       info() const { return info_; }  // kv_layers: the draft layers
+    // info().kv_layers: the draft layers
     const target_model &     target() const { return *target_; }
     const std::vector<int> & capture_layers() const { return capture_layers_; }
     int                      block_size() const { return block_size_; }
@@ -51,9 +51,6 @@ class dflash_draft {
     int                      swa_window() const { return swa_window_; }  // 0: no sliding-window layer
     bool                     is_swa(int il) const { return swa_window_ > 0 && swa_layers_[il]; }
     bool                     swa_causal() const { return swa_causal_; }
-    size_t                   weight_bytes() const;
-    device_bytes             weight_memory() const;
-    std::vector<weights::placed> weight_placement() const;
     size_t                   max_graph_nodes() const { return 128 + 64 * (size_t) info_.n_layer; }
 
     // appends context K/V rows (into the draft cache st.k / st.v); when in.n_block > 0 also runs the block and
@@ -61,15 +58,20 @@ class dflash_draft {
     ggml_tensor * build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in, const state_tensors & st) const;
 
   private:
+    // the checks that need the target: hidden size, MASK token, target_layers (-> capture_layers_)
+    void check_pair(int64_t n_embd);
+    void check_rope_sections() const;
+    void read_sliding_window(int n_layer);
+    // hidden activation, and tensors of draft variants this drafter is not
+    void check_variant() const;
+    void declare_weights(weights & w) override;
+
     struct layer {
         ggml_tensor * attn_norm, * wq, * wk, * wv, * wo, * q_norm, * k_norm;
         ggml_tensor * ffn_norm, * ffn_gate, * ffn_up, * ffn_down;
     };
 
     std::shared_ptr<const target_model> target_;
-    std::unique_ptr<gguf_file>          file_;
-    std::unique_ptr<weights>            weights_;
-    model_info                          info_;
     std::vector<int>                    capture_layers_;
     int                                 block_size_ = 16;
     int32_t                             mask_token_ = -1;

@@ -31,40 +31,16 @@ struct model_params {
 };
 
 // Inputs of one evaluation graph, all set by the session before each compute.
-//   tokens, positions: I32 [n_tokens]; kv_slots: I64 [n_tokens] (cache rows written);
-//   kq_mask: F16 [n_kv, n_tokens] (0 = visible, -inf = hidden), over cache rows 0..n_kv-1;
-//   positions holds n_pos_per_token * n_tokens entries (section-major for M-RoPE).
-// Recurrent layers, chain evaluation (tree_levels empty: token i follows token i-1):
-//   ssm_row: I32 [1]: the state row to start from; ssm_snapshot_rows: I64 [K]: the rows the K most recent
-//   per-token states go to (most recent first, never ssm_row); conv_rows: I32 [d_conv-1]: the conv window
-//   rows (oldest first); conv_keep_from: the first row of [window ‖ inputs] written back to the conv buffer.
-// Recurrent layers, tree evaluation (tree_levels = node counts per depth; rows are in level order: the nodes
-// of depth d are rows [sum of earlier levels, + tree_levels[d]), and a node's parent is in the level before):
-//   tree_root_state: I32 [tree_levels[0]]: the state row each depth-0 node starts from (all ssm_row);
-//   tree_parent: I32 [n - tree_levels[0]]: for the nodes of depth >= 1, the parent's index in its level;
-//   tree_state_rows: I64 [n]: the state row each node's state goes to; tree_out_rows: I64 [n]: 0 .. n-1;
-//   conv_taps: I32 [d_conv * n]: per node, the rows of [window ‖ inputs] under its conv kernel, oldest
-//   first (its d_conv-1 nearest ancestors, reaching into the window above depth 0, then itself);
-//   [window ‖ inputs] is written back to conv buffer rows 0 .. d_conv-2+n.
+//   tokens, positions: I32 [n_tokens]; positions holds n_pos_per_token * n_tokens entries (section-major for
+//   M-RoPE); kv, recurrent: where the batch goes in the session's memory (core/model_desc.h)
 struct eval_inputs {
-    ggml_tensor *    tokens            = nullptr;
-    ggml_tensor *    positions         = nullptr;
-    ggml_tensor *    kv_slots          = nullptr;
-    ggml_tensor *    kq_mask           = nullptr;
-    ggml_tensor *    ssm_row           = nullptr;
-    ggml_tensor *    conv_rows         = nullptr;
-    ggml_tensor *    ssm_snapshot_rows = nullptr;
-    int              conv_keep_from    = 0;
-    std::vector<int> tree_levels;
-    ggml_tensor *    tree_root_state   = nullptr;
-    ggml_tensor *    tree_parent       = nullptr;
-    ggml_tensor *    tree_state_rows   = nullptr;
-    ggml_tensor *    tree_out_rows     = nullptr;
-    ggml_tensor *    conv_taps         = nullptr;
-    int              n_tokens          = 0;
-    int              n_kv              = 0;
-    bool             all_outputs       = false;  // hidden states of every token, else of the last one only
-    std::vector<int> capture_layers;              // layer-input indices to return (0..n_layer)
+    ggml_tensor *    tokens      = nullptr;
+    ggml_tensor *    positions   = nullptr;
+    kv_inputs        kv;
+    recurrent_inputs recurrent;
+    int              n_tokens    = 0;
+    bool             all_outputs = false;  // hidden states of every token, else of the last one only
+    std::vector<int> capture_layers;        // layer-input indices to return (0..n_layer)
 };
 
 struct eval_outputs {
@@ -72,38 +48,75 @@ struct eval_outputs {
     std::vector<ggml_tensor *> captured;          // F32 [n_embd, n_tokens], one per capture layer
 };
 
-class target_model {
+// A model file read in three steps that each model supplies the middle of: its constructor reads the
+// hyper-parameters (checked) and describes itself (info_), a backends places its layers, and declare_weights
+// names its tensors (checked against those hyper-parameters), which read_weights then reads.
+class loaded_model {
   public:
-    virtual ~target_model() = default;
+    virtual ~loaded_model();
 
-    const model_info & info() const { return info_; }
-    backends &         devices() const { return *backends_; }
-    size_t             weight_bytes() const { return weights_->n_bytes(); }
-    device_bytes       weight_memory() const { return weights_->memory(); }
+    const model_info &           info() const { return info_; }
+    size_t                       weight_bytes() const { return weights_->n_bytes(); }
+    device_bytes                 weight_memory() const { return weights_->memory(); }
     std::vector<weights::placed> weight_placement() const { return weights_->placement(); }
-    // shared with a DFlash draft, which has neither of its own
-    ggml_tensor *      token_embedding() const { return tok_embd_; }
-    ggml_tensor *      output_head() const { return output_; }
-    // the head (and so the logits) on the CPU backend
-    bool               head_on_host() const { return !backends_->on_gpu(info_.n_layer); }
 
-    virtual eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                                    const state_tensors & st) const = 0;
+  protected:
+    explicit loaded_model(std::unique_ptr<gguf_file> file);
+    // every weight, declared (weights::require / optional) in the order the buffers hold them
+    virtual void declare_weights(weights & w) = 0;
+    // declares the weights placed by `devices` (kept while they are), then reads them
+    void         read_weights(std::shared_ptr<backends> devices, const load_progress & progress);
+
+    std::unique_ptr<gguf_file> file_;
+    model_info                 info_;
+    std::shared_ptr<backends>  devices_;  // where the layers are (a drafter: its target's)
+    std::unique_ptr<weights>   weights_;
+};
+
+// A target architecture: its hyper-parameters (constructor), its layers' tensors (declare_layer) and one layer of
+// its graph (build_layer). The base holds what they share: the token embedding, the head and the final norm,
+// where the layers go, and the layer stack (with the feature capture a drafter reads).
+class target_model : public loaded_model {
+  public:
+    backends &    devices() const { return *devices_; }
+    // shared with a DFlash draft, which has neither of its own
+    ggml_tensor * token_embedding() const { return tok_embd_; }
+    ggml_tensor * output_head() const { return output_; }
+    // the head (and so the logits) on the CPU backend
+    bool          head_on_host() const { return !devices_->on_gpu(info_.n_layer); }
+
+    // tokens -> the layers -> hidden [E, n_outputs] after the final norm (n_outputs = n, or 1 without
+    // in.all_outputs), with the inputs of in.capture_layers ([E, n] each; index n_layer: the last layer's output)
+    eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                            const state_tensors & st) const;
     // upper bound on graph nodes for one evaluation of n_tokens (a tree evaluation of n_tree_levels depths)
     virtual size_t max_graph_nodes(int n_tree_levels = 0, int n_tokens = 1) const {
         return 96 + 64 * (size_t) info_.n_layer;
     }
 
   protected:
-    // token_embd (+ output, or a tied copy of token_embd in the head's buffer type), after backends_/weights_ exist
-    void load_embedding_and_head(int64_t n_embd, int64_t n_vocab);
+    using loaded_model::loaded_model;
+    // what every architecture describes alike; the vocabulary is token_embd's rows. norm_eps: the final norm's
+    void describe(const std::string & arch, int64_t n_embd, int n_layer, uint32_t n_ctx_train, float norm_eps);
+    // the weights of layer il (after the embedding, the head and the final norm)
+    virtual void          declare_layer(weights & w, int il) = 0;
+    // after the weights are read: choices that depend on where the layers went
+    virtual void          loaded(const model_params & params) {}
+    // layer il: x [E, n] -> [E, n], or [E, 1] with last_token_only (its K/V and state still written for all n)
+    virtual ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                      const state_tensors & st, int il, ggml_tensor * x,
+                                      bool last_token_only) const = 0;
 
-    model_info                 info_;
-    std::unique_ptr<backends>  backends_;
-    std::unique_ptr<gguf_file> file_;
-    std::unique_ptr<weights>   weights_;
-    ggml_tensor *              tok_embd_ = nullptr;  // [n_embd, n_vocab]
-    ggml_tensor *              output_   = nullptr;  // [n_embd, n_vocab] (may be tok_embd_ when tied)
+  private:
+    friend std::unique_ptr<target_model> load_target_model(const std::string & path, const model_params & params);
+    // places the layers, declares and reads every weight, then loaded()
+    void load(const model_params & params);
+    void declare_weights(weights & w) final;
+
+    float                     norm_eps_    = 0.0f;
+    ggml_tensor *             tok_embd_    = nullptr;  // [n_embd, n_vocab]
+    ggml_tensor *             output_      = nullptr;  // [n_embd, n_vocab] (may be tok_embd_ when tied)
+    ggml_tensor *             output_norm_ = nullptr;  // [n_embd]
 };
 
 // opens `path`, dispatches on general.architecture (models/registry.cpp), loads the weights

@@ -8,7 +8,6 @@
 #include "models/attention.h"
 #include "models/blocks.h"
 #include "models/delta_net.h"
-#include "models/model.h"
 
 #include <algorithm>
 #include <cmath>
@@ -52,30 +51,49 @@ struct qwen35_layer {
 
 class qwen35_model : public target_model {
   public:
-    qwen35_model(std::unique_ptr<gguf_file> file, const model_params & params) {
-        file_               = std::move(file);
+    explicit qwen35_model(std::unique_ptr<gguf_file> file) : target_model(std::move(file)) {
         const gguf_file & f = *file_;
         const std::string a = "qwen35.";
         // every hyper-parameter is checked here, against its range and the tensors present (their shapes are
-        // checked as they are loaded below), before any of it sizes an allocation or reaches a ggml op
-        const std::string & path = f.path();
+        // checked as they are declared below), before any of it sizes an allocation or reaches a ggml op
         const uint32_t n_mtp = f.u32_in_or(a + "nextn_predict_layers", 0, 0, 64);
         // MTP blocks come last and may have been left out of the file
         const int n_layer_all = f.block_count(a + "block_count", n_mtp);
         hp_.n_layer           = n_layer_all - (int) n_mtp;
         if (hp_.n_layer <= 0) {
-            throw format_error(format("%s: block_count %d minus nextn_predict_layers %u leaves no layer", path.c_str(),
-                                      n_layer_all, n_mtp));
+            throw format_error(format("%s: block_count %d minus nextn_predict_layers %u leaves no layer",
+                                      f.path().c_str(), n_layer_all, n_mtp));
         }
-        hp_.n_embd         = f.u32_in(a + "embedding_length", 1, 1 << 20);
-        hp_.n_ctx_train    = f.u32(a + "context_length");
-        hp_.n_ff           = f.u32_in(a + "feed_forward_length", 1, 1 << 24);
-        hp_.att            = load_attention_hparams(f, a, hp_.n_embd);
-        hp_.d_conv         = f.u32_in(a + "ssm.conv_kernel", 2, 64);  // the state keeps d_conv - 1 columns
-        hp_.S              = f.u32_in(a + "ssm.state_size", 1, 4096);
-        hp_.Hk             = f.u32_in(a + "ssm.group_count", 1, 4096);
-        hp_.Hv             = f.u32_in(a + "ssm.time_step_rank", 1, 4096);
-        const int64_t d_inner = f.u32(a + "ssm.inner_size");
+        hp_.n_embd      = f.u32_in(a + "embedding_length", 1, 1 << 20);
+        hp_.n_ctx_train = f.u32(a + "context_length");
+        hp_.n_ff        = f.u32_in(a + "feed_forward_length", 1, 1 << 24);
+        hp_.att         = load_attention_hparams(f, a, hp_.n_embd);
+        read_mrope_sections(f, a);
+        read_delta_net_hparams(f, a);
+        read_recurrent_layers(f, a, n_layer_all);
+        describe("qwen35", hp_.n_embd, hp_.n_layer, hp_.n_ctx_train, hp_.att.norm_eps);
+        info_.n_pos_per_token = 4;
+        const int64_t S = hp_.S, C = 2 * S * hp_.Hk + S * hp_.Hv;
+        for (int il = 0; il < hp_.n_layer; ++il) {
+            if (hp_.recurrent[il]) {
+                info_.recurrent_layers.push_back({il, S * S * hp_.Hv, C, hp_.d_conv});
+            } else {
+                info_.kv_layers.push_back(kv_layer_of(hp_.att, il));
+            }
+        }
+        layers_.resize(hp_.n_layer);
+    }
+
+    size_t max_graph_nodes(int n_tree_levels, int n_tokens) const override {
+        const size_t chunks  = (size_t) ((n_tokens + DELTA_NET_CHUNK - 1) / DELTA_NET_CHUNK);
+        const size_t chunked = any_chunked_ ? DELTA_NET_CHUNKED_NODES + DELTA_NET_CHUNKED_NODES_PER_CHUNK * chunks : 0;
+        return 128 + (96 + DELTA_NET_TREE_NODES_PER_LEVEL * (size_t) n_tree_levels + chunked) * (size_t) hp_.n_layer;
+    }
+
+  private:
+    // rope.dimension_sections: M-RoPE's four sections
+    void read_mrope_sections(const gguf_file & f, const std::string & a) {
+        const std::string &  path     = f.path();
         std::vector<int32_t> sections = f.i32_array(a + "rope.dimension_sections");
         if (sections.size() != GGML_MROPE_SECTIONS) {
             throw format_error(format("%s: key '%srope.dimension_sections' has %zu entries, expected %d",
@@ -94,7 +112,16 @@ class qwen35_model : public target_model {
         }
         std::copy(sections.begin(), sections.end(), hp_.att.rope.sections);
         hp_.att.rope.multi = true;
+    }
 
+    // ssm.*: the gated delta net's sizes
+    void read_delta_net_hparams(const gguf_file & f, const std::string & a) {
+        const std::string & path = f.path();
+        hp_.d_conv = f.u32_in(a + "ssm.conv_kernel", 2, 64);  // the state keeps d_conv - 1 columns
+        hp_.S      = f.u32_in(a + "ssm.state_size", 1, 4096);
+        hp_.Hk     = f.u32_in(a + "ssm.group_count", 1, 4096);
+        hp_.Hv     = f.u32_in(a + "ssm.time_step_rank", 1, 4096);
+        const int64_t d_inner = f.u32(a + "ssm.inner_size");
         if (hp_.Hv % hp_.Hk != 0) {
             throw format_error(format("%s: ssm.time_step_rank = %lld must be a multiple of ssm.group_count = %lld",
                                       path.c_str(), (long long) hp_.Hv, (long long) hp_.Hk));
@@ -103,12 +130,15 @@ class qwen35_model : public target_model {
             throw format_error(format("%s: ssm.inner_size = %lld, expected ssm.state_size * ssm.time_step_rank = %lld",
                                       path.c_str(), (long long) d_inner, (long long) (hp_.S * hp_.Hv)));
         }
-        // which layers are recurrent: the explicit list, else every layer but each interval-th
+    }
+
+    // which layers are recurrent: the explicit list, else every layer but each interval-th
+    void read_recurrent_layers(const gguf_file & f, const std::string & a, int n_layer_all) {
         if (f.has_key(a + "attention.recurrent_layers")) {
             std::vector<bool> r = f.bool_array(a + "attention.recurrent_layers");
             if ((int) r.size() < hp_.n_layer) {
                 throw format_error(format("%s: key '%sattention.recurrent_layers' has %zu entries, expected %d",
-                                          path.c_str(), a.c_str(), r.size(), n_layer_all));
+                                          f.path().c_str(), a.c_str(), r.size(), n_layer_all));
             }
             hp_.recurrent.assign(r.begin(), r.begin() + hp_.n_layer);
         } else {
@@ -117,130 +147,70 @@ class qwen35_model : public target_model {
                 hp_.recurrent.push_back((il + 1) % interval != 0);
             }
         }
-
-        ggml_tensor * embd = f.find_tensor("token_embd.weight");
-        if (!embd) {
-            throw format_error(format("%s: missing required tensor 'token_embd.weight'", path.c_str()));
-        }
-        const int64_t n_vocab = embd->ne[1];
-        const int64_t E = hp_.n_embd, hd = hp_.att.head_dim, S = hp_.S;
-        const int64_t C = 2 * S * hp_.Hk + S * hp_.Hv;
-
-        info_.arch            = "qwen35";
-        info_.path            = path;
-        info_.n_vocab         = n_vocab;
-        info_.n_embd          = E;
-        info_.n_layer         = hp_.n_layer;
-        info_.n_ctx_train     = hp_.n_ctx_train;
-        info_.n_pos_per_token = 4;
-        for (int il = 0; il < hp_.n_layer; ++il) {
-            if (hp_.recurrent[il]) {
-                info_.recurrent_layers.push_back({il, S * S * hp_.Hv, C, hp_.d_conv});
-            } else {
-                info_.kv_layers.push_back({il, hd * hp_.att.n_head_kv, hd * hp_.att.n_head_kv, hd, hd});
-            }
-        }
-
-        backends_   = std::make_unique<backends>(params.n_threads, params.n_gpu_layers, hp_.n_layer, params.plan_only);
-        weights_    = std::make_unique<weights>(f, *backends_);
-        weights & w = *weights_;
-        const int out_il = hp_.n_layer;
-        load_embedding_and_head(E, n_vocab);
-        output_norm_ = w.require("output_norm.weight", {E}, out_il, WEIGHT_USE_OTHER);
-        layers_.resize(hp_.n_layer);
-        for (int il = 0; il < hp_.n_layer; ++il) {
-            qwen35_layer & l = layers_[il];
-            auto name = [il](const char * s) { return format("blk.%d.%s", il, s); };
-            l.attn_norm           = w.require(name("attn_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
-            l.post_attention_norm = w.require(name("post_attention_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
-            l.ffn_gate            = w.require(name("ffn_gate.weight"), {E, hp_.n_ff}, il, WEIGHT_USE_MATMUL);
-            l.ffn_up              = w.require(name("ffn_up.weight"), {E, hp_.n_ff}, il, WEIGHT_USE_MATMUL);
-            l.ffn_down            = w.require(name("ffn_down.weight"), {hp_.n_ff, E}, il, WEIGHT_USE_MATMUL);
-            if (hp_.recurrent[il]) {
-                l.wqkv       = w.require(name("attn_qkv.weight"), {E, C}, il, WEIGHT_USE_MATMUL);
-                l.wgate      = w.require(name("attn_gate.weight"), {E, S * hp_.Hv}, il, WEIGHT_USE_MATMUL);
-                l.ssm_conv1d = w.require(name("ssm_conv1d.weight"), {hp_.d_conv, C}, il, WEIGHT_USE_OTHER);
-                l.ssm_dt     = w.require(name("ssm_dt.bias"), {hp_.Hv}, il, WEIGHT_USE_OTHER);
-                l.ssm_a      = w.require(name("ssm_a"), {hp_.Hv}, il, WEIGHT_USE_OTHER);
-                l.ssm_beta   = w.require(name("ssm_beta.weight"), {E, hp_.Hv}, il, WEIGHT_USE_MATMUL);
-                l.ssm_alpha  = w.require(name("ssm_alpha.weight"), {E, hp_.Hv}, il, WEIGHT_USE_MATMUL);
-                l.ssm_norm   = w.require(name("ssm_norm.weight"), {S}, il, WEIGHT_USE_OTHER);
-                l.ssm_out    = w.require(name("ssm_out.weight"), {S * hp_.Hv, E}, il, WEIGHT_USE_MATMUL);
-                if (l.ssm_conv1d->type != GGML_TYPE_F32) {
-                    throw format_error(format("%s: tensor '%s' has type %s, expected f32", path.c_str(),
-                                              name("ssm_conv1d.weight").c_str(), ggml_type_name(l.ssm_conv1d->type)));
-                }
-                l.ssm_conv1d_t = w.transposed_copy(name("ssm_conv1d.weight"), il, WEIGHT_USE_OTHER);
-            } else {
-                l.wq     = w.require(name("attn_q.weight"), {E, 2 * hd * hp_.att.n_head}, il, WEIGHT_USE_MATMUL);
-                l.wk     = w.require(name("attn_k.weight"), {E, hd * hp_.att.n_head_kv}, il, WEIGHT_USE_MATMUL);
-                l.wv     = w.require(name("attn_v.weight"), {E, hd * hp_.att.n_head_kv}, il, WEIGHT_USE_MATMUL);
-                l.wo     = w.require(name("attn_output.weight"), {hd * hp_.att.n_head, E}, il, WEIGHT_USE_MATMUL);
-                l.q_norm = w.require(name("attn_q_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
-                l.k_norm = w.require(name("attn_k_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
-            }
-        }
-        w.load(params.progress);
-        choose_delta_net_form(params.delta_net);
     }
 
-    size_t max_graph_nodes(int n_tree_levels, int n_tokens) const override {
-        const size_t chunks  = (size_t) ((n_tokens + DELTA_NET_CHUNK - 1) / DELTA_NET_CHUNK);
-        const size_t chunked = any_chunked_ ? DELTA_NET_CHUNKED_NODES + DELTA_NET_CHUNKED_NODES_PER_CHUNK * chunks : 0;
-        return 128 + (96 + DELTA_NET_TREE_NODES_PER_LEVEL * (size_t) n_tree_levels + chunked) * (size_t) hp_.n_layer;
+    void declare_layer(weights & w, int il) override {
+        const int64_t  E = hp_.n_embd, hd = hp_.att.head_dim, S = hp_.S, Hv = hp_.Hv;
+        const int64_t  C = 2 * S * hp_.Hk + S * Hv;
+        qwen35_layer & l    = layers_[il];
+        auto           name = [il](const char * s) { return format("blk.%d.%s", il, s); };
+        l.attn_norm           = w.require(name("attn_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
+        l.post_attention_norm = w.require(name("post_attention_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
+        l.ffn_gate            = w.require(name("ffn_gate.weight"), {E, hp_.n_ff}, il, WEIGHT_USE_MATMUL);
+        l.ffn_up              = w.require(name("ffn_up.weight"), {E, hp_.n_ff}, il, WEIGHT_USE_MATMUL);
+        l.ffn_down            = w.require(name("ffn_down.weight"), {hp_.n_ff, E}, il, WEIGHT_USE_MATMUL);
+        if (!hp_.recurrent[il]) {
+            l.wq     = w.require(name("attn_q.weight"), {E, 2 * hd * hp_.att.n_head}, il, WEIGHT_USE_MATMUL);
+            l.wk     = w.require(name("attn_k.weight"), {E, hd * hp_.att.n_head_kv}, il, WEIGHT_USE_MATMUL);
+            l.wv     = w.require(name("attn_v.weight"), {E, hd * hp_.att.n_head_kv}, il, WEIGHT_USE_MATMUL);
+            l.wo     = w.require(name("attn_output.weight"), {hd * hp_.att.n_head, E}, il, WEIGHT_USE_MATMUL);
+            l.q_norm = w.require(name("attn_q_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
+            l.k_norm = w.require(name("attn_k_norm.weight"), {hd}, il, WEIGHT_USE_OTHER);
+            return;
+        }
+        l.wqkv       = w.require(name("attn_qkv.weight"), {E, C}, il, WEIGHT_USE_MATMUL);
+        l.wgate      = w.require(name("attn_gate.weight"), {E, S * Hv}, il, WEIGHT_USE_MATMUL);
+        l.ssm_conv1d = w.require(name("ssm_conv1d.weight"), {hp_.d_conv, C}, il, WEIGHT_USE_OTHER);
+        l.ssm_dt     = w.require(name("ssm_dt.bias"), {Hv}, il, WEIGHT_USE_OTHER);
+        l.ssm_a      = w.require(name("ssm_a"), {Hv}, il, WEIGHT_USE_OTHER);
+        l.ssm_beta   = w.require(name("ssm_beta.weight"), {E, Hv}, il, WEIGHT_USE_MATMUL);
+        l.ssm_alpha  = w.require(name("ssm_alpha.weight"), {E, Hv}, il, WEIGHT_USE_MATMUL);
+        l.ssm_norm   = w.require(name("ssm_norm.weight"), {S}, il, WEIGHT_USE_OTHER);
+        l.ssm_out    = w.require(name("ssm_out.weight"), {S * Hv, E}, il, WEIGHT_USE_MATMUL);
+        if (l.ssm_conv1d->type != GGML_TYPE_F32) {
+            throw format_error(format("%s: tensor '%s' has type %s, expected f32", file_->path().c_str(),
+                                      name("ssm_conv1d.weight").c_str(), ggml_type_name(l.ssm_conv1d->type)));
+        }
+        l.ssm_conv1d_t = w.transposed_copy(name("ssm_conv1d.weight"), il, WEIGHT_USE_OTHER);
     }
 
-    // x: [E, n] -> hidden [E, n_outputs] after the final norm (n_outputs = n, or 1 without in.all_outputs)
-    eval_outputs build_eval(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                            const state_tensors & st) const override {
-        const float   eps = hp_.att.norm_eps;
-        eval_outputs  out;
-        out.captured.assign(in.capture_layers.size(), nullptr);
+    void loaded(const model_params & params) override { choose_delta_net_form(params.delta_net); }
 
-        const bool    last_only = last_layer_for_last_token_only(in, hp_.n_layer);
-        ggml_tensor * x = ggml_get_rows(ctx, tok_embd_, in.tokens);  // [E, n]
-        for (int il = 0; il <= hp_.n_layer; ++il) {
-            for (size_t c = 0; c < in.capture_layers.size(); ++c) {
-                if (in.capture_layers[c] == il) {
-                    out.captured[c] = x;  // layer input (llama.cpp's t_layer_inp)
-                }
-            }
-            if (il == hp_.n_layer) {
-                break;
-            }
-            const qwen35_layer & l   = layers_[il];
-            ggml_tensor *        cur = build_rms_norm(ctx, x, l.attn_norm, eps);
-            const bool last_token_only = il == hp_.n_layer - 1 && last_only;
-            cur = hp_.recurrent[il] ? build_gdn_layer(ctx, gf, in, st, l, il, cur, last_token_only)
-                                    : build_attention_layer(ctx, gf, in, st, l, il, cur, last_token_only);
-            if (last_token_only) {
-                x = last_token(ctx, x);
-            }
-            x   = ggml_add(ctx, cur, x);
-            ggml_format_name(x, "attn_residual-%d", il);
-
-            cur = build_rms_norm(ctx, x, l.post_attention_norm, eps);
-            cur = build_swiglu_ffn(ctx, cur, l.ffn_gate, l.ffn_up, l.ffn_down);
-            x   = ggml_add(ctx, cur, x);
-            ggml_format_name(x, "l_out-%d", il);
+    // x: [E, n] -> [E, n], or [E, 1] for the last token only
+    ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const state_tensors & st,
+                              int il, ggml_tensor * x, bool last_token_only) const override {
+        const qwen35_layer & l   = layers_[il];
+        const float          eps = hp_.att.norm_eps;
+        ggml_tensor *        cur = build_rms_norm(ctx, x, l.attn_norm, eps);
+        cur = hp_.recurrent[il] ? build_gdn_layer(ctx, gf, in, st, l, il, cur, last_token_only)
+                                : build_attention_layer(ctx, gf, in, st, l, il, cur, last_token_only);
+        if (last_token_only) {
+            x = last_token(ctx, x);
         }
-
-        if (!in.all_outputs && x->ne[1] > 1) {
-            x = last_token(ctx, x);  // the final hidden state was captured for every token
-        }
-        out.hidden = build_rms_norm(ctx, x, output_norm_, eps);
-        return out;
+        x = ggml_add(ctx, cur, x);
+        ggml_format_name(x, "attn_residual-%d", il);
+        return build_swiglu_residual(ctx, x, l.post_attention_norm, l.ffn_gate, l.ffn_up, l.ffn_down, eps, il);
     }
 
-  private:
     // x: [E, n] -> [E, n], or [E, 1] for the last token only (the state still takes all n). A tree evaluation
-    // (in.tree_levels) runs the conv and the delta rule along parent links.
+    // (in.recurrent.tree_levels) runs the conv and the delta rule along parent links.
     ggml_tensor * build_gdn_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                   const state_tensors & st, const qwen35_layer & l, int il, ggml_tensor * x,
                                   bool last_token_only) const {
-        const int64_t n = x->ne[1], S = hp_.S, Hk = hp_.Hk, Hv = hp_.Hv;
-        const float   eps  = hp_.att.norm_eps;
-        const bool    tree = !in.tree_levels.empty();
+        const int64_t            n = x->ne[1], S = hp_.S, Hk = hp_.Hk, Hv = hp_.Hv;
+        const float              eps  = hp_.att.norm_eps;
+        const recurrent_inputs & rin  = in.recurrent;
+        const bool               tree = !rin.tree_levels.empty();
 
         ggml_tensor * qkv  = ggml_mul_mat(ctx, l.wqkv, x);   // [C, n]
         ggml_tensor * z    = ggml_mul_mat(ctx, l.wgate, x);  // [S*Hv, n]
@@ -251,8 +221,8 @@ class qwen35_model : public target_model {
         beta = ggml_reshape_4d(ctx, beta, 1, Hv, n, 1);
         g    = ggml_reshape_4d(ctx, g, 1, Hv, n, 1);
 
-        ggml_tensor * conv = tree ? build_conv_tree(ctx, gf, in, st, il, qkv, l.ssm_conv1d_t)
-                                  : build_conv_chain(ctx, gf, in, st, il, qkv, l.ssm_conv1d);  // [C, n]
+        ggml_tensor * conv = tree ? build_conv_tree(ctx, gf, rin, st, il, qkv, l.ssm_conv1d_t)
+                                  : build_conv_chain(ctx, gf, rin, st, il, qkv, l.ssm_conv1d);  // [C, n]
         const size_t  f    = ggml_element_size(conv);
         ggml_tensor * q = ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], 0);
         ggml_tensor * k = ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], S * Hk * f);
@@ -261,10 +231,10 @@ class qwen35_model : public target_model {
         k = build_l2_norm(ctx, k, eps);
 
         // a micro-batch committed whole (one state kept) of at least a chunk: the chunked form where chosen
-        const bool    chunked = !tree && chunked_[il] && in.ssm_snapshot_rows->ne[0] == 1 && n >= DELTA_NET_CHUNK;
-        ggml_tensor * o = tree      ? build_gated_delta_net_tree(ctx, gf, in, st, il, q, k, v, g, beta)
-                          : chunked ? build_gated_delta_net_chunked(ctx, gf, in, st, il, q, k, v, g, beta)
-                                    : build_gated_delta_net(ctx, gf, in, st, il, q, k, v, g, beta);  // [S, Hv, n]
+        const bool    chunked = !tree && chunked_[il] && rin.ssm_snapshot_rows->ne[0] == 1 && n >= DELTA_NET_CHUNK;
+        ggml_tensor * o = tree      ? build_gated_delta_net_tree(ctx, gf, rin, st, il, q, k, v, g, beta)
+                          : chunked ? build_gated_delta_net_chunked(ctx, gf, rin, st, il, q, k, v, g, beta)
+                                    : build_gated_delta_net(ctx, gf, rin, st, il, q, k, v, g, beta);  // [S, Hv, n]
         // gated RMSNorm per head: rms(o) * ssm_norm * silu(z)
         o = ggml_mul(ctx, build_rms_norm(ctx, o, l.ssm_norm, eps), ggml_silu(ctx, ggml_reshape_3d(ctx, z, S, Hv, n)));
         ggml_format_name(o, "gdn_out-%d", il);
@@ -287,7 +257,7 @@ class qwen35_model : public target_model {
         ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, x), hd, Hkv, n);
         build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, hp_.att.norm_eps, in.positions, hp_.att.rope);
         // the projections above ran for all n even for the last token only: M-RoPE positions are section-major
-        ggml_tensor * cur = build_kv_attention(ctx, gf, in, st, il, q, k, v, 1.0f / std::sqrt((float) hd),
+        ggml_tensor * cur = build_kv_attention(ctx, gf, in.kv, st, il, q, k, v, 1.0f / std::sqrt((float) hd),
                                                last_token_only);
         if (last_token_only) {
             gate = last_token(ctx, gate);
@@ -311,7 +281,7 @@ class qwen35_model : public target_model {
                 ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 1, hp_.Hv, n, 1),
                 ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 1, hp_.Hv, n, 1),
                 ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S, S, hp_.Hv, 1), 1);
-            const backends & be = *backends_;
+            const backends & be = devices();
             // a plan without the GPU it places layers on assumes the fused op (CUDA, HIP and Metal have it)
             const bool cpu_fused = ggml_backend_dev_supports_op(be.cpu_device(), probe);
             const bool gpu_fused = be.gpu_device() ? ggml_backend_dev_supports_op(be.gpu_device(), probe) : true;
@@ -327,14 +297,13 @@ class qwen35_model : public target_model {
     }
 
     qwen35_hparams            hp_{};
-    ggml_tensor *             output_norm_ = nullptr;
     std::vector<qwen35_layer> layers_;
     std::vector<bool>         chunked_;
     bool                      any_chunked_ = false;
 };
 
-std::unique_ptr<target_model> load_qwen35(std::unique_ptr<gguf_file> file, const model_params & params) {
-    return std::make_unique<qwen35_model>(std::move(file), params);
+std::unique_ptr<target_model> open_qwen35(std::unique_ptr<gguf_file> file) {
+    return std::make_unique<qwen35_model>(std::move(file));
 }
 
 }  // namespace pdf

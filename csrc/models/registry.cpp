@@ -7,33 +7,18 @@
 
 namespace pdf {
 
-std::unique_ptr<target_model> load_qwen3(std::unique_ptr<gguf_file> file, const model_params & params);
-std::unique_ptr<target_model> load_qwen35(std::unique_ptr<gguf_file> file, const model_params & params);
+// each reads its architecture's hyper-parameters from the file (load_target_model then reads the weights)
+std::unique_ptr<target_model> open_qwen3(std::unique_ptr<gguf_file> file);
+std::unique_ptr<target_model> open_qwen35(std::unique_ptr<gguf_file> file);
 
-using model_factory = std::function<std::unique_ptr<target_model>(std::unique_ptr<gguf_file>, const model_params &)>;
+using model_factory = std::function<std::unique_ptr<target_model>(std::unique_ptr<gguf_file>)>;
 
 static const std::map<std::string, model_factory> & registry() {
     static const std::map<std::string, model_factory> table = {
-        {"qwen3", load_qwen3},
-        {"qwen35", load_qwen35},
+        {"qwen3", open_qwen3},
+        {"qwen35", open_qwen35},
     };
     return table;
-}
-
-void target_model::load_embedding_and_head(int64_t n_embd, int64_t n_vocab) {
-    weights & w      = *weights_;
-    const int out_il = info_.n_layer;
-    tok_embd_        = w.require("token_embd.weight", {n_embd, n_vocab}, -1, WEIGHT_USE_GET_ROWS);
-    output_          = w.optional("output.weight", {n_embd, n_vocab}, out_il, WEIGHT_USE_MATMUL);
-    if (!output_) {
-        // tied head: a second copy when the head's buffer type differs (a repacked or GPU copy makes the largest
-        // matmul of a decode step several times faster; llama.cpp duplicates it too)
-        ggml_tensor * meta = file_->find_tensor("token_embd.weight");
-        output_ = backends_->weight_buft(out_il, WEIGHT_USE_MATMUL, meta) ==
-                          backends_->weight_buft(-1, WEIGHT_USE_GET_ROWS, meta)
-                      ? tok_embd_
-                      : w.require("token_embd.weight", {n_embd, n_vocab}, out_il, WEIGHT_USE_MATMUL);
-    }
 }
 
 std::unique_ptr<target_model> load_target_model(const std::string & path, const model_params & params) {
@@ -48,7 +33,9 @@ std::unique_ptr<target_model> load_target_model(const std::string & path, const 
         throw unsupported_error(format("%s: general.architecture = '%s' is not a supported target (expected one of: %s)",
                                        path.c_str(), arch.c_str(), known.c_str()));
     }
-    return it->second(std::move(file), params);
+    std::unique_ptr<target_model> model = it->second(std::move(file));
+    model->load(params);
+    return model;
 }
 
 }  // namespace pdf

@@ -1,41 +1,48 @@
 #include "state/feature_ring.h"
 #include "core/error.h"
+#include "core/graph_cache.h"
 
 #include <atomic>
 
 namespace pdf {
 
 feature_ring::feature_ring(const backends & devices, int il, int n_capture, int64_t n_embd, int capacity)
-    : capacity_(capacity), n_embd_(n_embd) {
+    : buffers_(1), capacity_(capacity), n_embd_(n_embd) {
     static std::atomic<uint64_t> next_id{1};
     id_ = next_id++;
     if (capacity <= 0 || n_capture <= 0) {
         throw std::invalid_argument(format("feature ring: capacity %d and %d capture layers must be positive",
                                            capacity, n_capture));
     }
-    ggml_init_params params = {ggml_tensor_overhead() * 2, nullptr, true};
-    ctx_                    = ggml_init(params);
-    rows_                   = ggml_new_tensor_2d(ctx_, GGML_TYPE_F32, n_capture * n_embd, capacity);
-    ggml_set_name(rows_, "feature_ring");
-    buf_ = alloc_tensors(devices.state_buft(il), {rows_});
-    if (!buf_) {
-        ggml_free(ctx_);
+    rows_ = buffers_.add(GGML_TYPE_F32, n_capture * n_embd, capacity, "feature_ring", devices.state_buft(il));
+    if (buffers_.allocate()) {
         throw backend_error(format("could not allocate the target-feature ring (%.1f MiB)",
                                    ggml_nbytes(rows_) / 1048576.0));
     }
 }
 
-feature_ring::~feature_ring() {
-    if (buf_) {
-        ggml_backend_buffer_free(buf_);
-    }
-    if (ctx_) {
-        ggml_free(ctx_);
-    }
-}
+feature_ring::~feature_ring() = default;
 
 ggml_tensor * feature_ring::layer_view(ggml_context * ctx, int c) const {
     return ggml_view_2d(ctx, rows_, n_embd_, capacity_, rows_->nb[1], (size_t) c * n_embd_ * sizeof(float));
+}
+
+ggml_tensor * feature_ring::add_writes(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ggml_tensor *> & captured,
+                                       int n_tokens) const {
+    ggml_tensor * ring_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
+    ggml_set_input(ring_rows);
+    for (size_t c = 0; c < captured.size(); ++c) {
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, layer_view(ctx, (int) c), captured[c], ring_rows));
+    }
+    return ring_rows;
+}
+
+void feature_ring::set_inputs(ggml_tensor * ring_rows, int n_past, int n) const {
+    std::vector<int64_t> rows(n);
+    for (int s = 0; s < n; ++s) {
+        rows[s] = slot(n_past + s);
+    }
+    set_graph_input(ring_rows, rows.data(), 0, sizeof(int64_t) * n);
 }
 
 size_t feature_ring::n_bytes() const {
@@ -43,7 +50,7 @@ size_t feature_ring::n_bytes() const {
 }
 
 device_bytes feature_ring::memory() const {
-    return bytes_by_device({buf_});
+    return buffers_.memory();
 }
 
 void feature_ring::write(const float * feats, const int32_t * positions, int m) {

@@ -7,8 +7,10 @@
 #pragma once
 
 #include "core/backend.h"
+#include "state/state_buffers.h"
 
 #include <cstdint>
+#include <vector>
 
 namespace pdf {
 
@@ -31,12 +33,18 @@ class feature_ring {
     size_t        n_bytes() const;  // its buffer's, alignment included
     device_bytes  memory() const;
 
+    // into graph gf: each batch token's captured[c] ([n_embd, n_tokens]) goes into its ring row, at capture
+    // layer c's columns; returns the input naming those rows (I64 [n_tokens], set by set_inputs)
+    ggml_tensor * add_writes(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ggml_tensor *> & captured,
+                             int n_tokens) const;
+    // the rows of a batch of n tokens at positions n_past .. n_past+n-1
+    void          set_inputs(ggml_tensor * ring_rows, int n_past, int n) const;
+
     // host path (tests, external features): rows [m, row_width] for the given positions
     void write(const float * feats, const int32_t * positions, int m);
 
   private:
-    ggml_context *        ctx_ = nullptr;
-    ggml_backend_buffer_t buf_ = nullptr;
+    state_buffers         buffers_;
     ggml_tensor *         rows_ = nullptr;
     int                   capacity_;
     int64_t               n_embd_;

@@ -1,9 +1,10 @@
 #include "state/kv_cache.h"
 #include "core/error.h"
+#include "core/graph_cache.h"
 #include "core/log.h"
 
-#include "ggml-alloc.h"
-
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 namespace pdf {
@@ -46,58 +47,63 @@ size_t kv_cache::n_bytes_for(const model_info & info, uint32_t n_ctx, ggml_type 
 
 kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx, ggml_type type_k, ggml_type type_v,
                    int placed_with)
-    : n_ctx_(n_ctx) {
+    : n_ctx_(n_ctx), buffers_(2 * info.kv_layers.size()) {
     check_types(info, type_k, type_v);
-    ggml_init_params params = {ggml_tensor_overhead() * (2 * info.kv_layers.size() + 1), nullptr, true};
-    ctx_                    = ggml_init(params);
-
-    std::map<ggml_backend_buffer_type_t, std::vector<ggml_tensor *>> by_buft;
     for (const kv_layer_desc & l : info.kv_layers) {
-        ggml_tensor * k = ggml_new_tensor_2d(ctx_, type_k, l.n_embd_k_gqa, n_ctx);
-        ggml_tensor * v = ggml_new_tensor_2d(ctx_, type_v, l.n_embd_v_gqa, n_ctx);
-        ggml_format_name(k, "cache_k_l%d", l.il);
-        ggml_format_name(v, "cache_v_l%d", l.il);
-        layers_[l.il] = {k, v};
         ggml_backend_buffer_type_t buft = be.state_buft(placed_with == -2 ? l.il : placed_with);
-        by_buft[buft].push_back(k);
-        by_buft[buft].push_back(v);
+        layers_[l.il] = {buffers_.add(type_k, l.n_embd_k_gqa, n_ctx, format("cache_k_l%d", l.il), buft),
+                         buffers_.add(type_v, l.n_embd_v_gqa, n_ctx, format("cache_v_l%d", l.il), buft)};
     }
-    for (auto & kv : by_buft) {
-        ggml_backend_buffer_t buf = alloc_tensors(kv.first, kv.second);
-        if (!buf) {
-            release();  // (a throwing constructor runs no destructor)
-            throw context_overflow_error(format("could not allocate the KV cache (n_ctx = %u, %.1f MiB in all) in %s",
-                                                n_ctx, n_bytes_for(info, n_ctx, type_k, type_v) / 1048576.0,
-                                                ggml_backend_buft_name(kv.first)),
-                                         0, n_ctx);
-        }
-        buffers_.push_back(buf);
+    if (ggml_backend_buffer_type_t failed = buffers_.allocate()) {
+        throw context_overflow_error(format("could not allocate the KV cache (n_ctx = %u, %.1f MiB in all) in %s",
+                                            n_ctx, n_bytes_for(info, n_ctx, type_k, type_v) / 1048576.0,
+                                            ggml_backend_buft_name(failed)),
+                                     0, n_ctx);
     }
 }
 
-kv_cache::~kv_cache() { release(); }
-
-void kv_cache::release() {
-    for (ggml_backend_buffer_t b : buffers_) {
-        ggml_backend_buffer_free(b);
-    }
-    buffers_.clear();
-    if (ctx_) {
-        ggml_free(ctx_);
-        ctx_ = nullptr;
-    }
-}
+kv_cache::~kv_cache() = default;
 
 ggml_tensor * kv_cache::k(int il) const { return layers_.at(il).first; }
 ggml_tensor * kv_cache::v(int il) const { return layers_.at(il).second; }
 
 void kv_cache::fill(state_tensors & st, int n_layer) const {
-    st.k.assign(n_layer, nullptr);
-    st.v.assign(n_layer, nullptr);
-    for (const auto & kv : layers_) {
-        st.k[kv.first] = kv.second.first;
-        st.v[kv.first] = kv.second.second;
+    spread_by_layer(layers_, n_layer, st.k, st.v);
+}
+
+void kv_cache::add_inputs(ggml_context * ctx, kv_inputs & in, int n_tokens, int n_kv) const {
+    in.n_kv    = n_kv;
+    in.slots   = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
+    in.kq_mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tokens);
+    ggml_set_input(in.slots);
+    ggml_set_input(in.kq_mask);
+}
+
+void kv_cache::set_inputs(const kv_inputs & in, int n_past, int n, const int32_t * parent_slot,
+                          const uint8_t * mask) {
+    slots_host_.resize(n);
+    for (int s = 0; s < n; ++s) {
+        slots_host_[s] = n_past + s;
     }
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    mask_host_.assign((size_t) in.n_kv * n, ninf);
+    for (int s = 0; s < n; ++s) {
+        ggml_fp16_t * row = mask_host_.data() + (size_t) s * in.n_kv;
+        std::fill(row, row + n_past, zero);
+        if (parent_slot) {
+            for (int a = s; a >= 0; a = parent_slot[a]) {  // itself and its ancestors
+                row[n_past + a] = zero;
+            }
+        } else {
+            for (int j = 0; j < n; ++j) {
+                if (mask ? mask[(size_t) s * n + j] != 0 : j <= s) {
+                    row[n_past + j] = zero;
+                }
+            }
+        }
+    }
+    set_graph_input(in.slots, slots_host_.data(), 0, sizeof(int64_t) * n);
+    set_graph_input(in.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
 }
 
 void kv_cache::move_rows(const std::vector<std::pair<int, int>> & moves, const compute_backends & compute) {
@@ -175,7 +181,7 @@ size_t kv_cache::n_bytes() const {
 }
 
 device_bytes kv_cache::memory() const {
-    return bytes_by_device(buffers_);
+    return buffers_.memory();
 }
 
 }  // namespace pdf

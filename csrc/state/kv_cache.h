@@ -5,8 +5,8 @@
 
 #include "core/backend.h"
 #include "core/model_desc.h"
+#include "state/state_buffers.h"
 
-#include <map>
 #include <utility>
 #include <vector>
 
@@ -31,6 +31,13 @@ class kv_cache {
     ggml_tensor * v(int il) const;
     // the K/V tensors by layer index, for the graph builders
     void          fill(state_tensors & st, int n_layer) const;
+    // the graph inputs of a batch of n_tokens over cache rows 0..n_kv-1 (core/model_desc.h), new in ctx
+    void          add_inputs(ggml_context * ctx, kv_inputs & in, int n_tokens, int n_kv) const;
+    // sets them for a batch of n tokens written to slots n_past .. n_past+n-1; each sees the committed past and,
+    // in the batch, with parent_slot (a tree: parent slot of each slot, -1 the past) its ancestors and itself,
+    // else with mask ([n, n]: slot i sees slot j iff mask[i*n + j] != 0) those it names, else those before it
+    void          set_inputs(const kv_inputs & in, int n_past, int n, const int32_t * parent_slot,
+                             const uint8_t * mask);
     // copy the rows of every layer's K and V from slot `first` to slot `second` of each pair, on the device;
     // every row is read before it is overwritten (the pairs must not form a cycle); computed on `compute`
     void          move_rows(const std::vector<std::pair<int, int>> & moves, const compute_backends & compute);
@@ -39,14 +46,14 @@ class kv_cache {
     device_bytes  memory() const;
 
   private:
-    void release();  // frees the buffers and the context (the destructor, or a constructor that fails)
     // one graph of copies that do not depend on each other's order
     void copy_rows(const std::vector<std::pair<int, int>> & moves, const compute_backends & compute);
 
-    uint32_t                                    n_ctx_;
-    ggml_context *                              ctx_ = nullptr;
-    std::vector<ggml_backend_buffer_t>          buffers_;
-    std::map<int, std::pair<ggml_tensor *, ggml_tensor *>> layers_;
+    uint32_t                 n_ctx_;
+    state_buffers            buffers_;
+    layer_tensors            layers_;
+    std::vector<ggml_fp16_t> mask_host_;  // kept from batch to batch: no allocation per token
+    std::vector<int64_t>     slots_host_;
 };
 
 }  // namespace pdf

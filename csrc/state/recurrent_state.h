@@ -15,8 +15,8 @@
 
 #include "core/backend.h"
 #include "core/model_desc.h"
+#include "state/state_buffers.h"
 
-#include <map>
 #include <vector>
 
 namespace pdf {
@@ -52,12 +52,20 @@ class recurrent_state {
     int32_t snapshot_row(int s) const { return s < ssm_row_ ? s : s + 1; }
     int     conv_keep_from(int n_tokens) const { return std::max<int>(0, n_tokens - (int) n_rollback_); }
 
+    // the graph inputs of an evaluation of n_tokens (core/model_desc.h), new in ctx: a chain keeping n_snapshots
+    // states (tree_levels empty), or a tree of those levels
+    void add_inputs(ggml_context * ctx, recurrent_inputs & in, int n_tokens, const std::vector<int> & tree_levels,
+                    int n_snapshots) const;
+    // sets them from the rows the committed state is in; a tree's nodes (in level order) have parent_slot (-1:
+    // the committed past)
+    void set_inputs(const recurrent_inputs & in, const std::vector<int32_t> & parent_slot);
+
     // after a chain evaluation of n tokens that kept k states, keep the state as of its first i tokens
     // (throws if not kept)
     void commit(int n_tokens, int k, int i);
     // after a tree evaluation (n <= n_rollback nodes): keep node j's state (row snapshot_row(j)) and its conv
     // window, i.e. the last d_conv-1 of the node's conv taps (rows of [window ‖ inputs], oldest first)
-    void commit_node(int j, const int32_t * taps);
+    void commit_node(int j);
     // after a tree evaluation, keep none of it: the input state, and the window it wrote back to rows 0..W-1
     void commit_no_node();
     // back to the empty state (zeros)
@@ -71,18 +79,19 @@ class recurrent_state {
     void restore_checkpoint(int slot);
 
   private:
-    void release();  // frees the buffers and the context (the destructor, or a constructor that fails)
     void conv_rows_from(int first);  // the window: d_conv-1 consecutive rows from `first`
+    // a tree's inputs: the conv taps and the state rows of every node
+    void set_tree_inputs(const recurrent_inputs & in, const std::vector<int32_t> & parent_slot);
 
-    uint32_t                                               n_rollback_;
-    int                                                    conv_window_ = 0;
-    int32_t                                                ssm_row_     = 0;
-    std::vector<int32_t>                                   conv_rows_;
-    ggml_context *                                         ctx_         = nullptr;
-    std::vector<ggml_backend_buffer_t>                     buffers_;
-    std::map<int, std::pair<ggml_tensor *, ggml_tensor *>> layers_;
+    uint32_t             n_rollback_;
+    int                  conv_window_ = 0;
+    int32_t              ssm_row_     = 0;
+    std::vector<int32_t> conv_rows_;
+    std::vector<int32_t> conv_taps_;  // the last tree evaluation's, [n, d_conv]
+    state_buffers        buffers_;
+    layer_tensors        layers_;
     // per layer: ssm [D, N_CHECKPOINTS], conv [conv_channels, (d_conv-1) * N_CHECKPOINTS]
-    std::map<int, std::pair<ggml_tensor *, ggml_tensor *>> checkpoints_;
+    layer_tensors        checkpoints_;
 };
 
 }  // namespace pdf

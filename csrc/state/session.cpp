@@ -1,5 +1,6 @@
 #include "state/session.h"
 #include "core/error.h"
+#include "core/graph_cache.h"
 #include "core/log.h"
 #include "models/head.h"
 
@@ -19,13 +20,6 @@ namespace pdf {
 static constexpr int KV_WINDOW_STEP = session::KV_WINDOW_STEP;
 // evaluation graphs kept built (all placed in one compute buffer, core/graph_cache.h)
 static constexpr size_t MAX_CACHED_GRAPHS = 8;
-
-// an input the graph does not read (positions and masks of a model with no attention layer) gets no buffer
-static void set_input(ggml_tensor * t, const void * data, size_t offset, size_t size) {
-    if (t->buffer) {
-        ggml_backend_tensor_set(t, data, offset, size);
-    }
-}
 
 session::session(std::shared_ptr<const target_model> model, const session_params & params)
     : model_(std::move(model)), compute_(std::make_shared<compute_backends>(model_->devices())), arena_(*compute_) {
@@ -94,58 +88,53 @@ void session::prepare_graph(const graph_key & key, feature_ring * ring) {
 }
 
 void session::build_graph(compiled_graph & g, const graph_key & key, feature_ring * ring) {
-    const model_info & info = model_->info();
-    ggml_context *     ctx  = g.cache.begin(model_->max_graph_nodes((int) key.tree_levels.size(), key.n_tokens));
-    ggml_cgraph *      gf   = g.cache.graph();
+    const int      n_layer = model_->info().n_layer;
+    ggml_context * ctx     = g.cache.begin(model_->max_graph_nodes((int) key.tree_levels.size(), key.n_tokens));
+    ggml_cgraph *  gf      = g.cache.graph();
+    g.in                   = new_inputs(ctx, key);
+    state_tensors st;
+    kv_->fill(st, n_layer);
+    if (rs_) {
+        rs_->fill(st, n_layer);
+    }
+    g.out = model_->build_eval(ctx, gf, g.in, st);
+    add_head(ctx, gf, g, key.what);
+    for (ggml_tensor * t : g.out.captured) {
+        GGML_ASSERT(t != nullptr);
+    }
+    // the captured features: written into the ring by the graph itself, else read back
+    g.ring_slots = nullptr;
+    if (ring && !g.out.captured.empty()) {
+        g.ring_slots = ring->add_writes(ctx, gf, g.out.captured, key.n_tokens);
+    } else {
+        for (ggml_tensor * t : g.out.captured) {
+            ggml_set_output(t);
+            ggml_build_forward_expand(gf, t);
+        }
+    }
+    g.key = key;
+}
 
-    eval_inputs & in  = g.in;
-    in                = eval_inputs{};
+eval_inputs session::new_inputs(ggml_context * ctx, const graph_key & key) const {
+    eval_inputs in;
     in.n_tokens       = key.n_tokens;
-    in.n_kv           = key.n_kv;
     in.all_outputs    = key.what.all_rows;
     in.capture_layers = key.capture;
     in.tokens         = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, key.n_tokens);
-    in.positions      = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) key.n_tokens * info.n_pos_per_token);
-    in.kv_slots       = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
-    in.kq_mask        = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, key.n_kv, key.n_tokens);
-    for (ggml_tensor * t : {in.tokens, in.positions, in.kv_slots, in.kq_mask}) {
-        ggml_set_input(t);
-    }
+    in.positions = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) key.n_tokens * model_->info().n_pos_per_token);
+    ggml_set_input(in.tokens);
+    ggml_set_input(in.positions);
+    kv_->add_inputs(ctx, in.kv, key.n_tokens, key.n_kv);
     if (rs_) {
-        const int W  = rs_->conv_window();
-        in.conv_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, W);
-        ggml_set_input(in.conv_rows);
-        if (key.tree_levels.empty()) {
-            in.ssm_row           = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
-            in.ssm_snapshot_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.ssm_snapshots);
-            in.conv_keep_from    = rs_->conv_keep_from(key.n_tokens);
-            ggml_set_input(in.ssm_row);
-            ggml_set_input(in.ssm_snapshot_rows);
-        } else {
-            const int n0       = key.tree_levels[0];
-            in.tree_levels     = key.tree_levels;
-            in.tree_root_state = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n0);
-            in.tree_parent     = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, std::max(1, key.n_tokens - n0));
-            in.tree_state_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
-            in.tree_out_rows   = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
-            in.conv_taps       = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) (W + 1) * key.n_tokens);
-            for (ggml_tensor * t : {in.tree_root_state, in.tree_parent, in.tree_state_rows, in.tree_out_rows,
-                                    in.conv_taps}) {
-                ggml_set_input(t);
-            }
-        }
+        rs_->add_inputs(ctx, in.recurrent, key.n_tokens, key.tree_levels, key.ssm_snapshots);
     }
+    return in;
+}
 
-    state_tensors st;
-    kv_->fill(st, info.n_layer);
-    if (rs_) {
-        rs_->fill(st, info.n_layer);
-    }
-    g.out = model_->build_eval(ctx, gf, in, st);
-    const head_outputs head = build_head(ctx, model_->output_head(), g.out.hidden, model_->head_on_host(),
-                                         key.what.top_k);
+void session::add_head(ggml_context * ctx, ggml_cgraph * gf, compiled_graph & g, const readout & what) const {
+    const head_outputs head = build_head(ctx, model_->output_head(), g.out.hidden, model_->head_on_host(), what.top_k);
     g.argmax       = head.argmax;
-    g.logits       = key.what.logits ? head.logits : nullptr;
+    g.logits       = what.logits ? head.logits : nullptr;
     g.top_ids      = head.top_ids;
     g.top_logprobs = head.top_logprobs;
     for (ggml_tensor * t : {g.argmax, g.logits, g.top_ids, g.top_logprobs}) {
@@ -154,22 +143,6 @@ void session::build_graph(compiled_graph & g, const graph_key & key, feature_rin
             ggml_build_forward_expand(gf, t);
         }
     }
-    g.ring_slots = nullptr;
-    if (ring && !g.out.captured.empty()) {
-        g.ring_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, key.n_tokens);
-        ggml_set_input(g.ring_slots);
-    }
-    for (size_t c = 0; c < g.out.captured.size(); ++c) {
-        ggml_tensor * t = g.out.captured[c];
-        GGML_ASSERT(t != nullptr);
-        if (g.ring_slots) {
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, ring->layer_view(ctx, (int) c), t, g.ring_slots));
-        } else {
-            ggml_set_output(t);
-            ggml_build_forward_expand(gf, t);
-        }
-    }
-    g.key = key;
 }
 
 session::graph_key session::key_for(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
@@ -213,6 +186,34 @@ void session::rollback_pending() {
 
 void session::eval(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
                    const std::vector<int> & capture_layers, feature_ring * ring) {
+    check_batch(tokens, n, layout, what, capture_layers, ring);
+    batch_order order = order_batch(n, layout.parents, rs_ != nullptr);
+    if (order.tree() && (uint32_t) n > rs_->n_rollback()) {
+        throw std::invalid_argument(format("eval: a tree of %d nodes needs n_rollback >= %d (the session keeps the "
+                                           "state of %u)", n, n, rs_->n_rollback()));
+    }
+
+    rollback_pending();  // the last eval was never committed: start from before it
+    slot_of_     = std::move(order.slot_of);
+    parent_slot_ = std::move(order.parent_slot);
+    const graph_key key = key_for(n, (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP)),
+                                  order.levels, layout.whole, what, capture_layers, ring);
+    // until this eval has run, there is nothing to commit (a failed allocation or compute leaves none)
+    pending_.clear();
+    pending_tree_    = false;
+    pending_parents_ = layout.parents != nullptr;
+    n_outputs_       = 0;  // no results to read until it has run
+    prepare_graph(key, capture_layers.empty() ? nullptr : ring);
+
+    std::vector<int32_t> tokens_by_slot = set_inputs(tokens, n, layout, order, ring);
+    cur_->cache.compute("the target graph");
+    pending_      = std::move(tokens_by_slot);
+    pending_tree_ = order.tree();
+    read_outputs(n, what);
+}
+
+void session::check_batch(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
+                          const std::vector<int> & capture_layers, const feature_ring * ring) const {
     const model_info & info = model_->info();
     if (n <= 0) {
         throw std::invalid_argument("eval: no tokens");
@@ -248,198 +249,83 @@ void session::eval(const int32_t * tokens, int n, const batch_layout & layout, c
     if (layout.mask && rs_) {
         throw std::invalid_argument("eval: a recurrent model's batch is a chain or a tree (parents), not a mask");
     }
-    // depth of each row (trees), and whether the batch is a chain after all
-    std::vector<int> depth(n, 0);
-    bool             chain = true;
-    if (layout.parents) {
-        for (int i = 0; i < n; ++i) {
-            const int p = layout.parents[i];
-            if (p < -1 || p >= i) {
-                throw std::invalid_argument(format("eval: parents[%d] = %d; a parent must be an earlier row or -1",
-                                                   i, p));
-            }
-            depth[i] = p < 0 ? 0 : depth[p] + 1;
-            chain    = chain && p == i - 1;
-        }
-    }
-    const bool tree = rs_ && !chain;  // the recurrent layers follow parent links, depth by depth
-    if (tree && (uint32_t) n > rs_->n_rollback()) {
-        throw std::invalid_argument(format("eval: a tree of %d nodes needs n_rollback >= %d (the session keeps the "
-                                           "state of %u)", n, n, rs_->n_rollback()));
-    }
+}
 
-    rollback_pending();  // the last eval was never committed: start from before it
-
-    // slots: rows in level order for a recurrent tree (the nodes of one depth side by side), else as given
-    std::vector<int> row_of(n);  // slot -> batch row
-    std::iota(row_of.begin(), row_of.end(), 0);
-    slot_of_.clear();
-    std::vector<int> levels;
-    if (tree) {
-        std::stable_sort(row_of.begin(), row_of.end(), [&](int a, int b) { return depth[a] < depth[b]; });
-        slot_of_.assign(n, 0);
-        for (int s = 0; s < n; ++s) {
-            slot_of_[row_of[s]] = s;
-        }
-        levels.assign(depth[row_of[n - 1]] + 1, 0);
-        for (int i = 0; i < n; ++i) {
-            levels[depth[i]]++;
-        }
-    }
-    parent_slot_.assign(n, -1);
-    for (int s = 0; s < n; ++s) {
-        const int p     = layout.parents ? layout.parents[row_of[s]] : s - 1;
-        parent_slot_[s] = p < 0 ? -1 : (slot_of_.empty() ? p : slot_of_[p]);
-    }
-
-    const graph_key key = key_for(n, (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP)),
-                                  levels, layout.whole, what, capture_layers, ring);  // (levels: empty unless tree)
-    // until this eval has run, there is nothing to commit (a failed allocation or compute leaves none)
-    pending_.clear();
-    pending_tree_    = false;
-    pending_parents_ = layout.parents != nullptr;
-    n_outputs_       = 0;  // no results to read until it has run
-    prepare_graph(key, capture_layers.empty() ? nullptr : ring);
-
-    // inputs, by slot
+std::vector<int32_t> session::set_inputs(const int32_t * tokens, int n, const batch_layout & layout,
+                                         const batch_order & order, feature_ring * ring) {
+    const int            n_pos = model_->info().n_pos_per_token;
     std::vector<int32_t> tokens_by_slot(n);
-    pending_pos_.resize(n);
-    slots_host_.resize(n);
-    const int            n_pos = info.n_pos_per_token;
     std::vector<int32_t> pos_host((size_t) n * n_pos, 0);
+    pending_pos_.resize(n);
     for (int s = 0; s < n; ++s) {
-        const int     i = row_of[s];
+        const int i       = order.row_of[s];
         tokens_by_slot[s] = tokens[i];
-        slots_host_[s]    = n_past_ + s;
-        pending_pos_[s] = layout.positions ? layout.positions[i] : n_past_ + (layout.parents ? depth[i] : i);
+        pending_pos_[s]   = layout.positions ? layout.positions[i] : n_past_ + (layout.parents ? order.depth[i] : i);
         // M-RoPE for text: the first three sections all take the token position, the fourth stays 0
         for (int j = 0; j < std::min(n_pos, 3); ++j) {
             pos_host[(size_t) j * n + s] = pending_pos_[s];
         }
     }
-    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-    mask_host_.assign((size_t) key.n_kv * n, ninf);
-    for (int s = 0; s < n; ++s) {
-        ggml_fp16_t * row = mask_host_.data() + (size_t) s * key.n_kv;
-        std::fill(row, row + n_past_, zero);
-        if (layout.parents) {
-            for (int a = s; a >= 0; a = parent_slot_[a]) {  // itself and its ancestors
-                row[n_past_ + a] = zero;
-            }
-        } else {
-            for (int j = 0; j < n; ++j) {
-                if (layout.mask ? layout.mask[(size_t) s * n + j] != 0 : j <= s) {
-                    row[n_past_ + j] = zero;
-                }
-            }
-        }
-    }
-    set_input(cur_->in.tokens, tokens_by_slot.data(), 0, sizeof(int32_t) * n);
-    set_input(cur_->in.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
-    set_input(cur_->in.kv_slots, slots_host_.data(), 0, sizeof(int64_t) * n);
-    set_input(cur_->in.kq_mask, mask_host_.data(), 0, sizeof(ggml_fp16_t) * mask_host_.size());
+    set_graph_input(cur_->in.tokens, tokens_by_slot.data(), 0, sizeof(int32_t) * n);
+    set_graph_input(cur_->in.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
+    kv_->set_inputs(cur_->in.kv, n_past_, n, layout.parents ? parent_slot_.data() : nullptr, layout.mask);
     if (rs_) {
-        const int W = rs_->conv_window();
-        set_input(cur_->in.conv_rows, rs_->conv_rows().data(), 0, sizeof(int32_t) * W);
-        if (!tree) {
-            const int32_t        ssm_row = rs_->ssm_row();
-            std::vector<int64_t> snapshot_rows(cur_->key.ssm_snapshots);
-            for (size_t s = 0; s < snapshot_rows.size(); ++s) {
-                snapshot_rows[s] = rs_->snapshot_row((int) s);
-            }
-            set_input(cur_->in.ssm_row, &ssm_row, 0, sizeof(int32_t));
-            set_input(cur_->in.ssm_snapshot_rows, snapshot_rows.data(), 0,
-                                    sizeof(int64_t) * snapshot_rows.size());
-            conv_taps_.clear();
-        } else {
-            // per slot: the rows of [window ‖ inputs] under its kernel, oldest first (ancestors, then the window)
-            conv_taps_.assign((size_t) n * (W + 1), 0);
-            for (int s = 0; s < n; ++s) {
-                int32_t * taps = conv_taps_.data() + (size_t) s * (W + 1);
-                int       cur = s, w = W - 1;
-                for (int t = W; t >= 0; --t) {
-                    if (cur >= 0) {
-                        taps[t] = W + cur;
-                        cur     = parent_slot_[cur];
-                    } else {
-                        taps[t] = w--;
-                    }
-                }
-            }
-            std::vector<int32_t> root_state(levels[0], rs_->ssm_row());
-            std::vector<int32_t> parent_in_level(std::max(1, n - levels[0]), 0);
-            std::vector<int64_t> state_rows(n), out_rows(n);
-            std::vector<int>     level_start(levels.size(), 0);
-            for (size_t d = 1; d < levels.size(); ++d) {
-                level_start[d] = level_start[d - 1] + levels[d - 1];
-            }
-            for (int s = 0; s < n; ++s) {
-                state_rows[s] = rs_->snapshot_row(s);
-                out_rows[s]   = s;
-                if (s >= levels[0]) {
-                    const int p                    = parent_slot_[s];
-                    parent_in_level[s - levels[0]] = p - level_start[depth[row_of[p]]];
-                }
-            }
-            set_input(cur_->in.tree_root_state, root_state.data(), 0, sizeof(int32_t) * root_state.size());
-            set_input(cur_->in.tree_parent, parent_in_level.data(), 0,
-                                    sizeof(int32_t) * parent_in_level.size());
-            set_input(cur_->in.tree_state_rows, state_rows.data(), 0, sizeof(int64_t) * n);
-            set_input(cur_->in.tree_out_rows, out_rows.data(), 0, sizeof(int64_t) * n);
-            set_input(cur_->in.conv_taps, conv_taps_.data(), 0, sizeof(int32_t) * conv_taps_.size());
-        }
+        rs_->set_inputs(cur_->in.recurrent, parent_slot_);
     }
     if (cur_->ring_slots) {
-        std::vector<int64_t> ring_rows(n);
-        for (int s = 0; s < n; ++s) {
-            ring_rows[s] = ring->slot(n_past_ + s);
-        }
-        set_input(cur_->ring_slots, ring_rows.data(), 0, sizeof(int64_t) * n);
+        ring->set_inputs(cur_->ring_slots, n_past_, n);
     }
-    cur_->cache.compute("the target graph");
-    pending_      = std::move(tokens_by_slot);
-    pending_tree_ = tree;
+    return tokens_by_slot;
+}
 
-    // outputs, back in batch order (a reordered tree computed every row: keep what the caller asked for)
+void session::read_outputs(int n, const readout & what) {
+    // back in batch order (a reordered tree computed every row: keep what the caller asked for)
     const int n_rows = (int) cur_->argmax->ne[0];
     n_outputs_       = what.all_rows ? n : 1;
-    // the computed row holding output i
-    const auto row_of_output = [&](int i) { return n_rows == 1 ? 0 : eval_slot(what.all_rows ? i : n - 1); };
+    output_rows_.resize(n_outputs_);
+    for (int i = 0; i < n_outputs_; ++i) {
+        output_rows_[i] = n_rows == 1 ? 0 : eval_slot(what.all_rows ? i : n - 1);
+    }
     std::vector<int32_t> by_slot(n_rows);
     ggml_backend_tensor_get(cur_->argmax, by_slot.data(), 0, sizeof(int32_t) * n_rows);
     argmax_.resize(n_outputs_);
     for (int i = 0; i < n_outputs_; ++i) {
-        argmax_[i] = by_slot[row_of_output(i)];
+        argmax_[i] = by_slot[output_rows_[i]];
     }
     logits_.clear();
     logits_read_ = false;
-    logit_rows_.resize(n_outputs_);
-    for (int i = 0; i < n_outputs_; ++i) {
-        logit_rows_[i] = row_of_output(i);
-    }
-    top_k_ = what.top_k;
+    top_k_       = what.top_k;
     top_ids_.clear();
     top_logprobs_.clear();
     if (cur_->top_ids) {
-        const int            k = top_k_;
-        std::vector<int32_t> ids((size_t) n_rows * k);
-        std::vector<float>   lps((size_t) n_rows * k);
-        ggml_backend_tensor_get(cur_->top_ids, ids.data(), 0, sizeof(int32_t) * ids.size());
-        ggml_backend_tensor_get(cur_->top_logprobs, lps.data(), 0, sizeof(float) * lps.size());
-        top_ids_.resize((size_t) n_outputs_ * k);
-        top_logprobs_.resize(top_ids_.size());
-        for (int i = 0; i < n_outputs_; ++i) {
-            std::copy_n(ids.data() + (size_t) row_of_output(i) * k, k, top_ids_.data() + (size_t) i * k);
-            std::copy_n(lps.data() + (size_t) row_of_output(i) * k, k, top_logprobs_.data() + (size_t) i * k);
-        }
-        sort_top_k(top_ids_.data(), top_logprobs_.data(), n_outputs_, k);
+        read_top_k(n_rows);
     }
+    read_captured(n);
+}
+
+void session::read_top_k(int n_rows) {
+    const int            k = top_k_;
+    std::vector<int32_t> ids((size_t) n_rows * k);
+    std::vector<float>   lps((size_t) n_rows * k);
+    ggml_backend_tensor_get(cur_->top_ids, ids.data(), 0, sizeof(int32_t) * ids.size());
+    ggml_backend_tensor_get(cur_->top_logprobs, lps.data(), 0, sizeof(float) * lps.size());
+    top_ids_.resize((size_t) n_outputs_ * k);
+    top_logprobs_.resize(top_ids_.size());
+    for (int i = 0; i < n_outputs_; ++i) {
+        std::copy_n(ids.data() + (size_t) output_rows_[i] * k, k, top_ids_.data() + (size_t) i * k);
+        std::copy_n(lps.data() + (size_t) output_rows_[i] * k, k, top_logprobs_.data() + (size_t) i * k);
+    }
+    sort_top_k(top_ids_.data(), top_logprobs_.data(), n_outputs_, k);
+}
+
+void session::read_captured(int n) {
+    const int64_t E = model_->info().n_embd;
     captured_.resize(cur_->ring_slots ? 0 : cur_->out.captured.size());
     for (size_t c = 0; c < captured_.size(); ++c) {
-        captured_[c].resize((size_t) n * info.n_embd);
+        captured_[c].resize((size_t) n * E);
         for (int i = 0; i < n; ++i) {
-            ggml_backend_tensor_get(cur_->out.captured[c], captured_[c].data() + (size_t) i * info.n_embd,
-                                    (size_t) eval_slot(i) * info.n_embd * sizeof(float), info.n_embd * sizeof(float));
+            ggml_backend_tensor_get(cur_->out.captured[c], captured_[c].data() + (size_t) i * E,
+                                    (size_t) eval_slot(i) * E * sizeof(float), E * sizeof(float));
         }
     }
 }
@@ -453,7 +339,7 @@ const std::vector<float> & session::logits() const {
         } else {
             for (int i = 0; i < n_outputs_; ++i) {
                 ggml_backend_tensor_get(cur_->logits, logits_.data() + (size_t) i * V,
-                                        (size_t) logit_rows_[i] * V * sizeof(float), V * sizeof(float));
+                                        (size_t) output_rows_[i] * V * sizeof(float), V * sizeof(float));
             }
         }
     }
@@ -471,7 +357,7 @@ const float * session::logits_row(int i) const {
         return logits_.data() + (size_t) i * V;
     }
     logits_row_.resize((size_t) V);
-    ggml_backend_tensor_get(cur_->logits, logits_row_.data(), (size_t) logit_rows_[i] * V * sizeof(float),
+    ggml_backend_tensor_get(cur_->logits, logits_row_.data(), (size_t) output_rows_[i] * V * sizeof(float),
                             V * sizeof(float));
     return logits_row_.data();
 }
@@ -514,7 +400,7 @@ void session::commit(const std::vector<int> & rows) {
         if (m == 0) {
             rollback_pending();
         } else if (pending_tree_) {
-            rs_->commit_node(slots[m - 1], conv_taps_.data() + (size_t) slots[m - 1] * (rs_->conv_window() + 1));
+            rs_->commit_node(slots[m - 1]);
         } else {
             rs_->commit(n, cur_->key.ssm_snapshots, m);  // a chain prefix: slots[d] == d
         }

@@ -15,6 +15,7 @@
 
 #include "core/graph_cache.h"
 #include "models/model.h"
+#include "state/batch_order.h"
 #include "state/feature_ring.h"
 #include "state/kv_cache.h"
 #include "state/recurrent_state.h"
@@ -178,6 +179,19 @@ class session {
     void prepare_graph(const graph_key & key, feature_ring * ring);
     // builds the graph for `key` into g
     void build_graph(compiled_graph & g, const graph_key & key, feature_ring * ring);
+    // the graph inputs for `key`: the batch's (tokens, positions), the KV cache's and the recurrent state's
+    eval_inputs new_inputs(ggml_context * ctx, const graph_key & key) const;
+    // the head over g.out.hidden: what `what` reads back
+    void add_head(ggml_context * ctx, ggml_cgraph * gf, compiled_graph & g, const readout & what) const;
+    // eval's steps: typed errors for a batch that cannot be evaluated; the inputs of the graph made current,
+    // by slot (returns the tokens by slot); reading back the results of its compute
+    void check_batch(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
+                     const std::vector<int> & capture_layers, const feature_ring * ring) const;
+    std::vector<int32_t> set_inputs(const int32_t * tokens, int n, const batch_layout & layout,
+                                    const batch_order & order, feature_ring * ring);
+    void read_outputs(int n, const readout & what);
+    void read_top_k(int n_rows);
+    void read_captured(int n);
     // the recurrent state as of before the last (uncommitted) eval
     void rollback_pending();
     // the prompt cache's marks at or beyond n_past no longer hold
@@ -219,7 +233,6 @@ class session {
     std::vector<int32_t>            pending_;     // token ids of the last eval by slot, until commit
     std::vector<int32_t>            pending_pos_; // their positions
     std::vector<int32_t>            parent_slot_; // tree evals: parent slot of each slot (-1: committed past)
-    std::vector<int32_t>            conv_taps_;   // tree evals of recurrent models: [n, d_conv] per slot
     std::vector<int32_t>            slot_of_;     // batch row -> slot (empty: the identity)
     bool                            pending_tree_    = false;  // the last eval ran the tree graph
     bool                            pending_parents_ = false;  // the last eval's batch was a tree
@@ -229,12 +242,10 @@ class session {
     mutable std::vector<float>      logits_;       // read back on demand
     mutable bool                    logits_read_ = false;
     mutable std::vector<float>      logits_row_;
-    std::vector<int>                logit_rows_;   // the computed row holding output i
+    std::vector<int>                output_rows_;  // the computed row holding output i
     std::vector<int32_t>            top_ids_;
     std::vector<float>              top_logprobs_;
     std::vector<std::vector<float>> captured_;
-    std::vector<ggml_fp16_t>        mask_host_;
-    std::vector<int64_t>            slots_host_;
 };
 
 }  // namespace pdf
