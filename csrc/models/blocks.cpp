@@ -15,6 +15,18 @@ ggml_tensor * build_swiglu_ffn(ggml_context * ctx, ggml_tensor * x, ggml_tensor 
     return ggml_mul_mat(ctx, down, ggml_swiglu_split(ctx, g, u));
 }
 
+ggml_tensor * build_mixer_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, float eps,
+                                   bool last_token_only, const std::function<ggml_tensor *(ggml_tensor *)> & mixer,
+                                   const char * name, int il) {
+    ggml_tensor * cur = mixer(build_rms_norm(ctx, x, norm, eps));
+    if (last_token_only) {
+        x = last_token(ctx, x);
+    }
+    x = ggml_add(ctx, cur, x);
+    ggml_format_name(x, "%s-%d", name, il);
+    return x;
+}
+
 ggml_tensor * build_swiglu_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, ggml_tensor * gate,
                                     ggml_tensor * up, ggml_tensor * down, float eps, int il) {
     ggml_tensor * cur = build_swiglu_ffn(ctx, build_rms_norm(ctx, x, norm, eps), gate, up, down);

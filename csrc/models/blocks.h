@@ -5,6 +5,8 @@
 
 #include "models/model.h"
 
+#include <functional>
+
 namespace pdf {
 
 // x: [n_embd, n] -> rms_norm(x) * w
@@ -13,6 +15,13 @@ ggml_tensor * build_rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * 
 // x: [n_embd, n] -> down(silu(gate x) * up x): [n_embd, n]
 ggml_tensor * build_swiglu_ffn(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gate, ggml_tensor * up,
                                ggml_tensor * down);
+
+// the first half of a pre-norm layer il: x [n_embd, n] -> x + mixer(rms_norm(x) * norm), named `name`-il. The mixer
+// (attention, a recurrent block) maps the normed x to [n_embd, n], or with last_token_only to [n_embd, 1]: only
+// x's last token then takes it
+ggml_tensor * build_mixer_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, float eps,
+                                   bool last_token_only, const std::function<ggml_tensor *(ggml_tensor *)> & mixer,
+                                   const char * name, int il);
 
 // the feed-forward half of a pre-norm layer il: x [n_embd, n] -> x + SwiGLU(rms_norm(x) * norm), named l_out-il
 ggml_tensor * build_swiglu_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, ggml_tensor * gate,

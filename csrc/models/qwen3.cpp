@@ -82,22 +82,19 @@ class qwen3_model : public target_model {
                               int il, ggml_tensor * x, bool last_token_only) const override {
         const qwen3_layer & l   = layers_[il];
         const float         eps = hp_.att.norm_eps;
-        ggml_tensor *       cur = build_rms_norm(ctx, x, l.attn_norm, eps);
-        ggml_format_name(cur, "attn_norm-%d", il);
-        cur = build_self_attention(ctx, gf, in, st, l, il, cur, last_token_only);  // [E, n or 1]
-        if (last_token_only) {
-            x = last_token(ctx, x);
-        }
-        x = ggml_add(ctx, cur, x);
-        ggml_format_name(x, "ffn_inp-%d", il);
+        auto attention = [&](ggml_tensor * cur) {
+            return build_self_attention(ctx, gf, in, st, l, il, cur, last_token_only);
+        };
+        x = build_mixer_residual(ctx, x, l.attn_norm, eps, last_token_only, attention, "ffn_inp", il);
         return build_swiglu_residual(ctx, x, l.ffn_norm, l.ffn_gate, l.ffn_up, l.ffn_down, eps, il);
     }
 
-    // x: [E, n] (normed) -> [E, n], or [E, 1] for the last token only (K/V still written for all n)
+    // cur: the normed x [E, n] -> [E, n], or [E, 1] for the last token only (K/V still written for all n)
     ggml_tensor * build_self_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                        const state_tensors & st, const qwen3_layer & l, int il, ggml_tensor * cur,
                                        bool last_token_only) const {
         const int64_t hd = hp_.att.head_dim, H = hp_.att.n_head, Hkv = hp_.att.n_head_kv, n = in.n_tokens;
+        ggml_format_name(cur, "attn_norm-%d", il);
         ggml_tensor * q, * k, * v;
         if (l.wqkv) {
             ggml_tensor * qkv = ggml_mul_mat(ctx, l.wqkv, cur);  // [hd*(H+2Hkv), n]

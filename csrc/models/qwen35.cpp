@@ -191,14 +191,11 @@ class qwen35_model : public target_model {
                               int il, ggml_tensor * x, bool last_token_only) const override {
         const qwen35_layer & l   = layers_[il];
         const float          eps = hp_.att.norm_eps;
-        ggml_tensor *        cur = build_rms_norm(ctx, x, l.attn_norm, eps);
-        cur = hp_.recurrent[il] ? build_gdn_layer(ctx, gf, in, st, l, il, cur, last_token_only)
-                                : build_attention_layer(ctx, gf, in, st, l, il, cur, last_token_only);
-        if (last_token_only) {
-            x = last_token(ctx, x);
-        }
-        x = ggml_add(ctx, cur, x);
-        ggml_format_name(x, "attn_residual-%d", il);
+        auto mixer = [&](ggml_tensor * cur) {
+            return hp_.recurrent[il] ? build_gdn_layer(ctx, gf, in, st, l, il, cur, last_token_only)
+                                     : build_attention_layer(ctx, gf, in, st, l, il, cur, last_token_only);
+        };
+        x = build_mixer_residual(ctx, x, l.attn_norm, eps, last_token_only, mixer, "attn_residual", il);
         return build_swiglu_residual(ctx, x, l.post_attention_norm, l.ffn_gate, l.ffn_up, l.ffn_down, eps, il);
     }
 

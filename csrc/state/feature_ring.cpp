@@ -27,8 +27,8 @@ ggml_tensor * feature_ring::layer_view(ggml_context * ctx, int c) const {
     return ggml_view_2d(ctx, rows_, n_embd_, capacity_, rows_->nb[1], (size_t) c * n_embd_ * sizeof(float));
 }
 
-ggml_tensor * feature_ring::add_writes(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ggml_tensor *> & captured,
-                                       int n_tokens) const {
+ggml_tensor * feature_ring::add_writes(ggml_context * ctx, ggml_cgraph * gf,
+                                       const std::vector<ggml_tensor *> & captured, int n_tokens) const {
     ggml_tensor * ring_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_tokens);
     ggml_set_input(ring_rows);
     for (size_t c = 0; c < captured.size(); ++c) {
