@@ -55,6 +55,9 @@ static py::dict resolve(const py_model & target, const py::object & draft, int64
 }
 
 void register_engine_params(py::module_ & m) {
+    // the bounds pydflash.Model checks its options against
+    m.attr("MAX_CTX")         = MAX_CTX;
+    m.attr("MAX_BLOCK_SIZE")  = dflash_draft::MAX_BLOCK_SIZE;
     m.attr("MAX_TREE_BUDGET") = MAX_TREE_BUDGET;
     m.def("engine_params", &resolve, py::arg("model"), py::arg("draft"), py::arg("n_ctx"), py::arg("kv_type"),
           py::arg("n_ubatch") = 0, py::arg("block_size") = 0, py::arg("tree_budget") = 0,
