@@ -22,72 +22,57 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from . import _core, ubatch
+from . import _core
 from ._arguments import choice_arg, int_arg, optional_int_arg
 from .errors import ModelLoadError
 
-__all__ = ["plan", "MemoryPlan", "parse_bytes", "engine_config", "by_category"]
+__all__ = ["plan", "MemoryPlan", "parse_bytes", "engine_options", "engine_config", "by_category"]
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 SPEC_MODES = ("auto", "tree", "chain")
-# tree / auto: candidates the drafter returns per position (DDTree's K; trees rarely take a sibling ranked lower)
-DRAFT_TOP_K = 8
-# the most draft nodes one verify may hold (a verify of 64 tokens)
-MAX_TREE_BUDGET = 63
-# hybrid targets keep one recurrent state per verified node: by default auto's trees stay within this share of
-# the weights' memory (or 512 MiB, whichever is more)
-TREE_STATE_SHARE = 0.25
+DELTA_NET_FORMS = ("auto", "fused", "chunked")
+# the engine's bounds (decode/engine_params.h): the largest context, drafted block and tree budget (draft nodes
+# one verify may hold)
+MAX_CTX, MAX_BLOCK_SIZE, MAX_TREE_BUDGET = _core.MAX_CTX, _core.MAX_BLOCK_SIZE, _core.MAX_TREE_BUDGET
 # what a plan counts, per device
 CATEGORIES = ("weights", "kv", "recurrent", "ring", "draft", "compute")
 
 
+def engine_options(*, n_ctx, kv_type, n_gpu_layers, n_ubatch, spec_mode, block_size, tree_budget, draft_window,
+                   delta_net) -> dict:
+    """The engine's options as `Model(...)` and `plan(...)` take them, each checked once, here (a TypeError or
+    ValueError naming it); n_ubatch "auto" is 0 (the engine sizes for the largest micro-batch it may choose)."""
+    return dict(n_ctx=int_arg("n_ctx", n_ctx, 1, MAX_CTX), kv_type=choice_arg("kv_type", kv_type, KV_TYPES),
+                n_gpu_layers=int_arg("n_gpu_layers", n_gpu_layers, -1),
+                n_ubatch=0 if n_ubatch == "auto" else int_arg("n_ubatch", n_ubatch, 1, MAX_CTX),
+                spec_mode=choice_arg("spec_mode", spec_mode, SPEC_MODES),
+                block_size=optional_int_arg("block_size", block_size, 2, MAX_BLOCK_SIZE),
+                tree_budget=optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET),
+                draft_window=int_arg("draft_window", draft_window, 1),
+                delta_net=choice_arg("delta_net", delta_net, DELTA_NET_FORMS))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """What a Model derives from its arguments: the session's, the drafter's (None without one) and the tree
-    budget. `Model(...)` and `plan(...)` both take it from engine_config, so a plan is of the session a load opens."""
+    """What the engine resolves from a Model's options (decode/engine_params.h): the session's arguments, the
+    drafter's (None without one), the tree budget and block, and (n_ubatch "auto") the micro-batches to time.
+    `Model(...)` and `plan(...)` both take it from engine_config, so a plan is of the session a load opens."""
 
     session: dict
     draft: dict | None
     tree_budget: int | None
     block: int | None
+    ubatch_candidates: tuple[int, ...] = ()
 
 
-def default_tree_budget(core_model, spec_mode: str, block: int) -> int:
-    """Draft nodes per verify when tree_budget is not given: tree mode verifies four blocks' worth; auto may go up
-    to 63, on hybrid targets only as far as the per-node recurrent states stay within max(512 MiB, a quarter of the
-    weights)."""
-    if spec_mode == "chain":
-        return block - 1
-    budget = min(4 * (block - 1) if spec_mode == "tree" else MAX_TREE_BUDGET, MAX_TREE_BUDGET)
-    if core_model.is_recurrent:
-        per_node = core_model.recurrent_bytes_for(2) - core_model.recurrent_bytes_for(1)
-        allowed = max(512 * 2**20, TREE_STATE_SHARE * core_model.weight_bytes)
-        budget = max(block - 1, min(budget, int(allowed // per_node) - 2))
-    return budget
-
-
-def engine_config(core_model, core_draft, *, n_ctx: int, kv_type: str, n_ubatch: int, block_size: int | None,
-                  spec_mode: str, tree_budget: int | None, draft_window: int) -> EngineConfig:
-    """The session and drafter arguments for a target (`_core.Model`) and drafter (`_core.DraftModel` or None),
-    from a Model's (already checked) arguments."""
-    n_rollback = 16
-    draft = None
-    block = None
-    if core_draft is not None:
-        # the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify (a chain's
-        # block, or a tree's root and nodes)
-        max_verify = 0 if spec_mode == "chain" else 1 + (tree_budget or MAX_TREE_BUDGET)
-        draft = dict(n_ctx=n_ctx, block_size=block_size or 0, window=draft_window,
-                     ring_capacity=max(n_ubatch, max_verify), top_k=1 if spec_mode == "chain" else DRAFT_TOP_K,
-                     with_logprobs=spec_mode != "chain", max_verify=max_verify)
-        block = block_size or core_draft.block_size
-        tree_budget = tree_budget or default_tree_budget(core_model, spec_mode, block)
-        # a hybrid target keeps the state of every token (chain) or node (tree) of a verify
-        n_rollback = max(n_rollback, block, 1 + tree_budget if spec_mode != "chain" else 0)
-    elif block_size is not None or tree_budget is not None:
-        raise ValueError("block_size and tree_budget need a draft model (draft_model_path)")
-    session = dict(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, n_ubatch=n_ubatch, n_rollback=n_rollback)
-    return EngineConfig(session, draft, tree_budget, block)
+def engine_config(core_model, core_draft, options: dict) -> EngineConfig:
+    """The engine's parameters for a target (`_core.Model`) and drafter (`_core.DraftModel` or None) from the
+    options engine_options checked."""
+    p = _core.engine_params(core_model, core_draft, n_ctx=options["n_ctx"], kv_type=options["kv_type"],
+                            n_ubatch=options["n_ubatch"], block_size=options["block_size"] or 0,
+                            tree_budget=options["tree_budget"] or 0, draft_window=options["draft_window"],
+                            spec_mode=options["spec_mode"])
+    return EngineConfig(p["session"], p["draft"], p["tree_budget"], p["block"], tuple(p["ubatch_candidates"]))
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -262,29 +247,37 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
     each graph over every attended window the engine can build (ggml's allocator packs each differently; ~1-2 ms
     per graph for a 27B model, 2048 windows at 128K), else over the whole context only (a few percent of the
     compute buffer may be missed)."""
+    paths = checked_paths(model_path, draft_model_path)
+    args = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_ubatch=n_ubatch,
+                          spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,
+                          draft_window=draft_window, delta_net=delta_net)
+    return plan_checked(paths, args, device_budget(vram, ram), suggest=suggest, sweep=sweep)
+
+
+def checked_paths(model_path, draft_model_path) -> tuple[str, str | None]:
+    """The target's and the drafter's paths (None: no drafter) as str, each an existing file."""
     for name, path in (("model_path", model_path), ("draft_model_path", draft_model_path)):
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"{name} must be a str or os.PathLike, got {type(path).__name__}")
         if path is not None and not os.path.exists(path):
             raise ModelLoadError(f"{os.fspath(path)}: no such file")
-    if n_ubatch == "auto":  # as Model: sized for the largest micro-batch it may choose (pydflash/ubatch.py)
-        n_ubatch = max(ubatch.candidates(int_arg("n_ctx", n_ctx, 1, 2**30)))
-    args = dict(n_ctx=int_arg("n_ctx", n_ctx, 1, 2**30), kv_type=choice_arg("kv_type", kv_type, KV_TYPES),
-                n_gpu_layers=int_arg("n_gpu_layers", n_gpu_layers, -1),
-                n_ubatch=int_arg("n_ubatch", n_ubatch, 1, 2**30),
-                spec_mode=choice_arg("spec_mode", spec_mode, SPEC_MODES),
-                block_size=optional_int_arg("block_size", block_size, 2, 256),
-                tree_budget=optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET),
-                draft_window=int_arg("draft_window", draft_window, 1),
-                delta_net=choice_arg("delta_net", delta_net, ("auto", "fused", "chunked")))
-    args["n_ubatch"] = min(args["n_ubatch"], args["n_ctx"])
+    return os.fspath(model_path), None if draft_model_path is None else os.fspath(draft_model_path)
+
+
+def device_budget(vram=None, ram=None) -> dict:
+    """{"cpu": bytes, "gpu": bytes or None}: the given budgets, by default the system's available memory and the
+    GPU's free memory (None without a GPU)."""
     devices = _core.device_memory()
-    budget = {"cpu": parse_bytes(ram, "ram") if ram is not None else devices["cpu_free"],
-              "gpu": parse_bytes(vram, "vram") if vram is not None else devices.get("gpu_free")}
-    paths = (os.fspath(model_path), None if draft_model_path is None else os.fspath(draft_model_path))
-    result = _plan_once(paths, args, budget, sweep)
+    return {"cpu": parse_bytes(ram, "ram") if ram is not None else devices["cpu_free"],
+            "gpu": parse_bytes(vram, "vram") if vram is not None else devices.get("gpu_free")}
+
+
+def plan_checked(paths: tuple[str, str | None], options: dict, budget: dict, *, suggest: bool = True,
+                 sweep: bool = True) -> MemoryPlan:
+    """plan() of paths and options already checked (checked_paths, engine_options), against `budget`."""
+    result = _plan_once(paths, options, budget, sweep)
     if suggest and result.fits is False:
-        result.suggestions = _suggest(paths, args, budget, result, sweep)
+        result.suggestions = _suggest(paths, options, budget, result, sweep)
     return result
 
 
@@ -292,9 +285,7 @@ def _plan_once(paths, args: dict, budget: dict, sweep: bool = True) -> MemoryPla
     core_model = _core.Model(paths[0], n_gpu_layers=args["n_gpu_layers"], n_threads=1, plan_only=True,
                              delta_net=args["delta_net"])
     core_draft = None if paths[1] is None else _core.DraftModel(core_model, paths[1])
-    cfg = engine_config(core_model, core_draft, n_ctx=args["n_ctx"], kv_type=args["kv_type"],
-                        n_ubatch=args["n_ubatch"], block_size=args["block_size"], spec_mode=args["spec_mode"],
-                        tree_budget=args["tree_budget"], draft_window=args["draft_window"])
+    cfg = engine_config(core_model, core_draft, args)
     session = _core.Session(core_model, **cfg.session)
     draft_session = None if core_draft is None else _core.DraftSession(session, core_draft, **cfg.draft)
     graphs = _measure(core_model, session, draft_session, cfg, args["spec_mode"], sweep)
@@ -304,8 +295,9 @@ def _plan_once(paths, args: dict, budget: dict, sweep: bool = True) -> MemoryPla
     # measured with the CPU's allocator; counted where the layers are
     on_gpu = core_model.n_gpu_layers > 0
     compute_bytes = {"cpu": 0 if on_gpu else compute, "gpu": compute if on_gpu else 0}
-    config = dict(args, model_path=paths[0], draft_model_path=paths[1], n_rollback=cfg.session["n_rollback"],
-                  tree_budget=cfg.tree_budget, block_size=cfg.block, n_layer=core_model.n_layer)
+    config = dict(args, model_path=paths[0], draft_model_path=paths[1], n_ubatch=cfg.session["n_ubatch"],
+                  n_rollback=cfg.session["n_rollback"], tree_budget=cfg.tree_budget, block_size=cfg.block,
+                  n_layer=core_model.n_layer)
     return MemoryPlan(config=config, bytes=by_category(core_model, session, core_draft, draft_session, compute_bytes),
                       budget=dict(budget), graphs=graphs)
 
@@ -329,7 +321,7 @@ def _suggest(paths, args: dict, budget: dict, failed: MemoryPlan, sweep: bool) -
         return _plan_once(paths, {**args, **change}, budget, sweep).fits is not False
 
     def ctx(k: int) -> dict:
-        return dict(n_ctx=256 * k, n_ubatch=min(args["n_ubatch"], 256 * k))
+        return dict(n_ctx=256 * k)
 
     out = {}
     # n_ctx in steps of 256

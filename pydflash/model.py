@@ -21,7 +21,7 @@ from . import _core, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
 from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
-from .memory_plan import KV_TYPES, MAX_TREE_BUDGET, SPEC_MODES, by_category, engine_config, plan
+from .memory_plan import (by_category, checked_paths, device_budget, engine_config, engine_options, plan_checked)
 from .tokenizer import Tokenizer
 
 __all__ = ["Model", "Completion"]
@@ -37,6 +37,14 @@ def _forward_core_log(level: int, text: str) -> None:
 _core.set_log_callback(_forward_core_log)
 # drop the callback before the interpreter goes away: the core holds a reference to it in a static
 atexit.register(_core.set_log_callback, None)
+
+
+def _log_verbosely(verbose: bool) -> None:
+    """verbose=True: the core's log and pydflash's at DEBUG, to stderr unless the application has a handler."""
+    if verbose:
+        logger.setLevel(logging.DEBUG)
+        if not logger.handlers:
+            logger.addHandler(logging.StreamHandler())
 
 
 @dataclass
@@ -203,74 +211,68 @@ class Model:
         progress: bool = False,
         delta_net: str = "auto",
     ):
-        if not isinstance(model_path, (str, os.PathLike)):
-            raise TypeError(f"model_path must be a str or os.PathLike, got {type(model_path).__name__}")
-        if draft_model_path is not None and not isinstance(draft_model_path, (str, os.PathLike)):
-            raise TypeError(f"draft_model_path must be a str or os.PathLike, got {type(draft_model_path).__name__}")
-        n_ctx = int_arg("n_ctx", n_ctx, 1, 2**30)
-        n_gpu_layers = int_arg("n_gpu_layers", n_gpu_layers, -1)
+        options = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_ubatch=n_ubatch,
+                                 spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,
+                                 draft_window=draft_window, delta_net=delta_net)
         n_threads = optional_int_arg("n_threads", n_threads, 1)
-        # "auto": the fastest per token of ubatch.candidates, measured on the first long prompt (pydflash/ubatch.py);
-        # until then (and for the memory plan, the feature ring's rows) the largest
-        self._ubatch_sizes = None
-        if n_ubatch == "auto":
-            self._ubatch_sizes = ubatch.candidates(n_ctx)
-            n_ubatch = max(self._ubatch_sizes)
-        # a micro-batch never holds more than the context (nor sizes the feature ring beyond it)
-        n_ubatch = min(int_arg("n_ubatch", n_ubatch, 1, 2**30), n_ctx)
-        block_size = optional_int_arg("block_size", block_size, 2, 256)
-        tree_budget = optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET)
-        draft_window = int_arg("draft_window", draft_window, 1)
-        seed = _seed_arg(seed)
-        verbose = bool_arg("verbose", verbose)
+        self.seed = _seed_arg(seed)  # the default of sampled calls (None: a fresh seed per call)
+        self.tree_seed = choice_arg("tree_seed", tree_seed, ("chain", "best_first"))
+        _log_verbosely(bool_arg("verbose", verbose))
         progress = bool_arg("progress", progress)
-        choice_arg("kv_type", kv_type, KV_TYPES)
-        choice_arg("spec_mode", spec_mode, SPEC_MODES)
-        choice_arg("tree_seed", tree_seed, ("chain", "best_first"))
-        choice_arg("delta_net", delta_net, ("auto", "fused", "chunked"))
-        self.model_path = os.fspath(model_path)
-        if verbose:
-            logger.setLevel(logging.DEBUG)
-            if not logger.handlers:
-                logger.addHandler(logging.StreamHandler())
-        if not os.path.exists(self.model_path):
-            raise ModelLoadError(f"{self.model_path}: no such file")
-        self._refuse_if_short(draft_model_path, n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers,
-                              n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
-                              tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)
-        self.seed = seed  # the default of sampled calls (None: a fresh seed per call)
-        self.kv_type = kv_type
+        self.model_path, self.draft_model_path = checked_paths(model_path, draft_model_path)
+        self.kv_type, self.spec_mode = kv_type, spec_mode
+        self._refuse_if_short(options)
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
+        self._load_weights(options, n_threads, progress)
+        self._resolve_engine(options)
+        self._open_session(log=True)
+
+    def _refuse_if_short(self, options: dict) -> None:
+        """Plan this configuration (pydflash.plan: the GGUFs' metadata, nothing loaded) and raise
+        InsufficientMemoryError, naming the device, the shortfall and what would fit, if it needs more than the
+        system's available memory or the GPU's free memory (compute buffers measured over the whole context's
+        graphs: a smaller window's may need a few percent more)."""
+        # the layers where the load will place them (no GPU: every layer on the CPU, as the load says)
+        options = dict(options, n_gpu_layers=_core.usable_gpu_layers(options["n_gpu_layers"]))
+        # the whole context's graphs only (sweep=False): a few ms, where the windows' sweep could take seconds
+        memory = plan_checked((self.model_path, self.draft_model_path), options, device_budget(), sweep=False)
+        if memory.fits is False:
+            short = ", ".join(f"{d.upper()} needs {memory.total(d) / 2**20:.1f} MiB, {memory.budget[d] / 2**20:.1f} "
+                              f"MiB available ({n / 2**20:.1f} MiB short)" for d, n in memory.shortfall().items())
+            parts = ", ".join(f"{c} {sum(memory.bytes[c].values()) / 2**20:.1f} MiB" for c in memory.bytes)
+            fix = "; ".join(f"{k}={v!r}" for k, v in memory.suggestions.items()) or "none found"
+            raise InsufficientMemoryError(f"{self.model_path}: this configuration does not fit: {short} ({parts}). "
+                                          f"Would fit instead: {fix}", memory)
+
+    def _load_weights(self, options: dict, n_threads: int | None, progress: bool) -> None:
+        """The target's weights (and the drafter's), read once and shared by every session over them."""
         with _LoadBar(self.model_path, progress) as bar:
-            self._model = _core.Model(self.model_path, n_gpu_layers=n_gpu_layers, n_threads=n_threads or 0,
-                                      progress=bar.update, delta_net=delta_net)
+            self._model = _core.Model(self.model_path, n_gpu_layers=options["n_gpu_layers"], n_threads=n_threads or 0,
+                                      progress=bar.update, delta_net=options["delta_net"])
         if self.tokenizer.n_vocab > self._model.n_vocab:
             raise ModelLoadError(
                 f"{self.model_path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
                 f"token_embd.weight has {self._model.n_vocab} rows")
-        kv_bytes = self._model.kv_bytes_for(n_ctx, kv_type, kv_type)
+        kv_bytes = self._model.kv_bytes_for(options["n_ctx"], self.kv_type, self.kv_type)
         logger.info("%s: %s, %d layers, weights %.1f MiB, KV cache (n_ctx=%d, %s) %.1f MiB", self.model_path,
-                    self._model.arch, self._model.n_layer, self._model.weight_bytes / 2**20, n_ctx, kv_type,
-                    kv_bytes / 2**20)
-        self.draft_model_path = None
+                    self._model.arch, self._model.n_layer, self._model.weight_bytes / 2**20, options["n_ctx"],
+                    self.kv_type, kv_bytes / 2**20)
         self._draft_model = None
-        self.spec_mode = spec_mode
-        self.tree_seed = tree_seed
-        if draft_model_path is not None:
-            self.draft_model_path = os.fspath(draft_model_path)
+        if self.draft_model_path is not None:
             with _LoadBar(self.draft_model_path, progress) as bar:
                 self._draft_model = _core.DraftModel(self._model, self.draft_model_path, progress=bar.update)
-        config = engine_config(self._model, self._draft_model, n_ctx=n_ctx, kv_type=kv_type, n_ubatch=n_ubatch,
-                               block_size=block_size, spec_mode=spec_mode, tree_budget=tree_budget,
-                               draft_window=draft_window)
-        self.tree_budget = config.tree_budget
-        self._draft_config = config.draft or {}
-        self._session_config = config.session
+
+    def _resolve_engine(self, options: dict) -> None:
+        """The session's and the drafter's parameters (decode/engine_params.h), as the plan resolved them; with
+        n_ubatch "auto", the micro-batches to time and the disk cache's key for the answer (pydflash/ubatch.py)."""
+        self._engine = engine_config(self._model, self._draft_model, options)
+        self._draft_config = dict(self._engine.draft or {}, tree_seed=self.tree_seed)
+        self._session_config = self._engine.session
+        self._ubatch_sizes = self._engine.ubatch_candidates or None
         self._ubatch_key = None
         if self._ubatch_sizes is not None:
             self._ubatch_key = ubatch.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
-                                                n_gpu_layers, self._ubatch_sizes)
-        self._open_session(log=True)
+                                                options["n_gpu_layers"], self._ubatch_sizes)
 
     def _open_session(self, log: bool = False) -> None:
         """This Model's own session over the loaded weights: KV cache, recurrent state, the drafter's context
@@ -319,25 +321,6 @@ class Model:
                                if k not in ("_session", "_draft", "_lock", "_cancelled")})
         other._open_session()
         return other
-
-    def _refuse_if_short(self, draft_model_path, **config) -> None:
-        """Plan this configuration (pydflash.plan: the GGUFs' metadata, nothing loaded) and raise
-        InsufficientMemoryError, naming the device, the shortfall and what would fit, if it needs more than the
-        system's available memory or the GPU's free memory (compute buffers measured over the whole context's
-        graphs: a smaller window's may need a few percent more)."""
-        if draft_model_path is not None and not os.path.exists(draft_model_path):
-            raise ModelLoadError(f"{os.fspath(draft_model_path)}: no such file")
-        if "gpu_free" not in _core.device_memory():
-            config["n_gpu_layers"] = 0  # no GPU: the load keeps every layer on the CPU (and says so)
-        # the whole context's graphs only (sweep=False): a few ms, where the windows' sweep could take seconds
-        memory = plan(self.model_path, draft_model_path, sweep=False, **config)
-        if memory.fits is False:
-            short = ", ".join(f"{d.upper()} needs {memory.total(d) / 2**20:.1f} MiB, {memory.budget[d] / 2**20:.1f} "
-                              f"MiB available ({n / 2**20:.1f} MiB short)" for d, n in memory.shortfall().items())
-            parts = ", ".join(f"{c} {sum(memory.bytes[c].values()) / 2**20:.1f} MiB" for c in memory.bytes)
-            fix = "; ".join(f"{k}={v!r}" for k, v in memory.suggestions.items()) or "none found"
-            raise InsufficientMemoryError(f"{self.model_path}: this configuration does not fit: {short} ({parts}). "
-                                          f"Would fit instead: {fix}", memory)
 
     @classmethod
     def demo(cls, **kwargs) -> "Model":
@@ -389,6 +372,12 @@ class Model:
         """Hybrid targets: bytes of the recurrent state, with one state per token (chain) or node (tree) a
         verify may commit at; it grows with tree_budget. 0 for attention-only targets."""
         return self._session.recurrent_bytes
+
+    @property
+    def tree_budget(self) -> int | None:
+        """Draft nodes a verify may hold (tree: each round's; auto: the most; chain: block_size - 1) with a draft
+        model loaded, else None: the engine's (decode/engine_params.h), from tree_budget or its default."""
+        return self._engine.tree_budget
 
     @property
     def block_size(self) -> int | None:
@@ -608,9 +597,7 @@ class Model:
             self._choose_ubatch(tokens)
             result = self._session.generate(tokens, max_tokens=max_tokens,
                                             stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
-                                            draft=self._draft if speculative else None, spec_mode=self.spec_mode,
-                                            tree_budget=self.tree_budget or 0, tree_seed=self.tree_seed,
-                                            sampling=sampling)
+                                            draft=self._draft if speculative else None, sampling=sampling)
         finally:
             self._lock.release()
         if stops.stopped:

@@ -17,20 +17,12 @@ import tempfile
 
 from . import _core
 
-__all__ = ["CANDIDATES", "candidates", "choose", "cache_key", "calibrate"]
+__all__ = ["choose", "cache_key", "calibrate"]
 
-# at most llama.cpp's default micro-batch: the feature ring and the compute buffer are sized for the largest
-# candidate, which a 24 GB card cannot spare much of next to a 27B model (a 2048-row ring of its drafter's
-# features alone is 200 MiB)
-CANDIDATES = (64, 128, 256, 512)
+# (The candidate sizes are the engine's, decode/engine_params.h: it sizes the feature ring and the compute buffer
+# for the largest until the choice is made.)
 # a larger micro-batch must be at least this much cheaper per token to be preferred
 TIE = 0.03
-
-
-def candidates(n_ctx: int) -> tuple[int, ...]:
-    """The sizes timed: those that fit the context (else the context itself)."""
-    sizes = tuple(n for n in CANDIDATES if n <= n_ctx)
-    return sizes or (n_ctx,)
 
 
 def choose(ms_per_token: dict[int, float]) -> int:

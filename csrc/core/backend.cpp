@@ -77,7 +77,7 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only)
     }
 
     gpu_dev_ = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-    if (n_gpu_layers != 0 && !gpu_dev_ && !plan_only) {
+    if (!plan_only && usable_gpu_layers(n_gpu_layers) != n_gpu_layers) {
         PDF_LOG_WARN("n_gpu_layers=%d ignored: no GPU device (a CPU-only build of pydflash, or its GPU backend "
                      "found no usable device or driver)", n_gpu_layers);
         n_gpu_layers = 0;
@@ -95,6 +95,10 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only)
 }
 
 backends::~backends() = default;
+
+int backends::usable_gpu_layers(int n_gpu_layers) {
+    return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) ? n_gpu_layers : 0;
+}
 
 bool backends::on_gpu(int il) const {
     if (n_gpu_layers_ == 0 || il < 0) {

@@ -30,6 +30,9 @@ class backends {
     ~backends();
     backends(const backends &)             = delete;
     backends & operator=(const backends &) = delete;
+    // the n_gpu_layers a load honours: as asked, or 0 without a GPU device (a CPU-only build of pydflash, or its
+    // GPU backend found no usable device or driver); a plan places layers as asked
+    static int usable_gpu_layers(int n_gpu_layers);
 
     ggml_backend_dev_t cpu_device() const { return cpu_dev_; }
     // the GPU device sessions compute on when layers are offloaded to it, else nullptr (and in a plan)

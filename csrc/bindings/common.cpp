@@ -1,0 +1,74 @@
+#include "bindings/common.h"
+
+#include <cstdint>
+
+namespace pdf::bindings {
+
+int64_t checked(const char * name, int64_t v, int64_t lo, int64_t hi) {
+    if (v < lo || v > hi) {
+        throw std::invalid_argument(format("%s = %lld, expected a value in [%lld, %lld]", name, (long long) v,
+                                           (long long) lo, (long long) hi));
+    }
+    return v;
+}
+
+std::vector<int32_t> int32_array(const char * name, const py::handle & o) {
+    py::array a = py::array::ensure(o);
+    if (!a || a.ndim() != 1 || (a.size() > 0 && a.dtype().kind() != 'i' && a.dtype().kind() != 'u')) {
+        throw py::type_error(format("%s must be a 1-D sequence of integers", name));
+    }
+    if (a.dtype().kind() == 'u') {  // (uint64 values above INT64_MAX would wrap to negatives in the int64 cast)
+        py::array_t<uint64_t, py::array::c_style | py::array::forcecast> u(a);
+        for (py::ssize_t i = 0; i < u.size(); ++i) {
+            if (u.data()[i] > (uint64_t) INT32_MAX) {
+                throw std::invalid_argument(format("%s = %llu, expected a value in [%d, %d]", name,
+                                                   (unsigned long long) u.data()[i], INT32_MIN, INT32_MAX));
+            }
+        }
+    }
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> wide(a);
+    std::vector<int32_t> out(wide.size());
+    for (py::ssize_t i = 0; i < wide.size(); ++i) {
+        out[i] = (int32_t) checked(name, wide.data()[i], INT32_MIN, INT32_MAX);
+    }
+    return out;
+}
+
+ggml_type parse_kv_type(const std::string & name) {
+    for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+        const char * tn = ggml_type_name((ggml_type) t);
+        if (tn && name == tn) {
+            return (ggml_type) t;
+        }
+    }
+    throw std::invalid_argument("unknown kv_type '" + name + "' (expected f32, f16, bf16, q8_0, q4_0, ...)");
+}
+
+spec_mode parse_spec_mode(const std::string & name) {
+    if (name == "auto") {
+        return spec_mode::automatic;
+    }
+    if (name == "tree") {
+        return spec_mode::tree;
+    }
+    if (name == "chain") {
+        return spec_mode::chain;
+    }
+    throw std::invalid_argument("spec_mode = '" + name + "' is not one of 'auto', 'tree', 'chain'");
+}
+
+tree_seed parse_tree_seed(const std::string & name) {
+    if (name == "chain") {
+        return tree_seed::chain;
+    }
+    if (name == "best_first") {
+        return tree_seed::best_first;
+    }
+    throw std::invalid_argument("tree_seed = '" + name + "' is not one of 'chain', 'best_first'");
+}
+
+std::string type_name(const py::handle & o) {
+    return py::str(py::type::of(o).attr("__name__")).cast<std::string>();
+}
+
+}  // namespace pdf::bindings

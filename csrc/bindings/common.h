@@ -1,0 +1,87 @@
+// What the binding files share: the Python-side holders of the core's objects and the converters that check
+// Python arguments as they cross into C++ (a typed exception naming the argument and the range expected).
+#pragma once
+
+#include "core/error.h"
+#include "core/weights.h"
+#include "decode/engine_params.h"
+#include "decode/proposer_choice.h"
+#include "decode/sampler.h"
+#include "models/dflash.h"
+#include "models/model.h"
+#include "state/draft_session.h"
+#include "state/session.h"
+
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace pdf::bindings {
+
+namespace py = pybind11;
+
+// the largest context a session accepts: positions are int32, and windows are padded beyond them
+inline constexpr int64_t MAX_CTX = 1 << 30;
+// the most per-token (or per-node) recurrent states a session keeps for rollback
+inline constexpr int64_t MAX_ROLLBACK = 1 << 16;
+
+// Model: the read-only weights, shareable between sessions
+struct py_model {
+    std::shared_ptr<const target_model> model;
+};
+
+// DFlash draft weights, loaded once and shared by the draft sessions of every target session over its target
+struct py_draft_model {
+    std::shared_ptr<const dflash_draft> model;
+};
+
+// A drafter for one target session, with what the decode loop learns about it on this machine (costs, how far
+// its probabilities can be trusted), kept across generate calls, and how it speculates (set once, at creation)
+struct py_draft {
+    std::unique_ptr<draft_session>     session;
+    std::unique_ptr<speculation_state> state;
+    spec_params                        spec;
+
+    speculation with(const spec_params & p) const { return {*session, *state, p}; }
+};
+
+// Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked
+// here, naming the parameter, before they are narrowed.
+int64_t checked(const char * name, int64_t v, int64_t lo, int64_t hi);
+// a 1-D array of token ids / positions: integers (a float array is refused, not truncated) that fit int32
+std::vector<int32_t> int32_array(const char * name, const py::handle & o);
+ggml_type   parse_kv_type(const std::string & name);
+spec_mode   parse_spec_mode(const std::string & name);
+tree_seed   parse_tree_seed(const std::string & name);
+std::string type_name(const py::handle & o);
+
+// (CPU bytes, GPU bytes)
+inline std::pair<size_t, size_t> as_pair(const device_bytes & n) {
+    return {n.cpu, n.gpu};
+}
+
+// sampling parameters from a dict with llama-cpp-python's names (None or {}: greedy); unknown keys are an error
+sampling_params parse_sampling(const py::object & o);
+// {"token_logprobs": [...], "top_logprobs": [[(id, logprob)] ...]}
+py::dict logprobs_dict(const std::vector<token_logprobs> & lps);
+
+// one per concept; module.cpp calls them in this order (a later one may add methods to an earlier one's class)
+void register_errors(py::module_ & m);
+void register_log(py::module_ & m);
+void register_gguf(py::module_ & m);
+void register_quantize(py::module_ & m);
+void register_rpc(py::module_ & m);
+void register_model(py::module_ & m);
+void register_engine_params(py::module_ & m);
+void register_draft_session(py::module_ & m);
+void register_session(py::module_ & m);
+void register_generate(py::module_ & m);
+void register_test_hooks(py::module_ & m);
+
+}  // namespace pdf::bindings

@@ -1,0 +1,70 @@
+// resolve_engine_params (decode/engine_params.h) for pydflash.Model and pydflash.plan: the options they checked
+// in, every session and drafter argument out
+#include "bindings/common.h"
+
+namespace pdf::bindings {
+
+static const char * spec_mode_name(spec_mode mode) {
+    return mode == spec_mode::chain ? "chain" : mode == spec_mode::tree ? "tree" : "auto";
+}
+
+// {"session": Session's keyword arguments, "draft": DraftSession's (None without a drafter), ...}
+static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
+    py::dict session;
+    session["n_ctx"]      = p.n_ctx;
+    session["type_k"]     = kv_type;
+    session["type_v"]     = kv_type;
+    session["n_ubatch"]   = p.n_ubatch;
+    session["n_rollback"] = p.n_rollback;
+    py::object draft      = py::none();
+    if (p.speculative) {
+        py::dict d;
+        d["n_ctx"]         = p.n_ctx;
+        d["block_size"]    = p.block_request;
+        d["window"]        = p.draft_window;
+        d["ring_capacity"] = p.ring_capacity;
+        d["top_k"]         = p.top_k;
+        d["with_logprobs"] = p.with_logprobs;
+        d["max_verify"]    = p.max_verify;
+        d["spec_mode"]     = spec_mode_name(p.mode);
+        d["tree_budget"]   = p.tree_budget;
+        draft              = d;
+    }
+    py::dict out;
+    out["session"]           = session;
+    out["draft"]             = draft;
+    out["tree_budget"]       = p.speculative ? py::object(py::int_(p.tree_budget)) : py::none();
+    out["block"]             = p.speculative ? py::object(py::int_(p.block)) : py::none();
+    out["ubatch_candidates"] = p.ubatch_candidates;
+    return out;
+}
+
+static py::dict resolve(const py_model & target, const py::object & draft, int64_t n_ctx, const std::string & kv_type,
+                        int64_t n_ubatch, int64_t block_size, int64_t tree_budget, int64_t draft_window,
+                        const std::string & mode) {
+    engine_options o;
+    o.n_ctx        = (int) checked("n_ctx", n_ctx, 1, MAX_CTX);
+    o.n_ubatch     = (int) checked("n_ubatch", n_ubatch, 0, MAX_CTX);
+    o.block_size   = (int) checked("block_size", block_size, 0, dflash_draft::MAX_BLOCK_SIZE);
+    o.tree_budget  = (int) checked("tree_budget", tree_budget, 0, MAX_TREE_BUDGET);
+    o.draft_window = (int) checked("draft_window", draft_window, 1, INT32_MAX);
+    o.mode         = parse_spec_mode(mode);
+    parse_kv_type(kv_type);
+    const dflash_draft * d = draft.is_none() ? nullptr : draft.cast<const py_draft_model &>().model.get();
+    return as_dict(resolve_engine_params(*target.model, d, o), kv_type);
+}
+
+void register_engine_params(py::module_ & m) {
+    // the bounds pydflash.Model checks its options against
+    m.attr("MAX_CTX")         = MAX_CTX;
+    m.attr("MAX_BLOCK_SIZE")  = dflash_draft::MAX_BLOCK_SIZE;
+    m.attr("MAX_TREE_BUDGET") = MAX_TREE_BUDGET;
+    m.def("engine_params", &resolve, py::arg("model"), py::arg("draft"), py::arg("n_ctx"), py::arg("kv_type"),
+          py::arg("n_ubatch") = 0, py::arg("block_size") = 0, py::arg("tree_budget") = 0,
+          py::arg("draft_window") = 4096, py::arg("spec_mode") = "auto",
+          "Every argument of the Session and DraftSession a load opens (decode/engine_params.h), from a Model, a "
+          "DraftModel (or None) and the options checked by pydflash.Model (0: the default; n_ubatch 0: 'auto', "
+          "sized for the largest of ubatch_candidates).");
+}
+
+}  // namespace pdf::bindings

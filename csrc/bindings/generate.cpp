@@ -1,0 +1,214 @@
+// Session.generate: the decode loop (decode/driver.h) with the proposer decode/proposer_choice.h picks, its
+// sampling parameters from llama-cpp-python's names, and its result and timings as Python dicts
+#include "bindings/common.h"
+
+#include <optional>
+
+namespace pdf::bindings {
+
+// A sampling dict's values converted to the fields' types (a TypeError for a value of another type; integers
+// narrowed to int32). What the values may be is checked in one place, sampling_params::validate, which
+// generate and the sampler run before any work; pydflash.Model checks its own arguments before they get here.
+static float as_number(const char * name, const py::handle & v) {
+    if (!py::isinstance<py::float_>(v) && !py::isinstance<py::int_>(v)) {
+        throw py::type_error(format("%s must be a number", name));
+    }
+    return (float) v.cast<double>();
+}
+
+static int as_int(const char * name, const py::handle & v, int64_t lo = INT32_MIN) {
+    if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) {
+        throw py::type_error(format("%s must be an int", name));
+    }
+    return (int) checked(name, v.cast<int64_t>(), lo, INT32_MAX);
+}
+
+struct float_field {
+    const char * name;
+    float sampling_params::*field;
+};
+
+struct int_field {
+    const char * name;
+    int sampling_params::*field;
+};
+
+static constexpr float_field FLOAT_FIELDS[] = {
+    {"temperature", &sampling_params::temperature},           {"top_p", &sampling_params::top_p},
+    {"min_p", &sampling_params::min_p},                       {"typical_p", &sampling_params::typical_p},
+    {"repeat_penalty", &sampling_params::repeat_penalty},     {"presence_penalty", &sampling_params::presence_penalty},
+    {"frequency_penalty", &sampling_params::frequency_penalty},
+};
+static constexpr int_field INT_FIELDS[] = {{"top_k", &sampling_params::top_k},
+                                           {"repeat_last_n", &sampling_params::repeat_last_n}};
+
+// the fields that are not a plain number: seed (any int, taken modulo 2^64), logprobs (None: off), logit_bias
+static bool set_special_field(sampling_params & p, const std::string & key, const py::handle & v) {
+    if (key == "seed") {
+        if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) {
+            throw py::type_error("seed must be an int");
+        }
+        p.seed = py::reinterpret_borrow<py::int_>(v).attr("__and__")(py::int_(UINT64_MAX)).cast<uint64_t>();
+    } else if (key == "logprobs") {
+        p.n_logprobs = v.is_none() ? -1 : as_int("logprobs", v, 0);
+    } else if (key == "logit_bias") {
+        for (const auto & [id, bias] : v.cast<py::dict>()) {
+            p.logit_bias.emplace_back((int32_t) as_int("logit_bias key", id, 0), as_number("logit_bias value", bias));
+        }
+    } else {
+        return false;
+    }
+    return true;
+}
+
+sampling_params parse_sampling(const py::object & o) {
+    sampling_params p;
+    if (o.is_none()) {
+        return p;
+    }
+    for (const auto & [key_h, v] : o.cast<py::dict>()) {
+        const std::string key   = key_h.cast<std::string>();
+        bool              found = set_special_field(p, key, v);
+        for (const float_field & f : FLOAT_FIELDS) {
+            if (!found && key == f.name) {
+                p.*f.field = as_number(f.name, v);
+                found      = true;
+            }
+        }
+        for (const int_field & f : INT_FIELDS) {
+            if (!found && key == f.name) {
+                p.*f.field = as_int(f.name, v);
+                found      = true;
+            }
+        }
+        if (!found) {
+            throw std::invalid_argument("unknown sampling parameter '" + key + "'");
+        }
+    }
+    return p;
+}
+
+py::dict logprobs_dict(const std::vector<token_logprobs> & lps) {
+    py::list token_lp, top;
+    for (const token_logprobs & lp : lps) {
+        token_lp.append(lp.logprob);
+        py::list alternatives;
+        for (const auto & [id, v] : lp.top) {
+            alternatives.append(py::make_tuple(id, v));
+        }
+        top.append(alternatives);
+    }
+    py::dict d;
+    d["token_logprobs"] = token_lp;
+    d["top_logprobs"]   = top;
+    return d;
+}
+
+static py::dict timings_dict(const generate_timings & t, bool speculative, const auto_stats * a) {
+    py::dict d;
+    d["prompt_n"]       = t.prompt_n;
+    d["cached_n"]       = t.cached_n;
+    d["prompt_ms"]      = t.prompt_ms;
+    d["predicted_n"]    = t.predicted_n;
+    d["predicted_ms"]   = t.predicted_ms;
+    d["n_target_evals"] = t.n_target_evals;
+    d["sample_ms"]      = t.sample_ms;
+    if (speculative) {
+        d["warm_up_ms"]       = t.warm_up_ms;
+        d["draft_n"]          = t.draft_n;
+        d["draft_n_accepted"] = t.draft_n_accepted;
+        d["n_rounds"]         = t.n_rounds;
+        d["verify_n"]         = t.verify_n;
+        d["draft_ms"]         = t.draft_ms;
+        d["verify_ms"]        = t.verify_ms;
+        d["accepted_at"]      = t.accepted_at;
+        d["proposed_at"]      = t.proposed_at;
+        if (a) {
+            d["auto_skipped"] = a->n_skipped;
+            d["auto_plain"]   = a->n_plain;
+            d["auto_chain"]   = a->n_chain;
+            d["auto_tree"]    = a->n_tree;
+        }
+    }
+    return d;
+}
+
+// a Python callback(tokens[, logprobs]) -> bool as the loop's token_callback, run with the GIL taken back; a
+// Python exception propagates out of the loop
+static token_callback python_callback(const py::object & callback) {
+    if (callback.is_none()) {
+        return {};
+    }
+    return [&callback](const int32_t * toks, const token_logprobs * lps, int n) {
+        py::gil_scoped_acquire gil;
+        py::list l;
+        for (int i = 0; i < n; ++i) {
+            l.append(toks[i]);
+        }
+        if (lps) {
+            return callback(l, logprobs_dict({lps, lps + n})).cast<bool>();
+        }
+        return callback(l).cast<bool>();
+    };
+}
+
+// the drafter's own way of speculating, with what this call overrides
+static spec_params spec_for(const py_draft & draft, const std::optional<std::string> & mode,
+                            std::optional<int64_t> tree_budget, const std::optional<std::string> & seed) {
+    spec_params sp = draft.spec;
+    if (mode) {
+        sp.mode = parse_spec_mode(*mode);
+    }
+    if (tree_budget) {
+        sp.tree_budget = (int) checked("tree_budget", *tree_budget, 0, 1 << 16);
+    }
+    if (seed) {
+        sp.seed = parse_tree_seed(*seed);
+    }
+    return sp;
+}
+
+static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, py::object stop_tokens_in,
+                         py::object callback, py_draft * draft, std::optional<std::string> mode,
+                         std::optional<int64_t> tree_budget, std::optional<std::string> seed, py::object sampling) {
+    const std::vector<int32_t> prompt = int32_array("prompt", prompt_in);
+    generate_params            p;
+    p.max_tokens  = (int) checked("max_tokens", max_tokens, 0, INT32_MAX);
+    p.stop_tokens = int32_array("stop_tokens", stop_tokens_in);
+    p.sampling    = parse_sampling(sampling);  // (validated by generate before any work)
+    std::optional<speculation> spec;
+    if (draft) {
+        spec.emplace(draft->with(spec_for(*draft, mode, tree_budget, seed)));
+    }
+    const token_callback cb = python_callback(callback);
+    generate_result      r;
+    auto_stats           stats;
+    {
+        py::gil_scoped_release nogil;
+        r = generate_with(s, spec ? &*spec : nullptr, prompt, p, cb, stats);
+    }
+    py::dict d;
+    d["tokens"]        = r.tokens;
+    d["finish_reason"] = r.finish_reason;
+    if (p.sampling.n_logprobs >= 0) {
+        d["logprobs"] = logprobs_dict(r.logprobs);
+    }
+    const bool automatic = spec && spec->params.mode == spec_mode::automatic;
+    d["timings"]         = timings_dict(r.timings, spec.has_value(), automatic ? &stats : nullptr);
+    return d;
+}
+
+void register_generate(py::module_ & m) {
+    auto cls = py::reinterpret_borrow<py::class_<session>>(m.attr("Session"));
+    cls.def("generate", &generate, py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = py::list(),
+            py::arg("callback") = py::none(), py::arg("draft") = nullptr, py::arg("spec_mode") = py::none(),
+            py::arg("tree_budget") = py::none(), py::arg("tree_seed") = py::none(), py::arg("sampling") = py::none(),
+            "Generation, greedy or sampled (sampling: a dict of llama-cpp-python's sampling parameters and seed), "
+            "speculative with a DraftSession (as it was created to speculate; spec_mode 'chain', 'tree' or 'auto', "
+            "tree_budget and tree_seed given here override it for this call); callback(list[int]) -> bool is "
+            "called (with the GIL) per batch of committed tokens. With sampling['logprobs'] = n the result has "
+            "'logprobs': token_logprobs and top_logprobs ([(id, logprob)] * n) per token, and the callback gets the "
+            "batch's as a second argument.");
+}
+
+}  // namespace pdf::bindings

@@ -1,0 +1,194 @@
+// Session: a target's evaluation state (KV cache, recurrent state, prompt cache, compute buffers) over a
+// Model, and its low-level calls (evaluate, commit, truncate); generation is bindings/generate.cpp
+#include "bindings/common.h"
+
+#include <algorithm>
+
+namespace pdf::bindings {
+
+static std::unique_ptr<session> make_session(const py_model & m, int64_t n_ctx, const std::string & type_k,
+                                             const std::string & type_v, int64_t n_ubatch, int64_t n_rollback) {
+    session_params p;
+    p.n_ctx      = (uint32_t) checked("n_ctx", n_ctx, 1, MAX_CTX);
+    p.n_ubatch   = (uint32_t) checked("n_ubatch", n_ubatch, 1, MAX_CTX);
+    p.n_rollback = (uint32_t) checked("n_rollback", n_rollback, 1, MAX_ROLLBACK);
+    p.type_k     = parse_kv_type(type_k);
+    p.type_v     = parse_kv_type(type_v);
+    return std::make_unique<session>(m.model, p);
+}
+
+static std::vector<double> time_prefill(session & s, py::object tokens_in, std::vector<int> sizes, py_draft * draft,
+                                        int64_t reps) {
+    const std::vector<int32_t> tokens = int32_array("tokens", tokens_in);
+    checked("reps", reps, 1, 100);
+    py::gil_scoped_release nogil;
+    if (draft) {
+        const speculation spec = draft->with(draft->spec);
+        return time_prefill_with(s, &spec, tokens, sizes, (int) reps);
+    }
+    return time_prefill_with(s, nullptr, tokens, sizes, (int) reps);
+}
+
+static size_t measure_eval(session & s, int64_t n_tokens, int64_t n_kv, std::vector<int> tree_levels, bool whole,
+                           bool all_rows, bool logits, const py::object & draft) {
+    checked("n_tokens", n_tokens, 1, (int64_t) s.n_ctx());
+    if (n_kv == 0) {
+        n_kv = s.n_ctx();
+    }
+    checked("n_kv", n_kv, n_tokens, (int64_t) s.n_ctx());
+    int64_t in_levels = 0;
+    for (int l : tree_levels) {
+        checked("tree_levels entry", l, 1, n_tokens);
+        in_levels += l;
+    }
+    if (!tree_levels.empty() && in_levels != n_tokens) {
+        throw std::invalid_argument(format("tree_levels hold %lld nodes, n_tokens = %lld",
+                                           (long long) in_levels, (long long) n_tokens));
+    }
+    std::vector<int> capture;
+    feature_ring *   ring = nullptr;
+    if (!draft.is_none()) {
+        py_draft & d = draft.cast<py_draft &>();
+        capture      = d.session->model().capture_layers();
+        ring         = &d.session->ring();
+    }
+    const readout what{all_rows, logits, 0};
+    py::gil_scoped_release nogil;
+    return s.measure_eval((int) n_tokens, (int) n_kv, tree_levels, whole, what, capture, ring);
+}
+
+// the layout of an eval's batch: positions, a visibility mask or a tree's parents (each optional)
+struct batch_arrays {
+    std::vector<int32_t> positions, parents;
+    std::vector<uint8_t> mask;
+
+    batch_arrays(int n, const py::object & positions_in, const py::object & mask_in, const py::object & parents_in) {
+        auto as_rows = [n](const py::object & o, const char * what) {
+            std::vector<int32_t> a = int32_array(what, o);
+            if ((int) a.size() != n) {
+                throw std::invalid_argument(format("eval: %s must have one entry per token", what));
+            }
+            return a;
+        };
+        if (!positions_in.is_none()) {
+            positions = as_rows(positions_in, "positions");
+        }
+        if (!parents_in.is_none()) {
+            parents = as_rows(parents_in, "parents");
+        }
+        if (!mask_in.is_none()) {
+            auto a = mask_in.cast<py::array_t<uint8_t, py::array::c_style | py::array::forcecast>>();
+            if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != n) {
+                throw std::invalid_argument("eval: mask must have shape (n_tokens, n_tokens)");
+            }
+            mask.assign(a.data(), a.data() + (size_t) n * n);
+        }
+    }
+
+    batch_layout layout(bool whole) const {
+        batch_layout l;
+        l.positions = positions.empty() ? nullptr : positions.data();
+        l.mask      = mask.empty() ? nullptr : mask.data();
+        l.parents   = parents.empty() ? nullptr : parents.data();
+        l.whole     = whole;
+        return l;
+    }
+};
+
+// what an eval read back: logits, captured hidden states and (top_k > 0) the top ids and log-probabilities
+static py::tuple eval_result(const session & s, int n, const std::vector<int> & capture_layers, int64_t top_k,
+                             bool read_logits) {
+    const int64_t n_vocab = s.model().info().n_vocab, n_embd = s.model().info().n_embd;
+    py::array_t<float> logits({(py::ssize_t) (read_logits ? s.n_outputs() : 0), (py::ssize_t) n_vocab});
+    std::copy(s.logits().begin(), s.logits().end(), logits.mutable_data());
+    py::list captured;
+    for (size_t c = 0; c < capture_layers.size(); ++c) {
+        py::array_t<float> h({(py::ssize_t) n, (py::ssize_t) n_embd});
+        std::copy(s.captured(c).begin(), s.captured(c).end(), h.mutable_data());
+        captured.append(h);
+    }
+    if (top_k > 0) {
+        py::array_t<int32_t> ids({(int64_t) s.n_outputs(), top_k});
+        py::array_t<float>   lps({(int64_t) s.n_outputs(), top_k});
+        std::copy(s.top_ids().begin(), s.top_ids().end(), ids.mutable_data());
+        std::copy(s.top_logprobs().begin(), s.top_logprobs().end(), lps.mutable_data());
+        return py::make_tuple(logits, captured, ids, lps);
+    }
+    return py::make_tuple(logits, captured);
+}
+
+static py::tuple eval(session & s, py::object tokens_in, py::object positions, py::object mask, py::object parents,
+                      bool all_logits, std::vector<int> capture_layers, int64_t top_k, bool read_logits, bool whole) {
+    const std::vector<int32_t> toks = int32_array("tokens", tokens_in);
+    const int                  n    = (int) toks.size();
+    checked("top_k", top_k, 0, INT32_MAX);
+    const batch_arrays batch(n, positions, mask, parents);
+    {
+        py::gil_scoped_release nogil;
+        s.eval(toks.data(), n, batch.layout(whole), readout{all_logits, read_logits, (int) top_k}, capture_layers);
+    }
+    return eval_result(s, n, capture_layers, top_k, read_logits);
+}
+
+static void register_memory(py::class_<session> & cls) {
+    cls.def_property_readonly("kv_bytes", &session::kv_bytes)
+        .def_property_readonly("recurrent_bytes", &session::recurrent_bytes)
+        .def_property_readonly("kv_memory", [](const session & s) { return as_pair(s.kv_memory()); })
+        .def_property_readonly("recurrent_memory", [](const session & s) { return as_pair(s.recurrent_memory()); })
+        .def_property_readonly("compute_memory", [](const session & s) { return as_pair(s.compute_memory()); },
+                               "(CPU bytes, GPU bytes) of the compute buffer its graphs share, as allocated so far.")
+        .def("measure_eval", &measure_eval,
+            py::arg("n_tokens"), py::arg("n_kv") = 0, py::arg("tree_levels") = std::vector<int>{},
+            py::arg("whole") = false,
+            py::arg("all_rows") = true, py::arg("logits") = true, py::arg("draft") = py::none(),
+            "Compute buffer bytes of an evaluation of n_tokens over a window of n_kv cache slots (0: the whole "
+            "context; a chain, or a tree of tree_levels nodes per depth), capturing into `draft`'s ring as a "
+            "speculative eval does: ggml's allocator over its graph, nothing allocated.");
+}
+
+static void register_eval(py::class_<session> & cls) {
+    cls.def("eval", &eval,
+            py::arg("tokens"), py::arg("positions") = py::none(), py::arg("mask") = py::none(),
+            py::arg("parents") = py::none(), py::arg("all_logits") = true,
+            py::arg("capture_layers") = std::vector<int>{}, py::arg("top_k") = 0, py::arg("read_logits") = true,
+            py::arg("whole") = false,
+            "Evaluate tokens into cache slots n_past..; returns (logits [n_out, n_vocab], [hidden [n, n_embd] ...]) "
+            "(and top_k ids, log-probabilities [n_out, top_k] when top_k > 0). parents: a tree (parent row per row, "
+            "-1: the committed past); mask: any visibility (attention-only models). read_logits=False reads only "
+            "the greedy picks (Session.argmax), as the decode loop does; the logits array is then empty. whole=True: "
+            "the chain will be committed whole (a prefill), so a hybrid model keeps only its final state.")
+        .def("commit", [](session & s, int64_t n) { s.commit((int) checked("n", n, 0, INT32_MAX)); }, py::arg("n"))
+        .def("commit", py::overload_cast<const std::vector<int> &>(&session::commit), py::arg("rows"))
+        .def("eval_slot", [](const session & s, int64_t row) {
+                 if (s.n_pending() == 0) {
+                     throw std::invalid_argument("eval_slot: no evaluation is pending");
+                 }
+                 return s.eval_slot((int) checked("row", row, 0, s.n_pending() - 1));
+             }, py::arg("row"))
+        .def("truncate", [](session & s, int64_t n_past) { s.truncate((int) checked("n_past", n_past, 0, INT32_MAX)); },
+             py::arg("n_past"))
+        .def("abort", [](session & s) { s.abort.store(true); });
+}
+
+void register_session(py::module_ & m) {
+    py::class_<session> cls(m, "Session");
+    cls.def(py::init(&make_session), py::arg("model"), py::arg("n_ctx") = 4096, py::arg("type_k") = "f16",
+            py::arg("type_v") = "f16", py::arg("n_ubatch") = 512, py::arg("n_rollback") = 16, py::keep_alive<1, 2>())
+        .def_property_readonly("n_past", &session::n_past)
+        .def_property_readonly("n_ctx", &session::n_ctx)
+        .def_property_readonly("n_rollback", &session::n_rollback)
+        .def_property("n_ubatch", &session::n_ubatch,
+                      [](session & s, int64_t n) { s.set_n_ubatch((uint32_t) checked("n_ubatch", n, 1, MAX_CTX)); },
+                      "The prefill micro-batch; setting it forgets the prompt cache's marks.")
+        .def("time_prefill", &time_prefill,
+            py::arg("tokens"), py::arg("sizes"), py::arg("draft") = nullptr, py::arg("reps") = 1,
+            "Milliseconds per token of a prefill micro-batch of each size (evaluations of the first `size` tokens "
+            "into an empty cache, as a prefill with `draft` capturing runs them); the session is left empty.")
+        .def_property_readonly_static("kv_window_step", [](py::object) { return session::KV_WINDOW_STEP; })
+        .def_property_readonly("tokens", &session::tokens)
+        .def_property_readonly("argmax", &session::argmax, "The greedy pick of each row read by the last eval.");
+    register_memory(cls);
+    register_eval(cls);
+}
+
+}  // namespace pdf::bindings

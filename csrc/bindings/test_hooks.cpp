@@ -1,0 +1,257 @@
+// Calls that exist for the tests only: the pieces of the decode loop run alone (the greedy pick, the DDTree
+// builder, auto's per-round choice, one draw of the sampler, a drafter's block), and reads of a session's
+// committed state. pydflash itself never calls them.
+#include "bindings/common.h"
+#include "decode/tree.h"
+#include "models/argmax.h"
+#include "state/recurrent_state.h"
+
+#include <algorithm>
+#include <map>
+
+namespace pdf::bindings {
+
+using f32_array = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+// rows [first, first + n) of a 2-D state tensor, as raw bytes [n, row bytes]
+static py::array_t<uint8_t> tensor_rows(const ggml_tensor * t, int64_t first, int64_t n) {
+    py::array_t<uint8_t> out({(py::ssize_t) n, (py::ssize_t) t->nb[1]});
+    ggml_backend_tensor_get(t, out.mutable_data(), (size_t) first * t->nb[1], (size_t) n * t->nb[1]);
+    return out;
+}
+
+static py::array_t<float> f32_rows(const ggml_tensor * t, const std::vector<int32_t> & rows) {
+    py::array_t<float> out({(py::ssize_t) rows.size(), (py::ssize_t) t->ne[0]});
+    for (size_t i = 0; i < rows.size(); ++i) {
+        ggml_backend_tensor_get(t, out.mutable_data() + i * t->ne[0], (size_t) rows[i] * t->nb[1], t->nb[1]);
+    }
+    return out;
+}
+
+static std::vector<int32_t> argmax_rows(f32_array logits, int64_t n_threads, bool stock) {
+    checked("n_threads", n_threads, 1, 1 << 12);
+    if (logits.ndim() != 2) {
+        throw std::invalid_argument("argmax_rows: logits must be 2-D (n_rows, n_vocab)");
+    }
+    const float * data = logits.data();
+    std::vector<int32_t> out;
+    {
+        py::gil_scoped_release nogil;
+        out = argmax_rows_on_cpu(data, logits.shape(0), logits.shape(1), (int) n_threads, stock);
+    }
+    return out;
+}
+
+static py::tuple draft_tree_of(py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids,
+                               f32_array logprobs, int64_t root, int64_t budget, int64_t max_depth,
+                               const std::string & seed) {
+    checked("root", root, 0, INT32_MAX);
+    checked("budget", budget, 0, 1 << 16);
+    checked("max_depth", max_depth, 0, 1 << 16);
+    // ids, logprobs: [positions, k], most likely first per position
+    if (ids.ndim() != 2 || logprobs.ndim() != 2 || ids.shape(0) != logprobs.shape(0) ||
+        ids.shape(1) != logprobs.shape(1) || ids.shape(1) < 1) {
+        throw std::invalid_argument("build_draft_tree: ids and logprobs must both be (positions, k >= 1)");
+    }
+    draft_proposals p;
+    p.n_positions = (int) ids.shape(0);
+    p.top_k       = (int) ids.shape(1);
+    p.ids.assign(ids.data(), ids.data() + ids.size());
+    p.logprobs.assign(logprobs.data(), logprobs.data() + logprobs.size());
+    draft_tree t;
+    build_draft_tree(p, (int32_t) root, (int) budget, (int) max_depth, parse_tree_seed(seed), t);
+    return py::make_tuple(t.tokens, t.parents, t.depth, t.logq);
+}
+
+// a tree [root, nodes...] given by parents (parents before children), ranks and the drafter's log-probabilities;
+// costs: ms per verify width, calibrated (widths of a power-of-two grid)
+static int verify_budget(const std::vector<int32_t> & parents, const std::vector<int32_t> & rank,
+                         const std::vector<float> & logp, const std::map<int, double> & verify_ms,
+                         const std::map<int, double> & tree_verify_ms, double spec_rate, bool recurrent) {
+    if (parents.empty() || rank.size() != parents.size() || logp.size() != parents.size()) {
+        throw std::invalid_argument("choose_verify_budget: parents, rank and logp need one entry per node");
+    }
+    draft_tree t;
+    t.reset(0);
+    for (size_t i = 1; i < parents.size(); ++i) {
+        if (parents[i] < 0 || parents[i] >= (int) i) {
+            throw std::invalid_argument("choose_verify_budget: a parent must be an earlier node");
+        }
+        t.add(0, parents[i], rank[i], logp[i]);
+    }
+    const int  max_width = verify_ms.empty() ? 1 : verify_ms.rbegin()->first;
+    cost_model costs(max_width);
+    for (const auto & kv : verify_ms) {
+        costs.calibrate_verify(kv.first, false, kv.second);
+    }
+    for (const auto & kv : tree_verify_ms) {
+        costs.calibrate_verify(kv.first, true, kv.second);
+    }
+    costs.set_calibrated();
+    if (spec_rate > 0) {
+        costs.observe_spec_round(1, 1.0 / spec_rate);
+    }
+    acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
+    return choose_verify_budget(t, costs, acceptance, recurrent);
+}
+
+static py::dict sample(f32_array logits, py::object sampling, py::object history_in, int64_t t) {
+    if (logits.ndim() != 1 || logits.shape(0) < 1) {
+        throw std::invalid_argument("sample: logits must be one non-empty row");
+    }
+    const int64_t              V       = logits.shape(0);
+    const std::vector<int32_t> history = int32_array("history", history_in);
+    for (int32_t h : history) {
+        checked("history token", h, 0, V - 1);
+    }
+    token_sampler smp(parse_sampling(sampling), V, (int) std::max<size_t>(1, history.size()));
+    smp.set_history(history.data(), (int) history.size());
+    const int32_t token = smp.sample(logits.data(), (uint64_t) checked("t", t, 0, INT64_MAX));
+    const auto    dist  = smp.distribution();
+    py::array_t<int32_t> ids((py::ssize_t) dist.size());
+    py::array_t<double>  probs((py::ssize_t) dist.size());
+    for (size_t i = 0; i < dist.size(); ++i) {
+        ids.mutable_data()[i]   = dist[i].first;
+        probs.mutable_data()[i] = dist[i].second;
+    }
+    py::dict d;
+    d["token"] = token;
+    d["ids"]   = ids;
+    d["probs"] = probs;
+    if (smp.params().n_logprobs >= 0) {
+        d["logprobs"] = logprobs_dict({smp.logprobs()});
+    }
+    return d;
+}
+
+// the committed state as the next evaluation reads it: K and V rows of the committed slots (raw bytes, per
+// attention layer), the SSM state and conv window (per recurrent layer)
+static py::dict read_state(const session & s) {
+    py::dict   d;
+    py::list   k, v, ssm, conv;
+    const auto & info = s.model().info();
+    for (const kv_layer_desc & l : info.kv_layers) {
+        k.append(tensor_rows(s.kv().k(l.il), 0, s.n_past()));
+        v.append(tensor_rows(s.kv().v(l.il), 0, s.n_past()));
+    }
+    if (const recurrent_state * rs = s.recurrent()) {
+        for (const recurrent_layer_desc & l : info.recurrent_layers) {
+            ssm.append(f32_rows(rs->ssm(l.il), {rs->ssm_row()}).attr("reshape")(-1));
+            conv.append(f32_rows(rs->conv(l.il), rs->conv_rows()));
+        }
+    }
+    d["k"] = k;
+    d["v"] = v;
+    d["ssm"] = ssm;
+    d["conv"] = conv;
+    return d;
+}
+
+static py::array_t<float> ssm_state(const session & s, int64_t il) {
+    const recurrent_state * rs = s.recurrent();
+    if (!rs) {
+        throw std::invalid_argument("ssm_state: the model has no recurrent layers");
+    }
+    const model_info & info = s.model().info();
+    const auto it = std::find_if(info.recurrent_layers.begin(), info.recurrent_layers.end(),
+                                 [il](const recurrent_layer_desc & l) { return l.il == il; });
+    if (it == info.recurrent_layers.end()) {
+        throw std::out_of_range(format("ssm_state: layer %lld is not a recurrent layer",
+                                       (long long) il));
+    }
+    ggml_tensor *             t = rs->ssm((int) il);
+    py::array_t<float>        out(it->ssm_size);
+    ggml_backend_tensor_get(t, out.mutable_data(), (size_t) rs->ssm_row() * t->nb[1],
+                            it->ssm_size * sizeof(float));
+    return out;
+}
+
+// feats [m, n_ext*E] of context rows not yet appended (any number: appended in chunks first)
+static py::object draft_block(py_draft & pd, f32_array feats, py::object positions_in, int64_t anchor, int64_t start,
+                              bool with_logprobs) {
+    draft_session &            d         = *pd.session;
+    const std::vector<int32_t> positions = int32_array("positions", positions_in);
+    const int                  m         = (int) positions.size();
+    checked("anchor", anchor, 0, INT32_MAX);  // (the vocabulary bound: draft_session::draft)
+    checked("start", start, 0, INT32_MAX);
+    if (feats.ndim() != 2 || feats.shape(0) != m) {
+        throw std::invalid_argument("draft: feats must be (len(positions), n_ext * n_embd)");
+    }
+    if (m > 0 && feats.shape(1) != d.ring().row_width()) {
+        throw std::invalid_argument(format("draft: feats rows have %lld floats, the drafter reads %lld",
+                                           (long long) feats.shape(1), (long long) d.ring().row_width()));
+    }
+    draft_proposals out;
+    {
+        py::gil_scoped_release nogil;
+        // through the ring, in pieces it can hold, like the target's own writes
+        for (int i = 0; i < m; i += d.ring().capacity()) {
+            const int k = std::min(d.ring().capacity(), m - i);
+            d.flush();
+            d.ring().write(feats.data() + (size_t) i * feats.shape(1), positions.data() + i, k);
+            std::vector<int32_t> rows(k);
+            for (int j = 0; j < k; ++j) {
+                rows[j] = d.ring().slot(positions.data()[i + j]);
+            }
+            d.queue(rows.data(), positions.data() + i, k);
+        }
+        out = d.draft((int32_t) anchor, (int) start);
+    }
+    if (!with_logprobs) {
+        std::vector<int32_t> top1(out.n_positions);
+        for (int i = 0; i < out.n_positions; ++i) {
+            top1[i] = out.id(i, 0);
+        }
+        return py::cast(top1);
+    }
+    py::array_t<int32_t> ids({out.n_positions, out.top_k});
+    py::array_t<float>   lps({out.n_positions, out.top_k});
+    std::copy(out.ids.begin(), out.ids.end(), ids.mutable_data());
+    std::copy(out.logprobs.begin(), out.logprobs.end(), lps.mutable_data());
+    return py::make_tuple(ids, lps);
+}
+
+static void register_functions(py::module_ & m) {
+    m.def("argmax_rows", &argmax_rows,
+          py::arg("logits"), py::arg("n_threads"), py::arg("stock") = false,
+          "The greedy pick of the CPU graphs (stock=True: ggml_argmax) on a float32 (n_rows, n_vocab) array.");
+    m.def("build_draft_tree", &draft_tree_of,
+          py::arg("ids"), py::arg("logprobs"), py::arg("root"), py::arg("budget"), py::arg("max_depth"),
+          py::arg("seed") = "best_first",
+          "The DDTree tree the loop verifies: (tokens, parents, depth, log Q) of [root, nodes...] in choice order.");
+    m.def("choose_verify_budget", &verify_budget,
+          py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
+          py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
+          "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model.");
+    m.def("sample", &sample,
+          py::arg("logits"), py::arg("sampling"), py::arg("history") = py::list(), py::arg("t") = 0,
+          "One draw of the sampler chain over a row of logits, for tests: the token, the candidates it chose among "
+          "(ids in id order, probabilities) and, with sampling['logprobs'], the log-probabilities. history: the "
+          "tokens the penalties look back over (repeat_last_n -1 takes all of them).");
+}
+
+void register_test_hooks(py::module_ & m) {
+    register_functions(m);
+    auto session_cls = py::reinterpret_borrow<py::class_<session>>(m.attr("Session"));
+    session_cls.def("read_state", &read_state, "The committed KV rows and recurrent state (for tests).")
+        .def("ssm_state", &ssm_state,
+             py::arg("layer"), "The committed gated-delta-net state of a recurrent layer ([S*S*H_v] floats, the "
+                               "fused op's layout).");
+    auto draft_cls = py::reinterpret_borrow<py::class_<py_draft>>(m.attr("DraftSession"));
+    draft_cls.def("draft", &draft_block,
+                  py::arg("feats"), py::arg("positions"), py::arg("anchor"), py::arg("start"),
+                  py::arg("with_logprobs") = false,
+                  "Append context rows and draft one block [anchor, MASK x (B-1)] at start; returns the B-1 proposals, "
+                  "or with_logprobs: (ids, logprobs) [B-1, top_k], most likely first.")
+        .def("acceptance_observed",
+             [](const py_draft & d, int64_t depth, int64_t rank) {
+                 const auto [tried, accepted] = d.state->acceptance.observed(
+                     (int) checked("depth", depth, 1, 256), (int) checked("rank", rank, 0, INT32_MAX));
+                 return py::make_tuple(tried, accepted);
+             },
+            py::arg("depth"), py::arg("rank"),
+            "The (decayed) counts auto learnt from: drafted tokens at `depth` of `rank` tried, and accepted (summed "
+            "acceptance probabilities when sampling).");
+}
+
+}  // namespace pdf::bindings

@@ -1,0 +1,77 @@
+#include "decode/engine_params.h"
+#include "state/recurrent_state.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+namespace pdf {
+
+static std::vector<int> ubatch_candidates(int n_ctx) {
+    std::vector<int> sizes;
+    for (int n : UBATCH_CANDIDATES) {
+        if (n <= n_ctx) {
+            sizes.push_back(n);
+        }
+    }
+    return sizes.empty() ? std::vector<int>{n_ctx} : sizes;
+}
+
+int default_tree_budget(const target_model & target, spec_mode mode, int block) {
+    if (mode == spec_mode::chain) {
+        return block - 1;
+    }
+    int budget = std::min(mode == spec_mode::tree ? 4 * (block - 1) : MAX_TREE_BUDGET, MAX_TREE_BUDGET);
+    const model_info & info = target.info();
+    if (!info.recurrent_layers.empty()) {
+        const double per_node = (double) recurrent_state::n_bytes_for(info, 2) - recurrent_state::n_bytes_for(info, 1);
+        const double allowed  = std::max(TREE_STATE_MIN_BYTES, TREE_STATE_SHARE * (double) target.weight_bytes());
+        budget = std::max(block - 1, std::min(budget, (int) std::floor(allowed / per_node) - 2));
+    }
+    return budget;
+}
+
+int verify_width_cap(int max_verify, int ring_rows) {
+    return max_verify > 0 ? max_verify : std::min(MAX_TREE_BUDGET + 1, ring_rows);
+}
+
+// the drafter's part: block, tree budget, the feature ring and what a hybrid target keeps for rollback
+static void resolve_drafter(const target_model & target, const dflash_draft & draft, const engine_options & o,
+                            engine_params & p) {
+    const bool chain = o.mode == spec_mode::chain;
+    p.speculative    = true;
+    p.mode           = o.mode;
+    p.block_request  = o.block_size;
+    p.block          = o.block_size > 0 ? o.block_size : draft.block_size();
+    p.draft_window   = o.draft_window;
+    // the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify (a chain's block,
+    // or a tree's root and nodes)
+    p.max_verify     = chain ? 0 : 1 + (o.tree_budget > 0 ? o.tree_budget : MAX_TREE_BUDGET);
+    p.ring_capacity  = std::max(p.n_ubatch, p.max_verify);
+    p.top_k          = chain ? 1 : DRAFT_TOP_K;
+    p.with_logprobs  = !chain;
+    p.tree_budget    = o.tree_budget > 0 ? o.tree_budget : default_tree_budget(target, o.mode, p.block);
+    // a hybrid target keeps the state of every token (chain) or node (tree) of a verify
+    p.n_rollback     = std::max({p.n_rollback, p.block, chain ? 0 : 1 + p.tree_budget});
+}
+
+engine_params resolve_engine_params(const target_model & target, const dflash_draft * draft,
+                                    const engine_options & o) {
+    engine_params p;
+    p.n_ctx = o.n_ctx;
+    if (o.n_ubatch == 0) {
+        p.ubatch_candidates = ubatch_candidates(o.n_ctx);
+        p.n_ubatch          = p.ubatch_candidates.back();
+    } else {
+        // a micro-batch never holds more than the context (nor sizes the feature ring beyond it)
+        p.n_ubatch = std::min(o.n_ubatch, o.n_ctx);
+    }
+    if (draft) {
+        resolve_drafter(target, *draft, o, p);
+    } else if (o.block_size > 0 || o.tree_budget > 0) {
+        throw std::invalid_argument("block_size and tree_budget need a draft model (draft_model_path)");
+    }
+    return p;
+}
+
+}  // namespace pdf

@@ -1,0 +1,71 @@
+// Engine parameters resolved once (compare llama.cpp's llama_params_fit): from the target, the drafter and the
+// user's options, every default and bound of a session and its drafter, and the sizes derived from them. A
+// memory plan (pydflash.plan) and a load (pydflash.Model) both take them from here, so a plan is of the session
+// a load opens; Python reads the result back.
+#pragma once
+
+#include "decode/proposer.h"
+#include "models/dflash.h"
+#include "models/model.h"
+
+#include <vector>
+
+namespace pdf {
+
+// the most draft nodes one verify may hold (a verify of MAX_TREE_BUDGET + 1 tokens: the root and its nodes)
+inline constexpr int MAX_TREE_BUDGET = 63;
+// tree / auto: candidates the drafter returns per position (DDTree's K; trees rarely take a sibling ranked lower)
+inline constexpr int DRAFT_TOP_K = 8;
+// hybrid targets keep one recurrent state per verified node: by default auto's trees stay within this share of
+// the weights' memory (or TREE_STATE_MIN_BYTES, whichever is more)
+inline constexpr double TREE_STATE_SHARE     = 0.25;
+inline constexpr double TREE_STATE_MIN_BYTES = 512.0 * (1 << 20);
+// the prefill micro-batches n_ubatch "auto" chooses among (pydflash/ubatch.py), at most llama.cpp's default:
+// the feature ring and the compute buffer are sized for the largest, which a 24 GB card cannot spare much of
+// next to a 27B model (a 2048-row ring of its drafter's features alone is 200 MiB)
+inline constexpr int UBATCH_CANDIDATES[] = {64, 128, 256, 512};
+// per-token recurrent states a session keeps without a drafter (and at least with one)
+inline constexpr int DEFAULT_ROLLBACK = 16;
+
+// what the user chose (already checked at the boundary: pydflash.Model / pydflash.plan); 0: the default
+struct engine_options {
+    int       n_ctx        = 4096;
+    int       n_ubatch     = 0;  // 0: "auto", sized for the largest candidate until measured
+    int       block_size   = 0;  // 0: the drafter's trained block
+    int       tree_budget  = 0;  // 0: by spec_mode (default_tree_budget)
+    int       draft_window = 4096;
+    spec_mode mode         = spec_mode::automatic;
+};
+
+struct engine_params {
+    // the target session
+    int              n_ctx      = 0;
+    int              n_ubatch   = 0;
+    std::vector<int> ubatch_candidates;  // n_ubatch "auto": the sizes to time (else empty)
+    int              n_rollback = DEFAULT_ROLLBACK;
+    // the drafter (speculative only)
+    bool      speculative   = false;
+    int       block         = 0;  // tokens per drafted block (the drafter's trained one unless asked)
+    int       block_request = 0;  // what the draft session is asked for (0: the trained block)
+    int       tree_budget   = 0;  // draft nodes per verify (chain: block - 1)
+    int       draft_window  = 0;
+    int       ring_capacity = 0;  // feature ring rows: a prefill micro-batch or the widest verify
+    int       top_k         = 1;
+    bool      with_logprobs = false;
+    int       max_verify    = 0;  // the widest verify auto calibrates (0: verify_width_cap's default)
+    spec_mode mode          = spec_mode::automatic;
+};
+
+// throws std::invalid_argument for a drafter's option given without a drafter
+engine_params resolve_engine_params(const target_model & target, const dflash_draft * draft,
+                                    const engine_options & options);
+
+// draft nodes per verify when tree_budget is not given: chain mode one block; tree mode four blocks' worth; auto
+// up to MAX_TREE_BUDGET, on hybrid targets only as far as the per-node recurrent states stay within
+// max(TREE_STATE_MIN_BYTES, TREE_STATE_SHARE of the weights)
+int default_tree_budget(const target_model & target, spec_mode mode, int block);
+
+// the widest verify a drafter's cost model covers: max_verify, or (0) as wide as the feature ring and a tree allow
+int verify_width_cap(int max_verify, int ring_rows);
+
+}  // namespace pdf

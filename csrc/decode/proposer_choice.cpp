@@ -1,0 +1,27 @@
+#include "decode/proposer_choice.h"
+
+namespace pdf {
+
+generate_result generate_with(session & s, const speculation * spec, const std::vector<int32_t> & prompt,
+                              const generate_params & params, const token_callback & on_tokens, auto_stats & stats) {
+    if (!spec) {
+        plain_proposer plain;
+        return generate(s, plain, prompt, params, on_tokens);
+    }
+    dflash_proposer dflash(spec->drafter, spec->state, spec->params, s.is_recurrent());
+    generate_result r = generate(s, dflash, prompt, params, on_tokens);
+    stats             = dflash.stats();
+    return r;
+}
+
+std::vector<double> time_prefill_with(session & s, const speculation * spec, const std::vector<int32_t> & tokens,
+                                      const std::vector<int> & sizes, int reps) {
+    if (!spec) {
+        plain_proposer plain;
+        return time_prefill_microbatches(s, plain, tokens, sizes, reps);
+    }
+    dflash_proposer dflash(spec->drafter, spec->state, spec->params, s.is_recurrent());
+    return time_prefill_microbatches(s, dflash, tokens, sizes, reps);
+}
+
+}  // namespace pdf
