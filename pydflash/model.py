@@ -92,7 +92,8 @@ class Pieces:
                 except StopIteration as end:
                     self.result = end.value
                     break
-                texts.append(text)
+                if self._finish is not None:
+                    texts.append(text)
                 yield text, lp
         finally:
             self._it.close()  # a consumer that stops early aborts the generation now, not when collected

@@ -322,6 +322,9 @@ def _chat_options(model: Model, chat_template: str | None, chat_format: str | No
         from .completions import chat_template as resolve
 
         resolve(model, chat_template, chat_format)
+    elif not model.tokenizer.chat_template:
+        logger.warning("%s has no tokenizer.chat_template: /v1/chat/completions will refuse requests (pass "
+                       "--chat-template-file or --chat-format)", model.model_path)
     return options
 
 
