@@ -540,18 +540,21 @@ class Model:
                 pieces.put(done)
 
         thread = threading.Thread(target=worker, daemon=True)
-        thread.start()
+        finished = False
         try:
+            thread.start()  # in the try: a KeyboardInterrupt raised while it starts also ends the generation
             while True:
                 piece = pieces.get()
                 if piece is done:
+                    finished = True
                     break
                 yield piece
         finally:
-            if thread.is_alive():  # the consumer stopped early
+            if not finished:  # the consumer stopped early
                 cancel.set()
                 self._session.abort()
-            thread.join()
+            if thread.is_alive():  # (not yet, if start() was interrupted: _run then returns at once)
+                thread.join()
         if "error" in outcome:
             raise outcome["error"]
         return outcome["result"]
@@ -636,6 +639,8 @@ class Model:
         `cancel`, set by abort() or by a consumer that stops early, ends this generation wherever it lands: before
         the core starts (which clears its own abort flag then) or during it."""
         cancel = cancel or threading.Event()
+        if cancel.is_set():  # stopped before this thread began: leave at once, without taking the lock
+            return _nothing_generated("abort", sampling)
         tokens, max_tokens, speculative = prepared
         stops = _StopStrings(self.tokenizer, stop_strings(stop))
 
