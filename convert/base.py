@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable
 
@@ -543,3 +544,18 @@ def _converted(data: LazyTensor, qtype: GGMLType, name: str) -> LazyTensor:
         return data if data.dtype == np.float16 else data.map(lambda a: a.astype(np.float16), dtype=np.float16)
     shape = gguf.quant_shape_to_byte_shape(data.shape, qtype)
     return data.map(lambda a: gguf.quants.quantize(a, qtype), shape=shape, dtype=np.uint8)
+
+
+def run_command(prog: str, work: Callable[[], Path | None], *, verbose: bool = False) -> int:
+    """The body of a converter command (pydflash-convert, pydflash-quantize, inflate): log at INFO (DEBUG when
+    verbose), run work(); a ConversionError is one line on stderr and exit status 1, else the path work()
+    wrote (if any) is printed."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
+    try:
+        out = work()
+    except ConversionError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    if out is not None:
+        print(out)
+    return 0

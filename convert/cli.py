@@ -7,11 +7,10 @@ The flags mirror llama.cpp's `convert_hf_to_gguf.py` (`--outfile`, `--outtype`, 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
-from pydflash.errors import ConversionError
+from .base import run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,22 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     from . import convert_hf_to_gguf, supported_architectures
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
     if args.print_supported_models:
         print("\n".join(supported_architectures()))
         return 0
     if args.model is None:
         build_parser().error("the following arguments are required: model")
-    try:
+
+    def convert() -> Path | None:
         out = convert_hf_to_gguf(args.model, args.outfile, outtype=args.outtype, vocab_only=args.vocab_only,
                                  dry_run=args.dry_run, model_name=args.model_name,
                                  target_model_dir=args.target_model_dir, progress=not args.no_progress)
-    except ConversionError as e:
-        print(f"pydflash-convert: error: {e}", file=sys.stderr)
-        return 1
-    if not args.dry_run:
-        print(out)
-    return 0
+        return None if args.dry_run else out
+
+    return run_command("pydflash-convert", convert, verbose=args.verbose)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import numpy as np
 from pydflash.errors import ConversionError
 
 from .base import LazyTensor, ModelConverter, converter_class, hf_architecture, load_hparams, register
+from .qwen_names import QWEN3_LAYER, weights
 
 logger = logging.getLogger("pydflash.convert")
 
@@ -71,19 +72,7 @@ QWEN3_CONFIG_DEFAULTS: dict[str, Any] = {
 DRAFT_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # HF name after "layers.N." → GGUF name after "blk.N."
-_LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
+_LAYER_TENSORS = weights(QWEN3_LAYER)
 _GLOBAL_TENSORS = {
     "fc.weight": "fc.weight",
     "hidden_norm.weight": "enc.output_norm.weight",

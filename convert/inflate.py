@@ -29,7 +29,7 @@ import numpy as np
 
 from pydflash.errors import ConversionError
 
-from .base import LazyTensor, write_gguf_file
+from .base import LazyTensor, run_command, write_gguf_file
 from .quantize import _copy_kv
 
 logger = logging.getLogger("pydflash.convert")
@@ -72,106 +72,142 @@ def inflate_gguf(infile: str | Path, outfile: str | Path, qtype: str = "q8_0", *
         from pydflash import _core
     except ImportError as e:
         raise ConversionError(f"inflation needs the compiled core (pydflash._core): {e}") from e
-    reader = gguf.GGUFReader(infile)
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    if arch not in ("qwen3", "qwen35"):
-        raise ConversionError(f"{infile}: general.architecture = {arch!r}, expected qwen3 or qwen35")
-
-    def key(name: str):
-        f = reader.fields.get(f"{arch}.{name}")
-        return f.contents() if f is not None else None
-
-    n_layer, n_ff_old = int(key("block_count")), int(key("feed_forward_length"))
-    if key("nextn_predict_layers"):
-        raise ConversionError(f"{infile}: MTP layers are not inflated (nextn_predict_layers > 0)")
-    if n_ff < n_ff_old:
-        raise ConversionError(f"n_ff = {n_ff} is smaller than the model's {n_ff_old}")
-    tensors = {t.name: t for t in reader.tensors}
-    # which layers are recurrent (qwen35), for the appended ones: the model's own interval rule
-    interval = int(key("full_attention_interval") or 4)
-    recurrent = [(il + 1) % interval != 0 for il in range(n_layer + extra_layers)] if arch == "qwen35" else None
-    if recurrent is not None and key("attention.recurrent_layers") is not None:
-        given = [bool(x) for x in key("attention.recurrent_layers")]
-        if given[:n_layer] != recurrent[:n_layer]:
-            raise ConversionError(f"{infile}: attention.recurrent_layers does not follow full_attention_interval")
-    # the layer whose shapes an appended layer copies: the first of the same kind
-    template = {False: 0, True: 0}
-    if recurrent is not None:
-        template = {r: next(il for il in range(n_layer) if recurrent[il] == r) for r in (False, True)}
-
-    writer = gguf.GGUFWriter(path=None, arch=arch)
-    _copy_kv(reader, writer, infile, also_skip=frozenset({f"{arch}.block_count", f"{arch}.feed_forward_length",
-                                                          f"{arch}.attention.recurrent_layers"}))
-    writer.add_uint32(f"{arch}.block_count", n_layer + extra_layers)
-    writer.add_uint32(f"{arch}.feed_forward_length", n_ff)
-    if recurrent is not None and key("attention.recurrent_layers") is not None:
-        writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4mix": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-    def add(name: str, make, shape: tuple[int, ...], trained: bool) -> None:
-        """Add `name` (numpy shape `shape`, float32 from make()) in the type its role and `qtype` give."""
-        is_matrix = len(shape) == 2 and "ssm_conv1d" not in name and not name.endswith("norm.weight")
-        new = _matrix_type(qtype, trained) if is_matrix else T.F32
-        if new == T.F32:
-            writer.add_tensor(name, LazyTensor(shape, np.float32, make, what=name), raw_dtype=T.F32)
-        elif new == T.F16:
-            writer.add_tensor(name, LazyTensor(shape, np.float16, lambda: make().astype(np.float16), what=name),
-                              raw_dtype=T.F16)
-        else:
-            byte_shape = gguf.quant_shape_to_byte_shape(shape, new)
-            writer.add_tensor(name, LazyTensor(byte_shape, np.uint8,
-                                               lambda: np.asarray(_core.quantize(make(), int(new))).reshape(byte_shape),
-                                               what=name), raw_dtype=new)
-
-    def random_like(src: np.ndarray, shape: tuple[int, ...], salt: int):
-        scale = float(src.std()) or 0.02
-        return lambda: np.random.default_rng([seed, salt]).standard_normal(shape, dtype=np.float32) * scale
-
-    salt = 0
-    # the source's tensors: FFNs widened, everything else as it is (trained)
-    for name, t in tensors.items():
-        src = _source_array(t)
-        m = _LAYER_RE.match(name)
-        suffix = m[2] if m else ""
-        salt += 1
-        if suffix in ("ffn_gate.weight", "ffn_up.weight"):  # numpy [n_ff, E]: extra random rows
-            extra = random_like(src, (n_ff - n_ff_old, src.shape[1]), salt)
-            add(name, lambda src=src, extra=extra: np.concatenate([src, extra()]), (n_ff, src.shape[1]), True)
-        elif suffix == "ffn_down.weight":  # numpy [E, n_ff]: zero columns
-            add(name, lambda src=src: np.concatenate([src, np.zeros((src.shape[0], n_ff - n_ff_old), np.float32)],
-                                                     axis=1), (src.shape[0], n_ff), True)
-        else:
-            add(name, lambda src=src: src, src.shape, True)
-
-    # the appended layers: shapes of a trained layer of the same kind, random inputs, zero outputs
-    for il in range(n_layer, n_layer + extra_layers):
-        base = template[recurrent[il]] if recurrent is not None else 0
-        prefix = f"blk.{base}."
-        for name, t in tensors.items():
-            if not name.startswith(prefix):
-                continue
-            suffix = name[len(prefix):]
-            src = _source_array(t)
-            shape = src.shape
-            if suffix in ("ffn_gate.weight", "ffn_up.weight"):
-                shape = (n_ff, src.shape[1])
-            elif suffix == "ffn_down.weight":
-                shape = (src.shape[0], n_ff)
-            new_name = f"blk.{il}.{suffix}"
-            salt += 1
-            if suffix in _OUTPUT_PROJECTIONS:
-                add(new_name, lambda shape=shape: np.zeros(shape, np.float32), shape, False)
-            elif len(shape) == 1 or suffix.endswith("norm.weight") or "ssm_conv1d" in suffix:
-                add(new_name, lambda src=src: src, shape, False)  # norms, gates' biases, decay rates, conv
-            else:
-                add(new_name, random_like(src, shape, salt), shape, False)
-
+    source = _Source(infile)
+    n_layer = source.n_layer
+    if n_ff < source.n_ff:
+        raise ConversionError(f"n_ff = {n_ff} is smaller than the model's {source.n_ff}")
+    recurrent = source.recurrent_layers(n_layer + extra_layers)
+    writer = _start_writer(source, n_layer + extra_layers, n_ff, recurrent, qtype)
+    out = _Inflation(writer, qtype, seed, n_ff, source.n_ff, _core)
+    out.add_trained(source.tensors)
+    out.add_appended(source.tensors, n_layer, extra_layers, recurrent)
     outfile.parent.mkdir(parents=True, exist_ok=True)
     write_gguf_file(writer, outfile, progress=progress)
     logger.info("wrote %s (%s: %d + %d layers, FFN %d)", outfile, qtype, n_layer, extra_layers, n_ff)
     return outfile
+
+
+class _Source:
+    """The GGUF being inflated: its architecture, sizes and tensors, checked."""
+
+    def __init__(self, path: Path):
+        self.path, self.reader = path, gguf.GGUFReader(path)
+        self.arch = self.reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+        if self.arch not in ("qwen3", "qwen35"):
+            raise ConversionError(f"{path}: general.architecture = {self.arch!r}, expected qwen3 or qwen35")
+        self.n_layer, self.n_ff = int(self.key("block_count")), int(self.key("feed_forward_length"))
+        if self.key("nextn_predict_layers"):
+            raise ConversionError(f"{path}: MTP layers are not inflated (nextn_predict_layers > 0)")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def key(self, name: str):
+        f = self.reader.fields.get(f"{self.arch}.{name}")
+        return f.contents() if f is not None else None
+
+    def recurrent_layers(self, n_layer: int) -> list[bool] | None:
+        """Which of `n_layer` layers are recurrent (qwen35; None for qwen3): the model's own interval rule, which
+        its recurrent_layers key (if any) must follow."""
+        if self.arch != "qwen35":
+            return None
+        interval = int(self.key("full_attention_interval") or 4)
+        recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]
+        given = self.key("attention.recurrent_layers")
+        if given is not None and [bool(x) for x in given][:self.n_layer] != recurrent[:self.n_layer]:
+            raise ConversionError(f"{self.path}: attention.recurrent_layers does not follow full_attention_interval")
+        return recurrent
+
+
+def _start_writer(source: _Source, n_layer: int, n_ff: int, recurrent: list[bool] | None,
+                  qtype: str) -> gguf.GGUFWriter:
+    """A writer with the source's keys, and the new layer count, FFN width, layer kinds and file type."""
+    arch = source.arch
+    writer = gguf.GGUFWriter(path=None, arch=arch)
+    _copy_kv(source.reader, writer, source.path,
+             also_skip=frozenset({f"{arch}.block_count", f"{arch}.feed_forward_length",
+                                  f"{arch}.attention.recurrent_layers"}))
+    writer.add_uint32(f"{arch}.block_count", n_layer)
+    writer.add_uint32(f"{arch}.feed_forward_length", n_ff)
+    if recurrent is not None and source.key("attention.recurrent_layers") is not None:
+        writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4mix": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    return writer
+
+
+class _Inflation:
+    """The inflated model's tensors, added to `writer` in order; each new random tensor draws from its own
+    stream (seed, salt), the salt counting every tensor added."""
+
+    def __init__(self, writer: gguf.GGUFWriter, qtype: str, seed: int, n_ff: int, n_ff_old: int, core):
+        self.writer, self.qtype, self.seed, self.n_ff, self.n_ff_old, self.core = \
+            writer, qtype, seed, n_ff, n_ff_old, core
+        self.salt = 0
+
+    def add(self, name: str, make, shape: tuple[int, ...], trained: bool) -> None:
+        """Add `name` (numpy shape `shape`, float32 from make()) in the type its role and the qtype give."""
+        is_matrix = len(shape) == 2 and "ssm_conv1d" not in name and not name.endswith("norm.weight")
+        new = _matrix_type(self.qtype, trained) if is_matrix else T.F32
+        if new == T.F32:
+            self.writer.add_tensor(name, LazyTensor(shape, np.float32, make, what=name), raw_dtype=T.F32)
+        elif new == T.F16:
+            self.writer.add_tensor(name, LazyTensor(shape, np.float16, lambda: make().astype(np.float16),
+                                                    what=name), raw_dtype=T.F16)
+        else:
+            byte_shape = gguf.quant_shape_to_byte_shape(shape, new)
+            quantized = lambda: np.asarray(self.core.quantize(make(), int(new))).reshape(byte_shape)  # noqa: E731
+            self.writer.add_tensor(name, LazyTensor(byte_shape, np.uint8, quantized, what=name), raw_dtype=new)
+
+    def random_like(self, src: np.ndarray, shape: tuple[int, ...]):
+        """make() for a random tensor of `shape` at the scale of `src` (the next salt's stream)."""
+        scale, seed, salt = float(src.std()) or 0.02, self.seed, self.salt
+        return lambda: np.random.default_rng([seed, salt]).standard_normal(shape, dtype=np.float32) * scale
+
+    def add_trained(self, tensors: dict[str, gguf.ReaderTensor]) -> None:
+        """The source's tensors: FFNs widened, everything else as it is."""
+        n_ff, extra_units = self.n_ff, self.n_ff - self.n_ff_old
+        for name, t in tensors.items():
+            src = _source_array(t)
+            m = _LAYER_RE.match(name)
+            suffix = m[2] if m else ""
+            self.salt += 1
+            if suffix in ("ffn_gate.weight", "ffn_up.weight"):  # numpy [n_ff, E]: extra random rows
+                extra = self.random_like(src, (extra_units, src.shape[1]))
+                self.add(name, lambda src=src, extra=extra: np.concatenate([src, extra()]), (n_ff, src.shape[1]),
+                         True)
+            elif suffix == "ffn_down.weight":  # numpy [E, n_ff]: zero columns
+                self.add(name, lambda src=src: np.concatenate([src, np.zeros((src.shape[0], extra_units),
+                                                                             np.float32)], axis=1),
+                         (src.shape[0], n_ff), True)
+            else:
+                self.add(name, lambda src=src: src, src.shape, True)
+
+    def add_appended(self, tensors: dict[str, gguf.ReaderTensor], n_layer: int, extra_layers: int,
+                     recurrent: list[bool] | None) -> None:
+        """The appended layers: the shapes of the first trained layer of the same kind, random inputs, zero
+        outputs."""
+        first = {False: 0, True: 0}  # the first trained layer of each kind (recurrent or not)
+        if recurrent is not None:
+            first = {r: next(il for il in range(n_layer) if recurrent[il] == r) for r in (False, True)}
+        for il in range(n_layer, n_layer + extra_layers):
+            prefix = f"blk.{first[recurrent[il]] if recurrent is not None else 0}."
+            for name, t in tensors.items():
+                if name.startswith(prefix):
+                    self._add_appended_tensor(f"blk.{il}.", name[len(prefix):], _source_array(t))
+
+    def _add_appended_tensor(self, prefix: str, suffix: str, src: np.ndarray) -> None:
+        shape = src.shape
+        if suffix in ("ffn_gate.weight", "ffn_up.weight"):
+            shape = (self.n_ff, src.shape[1])
+        elif suffix == "ffn_down.weight":
+            shape = (src.shape[0], self.n_ff)
+        self.salt += 1
+        if suffix in _OUTPUT_PROJECTIONS:
+            self.add(prefix + suffix, lambda: np.zeros(shape, np.float32), shape, False)
+        elif len(shape) == 1 or suffix.endswith("norm.weight") or "ssm_conv1d" in suffix:
+            self.add(prefix + suffix, lambda: src, shape, False)  # norms, gates' biases, decay rates, conv
+        else:
+            self.add(prefix + suffix, self.random_like(src, shape), shape, False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,15 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-layers", type=int, default=12, help="appended pass-through layers (default 12)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
-    try:
-        inflate_gguf(args.infile, args.outfile, args.type, n_ff=args.n_ff, extra_layers=args.extra_layers,
-                     seed=args.seed)
-    except ConversionError as e:
-        print(f"inflate: error: {e}", file=sys.stderr)
-        return 1
-    print(args.outfile)
-    return 0
+    return run_command("inflate", lambda: inflate_gguf(args.infile, args.outfile, args.type, n_ff=args.n_ff,
+                                                       extra_layers=args.extra_layers, seed=args.seed))
 
 
 if __name__ == "__main__":

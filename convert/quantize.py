@@ -31,7 +31,7 @@ import numpy as np
 
 from pydflash.errors import ConversionError
 
-from .base import LazyTensor, write_gguf_file
+from .base import LazyTensor, run_command, write_gguf_file
 
 logger = logging.getLogger("pydflash.convert")
 
@@ -295,14 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="log every tensor")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
-    try:
-        quantize_gguf(args.infile, args.outfile, args.type, progress=not args.no_progress)
-    except ConversionError as e:
-        print(f"pydflash-quantize: error: {e}", file=sys.stderr)
-        return 1
-    print(args.outfile)
-    return 0
+    return run_command("pydflash-quantize",
+                       lambda: quantize_gguf(args.infile, args.outfile, args.type, progress=not args.no_progress),
+                       verbose=args.verbose)
 
 
 if __name__ == "__main__":

@@ -16,22 +16,11 @@ import gguf
 from pydflash.errors import ConversionError
 
 from .base import ModelConverter, register
+from .qwen_names import QWEN3_LAYER
 from .vocab import set_vocab_gpt2
 
 # HF name (after "model.layers.N.") → GGUF name (after "blk.N.")
-_LAYER_TENSORS = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+_LAYER_TENSORS = QWEN3_LAYER
 _GLOBAL_TENSORS = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",

@@ -26,6 +26,7 @@ import numpy as np
 from pydflash.errors import ConversionError
 
 from .base import LazyTensor, ModelConverter, index_safetensors, register
+from .qwen_names import ATTENTION, FFN, weights
 from .vocab import set_vocab_gpt2
 
 logger = logging.getLogger("pydflash.convert")
@@ -69,18 +70,9 @@ KEY_SSM_INNER_SIZE = "{arch}.ssm.inner_size"
 _COMMON = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
+    **weights(FFN),
 }
-_ATTENTION = {
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-}
+_ATTENTION = weights(ATTENTION)
 _LINEAR = {
     "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
     "linear_attn.in_proj_z.weight": "attn_gate.weight",

@@ -197,60 +197,18 @@ def _load_special(v: GPT2Vocab, model_dir: Path, tok: dict[str, Any], added_toke
     """Special ids, add-BOS/EOS flags and chat template, with gguf.SpecialVocab's precedence:
     tokenizer_config.json `<kind>_token` (looked up among added tokens) first, then config.json
     `<kind>_token_id`; the first value found for a kind wins."""
-
-    def set_id(kind: str, tid: Any) -> None:
-        if not isinstance(tid, int) or isinstance(tid, bool):
-            return
-        if tid < 0:
-            raise ConversionError(f"{model_dir}: invalid {kind} token id {tid}")
-        if tid >= n_vocab:
-            logger.warning("%s: %s token id %d is outside the vocabulary (%d); not written", model_dir, kind, tid, n_vocab)
-        elif kind not in v.special_token_ids:
-            v.special_token_ids[kind] = tid
-
     if (normalizer := tok.get("normalizer")):
         _parse_normalizer(v, normalizer)
-
     tc_path = model_dir / "tokenizer_config.json"
-    tc: dict[str, Any] | None = _read_json(tc_path) if tc_path.is_file() else None
-    if tc is not None and not isinstance(tc, dict):
-        raise ConversionError(f"{tc_path}: expected a JSON object")
-
-    if tc is not None:
-        if not tc.get("bos_token") and tc.get("cls_token"):
-            tc["bos_token"] = tc["cls_token"]
-        if not tc.get("eos_token") and tc.get("sep_token"):
-            tc["eos_token"] = tc["sep_token"]
-
+    tc = _tokenizer_config(tc_path)
     if (post := tok.get("post_processor")):
-        for proc in post.get("processors", [post]):
-            kind = proc.get("type")
-            if kind == "ByteLevel":
-                v.add_special_token.setdefault("bos", False)
-                v.add_special_token.setdefault("eos", False)
-            else:
-                raise ConversionError(
-                    f"{model_dir / 'tokenizer.json'}: post_processor {kind!r} is not supported (Qwen tokenizers use "
-                    "ByteLevel)")
-
+        _check_post_processor(v, model_dir, post)
     if tc:
-        alt: str | list[dict[str, str]] | None = None
-        jinja = model_dir / "chat_template.jinja"
-        cj = model_dir / "chat_template.json"
-        if jinja.is_file():
-            alt = jinja.read_text(encoding="utf-8")
-            extra = sorted((model_dir / "additional_chat_templates").glob("*.jinja"))
-            if extra:
-                alt = [{"name": "default", "template": alt}]
-                alt += [{"name": p.stem, "template": p.read_text(encoding="utf-8")} for p in extra]
-        elif cj.is_file():
-            alt = (_read_json(cj) or {}).get("chat_template")
-        template = tc.get("chat_template", alt)
+        template = tc.get("chat_template", _chat_template_files(model_dir))
         if template is None or isinstance(template, (str, list)):
             v.chat_template = template
         else:
             logger.warning("%s: chat_template has type %s; ignored", tc_path, type(template).__name__)
-
         for kind in SPECIAL_TOKEN_TYPES:
             flag = tc.get(f"add_{kind}_token")
             if isinstance(flag, bool) and kind not in v.add_special_token:
@@ -258,10 +216,9 @@ def _load_special(v: GPT2Vocab, model_dir: Path, tok: dict[str, Any], added_toke
             entry = tc.get(f"{kind}_token")
             if isinstance(entry, dict):
                 entry = entry.get("content")
-            if not isinstance(entry, str):
-                continue
-            set_id(kind, next((t.get("id") for t in added_tokens if t.get("content") == entry), None))
-
+            if isinstance(entry, str):
+                tid = next((t.get("id") for t in added_tokens if t.get("content") == entry), None)
+                _set_special_id(v, model_dir, n_vocab, kind, tid)
     cfg_path = model_dir / "config.json"
     if cfg_path.is_file():
         cfg = _read_json(cfg_path)
@@ -269,7 +226,62 @@ def _load_special(v: GPT2Vocab, model_dir: Path, tok: dict[str, Any], added_toke
             tid = cfg.get(f"{kind}_token_id")
             if tid is None and "text_config" in cfg:
                 tid = cfg["text_config"].get(f"{kind}_token_id")
-            set_id(kind, tid)
+            _set_special_id(v, model_dir, n_vocab, kind, tid)
+
+
+def _set_special_id(v: GPT2Vocab, model_dir: Path, n_vocab: int, kind: str, tid: Any) -> None:
+    """`kind`'s id, unless one was found before (an id outside the vocabulary is left out, with a warning)."""
+    if not isinstance(tid, int) or isinstance(tid, bool):
+        return
+    if tid < 0:
+        raise ConversionError(f"{model_dir}: invalid {kind} token id {tid}")
+    if tid >= n_vocab:
+        logger.warning("%s: %s token id %d is outside the vocabulary (%d); not written", model_dir, kind, tid, n_vocab)
+    elif kind not in v.special_token_ids:
+        v.special_token_ids[kind] = tid
+
+
+def _tokenizer_config(tc_path: Path) -> dict[str, Any] | None:
+    """tokenizer_config.json (None if absent), a cls / sep token standing in for a missing bos / eos."""
+    tc: dict[str, Any] | None = _read_json(tc_path) if tc_path.is_file() else None
+    if tc is not None and not isinstance(tc, dict):
+        raise ConversionError(f"{tc_path}: expected a JSON object")
+    if tc is not None:
+        if not tc.get("bos_token") and tc.get("cls_token"):
+            tc["bos_token"] = tc["cls_token"]
+        if not tc.get("eos_token") and tc.get("sep_token"):
+            tc["eos_token"] = tc["sep_token"]
+    return tc
+
+
+def _check_post_processor(v: GPT2Vocab, model_dir: Path, post: dict[str, Any]) -> None:
+    """ByteLevel post-processors (Qwen's) add no BOS / EOS; any other kind is refused."""
+    for proc in post.get("processors", [post]):
+        kind = proc.get("type")
+        if kind == "ByteLevel":
+            v.add_special_token.setdefault("bos", False)
+            v.add_special_token.setdefault("eos", False)
+        else:
+            raise ConversionError(
+                f"{model_dir / 'tokenizer.json'}: post_processor {kind!r} is not supported (Qwen tokenizers use "
+                "ByteLevel)")
+
+
+def _chat_template_files(model_dir: Path) -> str | list[dict[str, str]] | None:
+    """The chat template kept beside tokenizer_config.json: chat_template.jinja (with additional_chat_templates/,
+    as named templates) or chat_template.json."""
+    jinja = model_dir / "chat_template.jinja"
+    cj = model_dir / "chat_template.json"
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+        extra = sorted((model_dir / "additional_chat_templates").glob("*.jinja"))
+        if not extra:
+            return template
+        return [{"name": "default", "template": template}] + \
+            [{"name": p.stem, "template": p.read_text(encoding="utf-8")} for p in extra]
+    if cj.is_file():
+        return (_read_json(cj) or {}).get("chat_template")
+    return None
 
 
 def set_vocab_gpt2(writer: gguf.GGUFWriter, model_dir: str | Path, n_vocab: int | None) -> GPT2Vocab:

@@ -16,11 +16,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import statistics
 import sys
+import threading
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, Iterator, TextIO
+
+from .style import Style
 
 
 def _open_model(args: argparse.Namespace):
@@ -42,31 +47,17 @@ def _run(args: argparse.Namespace) -> int:
     if prompt is None:
         raise ValueError("no prompt: pass -p TEXT")
     with _open_model(args) as model:
-        sampling = model._sampling(**_sampling(args), logit_bias=None, logprobs=None)
-        pieces = model._pieces(prompt, args.max_tokens, None, True, sampling)
+        pieces = model.pieces(prompt, args.max_tokens, **_sampling(args))
         for text, _ in pieces:
             sys.stdout.write(text)
             sys.stdout.flush()
         sys.stdout.write("\n")
-        result = pieces.result
-        t = result["timings"]
-        if result["finish_reason"] == "length" and t["prompt_n"] + t["cached_n"] + len(result["tokens"]) >= model.n_ctx:
+        c = pieces.completion
+        t = c.timings
+        if c.finish_reason == "length" and t["prompt_n"] + t["cached_n"] + len(c.tokens) >= model.n_ctx:
             print(f"pydflash: warning: generation stopped at the end of the context (n_ctx = {model.n_ctx})",
                   file=sys.stderr)
     return 0
-
-
-class _Style:
-    """ANSI styling only when writing to a terminal."""
-
-    def __init__(self, out: TextIO):
-        self.on = hasattr(out, "isatty") and out.isatty()
-
-    def dim(self, text: str) -> str:
-        return f"\x1b[2m{text}\x1b[0m" if self.on and text else text
-
-    def bold(self, text: str) -> str:
-        return f"\x1b[1m{text}\x1b[0m" if self.on and text else text
 
 
 def chat_loop(model, read: Callable[[str], str], out: TextIO, *, sampling: dict, max_tokens: int | None,
@@ -74,7 +65,7 @@ def chat_loop(model, read: Callable[[str], str], out: TextIO, *, sampling: dict,
     """The interactive chat: read() a line per turn ('/reset' forgets the conversation, '/exit' or end of input
     leaves), the answer streamed to `out` (reasoning dimmed on a terminal). Ctrl-C while an answer is being
     written stops that answer only (what was written stays in the history); at the prompt it leaves."""
-    style = _Style(out)
+    style = Style(out)
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     while True:
         try:
@@ -117,8 +108,23 @@ def chat_loop(model, read: Callable[[str], str], out: TextIO, *, sampling: dict,
         history.append({"role": "assistant", "content": answer})
 
 
+@contextlib.contextmanager
+def _ctrl_c_interrupts() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt while chatting on a terminal, also in a process that started with SIGINT
+    ignored (as a shell without job control starts a background command, and so its children): the chat's
+    terminal is its own, and Ctrl-C there is how its user stops an answer."""
+    if not sys.stdin.isatty() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _chat(args: argparse.Namespace) -> int:
-    with _open_model(args) as model:
+    with _open_model(args) as model, _ctrl_c_interrupts():
         kwargs = {"enable_thinking": False} if args.no_think else None
         chat_loop(model, input, sys.stdout, sampling=_sampling(args), max_tokens=args.max_tokens,
                   system=args.system, chat_template_kwargs=kwargs)
@@ -126,7 +132,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .demo import demo_prompts
+    from .demo_pair import demo_prompts
 
     prompts = demo_prompts()[: args.n_prompts]
     with _open_model(args) as model:
@@ -164,10 +170,28 @@ def _serve(args: argparse.Namespace) -> int:
     if args.threads is None:  # slots compute at once: share the cores rather than each spinning on all of them
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         args.threads = max(1, cores // args.parallel)
+    template = _chat_template_file(args.chat_template_file, args.chat_format)
     with _open_model(args) as model:
         serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_key,
-              alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout)
+              alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout, chat_template=template,
+              chat_format=args.chat_format)
     return 0
+
+
+def _chat_template_file(path: str | None, chat_format: str | None) -> str | None:
+    """--chat-template-file's text, checked with --chat-format before the model loads."""
+    from .completions import check_chat_format
+
+    if path is not None and chat_format is not None:
+        raise ValueError("give --chat-template-file or --chat-format, not both")
+    if chat_format is not None:
+        check_chat_format(chat_format, "--chat-format")
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template-file {path}: cannot be read ({e})") from None
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -191,7 +215,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import demo_prompts, run_demo
+    from .demo import run_demo
+    from .demo_pair import demo_prompts
 
     if args.n_prompts < 1:
         raise ValueError(f"--n-prompts must be at least 1, got {args.n_prompts}")
@@ -272,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--read-timeout", type=float, default=30.0,
                        help="seconds a request body may take to arrive (408 after)")
     serve.add_argument("-a", "--alias", default=None, help="the model id clients see (default: the file name)")
+    serve.add_argument("--chat-template-file", default=None, metavar="FILE",
+                       help="a Jinja chat template to render every chat with, instead of the GGUF's own")
+    serve.add_argument("--chat-format", default=None, metavar="NAME",
+                       help="a built-in chat template to render every chat with: chatml")
     serve.set_defaults(func=_serve)
     plan_cmd = sub.add_parser("plan", help="the memory a configuration needs on each device and whether it fits "
                                            "(the GGUFs' metadata only: tensor data may be absent)")

@@ -14,27 +14,21 @@ from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 from ._arguments import bool_arg, optional_int_arg
 from .chat import ChatTemplate, ChatTemplateError, ReasoningStream, split_reasoning
 
-if TYPE_CHECKING:
-    from .model import Model
+if TYPE_CHECKING:  # for the annotations only: model.py imports this module
+    from .model import Completion, Model
 
-# chat_format names with a built-in template
+# chat_format names with a built-in template (llama-cpp-python's names)
 CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
           "{%- endif %}")
 CHAT_FORMATS = {"chatml": CHATML}
 
 
-def _timings(result: dict) -> dict:
-    from .model import _timings as timings  # (model.py imports this module)
-
-    return timings(result["timings"])
-
-
-def _usage(result: dict) -> dict:
-    t = result["timings"]
+def _usage(completion: "Completion") -> dict:
+    t = completion.timings
     prompt = t.get("prompt_n", 0) + t.get("cached_n", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": len(result["tokens"]),
-            "total_tokens": prompt + len(result["tokens"])}
+    return {"prompt_tokens": prompt, "completion_tokens": len(completion.tokens),
+            "total_tokens": prompt + len(completion.tokens)}
 
 
 def _include_usage(stream_options: Mapping | None) -> bool:
@@ -47,35 +41,42 @@ def _include_usage(stream_options: Mapping | None) -> bool:
 
 def create_completion(model: "Model", prompt, *, max_tokens: int | None, echo: bool, stop, stream: bool,
                       stream_options, speculative: bool, sampling: dict) -> dict | Iterator[dict]:
+    """Model.create_completion; `sampling`: Model.generate's sampling keyword arguments."""
     bool_arg("echo", echo)
     bool_arg("stream", stream)
     with_usage = _include_usage(stream_options)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model.model_path}
     prefix = (prompt if isinstance(prompt, str) else model.detokenize(prompt)) if echo else ""
-    pieces = model._pieces(prompt, max_tokens, stop, speculative, sampling)
+    pieces = model.pieces(prompt, max_tokens, stop=stop, speculative=speculative, **sampling)
 
     def choice(text: str, lp: dict | None, finish: str | None) -> dict:
         return {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
 
     if not stream:
         text = prefix + "".join(p for p, _ in pieces)
-        result = pieces.result
-        lp = model._logprobs(result["tokens"], result.get("logprobs"))
-        return {**base, "choices": [choice(text, lp, result["finish_reason"])], "usage": _usage(result),
-                "timings": _timings(result)}
+        c = pieces.completion
+        return {**base, "choices": [choice(text, c.logprobs, c.finish_reason)], "usage": _usage(c),
+                "timings": c.timings}
 
     def chunks() -> Iterator[dict]:
         if prefix:
             yield {**base, "choices": [choice(prefix, None, None)]}
         for text, lp in pieces:
             yield {**base, "choices": [choice(text, lp, None)]}
-        result = pieces.result
-        yield {**base, "choices": [choice("", None, result["finish_reason"])], "timings": _timings(result)}
+        c = pieces.completion
+        yield {**base, "choices": [choice("", None, c.finish_reason)], "timings": c.timings}
         if with_usage:
-            yield {**base, "choices": [], "usage": _usage(result)}
+            yield {**base, "choices": [], "usage": _usage(c)}
 
     return chunks()
+
+
+def check_chat_format(name, option: str = "chat_format") -> str:
+    """`name` if it names a built-in template (CHAT_FORMATS), else ValueError naming it and the names there are."""
+    if name not in CHAT_FORMATS:
+        raise ValueError(f"{option}={name!r} is not one of {', '.join(sorted(CHAT_FORMATS))}")
+    return name
 
 
 def chat_template(model: "Model", template: str | None, chat_format: str | None) -> ChatTemplate:
@@ -88,8 +89,7 @@ def chat_template(model: "Model", template: str | None, chat_format: str | None)
     if template is not None and chat_format is not None:
         raise ValueError("give chat_template or chat_format, not both")
     if chat_format is not None:
-        if chat_format not in CHAT_FORMATS:
-            raise ValueError(f"chat_format={chat_format!r} is not one of {', '.join(sorted(CHAT_FORMATS))}")
+        check_chat_format(chat_format)
         return ChatTemplate(CHAT_FORMATS[chat_format], name=f"chat_format {chat_format}", **specials)
     if template is not None:
         if not isinstance(template, str):
@@ -117,7 +117,7 @@ def _check_chat_options(tools, tool_choice, response_format, chat_template_kwarg
 
 def _chat_logprobs(lp: dict | None) -> dict | None:
     """OpenAI's chat shape (content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]) from
-    the completion shape (Model._logprobs)."""
+    the completion shape (Completion.logprobs)."""
     if lp is None:
         return None
 
@@ -132,6 +132,7 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
                            template: str | None, chat_format: str | None, max_tokens: int | None, stop,
                            stream: bool, stream_options, logprobs: bool, top_logprobs: int | None,
                            speculative: bool, sampling: dict) -> dict | Iterator[dict]:
+    """Model.create_chat_completion; `sampling`: Model.generate's sampling keyword arguments."""
     bool_arg("stream", stream)
     bool_arg("logprobs", logprobs)
     top_logprobs = optional_int_arg("top_logprobs", top_logprobs, 0, 20)
@@ -145,19 +146,18 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
     started = text.rstrip().endswith("<think>")
     sampling = {**sampling, "logprobs": (top_logprobs or 0) if logprobs else None}
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model.model_path}
-    pieces = model._pieces(prompt, max_tokens, stop, speculative, sampling)
+    pieces = model.pieces(prompt, max_tokens, stop=stop, speculative=speculative, **sampling)
 
     if not stream:
         split = split_reasoning("".join(p for p, _ in pieces), started=started)
-        result = pieces.result
+        c = pieces.completion
         message = {"role": "assistant", "content": split.content}
         if split.reasoning_content is not None:
             message["reasoning_content"] = split.reasoning_content
-        lp = _chat_logprobs(model._logprobs(result["tokens"], result.get("logprobs")))
         return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "logprobs": lp,
-                             "finish_reason": result["finish_reason"]}],
-                "usage": _usage(result), "timings": _timings(result)}
+                "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(c.logprobs),
+                             "finish_reason": c.finish_reason}],
+                "usage": _usage(c), "timings": c.timings}
 
     def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
         return {**base, "object": "chat.completion.chunk",
@@ -175,9 +175,9 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
                 yield chunk({field: text}, lp=chat_lp if i == 0 else None)
         for field, text in reasoning.flush():
             yield chunk({field: text})
-        result = pieces.result
-        yield {**chunk({}, result["finish_reason"]), "timings": _timings(result)}
+        c = pieces.completion
+        yield {**chunk({}, c.finish_reason), "timings": c.timings}
         if with_usage:
-            yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(result)}
+            yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(c)}
 
     return chunks()

@@ -15,7 +15,7 @@ import queue
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from . import _core, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
@@ -81,14 +81,48 @@ def sampling_args(n_vocab: int, temperature, top_k, top_p, min_p, typical_p, rep
 
 
 class Pieces:
-    """The (text, logprobs) pieces of a generation, iterated once; `result` is the core's result after."""
+    """The (text, logprobs) pieces of a generation, iterated once. After the last: `result`, the core's result, and
+    `completion`, the Completion that `generate` returns for the same call. Closing the iteration early aborts the
+    generation."""
 
-    def __init__(self, it: Iterator[tuple[str, dict | None]]):
-        self._it = it
+    def __init__(self, it: Iterator[tuple[str, dict | None]],
+                 finish: Callable[[str, dict], Completion] | None = None):
+        self._it, self._finish = it, finish
         self.result: dict | None = None
+        self.completion: Completion | None = None
 
     def __iter__(self) -> Iterator[tuple[str, dict | None]]:
-        self.result = yield from self._it
+        texts: list[str] = []
+        try:
+            while True:
+                try:
+                    text, lp = next(self._it)
+                except StopIteration as end:
+                    self.result = end.value
+                    break
+                if self._finish is not None:
+                    texts.append(text)
+                yield text, lp
+        finally:
+            self._it.close()  # a consumer that stops early aborts the generation now, not when collected
+        if self._finish is not None:
+            self.completion = self._finish("".join(texts), self.result)
+
+
+# generate's sampling keyword arguments and their defaults: what Model.pieces takes as **sampling
+GENERATE_SAMPLING = dict(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
+                         presence_penalty=0.0, frequency_penalty=0.0, repeat_last_n=64, logit_bias=None, seed=None,
+                         logprobs=None)
+
+
+def _nothing_generated(finish_reason: str, sampling: dict) -> dict:
+    """The core's result for a generation that ends before its first token (max_tokens=0, or aborted first)."""
+    result = {"tokens": [], "finish_reason": finish_reason,
+              "timings": {"prompt_n": 0, "cached_n": 0, "prompt_ms": 0.0, "predicted_n": 0, "predicted_ms": 0.0,
+                          "n_target_evals": 0, "sample_ms": 0.0}}
+    if sampling.get("logprobs") is not None:
+        result["logprobs"] = {"token_logprobs": [], "top_logprobs": []}
+    return result
 
 
 def _seed_arg(seed) -> int | None:
@@ -326,7 +360,7 @@ class Model:
     def demo(cls, **kwargs) -> "Model":
         """The embedded trained Qwen3 target with its DFlash drafter (no download); keyword arguments as for
         `Model(...)`."""
-        from .demo import demo_paths
+        from .demo_pair import demo_paths
 
         target, draft = demo_paths()
         kwargs.setdefault("draft_model_path", draft)
@@ -453,6 +487,21 @@ class Model:
             elif text:
                 yield text
 
+    def pieces(self, prompt: str | Sequence[int], max_tokens: int | None = 128, *,
+               stop: str | Sequence[str] | None = None, speculative: bool = True, **sampling) -> Pieces:
+        """The generation as (text, logprobs or None) pieces, as `stream(..., logprobs=n)` yields them, for callers
+        that also need how it ended (the OpenAI-shaped calls, the CLI): once iterated to the end, `.completion` is
+        the Completion `generate` returns. `sampling`: generate's sampling keyword arguments (temperature, top_k,
+        ..., logit_bias, seed, logprobs), with its defaults. The prompt and every argument are checked now, not
+        at the first next()."""
+        args = self._sampling(**{**GENERATE_SAMPLING, **sampling})
+
+        def completion(text: str, result: dict) -> Completion:
+            return Completion(text, result["tokens"], result["finish_reason"], _timings(result["timings"]),
+                              args["seed"], self._logprobs(result["tokens"], result.get("logprobs")))
+
+        return Pieces(self._generate_iter(self._prepare(prompt, max_tokens, speculative), stop, args), completion)
+
     def _pieces(self, prompt, max_tokens, stop, speculative, sampling) -> "Pieces":
         """The generation's pieces; the prompt and max_tokens are checked now (a prompt over the context raises
         here, not in the first next())."""
@@ -469,26 +518,32 @@ class Model:
             if text or lp is not None:
                 pieces.put((text, lp))
 
+        cancel = threading.Event()  # this generation's: the consumer's stopping must reach it whenever it comes
+
         def worker():
             try:
-                outcome["result"] = self._run(prepared, stop, put, sampling)
+                outcome["result"] = self._run(prepared, stop, put, sampling, cancel)
             except BaseException as e:  # re-raised in the consumer
                 outcome["error"] = e
             finally:
                 pieces.put(done)
 
         thread = threading.Thread(target=worker, daemon=True)
-        thread.start()
+        finished = False
         try:
+            thread.start()  # in the try: a KeyboardInterrupt raised while it starts also ends the generation
             while True:
                 piece = pieces.get()
                 if piece is done:
+                    finished = True
                     break
                 yield piece
         finally:
-            if thread.is_alive():
-                self._session.abort()  # the consumer stopped early
-            thread.join()
+            if not finished:  # the consumer stopped early
+                cancel.set()
+                self._session.abort()
+            if thread.is_alive():  # (not yet, if start() was interrupted: _run then returns at once)
+                thread.join()
         if "error" in outcome:
             raise outcome["error"]
         return outcome["result"]
@@ -506,8 +561,10 @@ class Model:
         one more with usage)."""
         from .completions import create_completion
 
-        sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
-                                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                        repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n, logit_bias=logit_bias,
+                        seed=seed, logprobs=logprobs)
         return create_completion(self, prompt, max_tokens=max_tokens, echo=echo, stop=stop, stream=stream,
                                  stream_options=stream_options, speculative=speculative, sampling=sampling)
 
@@ -527,8 +584,10 @@ class Model:
         {"enable_thinking": False}); a <think> block in the reply comes back as reasoning_content."""
         from .completions import create_chat_completion
 
-        sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
-                                  frequency_penalty, repeat_last_n, logit_bias, seed, None)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                        repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n, logit_bias=logit_bias,
+                        seed=seed)
         return create_chat_completion(self, messages, tools=tools, tool_choice=tool_choice,
                                       response_format=response_format, chat_template_kwargs=chat_template_kwargs,
                                       template=chat_template, chat_format=chat_format, max_tokens=max_tokens,
@@ -564,8 +623,13 @@ class Model:
         return {"tokens": texts, "text_offset": offsets, "token_logprobs": raw["token_logprobs"],
                 "top_logprobs": [{piece(t): lp for t, lp in top} for top in raw["top_logprobs"]]}
 
-    def _run(self, prepared, stop, emit, sampling) -> dict:
-        """Generate from `prepared` (what _prepare returned), emit(text, logprobs) as tokens are committed."""
+    def _run(self, prepared, stop, emit, sampling, cancel: threading.Event | None = None) -> dict:
+        """Generate from `prepared` (what _prepare returned), emit(text, logprobs) as tokens are committed.
+        `cancel`, set by abort() or by a consumer that stops early, ends this generation wherever it lands: before
+        the core starts (which clears its own abort flag then) or during it."""
+        cancel = cancel or threading.Event()
+        if cancel.is_set():  # stopped before this thread began: leave at once, without taking the lock
+            return _nothing_generated("abort", sampling)
         tokens, max_tokens, speculative = prepared
         stops = _StopStrings(self.tokenizer, stop_strings(stop))
 
@@ -577,24 +641,21 @@ class Model:
             if lp is not None:
                 produced += sum(len(t) for t in lp["tokens"])
             emit(stops.feed(new_tokens), lp)
-            return not stops.stopped and not self._cancelled.is_set()
+            return not stops.stopped and not cancel.is_set()
 
         if not self._lock.acquire(blocking=False):
             raise ModelBusyError(f"{self.model_path}: this Model is already generating (in another thread, or in a "
                                  f"stream not yet finished); it runs one generation at a time: use one Model per "
                                  f"thread, or finish (or close) the stream first")
-        self._cancelled.clear()
+        self._cancelled = cancel  # abort() ends this generation from now on
         try:
             if not speculative and self._draft is not None:
                 self._draft.forget()  # the target's cache moves on without the drafter's rows
             if max_tokens == 0:
-                result = {"tokens": [], "finish_reason": "length",
-                          "timings": {"prompt_n": 0, "cached_n": 0, "prompt_ms": 0.0, "predicted_n": 0,
-                                      "predicted_ms": 0.0, "n_target_evals": 0, "sample_ms": 0.0}}
-                if sampling.get("logprobs") is not None:
-                    result["logprobs"] = {"token_logprobs": [], "top_logprobs": []}
-                return result
+                return _nothing_generated("length", sampling)
             self._choose_ubatch(tokens)
+            if cancel.is_set():  # aborted before the core began; after this, the callback or its flag ends it
+                return _nothing_generated("abort", sampling)
             result = self._session.generate(tokens, max_tokens=max_tokens,
                                             stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
                                             draft=self._draft if speculative else None, sampling=sampling)

@@ -276,118 +276,160 @@ def _public_error(e: BaseException) -> RequestError:
 @dataclass
 class ServerState:
     pool: SlotPool
+    slots: list[Slot]
     alias: str
     api_key: str | None
     max_body: int
     read_timeout: float
+    chat_options: dict  # the server's chat_template or chat_format, passed to every chat completion
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def create_app(model: Model, *, parallel: int = 1, api_key: str | None = None, alias: str | None = None,
-               max_queue: int = 16, max_body: int = MAX_BODY_BYTES, read_timeout: float = READ_TIMEOUT_S) -> FastAPI:
-    """The FastAPI app serving `model` (and parallel - 1 more sessions over its weights)."""
+               max_queue: int = 16, max_body: int = MAX_BODY_BYTES, read_timeout: float = READ_TIMEOUT_S,
+               chat_template: str | None = None, chat_format: str | None = None) -> FastAPI:
+    """The FastAPI app serving `model` (and parallel - 1 more sessions over its weights). `chat_template` (a
+    Jinja template's text) or `chat_format` (a name, e.g. "chatml") renders every chat instead of the GGUF's
+    own template, as llama-server's --chat-template-file and llama-cpp-python's chat_format do."""
+    state = _server_state(model, parallel, api_key, alias, max_queue, max_body, read_timeout,
+                          _chat_options(model, chat_template, chat_format))
+    app = FastAPI(title="pydflash", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pydflash = state
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestError, _request_error)
+    _add_info_routes(app, state, model)
+    _add_completion_routes(app, state)
+    return app
+
+
+def _server_state(model: Model, parallel, api_key, alias, max_queue, max_body, read_timeout,
+                  chat_options: dict) -> ServerState:
+    """The options checked, and the slots: `model` and parallel - 1 more sessions over its weights."""
     if not isinstance(parallel, int) or parallel < 1:
         raise ValueError(f"parallel = {parallel!r}, expected an int >= 1")
     if not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue = {max_queue!r}, expected an int >= 0")
     slots = [Slot(0, model)] + [Slot(i, model.new_session()) for i in range(1, parallel)]
-    state = ServerState(SlotPool(slots, max_queue), alias or os.path.basename(model.model_path), api_key,
-                        max_body, read_timeout)
-    app = FastAPI(title="pydflash", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.pydflash = state
+    return ServerState(SlotPool(slots, max_queue), slots, alias or os.path.basename(model.model_path), api_key,
+                       max_body, read_timeout, chat_options)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):  # 404, 405 in OpenAI's shape
-        return _error(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(RequestError)
-    async def request_error(request: Request, exc: RequestError):
-        return _error(exc.status, exc.message, exc.kind)
+def _chat_options(model: Model, chat_template: str | None, chat_format: str | None) -> dict:
+    """The chat completion arguments that choose the server's template, checked now (a template that does not
+    compile, an unknown format) rather than at the first request."""
+    options = {k: v for k, v in (("chat_template", chat_template), ("chat_format", chat_format)) if v is not None}
+    if options:
+        from .completions import chat_template as resolve
 
-    def authorize(request: Request) -> None:
-        if state.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
-            raise RequestError(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error")
+        resolve(model, chat_template, chat_format)
+    elif not model.tokenizer.chat_template:
+        logger.warning("%s has no tokenizer.chat_template: /v1/chat/completions will refuse requests (pass "
+                       "--chat-template-file or --chat-format)", model.model_path)
+    return options
 
-    async def read_json(request: Request) -> Any:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > state.max_body:
-            raise RequestError(413, f"the request body has {declared} bytes; at most {state.max_body} are accepted")
-        body = bytearray()
 
-        async def receive_all() -> None:
-            async for part in request.stream():
-                body.extend(part)
-                if len(body) > state.max_body:
-                    raise RequestError(413, f"the request body exceeds {state.max_body} bytes")
+async def _http_error(request: Request, exc: StarletteHTTPException):  # 404, 405 in OpenAI's shape
+    return _error(exc.status_code, str(exc.detail))
 
-        try:
-            await asyncio.wait_for(receive_all(), state.read_timeout)
-        except asyncio.TimeoutError:
-            raise RequestError(408, f"the request body did not arrive within {state.read_timeout:g} s") from None
-        try:
-            return json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RequestError(400, f"the request body is not valid JSON: {e}") from None
 
+async def _request_error(request: Request, exc: RequestError):
+    return _error(exc.status, exc.message, exc.kind)
+
+
+def _authorize(request: Request, state: ServerState) -> None:
+    if state.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        raise RequestError(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error")
+
+
+async def _read_json(request: Request, state: ServerState) -> Any:
+    """The request body as JSON: at most state.max_body bytes, arriving within state.read_timeout."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > state.max_body:
+        raise RequestError(413, f"the request body has {declared} bytes; at most {state.max_body} are accepted")
+    body = bytearray()
+
+    async def receive_all() -> None:
+        async for part in request.stream():
+            body.extend(part)
+            if len(body) > state.max_body:
+                raise RequestError(413, f"the request body exceeds {state.max_body} bytes")
+
+    try:
+        await asyncio.wait_for(receive_all(), state.read_timeout)
+    except asyncio.TimeoutError:
+        raise RequestError(408, f"the request body did not arrive within {state.read_timeout:g} s") from None
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _add_info_routes(app: FastAPI, state: ServerState, model: Model) -> None:
+    """/health and /v1/models."""
     @app.get("/health")
     async def health():
-        return {"status": "ok", "slots_idle": state.pool.n_free, "slots_processing": len(slots) - state.pool.n_free,
-                "requests_waiting": state.pool.n_waiting}
+        return {"status": "ok", "slots_idle": state.pool.n_free,
+                "slots_processing": len(state.slots) - state.pool.n_free, "requests_waiting": state.pool.n_waiting}
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authorize(request)
-        meta = {"arch": model.arch, "n_ctx": model.n_ctx, "n_vocab": model.n_vocab, "parallel": len(slots),
+        _authorize(request, state)
+        meta = {"arch": model.arch, "n_ctx": model.n_ctx, "n_vocab": model.n_vocab, "parallel": len(state.slots),
                 "draft": os.path.basename(model.draft_model_path) if model.draft_model_path else None,
                 "spec_mode": model.spec_mode if model.draft_model_path else None}
         return {"object": "list", "data": [{"id": state.alias, "object": "model", "created": state.created,
                                             "owned_by": "pydflash", "meta": meta}]}
 
-    async def run(request: Request, kind: str):
-        authorize(request)
-        started = time.perf_counter()
-        payload = await read_json(request)
-        if not isinstance(payload, dict):
-            raise RequestError(400, f"the request body must be a JSON object, got {type(payload).__name__}")
-        try:
-            req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(payload)
-        except ValidationError as e:
-            raise RequestError(400, _validation_message(e)) from None
-        kwargs = req.kwargs()
-        key = json.dumps(req.messages if kind == "chat" else req.prompt)
-        create = "create_chat_completion" if kind == "chat" else "create_completion"
-        if kind == "chat":
-            kwargs["messages"] = req.messages
 
-        def produce(m: Model):
-            return getattr(m, create)(**kwargs)
-
-        slot = await state.pool.acquire(key)
-        slot.last_key = key
-        job = Job(state.pool, slot, produce)
-        log = _RequestLog(state, request, kind, slot.index, started)
-        if not req.stream:
-            return await _respond_once(request, job, state, log)
-        try:
-            first = await job.next()  # argument errors (a prompt over the context ...) come before any chunk
-        except BaseException as e:
-            await job.close()
-            raise _public_error(e) from None
-        return EventSourceResponse(_events(job, first, state, log), background=BackgroundTask(job.close),
-                                   ping=15, sep="\n")
-
+def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/chat/completions and /v1/completions."""
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run(request, "chat")
+        return await _complete(request, "chat", state)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run(request, "completion")
+        return await _complete(request, "completion", state)
 
-    return app
+
+def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, str, Callable[[Model], Any]]:
+    """(stream?, the slot-affinity key, what to run on a slot's Model) for a request body."""
+    if not isinstance(payload, dict):
+        raise RequestError(400, f"the request body must be a JSON object, got {type(payload).__name__}")
+    try:
+        req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(payload)
+    except ValidationError as e:
+        raise RequestError(400, _validation_message(e)) from None
+    kwargs = req.kwargs()
+    key = json.dumps(req.messages if kind == "chat" else req.prompt)
+    if kind == "chat":
+        kwargs.update(messages=req.messages, **state.chat_options)
+        return req.stream, key, lambda m: m.create_chat_completion(**kwargs)
+    return req.stream, key, lambda m: m.create_completion(**kwargs)
+
+
+async def _complete(request: Request, kind: str, state: ServerState):
+    """A completion request: on the first free slot (the one that last served the same prompt, if free), answered
+    at once or streamed as server-sent events."""
+    _authorize(request, state)
+    started = time.perf_counter()
+    stream, key, produce = _parse_request(await _read_json(request, state), kind, state)
+    slot = await state.pool.acquire(key)
+    slot.last_key = key
+    job = Job(state.pool, slot, produce)
+    log = _RequestLog(state, request, kind, slot.index, started)
+    if not stream:
+        return await _respond_once(request, job, state, log)
+    try:
+        first = await job.next()  # argument errors (a prompt over the context ...) come before any chunk
+    except BaseException as e:
+        await job.close()
+        raise _public_error(e) from None
+    return EventSourceResponse(_events(job, first, state, log), background=BackgroundTask(job.close),
+                               ping=15, sep="\n")
 
 
 class _RequestLog:
@@ -463,10 +505,11 @@ async def _events(job: Job, first, state: ServerState, log: _RequestLog):
 
 def serve(model: Model, *, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1,
           api_key: str | None = None, alias: str | None = None, max_queue: int = 16,
-          read_timeout: float = READ_TIMEOUT_S, log_level: str = "info") -> None:
-    """Run the server until interrupted."""
+          read_timeout: float = READ_TIMEOUT_S, log_level: str = "info", chat_template: str | None = None,
+          chat_format: str | None = None) -> None:
+    """Run the server until interrupted (arguments as for `create_app`)."""
     app = create_app(model, parallel=parallel, api_key=api_key, alias=alias, max_queue=max_queue,
-                     read_timeout=read_timeout)
+                     read_timeout=read_timeout, chat_template=chat_template, chat_format=chat_format)
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

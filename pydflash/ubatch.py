@@ -35,7 +35,7 @@ def choose(ms_per_token: dict[int, float]) -> int:
 
 
 def _cache_path() -> str:
-    from .demo import cache_dir  # ($PYDFLASH_CACHE, else $XDG_CACHE_HOME/pydflash, else ~/.cache/pydflash)
+    from .cache_paths import cache_dir  # ($PYDFLASH_CACHE, else $XDG_CACHE_HOME/pydflash, else ~/.cache/pydflash)
 
     return os.path.join(cache_dir(), "ubatch.json")
 

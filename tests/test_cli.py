@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import sys
+import threading
 import time
 
 import pydflash
@@ -173,3 +175,71 @@ def test_chat_on_a_terminal(tmp_path):
     assert b"(conversation reset)" in term.read_until(prompt)
     term.type(b"/exit\r")
     assert term.wait() == 0
+
+
+def test_chat_on_a_terminal_started_with_ctrl_c_ignored(tmp_path):
+    """A process started with SIGINT ignored (as a shell without job control starts `pytest ... &`, and so the
+    chat under it): Ctrl-C on the chat's own terminal still stops the answer."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited across fork and exec
+    try:
+        term = _Terminal(["chat", TARGET, "-md", DRAFT, "-c", "8192", "-n", "4000", "--temp", "0", "-t", "1"],
+                         str(tmp_path))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    prompt = b"\x1b[1m> \x1b[0m"
+    term.read_until(prompt)
+    term.type(b"write a long module\r")
+    term.read_until(b"module\r\n")
+    term.read_more(20)
+    term.type(b"\x03")
+    assert b"[stopped]" in term.read_until(prompt, timeout=30)
+    term.type(b"/exit\r")
+    assert term.wait() == 0
+
+
+class _RecordingSession:
+    """A Model's core session that records abort() calls and what generate() returned."""
+
+    def __init__(self, session):
+        self._session, self.aborted, self.results = session, threading.Event(), []
+
+    def abort(self):
+        self.aborted.set()
+        self._session.abort()
+
+    def generate(self, *args, **kwargs):
+        self.results.append(self._session.generate(*args, **kwargs))
+        return self.results[-1]
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
+def test_ctrl_c_before_the_first_token_stops_the_answer():
+    """Ctrl-C that lands while the answer is being set up, before the core generates (which clears the core's
+    abort flag as it starts), still ends that answer rather than letting it run to max_tokens."""
+    with pydflash.Model(TARGET, n_ctx=4096, n_threads=1) as m:
+        session = m._session = _RecordingSession(m._session)
+        prepare = m._choose_ubatch
+
+        def interrupted(tokens):  # on the generation's thread, just before the core's generate
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            assert session.aborted.wait(60), "the chat did not abort on Ctrl-C"
+            prepare(tokens)
+
+        m._choose_ubatch = interrupted
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            out = io.StringIO()
+            banned = {t: float("-inf") for t in m.tokenizer.eog_token_ids}  # else the answer runs to max_tokens
+            chat_loop(m, _Lines(["write a long module"]), out, sampling=dict(temperature=0.0, logit_bias=banned),
+                      max_tokens=2000)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        assert out.getvalue().split("\n")[0].endswith("[stopped]")
+        assert session.aborted.is_set()  # the chat asked the core to stop, while the thread waited for it
+        ended = list(session.results)
+        assert all(r["finish_reason"] == "abort" and len(r["tokens"]) <= 1 for r in ended), \
+            [(r["finish_reason"], len(r["tokens"])) for r in ended]
+        m._choose_ubatch = prepare
+        assert m.generate("x", max_tokens=2).tokens  # the stopped turn let go of the Model (not busy)

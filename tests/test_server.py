@@ -413,3 +413,62 @@ def test_a_target_without_drafter_serves_plainly():
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
             assert "tau" not in r.json()["timings"]
+
+
+@pytest.fixture
+def no_template_target(tmp_path):
+    """The qwen3 target with its tokenizer.chat_template dropped (as many converted GGUFs come)."""
+    from gguf_edit import rewrite
+
+    return rewrite(PAIRS / "qwen3-target-q8_0.gguf", tmp_path / "no-template.gguf",
+                   drop_keys=["tokenizer.chat_template"])
+
+
+def test_a_gguf_without_a_template_serves_chat_with_a_template_file_or_a_format(no_template_target, llama_cpp_dir):
+    """create_app(chat_template=...) is --chat-template-file's text (llama-server's), chat_format= a built-in
+    name (llama-cpp-python's): every chat renders with it, as the Python API's own argument would."""
+    from fastapi.testclient import TestClient
+
+    import pydflash
+    from pydflash.chat import ChatTemplateError
+    from pydflash.server import create_app
+
+    template = (llama_cpp_dir / "models" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0.0}
+    with pydflash.Model(no_template_target, n_ctx=512, n_threads=1) as m:
+        with TestClient(create_app(m)) as http:  # as before: the error says why
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and "no tokenizer.chat_template" in r.json()["error"]["message"]
+        for option in (dict(chat_template=template), dict(chat_format="chatml")):
+            ref = m.create_chat_completion(MESSAGES, max_tokens=8, temperature=0.0, **option)
+            with TestClient(create_app(m, **option)) as http:
+                r = http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"] == ref["choices"][0]["message"]
+        with pytest.raises(ValueError, match="chat_format='vicuna' is not one of chatml"):
+            create_app(m, chat_format="vicuna")
+        with pytest.raises(ChatTemplateError, match="does not compile"):
+            create_app(m, chat_template="{% if %}")
+
+
+def test_serve_takes_a_chat_template_file_or_a_chat_format(tmp_path, monkeypatch, capsys):
+    """`pydflash serve --chat-template-file F` hands F's text to the server, `--chat-format NAME` the name; an
+    unknown name, a missing file or both at once fail before the model loads, naming what is wrong."""
+    import pydflash.server
+    from pydflash.cli import main
+
+    served = []
+    monkeypatch.setattr(pydflash.server, "serve", lambda model, **kw: served.append(kw))
+    target = str(PAIRS / "qwen3-target-q8_0.gguf")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert main(["serve", target, "-c", "256", "--chat-template-file", str(template)]) == 0
+    assert main(["serve", target, "-c", "256", "--chat-format", "chatml"]) == 0
+    assert [(kw["chat_template"], kw["chat_format"]) for kw in served] == [(template.read_text(), None),
+                                                                          (None, "chatml")]
+    for args, message in ((["--chat-format", "vicuna"], "--chat-format='vicuna' is not one of chatml"),
+                          (["--chat-template-file", str(tmp_path / "none.jinja")], "none.jinja: cannot be read"),
+                          (["--chat-template-file", str(template), "--chat-format", "chatml"], "not both")):
+        capsys.readouterr()
+        assert main(["serve", "missing.gguf", *args]) == 1  # checked before the (missing) model loads
+        assert message in capsys.readouterr().err
