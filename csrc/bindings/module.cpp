@@ -285,7 +285,6 @@ static py::dict timings_dict(const generate_timings & t, bool speculative, const
     d["n_target_evals"] = t.n_target_evals;
     d["sample_ms"]      = t.sample_ms;
     if (speculative) {
-        d["warm_up_ms"]       = t.warm_up_ms;
         d["draft_n"]          = t.draft_n;
         d["draft_n_accepted"] = t.draft_n_accepted;
         d["n_rounds"]         = t.n_rounds;
@@ -509,10 +508,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
             for (const auto & kv : tree_verify_ms) {
                 costs.calibrate_verify(kv.first, true, kv.second);
             }
-            costs.set_calibrated();
-            if (spec_rate > 0) {
-                costs.observe_spec_round(1, 1.0 / spec_rate);
-            }
+            costs.set_spec_rate(spec_rate);
             acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
             return choose_verify_budget(t, costs, acceptance, recurrent);
         },
@@ -751,10 +747,26 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
                 out["plain_rate"]  = c.plain_rate();
                 out["spec_rate"]   = c.spec_rate();
                 out["p_accept_at_half"] = p_half;
+                py::dict measured, measured_tree;  // (cost_cache.py keeps these across processes)
+                for (const cost_model::measurement & x : c.measured()) {
+                    (x.tree ? measured_tree : measured)[py::int_(x.width)] = x.ms;
+                }
+                out["measured"] = py::make_tuple(measured, measured_tree);
                 return out;
             },
             "The speculation cost model: measured verify times per width, draft time, rates (tokens/ms), and the "
             "acceptance of the drafter's first choice by depth when it gives it probability 0.5-0.6.")
+        .def("restore_costs", [](py_draft & d, const std::map<int, double> & chain, const std::map<int, double> & tree) {
+                 std::vector<cost_model::measurement> table;
+                 for (const auto & [w, ms] : chain) {
+                     table.push_back({w, false, ms});
+                 }
+                 for (const auto & [w, ms] : tree) {
+                     table.push_back({w, true, ms});
+                 }
+                 d.state->costs.restore(table);
+             }, py::arg("verify_ms"), py::arg("tree_verify_ms"),
+             "Verify times (ms by grid width) measured earlier, as costs()['measured'] gave them.")
         .def(
             "draft",
             [](py_draft & pd, py::array_t<float, py::array::c_style | py::array::forcecast> feats,

@@ -24,6 +24,19 @@ int cost_model::grid_index(int n) const {
     return (int) (std::lower_bound(grid_.begin(), grid_.end(), n) - grid_.begin());
 }
 
+bool cost_model::calibrated() const {
+    return std::all_of(chain_seen_.begin(), chain_seen_.end(), [](bool seen) { return seen; });
+}
+
+int cost_model::frontier() const {
+    for (size_t i = 0; i < grid_.size(); ++i) {
+        if (!chain_seen_[i]) {
+            return grid_[i];
+        }
+    }
+    return max_width_;
+}
+
 double cost_model::verify_ms(int n, bool tree) const {
     n = std::clamp(n, 1, max_width_);
     const std::vector<double> & ms   = tree ? tree_ms_ : chain_ms_;
@@ -48,7 +61,9 @@ double cost_model::verify_ms(int n, bool tree) const {
         return ms[hi] * n / grid_[hi];
     }
     if (hi < 0) {
-        return ms[lo] * n / grid_[lo];
+        // past the widest measured (up to the frontier): a chain as the widest, a tree as the chain there in the
+        // ratio measured at its widest
+        return tree ? verify_ms(n, false) * ms[lo] / verify_ms(grid_[lo], false) : ms[lo];
     }
     if (lo == hi) {
         return ms[lo];
@@ -60,18 +75,34 @@ double cost_model::verify_ms(int n, bool tree) const {
 void cost_model::calibrate_verify(int n, bool tree, double ms) {
     const int i = grid_index(n);
     if (i >= (int) grid_.size() || grid_[i] != n) {
-        return;  // calibration runs at grid widths
+        return;  // measured at grid widths
     }
     (tree ? tree_ms_ : chain_ms_)[i] = ms;
     (tree ? tree_seen_ : chain_seen_)[i] = true;
 }
 
-void cost_model::observe_verify(int n, bool tree, double ms) {
-    if (!calibrated_) {
-        // no calibrated shape (chain and tree modes do not need one): the first time of a grid width stands
-        calibrate_verify(n, tree, ms);
+void cost_model::observe(const round & r) {
+    // wider than every measured chain width: the round explored (its verify was estimated optimistically)
+    bool explored = true;
+    for (size_t i = 0; i < grid_.size() && explored; ++i) {
+        explored = !(chain_seen_[i] && grid_[i] >= r.width);
+    }
+    observe_verify(r.width, r.tree, r.verify_ms);
+    rated_last_ = false;
+    if (!r.drafted) {
+        last_drafted_ = false;
         return;
     }
+    observe_draft(r.draft_ms);
+    const bool fresh = !last_drafted_;
+    last_drafted_    = true;
+    if (!explored) {
+        observe_spec_round(r.committed, r.round_ms, fresh);
+        rated_last_ = true;
+    }
+}
+
+void cost_model::observe_verify(int n, bool tree, double ms) {
     std::vector<double> & v    = tree ? tree_ms_ : chain_ms_;
     std::vector<bool> &   seen = tree ? tree_seen_ : chain_seen_;
     n = std::clamp(n, 1, max_width_);
@@ -80,12 +111,17 @@ void cost_model::observe_verify(int n, bool tree, double ms) {
     const double at_n = verify_ms(n, tree);
     // a width between two grid points counts for both, by how near it is
     const double t = lo == hi ? 0.0 : double(n - grid_[lo]) / double(grid_[hi] - grid_[lo]);
-    for (const auto & [i, w] : {std::pair<int, double>{lo, 1.0 - t}, std::pair<int, double>{hi, t}}) {
-        if (w <= 0.0 || !seen[i]) {
+    double carried[2];  // the observation carried to each grid width through the shape estimated before it
+    for (int k : {0, 1}) {
+        carried[k] = ms * verify_ms(grid_[k == 0 ? lo : hi], tree) / at_n;
+    }
+    for (const auto & [k, w] : {std::pair<int, double>{0, 1.0 - t}, std::pair<int, double>{1, t}}) {
+        const int i = k == 0 ? lo : hi;
+        if (w <= 0.0) {
             continue;
         }
-        const double scaled = ms * v[i] / at_n;  // the observation carried to grid width grid_[i]
-        v[i] += AVERAGE_WEIGHT * w * (scaled - v[i]);
+        v[i]    = seen[i] ? v[i] + AVERAGE_WEIGHT * w * (carried[k] - v[i]) : carried[k];
+        seen[i] = true;
     }
 }
 
@@ -100,6 +136,27 @@ void cost_model::observe_spec_round(int committed, double ms, bool fresh) {
     const double rate = committed / std::max(ms, 1e-6);
     const double w    = fresh ? FRESH_WEIGHT : AVERAGE_WEIGHT;
     spec_rate_        = spec_rate_ > 0 ? (1 - w) * spec_rate_ + w * rate : rate;
+}
+
+std::vector<cost_model::measurement> cost_model::measured() const {
+    std::vector<measurement> out;
+    for (size_t i = 0; i < grid_.size(); ++i) {
+        if (chain_seen_[i]) {
+            out.push_back({grid_[i], false, chain_ms_[i]});
+        }
+        if (tree_seen_[i]) {
+            out.push_back({grid_[i], true, tree_ms_[i]});
+        }
+    }
+    return out;
+}
+
+void cost_model::restore(const std::vector<measurement> & table) {
+    for (const measurement & m : table) {
+        if (m.ms > 0 && std::isfinite(m.ms)) {
+            calibrate_verify(m.width, m.tree, m.ms);
+        }
+    }
 }
 
 }  // namespace pdf
