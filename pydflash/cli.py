@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -161,9 +160,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
-    if args.threads is None:  # slots compute at once: share the cores rather than each spinning on all of them
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        args.threads = max(1, cores // args.parallel)
     with _open_model(args) as model:
         serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_key,
               alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout)

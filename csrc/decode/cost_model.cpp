@@ -8,6 +8,7 @@ namespace pdf {
 // weight of a new measurement in a running average: recent rounds dominate (context grows, caches warm)
 static constexpr double AVERAGE_WEIGHT = 0.2;
 static constexpr double FRESH_WEIGHT   = 0.5;
+static constexpr double STALL_BOUND    = 2.0;
 
 cost_model::cost_model(int max_width) : max_width_(std::max(1, max_width)) {
     for (int w = 1; w < max_width_; w *= 2) {
@@ -18,6 +19,8 @@ cost_model::cost_model(int max_width) : max_width_(std::max(1, max_width)) {
     tree_ms_.assign(grid_.size(), 0.0);
     chain_seen_.assign(grid_.size(), false);
     tree_seen_.assign(grid_.size(), false);
+    chain_tried_.assign(grid_.size(), false);
+    tree_tried_.assign(grid_.size(), false);
 }
 
 int cost_model::grid_index(int n) const {
@@ -104,7 +107,8 @@ void cost_model::observe(const round & r) {
 
 void cost_model::observe_verify(int n, bool tree, double ms) {
     std::vector<double> & v    = tree ? tree_ms_ : chain_ms_;
-    std::vector<bool> &   seen = tree ? tree_seen_ : chain_seen_;
+    std::vector<bool> &   seen  = tree ? tree_seen_ : chain_seen_;
+    std::vector<bool> &   tried = tree ? tree_tried_ : chain_tried_;
     n = std::clamp(n, 1, max_width_);
     const int hi = grid_index(n);                      // grid_[hi] >= n
     const int lo = grid_[hi] == n ? hi : hi - 1;       // grid_[lo] <= n
@@ -120,8 +124,16 @@ void cost_model::observe_verify(int n, bool tree, double ms) {
         if (w <= 0.0) {
             continue;
         }
-        v[i]    = seen[i] ? v[i] + AVERAGE_WEIGHT * w * (carried[k] - v[i]) : carried[k];
-        seen[i] = true;
+        if (seen[i]) {
+            // at most twice the time so far: a stall (the machine busy elsewhere) moves it by a fifth at most
+            v[i] += AVERAGE_WEIGHT * w * (std::min(carried[k], STALL_BOUND * v[i]) - v[i]);
+        } else if (!tried[i]) {
+            v[i]     = carried[k];  // not trusted yet: the first evaluation of a shape also builds its graph
+            tried[i] = true;
+        } else {
+            v[i]    = std::min(v[i], carried[k]);
+            seen[i] = true;
+        }
     }
 }
 

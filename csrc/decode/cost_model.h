@@ -47,7 +47,8 @@ class cost_model {
         double round_ms;   // the whole round
     };
     // The verify moves the times of the grid widths around its width (a running average, through the shape
-    // between them, so the widths rounds use stay current); the first time of a grid width stands. A drafted
+    // between them, so the widths rounds use stay current); a grid width is measured by the faster of its first
+    // two evaluations (the first also builds the graph). A drafted
     // round moves the speculative rate, unless it explored a width beyond those measured (it was not chosen for
     // its rate); the first after a plain round starts a new run of speculation and counts more.
     void observe(const round & r);
@@ -74,7 +75,8 @@ class cost_model {
     void                observe_spec_round(int committed, double ms, bool fresh);
     std::vector<int>    grid_;
     std::vector<double> chain_ms_, tree_ms_;
-    std::vector<bool>   chain_seen_, tree_seen_;
+    std::vector<bool>   chain_seen_, tree_seen_;    // measured
+    std::vector<bool>   chain_tried_, tree_tried_;  // evaluated once (its time is not trusted until a second)
     int                 max_width_;
     double              draft_ms_     = 0.0;
     bool                draft_seen_   = false;
