@@ -124,17 +124,29 @@ void cost_model::observe_verify(int n, bool tree, double ms) {
         if (w <= 0.0) {
             continue;
         }
+        const double x = plausible(v, seen, i, carried[k]);
         if (seen[i]) {
             // at most twice the time so far: a stall (the machine busy elsewhere) moves it by a fifth at most
-            v[i] += AVERAGE_WEIGHT * w * (std::min(carried[k], STALL_BOUND * v[i]) - v[i]);
+            v[i] += AVERAGE_WEIGHT * w * (std::min(x, STALL_BOUND * v[i]) - v[i]);
         } else if (!tried[i]) {
-            v[i]     = carried[k];  // not trusted yet: the first evaluation of a shape also builds its graph
+            v[i]     = x;  // not trusted yet: the first evaluation of a shape also builds its graph
             tried[i] = true;
         } else {
-            v[i]    = std::min(v[i], carried[k]);
+            v[i]    = std::min(v[i], x);
             seen[i] = true;
         }
     }
+}
+
+double cost_model::plausible(const std::vector<double> & v, const std::vector<bool> & seen, int i, double ms) const {
+    // a batch costs no more than a wider one, nor more than a narrower one's time scaled up by the widths (it
+    // could be run as several): a time past these bounds is a stall (the machine busy elsewhere), not the cost
+    for (int j = 0; j < (int) grid_.size(); ++j) {
+        if (seen[j] && j != i) {
+            ms = std::min(ms, v[j] * std::max(1.0, double(grid_[i]) / grid_[j]));
+        }
+    }
+    return ms;
 }
 
 void cost_model::observe_draft(double ms) {
@@ -168,6 +180,10 @@ void cost_model::restore(const std::vector<measurement> & table) {
         if (m.ms > 0 && std::isfinite(m.ms)) {
             calibrate_verify(m.width, m.tree, m.ms);
         }
+    }
+    for (size_t i = 0; i < grid_.size(); ++i) {
+        chain_ms_[i] = plausible(chain_ms_, chain_seen_, (int) i, chain_ms_[i]);
+        tree_ms_[i]  = plausible(tree_ms_, tree_seen_, (int) i, tree_ms_[i]);
     }
 }
 

@@ -72,6 +72,8 @@ class cost_model {
     int                 grid_index(int n) const;
     void                observe_verify(int n, bool tree, double ms);
     void                observe_draft(double ms);
+    // ms bounded by the other measured grid widths' times (v, seen: chain or tree) at grid width i
+    double              plausible(const std::vector<double> & v, const std::vector<bool> & seen, int i, double ms) const;
     void                observe_spec_round(int committed, double ms, bool fresh);
     std::vector<int>    grid_;
     std::vector<double> chain_ms_, tree_ms_;
