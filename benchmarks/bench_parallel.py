@@ -3,8 +3,9 @@
 speculative, and where speculation stops paying as streams compete for the machine.
 
 Each of N streams is a session of its own over one copy of the weights (`Model.new_session()`, what
-`pydflash serve --parallel N` runs), on a thread of its own with threads // N compute threads (what
-`pydflash serve` does when -t is not given). Every stream runs the same --n-prompts held-out code prompts
+`pydflash serve --parallel N` runs), on a thread of its own. Every session is given --threads, as
+`pydflash serve -t` gives them: the threads of the whole model, whose sessions take turns on them (llama-server's
+meaning of -t). Every stream runs the same --n-prompts held-out code prompts
 (rotated by stream) for --max-tokens tokens each; the N streams start together.
 
   aggregate tok/s   all streams' generated tokens / the wall time until the last stream finished
@@ -39,7 +40,7 @@ ENGINES = [("plain", None), ("chain", dict(spec_mode="chain")), ("auto", dict(sp
 
 
 def run_streams(pair: dict, engine: dict | None, n_streams: int, prompts: list[str], args) -> dict:
-    threads = max(1, args.threads // n_streams)
+    threads = args.threads
     first = pydflash.Model(pair["target"], n_ctx=2048, n_threads=threads,
                            draft_model_path=None if engine is None else pair["draft"], **(engine or {}))
     sessions = [first] + [first.new_session() for _ in range(n_streams - 1)]
@@ -81,7 +82,7 @@ def run_streams(pair: dict, engine: dict | None, n_streams: int, prompts: list[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2, help="compute threads in all (split between streams)")
+    ap.add_argument("--threads", type=int, default=2, help="compute threads in all (shared by the streams)")
     ap.add_argument("--streams", default="1,2,4")
     ap.add_argument("--pairs", default="tiny,realistic")
     ap.add_argument("--archs", default="qwen3,qwen35")

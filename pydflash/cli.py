@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import statistics
 import sys
@@ -167,9 +166,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
-    if args.threads is None:  # slots compute at once: share the cores rather than each spinning on all of them
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        args.threads = max(1, cores // args.parallel)
     template = _chat_template_file(args.chat_template_file, args.chat_format)
     with _open_model(args) as model:
         serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_key,

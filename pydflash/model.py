@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from . import _core, ubatch
+from . import _core, cost_cache, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
 from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
@@ -307,6 +307,8 @@ class Model:
         if self._ubatch_sizes is not None:
             self._ubatch_key = ubatch.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
                                                 options["n_gpu_layers"], self._ubatch_sizes)
+        self._cost_key = cost_cache.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
+                                              options["n_gpu_layers"])
 
     def _open_session(self, log: bool = False) -> None:
         """This Model's own session over the loaded weights: KV cache, recurrent state, the drafter's context
@@ -328,6 +330,7 @@ class Model:
                             self.draft_model_path, self._draft.block_size, self._draft.trained_block_size,
                             self._draft.capture_layers, self._draft.weight_bytes / 2**20, self._draft.window,
                             self._draft.kv_bytes / 2**20, self._draft.ring_capacity, self._draft.ring_bytes / 2**20)
+        cost_cache.restore(self._draft, self._cost_key)  # what verifying cost here before (cost_cache.py)
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
         self._ubatch_pending = self._ubatch_sizes is not None
@@ -659,6 +662,7 @@ class Model:
             result = self._session.generate(tokens, max_tokens=max_tokens,
                                             stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
                                             draft=self._draft if speculative else None, sampling=sampling)
+            cost_cache.remember(self._draft if speculative else None, self._cost_key)
         finally:
             self._lock.release()
         if stops.stopped:

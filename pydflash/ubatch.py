@@ -10,12 +10,10 @@ is cached on disk per model file, drafter, machine, thread count and offload, so
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import tempfile
 
-from . import _core
+from . import _core, cache_paths
 
 __all__ = ["choose", "cache_key", "calibrate"]
 
@@ -23,6 +21,7 @@ __all__ = ["choose", "cache_key", "calibrate"]
 # for the largest until the choice is made.)
 # a larger micro-batch must be at least this much cheaper per token to be preferred
 TIE = 0.03
+CACHE_FILE = "ubatch.json"
 
 
 def choose(ms_per_token: dict[int, float]) -> int:
@@ -32,12 +31,6 @@ def choose(ms_per_token: dict[int, float]) -> int:
         if best is None or ms_per_token[size] < ms_per_token[best] * (1 - TIE):
             best = size
     return best
-
-
-def _cache_path() -> str:
-    from .cache_paths import cache_dir  # ($PYDFLASH_CACHE, else $XDG_CACHE_HOME/pydflash, else ~/.cache/pydflash)
-
-    return os.path.join(cache_dir(), "ubatch.json")
 
 
 def _machine() -> str:
@@ -60,36 +53,12 @@ def cache_key(model_path: str, draft_path: str | None, n_threads: int, n_gpu_lay
                      f"threads={n_threads}", f"ngl={n_gpu_layers}", "sizes=" + ",".join(map(str, sizes))])
 
 
-def _read_cache() -> dict:
-    try:
-        with open(_cache_path()) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(key: str, value: dict) -> None:
-    # best effort (a read-only home only means measuring again next time); replaced atomically
-    try:
-        data = _read_cache()
-        data[key] = value
-        path = _cache_path()
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
 def calibrate(session, draft, tokens: list[int], sizes, key: str) -> tuple[int, dict[int, float]]:
     """The micro-batch for `session` (and the DraftSession `draft` capturing from it, or None): from the disk
     cache under `key`, else timed on `tokens` (repeated to the largest size when shorter), which leaves the
     session empty. Returns the size and the measured milliseconds per token by size (empty when it came from
     the cache)."""
-    cached = _read_cache().get(key)
+    cached = cache_paths.read_table(CACHE_FILE).get(key)
     if isinstance(cached, dict) and cached.get("n_ubatch") in sizes:
         return cached["n_ubatch"], {}
     longest = max(sizes)
@@ -97,5 +66,6 @@ def calibrate(session, draft, tokens: list[int], sizes, key: str) -> tuple[int, 
     tokens = (tokens * (longest // len(tokens) + 1))[:longest]
     measured = dict(zip(sizes, session.time_prefill(tokens, sizes, draft)))
     size = choose(measured)
-    _write_cache(key, {"n_ubatch": size, "ms_per_token": {str(k): v for k, v in measured.items()}})
+    cache_paths.write_entry(CACHE_FILE, key,
+                            {"n_ubatch": size, "ms_per_token": {str(k): v for k, v in measured.items()}})
     return size, measured

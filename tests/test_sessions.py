@@ -113,6 +113,25 @@ def test_abort_from_another_thread(model):
         assert m.create_completion(PROMPTS[2], **kw)["choices"][0]["text"] == full["choices"][0]["text"]
 
 
+def test_abort_while_another_session_computes(model):
+    """Sessions take turns on the model's CPU workers: one aborted while another generates ends with "abort"
+    (within a round: it waits at most one graph of the other for its turn), and the other's output is what it
+    gives alone."""
+    target, draft = _pair(model.arch)
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=4096, n_threads=1) as big:
+        a, b = big.new_session(), big.new_session()
+        kw = dict(max_tokens=1500, temperature=0.0, logit_bias={t: float("-inf") for t in a.tokenizer.eog_token_ids})
+        alone = a.generate(PROMPTS[2], **kw).tokens
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(lambda: a.generate(PROMPTS[2], **kw).tokens)
+            chunks = b.create_completion(PROMPTS[3], stream=True, **kw)
+            next(chunks)  # both generating now
+            b.abort()
+            rest = list(chunks)
+            assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+            assert other.result() == alone
+
+
 def test_a_draft_model_belongs_to_its_target():
     target, draft = _pair("qwen3")
     a, b = _core.Model(str(target)), _core.Model(str(target))

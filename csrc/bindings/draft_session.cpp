@@ -86,7 +86,23 @@ static py::dict costs(const py_draft & d) {
     out["plain_rate"]       = c.plain_rate();
     out["spec_rate"]        = c.spec_rate();
     out["p_accept_at_half"] = p_half;
+    py::dict measured, measured_tree;  // (cost_cache.py keeps these across processes)
+    for (const cost_model::measurement & x : c.measured()) {
+        (x.tree ? measured_tree : measured)[py::int_(x.width)] = x.ms;
+    }
+    out["measured"] = py::make_tuple(measured, measured_tree);
     return out;
+}
+
+static void restore_costs(py_draft & d, const std::map<int, double> & chain, const std::map<int, double> & tree) {
+    std::vector<cost_model::measurement> table;
+    for (const auto & [w, ms] : chain) {
+        table.push_back({w, false, ms});
+    }
+    for (const auto & [w, ms] : tree) {
+        table.push_back({w, true, ms});
+    }
+    d.state->costs.restore(table);
 }
 
 static void register_memory(py::class_<py_draft> & cls) {
@@ -133,7 +149,9 @@ void register_draft_session(py::module_ & m) {
              "longer follow its history and a later prompt must not reuse them.")
         .def("costs", &costs,
              "The speculation cost model: measured verify times per width, draft time, rates (tokens/ms), and the "
-             "acceptance of the drafter's first choice by depth when it gives it probability 0.5-0.6.");
+             "acceptance of the drafter's first choice by depth when it gives it probability 0.5-0.6.")
+        .def("restore_costs", &restore_costs, py::arg("verify_ms"), py::arg("tree_verify_ms"),
+             "Verify times (ms by grid width) measured earlier, as costs()['measured'] gave them.");
     register_memory(cls);
 }
 

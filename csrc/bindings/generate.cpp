@@ -114,7 +114,6 @@ static py::dict timings_dict(const generate_timings & t, bool speculative, const
     d["n_target_evals"] = t.n_target_evals;
     d["sample_ms"]      = t.sample_ms;
     if (speculative) {
-        d["warm_up_ms"]       = t.warm_up_ms;
         d["draft_n"]          = t.draft_n;
         d["draft_n_accepted"] = t.draft_n_accepted;
         d["n_rounds"]         = t.n_rounds;

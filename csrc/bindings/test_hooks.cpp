@@ -87,10 +87,7 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
     for (const auto & kv : tree_verify_ms) {
         costs.calibrate_verify(kv.first, true, kv.second);
     }
-    costs.set_calibrated();
-    if (spec_rate > 0) {
-        costs.observe_spec_round(1, 1.0 / spec_rate);
-    }
+    costs.set_spec_rate(spec_rate);
     acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
     return choose_verify_budget(t, costs, acceptance, recurrent);
 }

@@ -1,9 +1,8 @@
 #include "core/backend.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/planned_buffer.h"
-
-#include "ggml-cpu.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -154,28 +153,74 @@ device_bytes bytes_by_device(const std::vector<ggml_backend_buffer_t> & buffers)
     return n;
 }
 
+cpu_workers::cpu_workers(int n_threads) {
+    // ggml's own pool, kept between graphs (without one ggml starts threads per graph). Not OpenMP's: its pools
+    // belong to the calling thread, and once more threads exist than cores (one session's pool idle, another's
+    // computing) libgomp stops spinning at the per-op barriers and each graph ran ~2x slower. Started paused:
+    // the first compute wakes it.
+    ggml_threadpool_params params = ggml_threadpool_params_default(n_threads);
+    params.paused                 = true;
+    pool_                         = ggml_threadpool_new(&params);
+    if (!pool_) {
+        throw backend_error(format("could not start a CPU thread pool of %d threads", n_threads));
+    }
+}
+
+cpu_workers::~cpu_workers() {
+    ggml_threadpool_free(pool_);
+}
+
+cpu_workers::turn::turn(cpu_workers & w, double & waited_ms) : w(w) {
+    std::unique_lock<std::mutex> lock(w.mutex_);
+    const uint64_t               ticket = w.issued_++;
+    if (w.serving_ != ticket) {  // (no clock read when nobody else computes)
+        const auto t0 = clock_type::now();
+        w.next_.wait(lock, [&] { return w.serving_ == ticket; });
+        waited_ms += ms_since(t0);
+    }
+}
+
+cpu_workers::turn::~turn() {
+    {
+        const std::lock_guard<std::mutex> lock(w.mutex_);
+        w.serving_++;
+    }
+    w.next_.notify_all();
+}
+
+void cpu_workers::pause_if_idle() {
+    const std::lock_guard<std::mutex> lock(mutex_);  // no turn starts while this holds it
+    if (issued_ == serving_) {
+        ggml_threadpool_pause(pool_);
+    }
+}
+
+std::shared_ptr<cpu_workers> backends::shared_cpu_workers() const {
+    if (n_gpu_layers_ == n_layer_ + 1 && gpu_device()) {
+        return nullptr;
+    }
+    const std::lock_guard<std::mutex> lock(workers_mutex_);
+    if (!workers_) {
+        workers_ = std::make_shared<cpu_workers>(n_threads_);
+    }
+    return workers_;
+}
+
 compute_backends::compute_backends(const backends & devices) {
+    workers_ = devices.shared_cpu_workers();
+    if (!workers_) {
+        workers_ = std::make_shared<cpu_workers>(devices.n_threads());
+    }
     cpu_ = ggml_backend_dev_init(devices.cpu_device(), nullptr);
     if (!cpu_) {
         throw backend_error("could not initialise the ggml CPU backend");
     }
     ggml_backend_cpu_set_n_threads(cpu_, devices.n_threads());
-    // A pool of worker threads of its own, kept between graphs (without one ggml starts threads per graph).
-    // Not OpenMP's: its pools belong to the calling thread, and once more threads exist than cores (one
-    // session's pool idle, another's computing) libgomp stops spinning at the per-op barriers and each
-    // graph ran ~2x slower.
-    ggml_threadpool_params params = ggml_threadpool_params_default(devices.n_threads());
-    threadpool_                   = ggml_threadpool_new(&params);
-    if (!threadpool_) {
-        ggml_backend_free(cpu_);  // (a throwing constructor runs no destructor)
-        throw backend_error(format("could not start a CPU thread pool of %d threads", devices.n_threads()));
-    }
-    ggml_backend_cpu_set_threadpool(cpu_, threadpool_);
+    ggml_backend_cpu_set_threadpool(cpu_, workers_->pool());
     if (ggml_backend_dev_t dev = devices.gpu_device()) {
         gpu_ = ggml_backend_dev_init(dev, nullptr);
         if (!gpu_) {
-            ggml_backend_free(cpu_);
-            ggml_threadpool_free(threadpool_);
+            ggml_backend_free(cpu_);  // (a throwing constructor runs no destructor)
             throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(dev)));
         }
     }
@@ -186,11 +231,18 @@ compute_backends::~compute_backends() {
         ggml_backend_free(gpu_);
     }
     ggml_backend_free(cpu_);
-    ggml_threadpool_free(threadpool_);
 }
 
 void compute_backends::pause() const {
-    ggml_threadpool_pause(threadpool_);
+    workers_->pause_if_idle();
+}
+
+ggml_status compute_backends::compute(ggml_backend_sched_t sched, ggml_cgraph * gf) const {
+    return workers_->in_turn(waited_ms_, [&] { return ggml_backend_sched_graph_compute(sched, gf); });
+}
+
+ggml_status compute_backends::compute(ggml_backend_t backend, ggml_cgraph * gf) const {
+    return workers_->in_turn(waited_ms_, [&] { return ggml_backend_graph_compute(backend, gf); });
 }
 
 ggml_backend_sched_t compute_backends::new_sched(size_t graph_size) const {

@@ -37,6 +37,10 @@ void graph_arena::release() {
     }
 }
 
+ggml_status graph_arena::compute(ggml_cgraph * gf, size_t n_nodes) {
+    return compute_.compute(sched_for(n_nodes), gf);
+}
+
 size_t graph_arena::bytes(ggml_backend_t backend) const {
     return sched_ && backend ? ggml_backend_sched_get_buffer_size(sched_, backend) : 0;
 }
@@ -119,7 +123,7 @@ void graph_cache::allocate(const char * what) {
 
 void graph_cache::compute(const char * what) {
     GGML_ASSERT(arena_.resident() == this);
-    if (ggml_backend_sched_graph_compute(arena_.sched_for(n_nodes_), gf_) != GGML_STATUS_SUCCESS) {
+    if (arena_.compute(gf_, n_nodes_) != GGML_STATUS_SUCCESS) {
         throw backend_error(format("%s: computation failed", what));
     }
 }

@@ -41,6 +41,8 @@ class graph_arena {
     void                 set_resident(const void * owner) { resident_ = owner; }
     // compute buffer bytes by backend: the CPU's, the GPU's
     device_bytes         memory() const;
+    // runs a resident graph of at most n_nodes nodes (compute_backends::compute: in the session's turn)
+    ggml_status          compute(ggml_cgraph * gf, size_t n_nodes);
 
   private:
     size_t bytes(ggml_backend_t backend) const;

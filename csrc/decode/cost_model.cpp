@@ -8,6 +8,7 @@ namespace pdf {
 // weight of a new measurement in a running average: recent rounds dominate (context grows, caches warm)
 static constexpr double AVERAGE_WEIGHT = 0.2;
 static constexpr double FRESH_WEIGHT   = 0.5;
+static constexpr double STALL_BOUND    = 2.0;
 
 cost_model::cost_model(int max_width) : max_width_(std::max(1, max_width)) {
     for (int w = 1; w < max_width_; w *= 2) {
@@ -18,10 +19,25 @@ cost_model::cost_model(int max_width) : max_width_(std::max(1, max_width)) {
     tree_ms_.assign(grid_.size(), 0.0);
     chain_seen_.assign(grid_.size(), false);
     tree_seen_.assign(grid_.size(), false);
+    chain_tried_.assign(grid_.size(), false);
+    tree_tried_.assign(grid_.size(), false);
 }
 
 int cost_model::grid_index(int n) const {
     return (int) (std::lower_bound(grid_.begin(), grid_.end(), n) - grid_.begin());
+}
+
+bool cost_model::calibrated() const {
+    return std::all_of(chain_seen_.begin(), chain_seen_.end(), [](bool seen) { return seen; });
+}
+
+int cost_model::frontier() const {
+    for (size_t i = 0; i < grid_.size(); ++i) {
+        if (!chain_seen_[i]) {
+            return grid_[i];
+        }
+    }
+    return max_width_;
 }
 
 double cost_model::verify_ms(int n, bool tree) const {
@@ -48,7 +64,9 @@ double cost_model::verify_ms(int n, bool tree) const {
         return ms[hi] * n / grid_[hi];
     }
     if (hi < 0) {
-        return ms[lo] * n / grid_[lo];
+        // past the widest measured (up to the frontier): a chain as the widest, a tree as the chain there in the
+        // ratio measured at its widest
+        return tree ? verify_ms(n, false) * ms[lo] / verify_ms(grid_[lo], false) : ms[lo];
     }
     if (lo == hi) {
         return ms[lo];
@@ -60,33 +78,75 @@ double cost_model::verify_ms(int n, bool tree) const {
 void cost_model::calibrate_verify(int n, bool tree, double ms) {
     const int i = grid_index(n);
     if (i >= (int) grid_.size() || grid_[i] != n) {
-        return;  // calibration runs at grid widths
+        return;  // measured at grid widths
     }
     (tree ? tree_ms_ : chain_ms_)[i] = ms;
     (tree ? tree_seen_ : chain_seen_)[i] = true;
 }
 
-void cost_model::observe_verify(int n, bool tree, double ms) {
-    if (!calibrated_) {
-        // no calibrated shape (chain and tree modes do not need one): the first time of a grid width stands
-        calibrate_verify(n, tree, ms);
+void cost_model::observe(const round & r) {
+    // wider than every measured chain width: the round explored (its verify was estimated optimistically)
+    bool explored = true;
+    for (size_t i = 0; i < grid_.size() && explored; ++i) {
+        explored = !(chain_seen_[i] && grid_[i] >= r.width);
+    }
+    observe_verify(r.width, r.tree, r.verify_ms);
+    rated_last_ = false;
+    if (!r.drafted) {
+        last_drafted_ = false;
         return;
     }
+    observe_draft(r.draft_ms);
+    const bool fresh = !last_drafted_;
+    last_drafted_    = true;
+    if (!explored) {
+        observe_spec_round(r.committed, r.round_ms, fresh);
+        rated_last_ = true;
+    }
+}
+
+void cost_model::observe_verify(int n, bool tree, double ms) {
     std::vector<double> & v    = tree ? tree_ms_ : chain_ms_;
-    std::vector<bool> &   seen = tree ? tree_seen_ : chain_seen_;
+    std::vector<bool> &   seen  = tree ? tree_seen_ : chain_seen_;
+    std::vector<bool> &   tried = tree ? tree_tried_ : chain_tried_;
     n = std::clamp(n, 1, max_width_);
     const int hi = grid_index(n);                      // grid_[hi] >= n
     const int lo = grid_[hi] == n ? hi : hi - 1;       // grid_[lo] <= n
     const double at_n = verify_ms(n, tree);
     // a width between two grid points counts for both, by how near it is
     const double t = lo == hi ? 0.0 : double(n - grid_[lo]) / double(grid_[hi] - grid_[lo]);
-    for (const auto & [i, w] : {std::pair<int, double>{lo, 1.0 - t}, std::pair<int, double>{hi, t}}) {
-        if (w <= 0.0 || !seen[i]) {
+    double carried[2];  // the observation carried to each grid width through the shape estimated before it
+    for (int k : {0, 1}) {
+        carried[k] = ms * verify_ms(grid_[k == 0 ? lo : hi], tree) / at_n;
+    }
+    for (const auto & [k, w] : {std::pair<int, double>{0, 1.0 - t}, std::pair<int, double>{1, t}}) {
+        const int i = k == 0 ? lo : hi;
+        if (w <= 0.0) {
             continue;
         }
-        const double scaled = ms * v[i] / at_n;  // the observation carried to grid width grid_[i]
-        v[i] += AVERAGE_WEIGHT * w * (scaled - v[i]);
+        const double x = plausible(v, seen, i, carried[k]);
+        if (seen[i]) {
+            // at most twice the time so far: a stall (the machine busy elsewhere) moves it by a fifth at most
+            v[i] += AVERAGE_WEIGHT * w * (std::min(x, STALL_BOUND * v[i]) - v[i]);
+        } else if (!tried[i]) {
+            v[i]     = x;  // not trusted yet: the first evaluation of a shape also builds its graph
+            tried[i] = true;
+        } else {
+            v[i]    = std::min(v[i], x);
+            seen[i] = true;
+        }
     }
+}
+
+double cost_model::plausible(const std::vector<double> & v, const std::vector<bool> & seen, int i, double ms) const {
+    // a batch costs no more than a wider one, nor more than a narrower one's time scaled up by the widths (it
+    // could be run as several): a time past these bounds is a stall (the machine busy elsewhere), not the cost
+    for (int j = 0; j < (int) grid_.size(); ++j) {
+        if (seen[j] && j != i) {
+            ms = std::min(ms, v[j] * std::max(1.0, double(grid_[i]) / grid_[j]));
+        }
+    }
+    return ms;
 }
 
 void cost_model::observe_draft(double ms) {
@@ -100,6 +160,31 @@ void cost_model::observe_spec_round(int committed, double ms, bool fresh) {
     const double rate = committed / std::max(ms, 1e-6);
     const double w    = fresh ? FRESH_WEIGHT : AVERAGE_WEIGHT;
     spec_rate_        = spec_rate_ > 0 ? (1 - w) * spec_rate_ + w * rate : rate;
+}
+
+std::vector<cost_model::measurement> cost_model::measured() const {
+    std::vector<measurement> out;
+    for (size_t i = 0; i < grid_.size(); ++i) {
+        if (chain_seen_[i]) {
+            out.push_back({grid_[i], false, chain_ms_[i]});
+        }
+        if (tree_seen_[i]) {
+            out.push_back({grid_[i], true, tree_ms_[i]});
+        }
+    }
+    return out;
+}
+
+void cost_model::restore(const std::vector<measurement> & table) {
+    for (const measurement & m : table) {
+        if (m.ms > 0 && std::isfinite(m.ms)) {
+            calibrate_verify(m.width, m.tree, m.ms);
+        }
+    }
+    for (size_t i = 0; i < grid_.size(); ++i) {
+        chain_ms_[i] = plausible(chain_ms_, chain_seen_, (int) i, chain_ms_[i]);
+        tree_ms_[i]  = plausible(tree_ms_, tree_seen_, (int) i, tree_ms_[i]);
+    }
 }
 
 }  // namespace pdf

@@ -1,7 +1,13 @@
 // What a round of speculation costs on this machine and model: the time of a target evaluation per batch width
-// (chain and tree graphs), measured once and refined online, and the rate speculation has been reaching (the
-// drafter's time is in it; it is also kept on its own, for the timings). decode/proposer.cpp weighs it against
-// decode/acceptance_model.h to choose, each round, what to verify.
+// (chain and tree graphs) and the rate speculation has been reaching (the drafter's time is in it; it is also kept
+// on its own, for the timings). decode/proposer.cpp weighs it against decode/acceptance_model.h to choose, each
+// round, what to verify.
+//
+// Nothing is measured up front: the decode loop (decode/driver.cpp) times every round it runs and reports it
+// here, so a fresh process decodes at once. Widths are learnt as rounds use them, from plain decoding up: a
+// round may verify at most frontier() tokens, the smallest width of the grid not yet measured, whose time is
+// taken, optimistically, to be that of the widest measured one (a doubling each time speculation pays at the
+// widest so far). What was learnt can be saved (measured()) and given to a later process (restore()).
 #pragma once
 
 #include <vector>
@@ -10,43 +16,75 @@ namespace pdf {
 
 class cost_model {
   public:
-    // widths at which evaluation time is measured (1 = a plain decoding step), up to max_width
+    // widths at which evaluation time is kept (1 = a plain decoding step), up to max_width
     explicit cost_model(int max_width);
 
-    int  max_width() const { return max_width_; }
-    bool calibrated() const { return calibrated_; }
-    void set_calibrated() { calibrated_ = true; }
+    int                      max_width() const { return max_width_; }
     const std::vector<int> & grid() const { return grid_; }
+    // every grid width's chain time is measured
+    bool                     calibrated() const;
+    // the widest evaluation a round may verify now: the narrowest grid width not yet measured (max_width when
+    // all are)
+    int                      frontier() const;
 
     // ms of one target evaluation of n tokens: a chain, or a tree (recurrent targets run trees depth by depth)
     double verify_ms(int n, bool tree) const;
     double draft_ms() const { return draft_ms_; }
     // tokens per ms of plain decoding
     double plain_rate() const { return 1.0 / verify_ms(1, false); }
+    bool   knows_plain_step() const { return chain_seen_[0]; }
 
-    // calibration: the time of one evaluation of n tokens (a grid width), chain or tree graph
+    // a measured time of one evaluation of n tokens at a grid width (a restored table, a test's hand-made one)
     void calibrate_verify(int n, bool tree, double ms);
-    // a round's measurements: each moves the times of the grid widths around its width (a running average,
-    // through the calibrated shape between them), so the widths rounds use stay current and the others keep
-    // their calibrated times.
-    void observe_verify(int n, bool tree, double ms);
-    void observe_draft(double ms);
-
-    // realised speculative rate (tokens per ms, the whole round), exponentially averaged; 0 before any. fresh:
-    // this round starts a new run of speculation (the first after plain decoding) and counts more
+    // one round as the decode loop (decode/driver.cpp) measured it, waits for other sessions' computes left out
+    struct round {
+        int    width;      // tokens verified, the root included
+        bool   tree;       // verified with the tree graph (a recurrent target's branching tree)
+        double verify_ms;  // the evaluation and the walk down it
+        bool   drafted;    // the proposer ran the drafter
+        double draft_ms;   // the proposal: drafting and choosing
+        int    committed;  // tokens the round committed
+        double round_ms;   // the whole round
+    };
+    // The verify moves the times of the grid widths around its width (a running average, through the shape
+    // between them, so the widths rounds use stay current); a grid width is measured by the faster of its first
+    // two evaluations (the first also builds the graph). A drafted
+    // round moves the speculative rate, unless it explored a width beyond those measured (it was not chosen for
+    // its rate); the first after a plain round starts a new run of speculation and counts more.
+    void observe(const round & r);
+    // realised speculative rate (tokens per ms, the whole round), exponentially averaged; 0 before any
     double spec_rate() const { return spec_rate_; }
-    void   observe_spec_round(int committed, double ms, bool fresh = false);
+    // whether the last observed round moved spec_rate (auto judges speculation on such rounds only)
+    bool   rated_last_round() const { return rated_last_; }
+    // a speculative rate as if measured (a test's hand-made costs)
+    void   set_spec_rate(double rate) { spec_rate_ = rate; }
+
+    // the measured grid widths and their times, chain and tree, to save and restore() later
+    struct measurement {
+        int    width;
+        bool   tree;
+        double ms;
+    };
+    std::vector<measurement> measured() const;
+    void                     restore(const std::vector<measurement> & table);
 
   private:
     int                 grid_index(int n) const;
+    void                observe_verify(int n, bool tree, double ms);
+    void                observe_draft(double ms);
+    // ms bounded by the other measured grid widths' times (v, seen: chain or tree) at grid width i
+    double              plausible(const std::vector<double> & v, const std::vector<bool> & seen, int i, double ms) const;
+    void                observe_spec_round(int committed, double ms, bool fresh);
     std::vector<int>    grid_;
     std::vector<double> chain_ms_, tree_ms_;
-    std::vector<bool>   chain_seen_, tree_seen_;
+    std::vector<bool>   chain_seen_, tree_seen_;    // measured
+    std::vector<bool>   chain_tried_, tree_tried_;  // evaluated once (its time is not trusted until a second)
     int                 max_width_;
-    bool                calibrated_ = false;
-    double              draft_ms_   = 0.0;
-    bool                draft_seen_ = false;
-    double              spec_rate_  = 0.0;
+    double              draft_ms_     = 0.0;
+    bool                draft_seen_   = false;
+    double              spec_rate_    = 0.0;
+    bool                last_drafted_ = false;
+    bool                rated_last_   = false;
 };
 
 }  // namespace pdf

@@ -101,6 +101,119 @@ std::vector<double> time_prefill_microbatches(session & s, proposer & p, const s
     return ms_per_token;
 }
 
+namespace {
+
+// The time of a round's parts, less what this session waited meanwhile for its turn on the model's CPU workers
+// (other sessions computing, core/backend.h): what the round would cost alone is what auto weighs and what is
+// kept for later processes
+class round_clock {
+  public:
+    explicit round_clock(const compute_backends & compute) : compute_(compute) {}
+    void   start() { t0_ = clock_type::now(), waited0_ = compute_.waited_ms(); }
+    double ms() const { return ms_since(t0_) - (compute_.waited_ms() - waited0_); }
+
+  private:
+    const compute_backends & compute_;
+    clock_type::time_point   t0_;
+    double                   waited0_ = 0.0;
+};
+
+// what one round proposes, verifies and commits; kept across rounds (no allocation per round)
+struct round_state {
+    draft_tree           tree;
+    std::vector<int>     rows;         // the accepted path's tree nodes, root first
+    std::vector<float>   accept_prob;  // per node (verifier::walk)
+    std::vector<int32_t> committed;    // the accepted drafts and the target's bonus token
+};
+
+bool is_stop(const generate_params & params, int32_t tok) {
+    return std::find(params.stop_tokens.begin(), params.stop_tokens.end(), tok) != params.stop_tokens.end();
+}
+
+// hands a round's committed tokens to the caller, up to a stop token or max_tokens; false: generation ends
+bool emit(const std::vector<int32_t> & batch, const verifier & choose, const generate_params & params,
+          const token_callback & on_tokens, generate_result & r) {
+    int n = 0;
+    while (n < (int) batch.size() && !is_stop(params, batch[n]) && (int) r.tokens.size() + n < params.max_tokens) {
+        ++n;
+    }
+    const bool stopped = n < (int) batch.size() && is_stop(params, batch[n]);
+    r.tokens.insert(r.tokens.end(), batch.begin(), batch.begin() + n);
+    const std::vector<token_logprobs> & lp = choose.chosen_logprobs();  // aligned with batch when asked for
+    r.logprobs.insert(r.logprobs.end(), lp.begin(), lp.begin() + std::min<size_t>(n, lp.size()));
+    const token_logprobs * batch_lp = lp.empty() ? nullptr : r.logprobs.data() + (r.logprobs.size() - n);
+    if (n > 0 && on_tokens && !on_tokens(batch.data(), batch_lp, n)) {
+        r.finish_reason = "abort";
+        return false;
+    }
+    if (stopped) {
+        r.finish_reason = "stop";
+        return false;
+    }
+    return (int) r.tokens.size() < params.max_tokens;
+}
+
+// a speculative round's statistics: what it commits to the output, up to and including a stop token
+void count_round(const round_state & round, double verify_ms, const generate_params & params, generate_timings & t) {
+    const int n       = round.tree.size();
+    int       counted = 0;
+    while (counted + 1 < (int) round.rows.size() && !is_stop(params, round.committed[counted])) {
+        ++counted;
+    }
+    t.n_rounds++;
+    t.verify_n += n;
+    t.verify_ms += verify_ms;
+    t.draft_n += n - 1;
+    t.draft_n_accepted += counted;
+    const int depth = round.tree.max_depth();
+    for (int k = 0; k < depth; ++k) {
+        t.proposed_at[k]++;
+        t.accepted_at[k] += k < counted;
+    }
+}
+
+// One round from `anchor` at position `start`: propose at most max_depth drafts deep and max_nodes nodes, verify
+// them in one target evaluation, walk down it, report the round's costs, commit the accepted path (KV rows
+// compacted, the recurrent state of the last accepted node, no replay). Returns the bonus token.
+int32_t run_round(session & s, proposer & p, verifier & choose, int32_t anchor, int start, int max_depth,
+                  int max_nodes, const generate_params & params, round_state & round, generate_timings & t) {
+    round_clock whole(*s.compute()), part(*s.compute());
+    whole.start();
+    p.propose(anchor, start, max_depth, max_nodes, round.tree);
+    const double draft_ms = p.drafted() ? whole.ms() : 0.0;
+    t.draft_ms += draft_ms;
+
+    const draft_tree & tree = round.tree;
+    const int          n    = tree.size();
+    p.before_eval(start, n);
+    batch_layout layout;
+    layout.parents = tree.is_chain() ? nullptr : tree.parents.data();
+    part.start();
+    s.eval(tree.tokens.data(), n, layout, read_logits_all, p.capture(), p.ring());
+    t.n_target_evals++;
+    int32_t bonus = 0;
+    choose.walk(tree, s, round.rows, bonus, round.accept_prob);
+    const double verify_ms = part.ms();  // sampling included: it is part of each step's cost
+    if (cost_model * costs = p.costs()) {
+        costs->observe({n, s.is_recurrent() && !tree.is_chain(), verify_ms, p.drafted(), draft_ms,
+                        (int) round.rows.size(), whole.ms()});
+    }
+    p.after_verify(s, tree, start, round.rows, round.accept_prob);
+    s.commit(round.rows);
+
+    round.committed.clear();
+    for (size_t i = 1; i < round.rows.size(); ++i) {
+        round.committed.push_back(tree.tokens[round.rows[i]]);
+    }
+    round.committed.push_back(bonus);
+    if (p.speculative_round()) {
+        count_round(round, verify_ms, params, t);
+    }
+    return bonus;
+}
+
+}  // namespace
+
 generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,
                          const generate_params & params, const token_callback & on_tokens) {
     generate_result    r;
@@ -121,47 +234,15 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         r.finish_reason = "abort";
         return r;
     }
-    int32_t anchor = choose->first(s.prefill_cache());  // the first generated token, at position start
+    int32_t    anchor = choose->first(s.prefill_cache());  // the first generated token, at position start
+    int        start  = s.n_past();
+    const auto t0     = clock_type::now();
 
-    int     start  = s.n_past();
-    if (params.max_tokens > 0) {
-        t.warm_up_ms = p.warm_up(s, anchor);
-    }
-    const auto t0 = clock_type::now();
-
-    auto is_stop = [&](int32_t tok) {
-        return std::find(params.stop_tokens.begin(), params.stop_tokens.end(), tok) != params.stop_tokens.end();
-    };
-    // hand a round's committed tokens to the caller, up to a stop token or max_tokens; false: generation ends
-    std::vector<int32_t> batch;
-    auto emit = [&]() {
-        int n = 0;
-        while (n < (int) batch.size() && !is_stop(batch[n]) && (int) r.tokens.size() + n < params.max_tokens) {
-            ++n;
-        }
-        const bool stopped = n < (int) batch.size() && is_stop(batch[n]);
-        r.tokens.insert(r.tokens.end(), batch.begin(), batch.begin() + n);
-        const std::vector<token_logprobs> & lp = choose->chosen_logprobs();  // aligned with batch when asked for
-        r.logprobs.insert(r.logprobs.end(), lp.begin(), lp.begin() + std::min<size_t>(n, lp.size()));
-        const token_logprobs * batch_lp = lp.empty() ? nullptr : r.logprobs.data() + (r.logprobs.size() - n);
-        if (n > 0 && on_tokens && !on_tokens(batch.data(), batch_lp, n)) {
-            r.finish_reason = "abort";
-            return false;
-        }
-        if (stopped) {
-            r.finish_reason = "stop";
-            return false;
-        }
-        return (int) r.tokens.size() < params.max_tokens;
-    };
-
-    draft_tree         tree;
-    std::vector<int>   rows;
-    std::vector<float> accept_prob;
+    round_state round;
     t.proposed_at.assign(p.max_depth(), 0);
     t.accepted_at.assign(p.max_depth(), 0);
-    batch.assign(1, anchor);
-    bool go = params.max_tokens > 0 && emit();
+    round.committed.assign(1, anchor);
+    bool go = params.max_tokens > 0 && emit(round.committed, *choose, params, on_tokens, r);
     while (go) {
         if (s.abort.load()) {
             r.finish_reason = "abort";
@@ -173,48 +254,10 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         }
         // a path commits its drafts and the target's bonus token: at most max_tokens - produced of them
         const int remaining = params.max_tokens - (int) r.tokens.size();
-        p.propose(anchor, start, remaining - 1, std::min<int>(room, (int) s.n_rollback()), tree);
-        t.draft_ms += p.last_draft_ms();
-
-        const int n = tree.size();
-        p.before_eval(start, n);
-        batch_layout layout;
-        layout.parents = tree.is_chain() ? nullptr : tree.parents.data();
-        auto t1 = clock_type::now();
-        s.eval(tree.tokens.data(), n, layout, read_logits_all, p.capture(), p.ring());
-        t.n_target_evals++;
-
-        int32_t bonus = 0;
-        choose->walk(tree, s, rows, bonus, accept_prob);
-        const double verify_ms = ms_since(t1);  // sampling included: it is part of each step's cost
-        p.after_verify(s, tree, start, rows, accept_prob, verify_ms);
-        s.commit(rows);  // KV rows compacted, recurrent state of the last accepted node, no replay
-
-        batch.clear();
-        for (size_t i = 1; i < rows.size(); ++i) {
-            batch.push_back(tree.tokens[rows[i]]);
-        }
-        batch.push_back(bonus);
-        if (p.speculative_round()) {
-            // statistics count what the round commits to the output: up to and including a stop token
-            int counted = 0;
-            while (counted + 1 < (int) rows.size() && !is_stop(batch[counted])) {
-                ++counted;
-            }
-            t.n_rounds++;
-            t.verify_n += n;
-            t.verify_ms += verify_ms;
-            t.draft_n += n - 1;
-            t.draft_n_accepted += counted;
-            const int depth = tree.max_depth();
-            for (int k = 0; k < depth; ++k) {
-                t.proposed_at[k]++;
-                t.accepted_at[k] += k < counted;
-            }
-        }
-        start += (int) rows.size();
-        anchor = bonus;
-        go     = emit();
+        anchor = run_round(s, p, *choose, anchor, start, remaining - 1, std::min<int>(room, (int) s.n_rollback()),
+                           params, round, t);
+        start += (int) round.rows.size();
+        go = emit(round.committed, *choose, params, on_tokens, r);
     }
     t.predicted_n  = (int) r.tokens.size();
     t.predicted_ms = ms_since(t0);

@@ -28,7 +28,6 @@ struct generate_timings {
     int    predicted_n    = 0;
     double predicted_ms   = 0;
     int    n_target_evals = 0;  // target forward passes during generation
-    double warm_up_ms     = 0;  // one-time measurements before the first round (not in predicted_ms)
     double sample_ms      = 0;  // choosing tokens when sampling: logits read back, the sampler, the draw
     // speculative decoding
     int              draft_n          = 0;  // draft tokens verified (tree nodes below the root)

@@ -1,5 +1,4 @@
 #include "decode/proposer.h"
-#include "core/clock.h"
 #include "core/error.h"
 
 #include <algorithm>
@@ -17,8 +16,6 @@ static constexpr double CLEARLY_FASTER    = 0.05;
 static constexpr double FAR_BEHIND        = 0.7;
 static constexpr int    COOLDOWN_MIN      = 4;
 static constexpr int    COOLDOWN_MAX      = 2048;
-// auto's calibration: timed sweeps over the evaluation shapes
-static constexpr int    CALIBRATION_REPS  = 3;
 
 dflash_proposer::dflash_proposer(draft_session & d, speculation_state & state, const spec_params & params,
                                  bool recurrent_target)
@@ -43,66 +40,8 @@ void dflash_proposer::after_prefill_chunk(int first, int n) {
     d_.queue_positions(first, n);  // appended by the next draft, or before an evaluation overwrites them
 }
 
-double dflash_proposer::warm_up(session & s, int32_t anchor) {
-    if (params_.mode != spec_mode::automatic || costs_.calibrated()) {
-        return 0.0;
-    }
-    // The time of one evaluation per grid width, chain and (recurrent targets) tree graph: each shape once to
-    // build its graph, then CALIBRATION_REPS sweeps over all shapes (so that a slow moment of the machine does
-    // not hit one width only), each shape run twice in a row and the second run timed (as in decoding, which
-    // runs one shape after another: warm caches), the fastest time counting. Uncommitted, so the session is
-    // unchanged.
-    const auto t_all = clock_type::now();
-    const int  limit = std::min<int>({costs_.max_width(), d_.ring().capacity(), (int) s.n_ctx() - s.n_past(),
-                                      (int) s.n_rollback()});
-    struct shape {
-        int                  width;
-        bool                 tree;
-        std::vector<int32_t> parents;
-        double               best = 1e30;
-    };
-    std::vector<shape> shapes;
-    for (int w : costs_.grid()) {
-        if (w > limit) {
-            break;
-        }
-        shapes.push_back({w, false, {}});
-        if (recurrent_ && w >= 3) {
-            // a tree as deep as a block allows with at least one sibling (a chain would run the chain graph),
-            // the other nodes as siblings spread along it: the most depths, so the most levels
-            std::vector<int32_t> parents(w);
-            const int            spine = std::min(w - 2, d_.block() - 1);
-            for (int i = 0; i < w; ++i) {
-                parents[i] = i <= spine ? i - 1 : (i - spine - 1) % spine;
-            }
-            shapes.push_back({w, true, parents});
-        }
-    }
-    std::vector<int32_t> tokens(limit, anchor);
-    for (int rep = 0; rep <= CALIBRATION_REPS; ++rep) {
-        for (shape & sh : shapes) {
-            batch_layout layout;
-            layout.parents = sh.tree ? sh.parents.data() : nullptr;
-            d_.protect(s.n_past(), sh.width);
-            s.eval(tokens.data(), sh.width, layout, read_logits_all, capture(), ring());
-            if (rep > 0) {
-                const auto t0 = clock_type::now();
-                s.eval(tokens.data(), sh.width, layout, read_logits_all, capture(), ring());
-                sh.best = std::min(sh.best, ms_since(t0));
-            }
-        }
-    }
-    for (const shape & sh : shapes) {
-        costs_.calibrate_verify(sh.width, sh.tree, sh.best);
-    }
-    costs_.set_calibrated();
-    return ms_since(t_all);
-}
-
 void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
-    round_start_ = clock_type::now();
     drafted_     = false;
-    draft_ms_    = 0.0;
     speculative_ = params_.mode != spec_mode::automatic;
     out.reset(anchor);
     max_depth = std::min({max_depth, d_.block() - 1, max_nodes - 1});
@@ -110,16 +49,15 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
         return;
     }
     const bool automatic = params_.mode == spec_mode::automatic;
-    if (automatic && state_.cooldown > 0) {
-        state_.cooldown--;
-        state_.probing = state_.cooldown == 0;
+    // auto decodes plainly through a cool-down, and until it knows what a plain step costs (a fresh process:
+    // the first round)
+    if (automatic && (state_.cooldown > 0 || !costs_.knows_plain_step())) {
+        state_.cooldown = std::max(0, state_.cooldown - 1);
         stats_.n_skipped++;
         return;
     }
-    const auto              t0 = clock_type::now();
-    const draft_proposals & p  = d_.draft(anchor, start, max_depth + 1);
-    draft_ms_                  = ms_since(t0);
-    drafted_                   = true;
+    const draft_proposals & p = d_.draft(anchor, start, max_depth + 1);
+    drafted_                  = true;
     // nodes below the root: the budget, within what the session, the feature ring and the measured widths take
     int limit = std::min({max_nodes, d_.ring().capacity(), costs_.max_width()}) - 1;
     if (params_.tree_budget > 0) {
@@ -159,13 +97,15 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
 
 int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
                          bool recurrent_target) {
+    // no wider than the frontier of measured widths (decode/cost_model.h: a round there measures the next)
+    const int           n_max  = std::min(full.size(), costs.frontier());
     const double        rate   = std::max(costs.plain_rate(), costs.spec_rate());
     int                 best_b = 0;
     double              best   = 1.0 - rate * costs.verify_ms(1, false);
     std::vector<double> reach(full.size(), 1.0);  // P(the accepted path reaches node i)
     double              expected = 0.0;
     bool                chain    = true;
-    for (int b = 1; b < full.size(); ++b) {
+    for (int b = 1; b < n_max; ++b) {
         reach[b] = reach[full.parents[b]] *
                    acceptance.p_accept(full.depth[b], full.rank[b], std::exp((double) full.logp[b]));
         expected += reach[b];
@@ -180,7 +120,7 @@ int choose_verify_budget(const draft_tree & full, const cost_model & costs, cons
 }
 
 void dflash_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
-                                   const std::vector<float> & accept_prob, double verify_ms) {
+                                   const std::vector<float> & accept_prob) {
     // the accepted nodes' features (written by the verify at their evaluation slots) become context rows
     const int m = (int) rows.size();
     ring_rows_.resize(m);
@@ -191,11 +131,9 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
     }
     d_.queue(ring_rows_.data(), positions_.data(), m);
 
-    costs_.observe_verify(t.size(), recurrent_ && !t.is_chain(), verify_ms);
     if (!drafted_) {
         return;
     }
-    costs_.observe_draft(draft_ms_);
     // every node whose parent the target accepted was tried; what counts is the probability that the target
     // chose it there (greedy: 0 or 1; sampling: the sampler's probability, which the draw only estimates)
     for (int b = 1; b < t.size(); ++b) {
@@ -203,11 +141,9 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
             acceptance_.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), accept_prob[b]);
         }
     }
-    // the round's whole time, host work (tree building, the choice, the walk) included: on a small model it is
-    // a fair part of a step
-    costs_.observe_spec_round(m, ms_since(round_start_), state_.probing);
-    state_.probing = false;
-    if (params_.mode == spec_mode::automatic) {
+    // judged on the round's whole time (decode/driver.cpp), host work (tree building, the choice, the walk)
+    // included: on a small model it is a fair part of a step
+    if (params_.mode == spec_mode::automatic && costs_.rated_last_round()) {
         if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
             // the next cool-down doubles, or grows 8x when speculation runs far behind (a model too small for it)
             const int growth = costs_.spec_rate() < FAR_BEHIND * costs_.plain_rate() ? 8 : 2;

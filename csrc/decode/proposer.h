@@ -10,7 +10,6 @@
 //                             cost of each verify width (decode/cost_model.h)
 #pragma once
 
-#include "core/clock.h"
 #include "decode/acceptance_model.h"
 #include "decode/cost_model.h"
 #include "decode/tree.h"
@@ -43,17 +42,18 @@ class proposer {
     virtual void before_eval(int first, int n) = 0;
     // prefill committed positions [first, first + n) (captured into the ring)
     virtual void after_prefill_chunk(int first, int n) = 0;
-    // before the first round (after prefill): measure what is needed; returns the ms it took
-    virtual double warm_up(session & s, int32_t anchor) = 0;
     // the tree to verify in a round whose root `anchor` sits at position `start`: drafts at most `max_depth`
     // deep, at most `max_nodes` nodes in all (root included)
     virtual void propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) = 0;
-    // the target evaluated `t` (verify_ms) and is about to commit `rows` (root first) of it; accept_prob: per
-    // node, the probability that the target chose it after its parent (-1: its parent was not reached)
+    // the target evaluated `t` and is about to commit `rows` (root first) of it; accept_prob: per node, the
+    // probability that the target chose it after its parent (-1: its parent was not reached). The round's
+    // costs are in costs() by now.
     virtual void after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
-                              const std::vector<float> & accept_prob, double verify_ms) = 0;
-    // the drafter time of the last propose() (0 when it did not draft)
-    virtual double last_draft_ms() const = 0;
+                              const std::vector<float> & accept_prob) = 0;
+    // whether the last propose() ran the drafter
+    virtual bool drafted() const = 0;
+    // where the decode loop reports what each round cost (what auto weighs); nullptr: nothing weighs it
+    virtual cost_model * costs() = 0;
     // the deepest draft a round can verify (0: no drafter)
     virtual int max_depth() const = 0;
     // whether the last propose() began a speculative round (counted in n_rounds / tau): chain and tree modes
@@ -68,14 +68,14 @@ class plain_proposer : public proposer {
     feature_ring *           ring() override { return nullptr; }
     int    before_prefill(int reusable) override { return reusable; }
     void   before_eval(int, int) override {}
-    void   after_prefill_chunk(int, int) override {}
-    double warm_up(session &, int32_t) override { return 0.0; }
-    void   propose(int32_t anchor, int, int, int, draft_tree & out) override { out.reset(anchor); }
-    void   after_verify(const session &, const draft_tree &, int, const std::vector<int> &, const std::vector<float> &,
-                        double) override {}
-    double last_draft_ms() const override { return 0.0; }
-    int    max_depth() const override { return 0; }
-    bool   speculative_round() const override { return false; }
+    void         after_prefill_chunk(int, int) override {}
+    void         propose(int32_t anchor, int, int, int, draft_tree & out) override { out.reset(anchor); }
+    void         after_verify(const session &, const draft_tree &, int, const std::vector<int> &,
+                              const std::vector<float> &) override {}
+    bool         drafted() const override { return false; }
+    cost_model * costs() override { return nullptr; }
+    int          max_depth() const override { return 0; }
+    bool         speculative_round() const override { return false; }
 
   private:
     std::vector<int> none_;
@@ -98,7 +98,6 @@ struct speculation_state {
     acceptance_model acceptance;
     int              cooldown = 0;  // rounds left to decode plainly before drafting again
     int              cool_len = 0;  // the next cool-down's length (0: the shortest)
-    bool             probing  = false;  // the next drafted round ends a cool-down
 };
 
 // what auto decided, for the timings
@@ -117,14 +116,14 @@ class dflash_proposer : public proposer {
     feature_ring *           ring() override { return &d_.ring(); }
     int    before_prefill(int reusable) override;
     void   before_eval(int first, int n) override { d_.protect(first, n); }
-    void   after_prefill_chunk(int first, int n) override;
-    double warm_up(session & s, int32_t anchor) override;
-    void   propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) override;
-    void   after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
-                        const std::vector<float> & accept_prob, double verify_ms) override;
-    double last_draft_ms() const override { return draft_ms_; }
-    int    max_depth() const override { return d_.block() - 1; }
-    bool   speculative_round() const override { return speculative_; }
+    void         after_prefill_chunk(int first, int n) override;
+    void         propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) override;
+    void         after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
+                              const std::vector<float> & accept_prob) override;
+    bool         drafted() const override { return drafted_; }
+    cost_model * costs() override { return &costs_; }
+    int          max_depth() const override { return d_.block() - 1; }
+    bool         speculative_round() const override { return speculative_; }
 
     const auto_stats & stats() const { return stats_; }
 
@@ -137,8 +136,6 @@ class dflash_proposer : public proposer {
     bool                                  recurrent_;
     draft_tree                            full_;    // auto: the candidate tree a round's choice cuts
     std::vector<float>                    scores_;  // auto: log P(accepted | parent accepted) by position, rank
-    double                                draft_ms_ = 0.0;
-    clock_type::time_point                round_start_;
     bool                                  drafted_     = false;
     bool                                  speculative_ = false;
     auto_stats                            stats_;

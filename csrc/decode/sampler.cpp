@@ -433,7 +433,7 @@ void token_sampler::record_logprobs(const float * logits, int32_t token) {
     }
 }
 
-int32_t token_sampler::sample(const float * logits, uint64_t t) {
+void token_sampler::load_logits(const float * logits) {
     work_.resize((size_t) n_vocab_);
     float * w = work_.data();
 #pragma omp simd
@@ -449,6 +449,9 @@ int32_t token_sampler::sample(const float * logits, uint64_t t) {
         max_l = w[i] > max_l ? w[i] : max_l;
     }
     max_l_ = max_l;
+}
+
+bool token_sampler::truncate_candidates() {
     // Wide candidate sets stay dense (work_ by id, excluded tokens at -inf: nothing is sorted or copied); a
     // top-k, typical-p or every token banned (an even draw among them) make them an explicit list
     dense_         = max_l_ > NEG_INF;
@@ -495,7 +498,10 @@ int32_t token_sampler::sample(const float * logits, uint64_t t) {
             select_top_k(1);
         }
     }
+    return reordered;
+}
 
+void token_sampler::compute_weights(bool reordered) {
     // the weights e^((logit - max) / T), by id (1 / T bounded: a subnormal T would make 0 * inf of the maximum)
     const float inv_t = p_.temperature > 0.0f ? std::min(1.0f / p_.temperature, std::numeric_limits<float>::max())
                                               : 1.0f;
@@ -515,6 +521,11 @@ int32_t token_sampler::sample(const float * logits, uint64_t t) {
         total += weights_[i];
     }
     total_ = total;
+}
+
+int32_t token_sampler::sample(const float * logits, uint64_t t) {
+    load_logits(logits);
+    compute_weights(truncate_candidates());
     const size_t  pick  = draw_two_level(draw_key(p_.seed, t));
     const int32_t token = dense_ ? (int32_t) pick : cand_[pick].id;
     if (p_.n_logprobs >= 0) {

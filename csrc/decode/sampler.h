@@ -83,7 +83,10 @@ class token_sampler {
         float   logit;
         int32_t id;
     };
+    void load_logits(const float * logits);  // work_ <- the logits, biased and penalised; max_l_ their maximum
     void apply_bias_and_penalties();
+    bool truncate_candidates();             // top-k, typical-p, top-p, min-p (greedy: the best); true if reordered
+    void compute_weights(bool reordered);   // weights_, total_ <- the draw's weights of what is left, by id
     void materialize_all();                 // cand_ <- every token (the explicit list)
     void select_top_k(int k);               // cand_ <- the k best of cand_, best first
     void softmax(double temperature);       // probs_ <- softmax of cand_'s logits / temperature

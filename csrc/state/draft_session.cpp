@@ -154,71 +154,16 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
     if (!(g.cache.ready() && g.key_rows == n_rows && g.key_block == n_block && g.key_kv == n_kv)) {
         build(g, n_rows, n_block, n_kv);
     }
-    draft_inputs & in = g.in;
     g.cache.allocate("the draft graph");
-
     if (n_rows > 0) {
-        // rows beyond m are padding: they read any ring row and land in the slots of the block positions right
-        // after (several on one slot: any of them wins), which are never read as context before real rows (or
-        // this round's block) overwrite them, and which hold no context of the window
-        std::vector<int32_t> r(n_rows), p(n_rows);
-        std::vector<int64_t> s(n_rows);
-        for (int i = 0; i < n_rows; ++i) {
-            p[i] = i < m ? queued_pos_[i] : pad_from + (i - m) % block_;
-            r[i] = i < m ? queued_rows_[i] : ring_->slot(p[i]);
-            s[i] = slot(p[i]);
-            slot_pos_[s[i]] = p[i];
-        }
-        ggml_backend_tensor_set(g.ring_rows, r.data(), 0, sizeof(int32_t) * n_rows);
-        ggml_backend_tensor_set(in.ctx_pos, p.data(), 0, sizeof(int32_t) * n_rows);
-        ggml_backend_tensor_set(in.ctx_slots, s.data(), 0, sizeof(int64_t) * n_rows);
+        set_context_rows(g, m, n_rows, pad_from);
     }
     if (m > 0) {
         // rows are appended in position order; a gap would leave missing rows below n_valid
         n_valid_ = queued_pos_[0] <= n_valid_ ? queued_pos_[m - 1] + 1 : std::min(n_valid_, queued_pos_[0]);
     }
     if (n_block > 0) {
-        std::vector<int32_t> toks(n_block, draft_->mask_token()), pos(n_block);
-        std::vector<int64_t> slots(n_block);
-        toks[0] = anchor;
-        for (int i = 0; i < n_block; ++i) {
-            pos[i]   = start + i;
-            slots[i] = slot(start + i);
-            slot_pos_[slots[i]] = start + i;
-        }
-        // block row i (position start + i) sees the context window [start - window, start) and, non-causally,
-        // the whole block; in sliding-window layers the positions p with start + i - swa_window < p, up to
-        // itself (causal, z-lab's default) or to start + i + swa_window (not)
-        const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
-        auto fill_mask = [&](std::vector<ggml_fp16_t> & mask, bool swa) {
-            mask.assign((size_t) n_kv * n_block, ninf);
-            const int w = draft_->swa_window();
-            for (int i = 0; i < n_block; ++i) {
-                const int q  = start + i;
-                int       lo = std::max(0, start - window_);
-                int       hi = draft_->causal() ? q + 1 : start + n_block;
-                if (swa) {
-                    lo = std::max(lo, q - w + 1);
-                    hi = draft_->swa_causal() ? q + 1 : std::min(start + n_block, q + w);
-                }
-                ggml_fp16_t * row = mask.data() + (size_t) i * n_kv;
-                for (int j = 0; j < n_kv; ++j) {
-                    if (slot_pos_[j] >= lo && slot_pos_[j] < hi) {
-                        row[j] = zero;
-                    }
-                }
-            }
-        };
-        std::vector<ggml_fp16_t> mask, mask_swa;
-        fill_mask(mask, false);
-        if (in.kq_mask_swa) {
-            fill_mask(mask_swa, true);
-            ggml_backend_tensor_set(in.kq_mask_swa, mask_swa.data(), 0, sizeof(ggml_fp16_t) * mask_swa.size());
-        }
-        ggml_backend_tensor_set(in.tokens, toks.data(), 0, sizeof(int32_t) * n_block);
-        ggml_backend_tensor_set(in.pos, pos.data(), 0, sizeof(int32_t) * n_block);
-        ggml_backend_tensor_set(in.slots, slots.data(), 0, sizeof(int64_t) * n_block);
-        ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, sizeof(ggml_fp16_t) * mask.size());
+        set_block(g.in, n_block, n_kv, anchor, start);
     }
     g.cache.compute("the draft graph");
     if (own_pool_) {
@@ -236,19 +181,86 @@ void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int star
     queued_rows_.erase(queued_rows_.begin(), queued_rows_.begin() + m);
     queued_pos_.erase(queued_pos_.begin(), queued_pos_.begin() + m);
     if (n_block > 0) {
-        proposals_.n_positions = n_block - 1;
-        proposals_.top_k       = top_k_;
-        proposals_.ids.resize((size_t) (n_block - 1) * top_k_);
-        proposals_.logprobs.resize(proposals_.ids.size());
-        ggml_backend_tensor_get(g.top_ids, proposals_.ids.data(), 0, sizeof(int32_t) * proposals_.ids.size());
-        if (g.top_logprobs) {
-            ggml_backend_tensor_get(g.top_logprobs, proposals_.logprobs.data(), 0,
-                                    sizeof(float) * proposals_.logprobs.size());
-        } else {
-            std::fill(proposals_.logprobs.begin(), proposals_.logprobs.end(), 0.0f);
-        }
-        sort_top_k(proposals_.ids.data(), proposals_.logprobs.data(), n_block - 1, top_k_);
+        read_proposals(g, n_block);
     }
+}
+
+void draft_session::set_context_rows(graph & g, int m, int n_rows, int pad_from) {
+    // rows beyond m are padding: they read any ring row and land in the slots of the block positions right
+    // after (several on one slot: any of them wins), which are never read as context before real rows (or
+    // this round's block) overwrite them, and which hold no context of the window
+    std::vector<int32_t> r(n_rows), p(n_rows);
+    std::vector<int64_t> s(n_rows);
+    for (int i = 0; i < n_rows; ++i) {
+        p[i] = i < m ? queued_pos_[i] : pad_from + (i - m) % block_;
+        r[i] = i < m ? queued_rows_[i] : ring_->slot(p[i]);
+        s[i] = slot(p[i]);
+        slot_pos_[s[i]] = p[i];
+    }
+    ggml_backend_tensor_set(g.ring_rows, r.data(), 0, sizeof(int32_t) * n_rows);
+    ggml_backend_tensor_set(g.in.ctx_pos, p.data(), 0, sizeof(int32_t) * n_rows);
+    ggml_backend_tensor_set(g.in.ctx_slots, s.data(), 0, sizeof(int64_t) * n_rows);
+}
+
+void draft_session::set_block(draft_inputs & in, int n_block, int n_kv, int32_t anchor, int start) {
+    std::vector<int32_t> toks(n_block, draft_->mask_token()), pos(n_block);
+    std::vector<int64_t> slots(n_block);
+    toks[0] = anchor;
+    for (int i = 0; i < n_block; ++i) {
+        pos[i]   = start + i;
+        slots[i] = slot(start + i);
+        slot_pos_[slots[i]] = start + i;
+    }
+    std::vector<ggml_fp16_t> mask, mask_swa;
+    fill_block_mask(mask, n_block, n_kv, start, false);
+    if (in.kq_mask_swa) {
+        fill_block_mask(mask_swa, n_block, n_kv, start, true);
+        ggml_backend_tensor_set(in.kq_mask_swa, mask_swa.data(), 0, sizeof(ggml_fp16_t) * mask_swa.size());
+    }
+    ggml_backend_tensor_set(in.tokens, toks.data(), 0, sizeof(int32_t) * n_block);
+    ggml_backend_tensor_set(in.pos, pos.data(), 0, sizeof(int32_t) * n_block);
+    ggml_backend_tensor_set(in.slots, slots.data(), 0, sizeof(int64_t) * n_block);
+    ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, sizeof(ggml_fp16_t) * mask.size());
+}
+
+void draft_session::fill_block_mask(std::vector<ggml_fp16_t> & mask, int n_block, int n_kv, int start,
+                                    bool swa) const {
+    // block row i (position start + i) sees the context window [start - window, start) and, non-causally, the
+    // whole block; in sliding-window layers the positions p with start + i - swa_window < p, up to itself
+    // (causal, z-lab's default) or to start + i + swa_window (not)
+    const ggml_fp16_t zero = ggml_fp32_to_fp16(0.0f), ninf = ggml_fp32_to_fp16(-INFINITY);
+    mask.assign((size_t) n_kv * n_block, ninf);
+    const int w = draft_->swa_window();
+    for (int i = 0; i < n_block; ++i) {
+        const int q  = start + i;
+        int       lo = std::max(0, start - window_);
+        int       hi = draft_->causal() ? q + 1 : start + n_block;
+        if (swa) {
+            lo = std::max(lo, q - w + 1);
+            hi = draft_->swa_causal() ? q + 1 : std::min(start + n_block, q + w);
+        }
+        ggml_fp16_t * row = mask.data() + (size_t) i * n_kv;
+        for (int j = 0; j < n_kv; ++j) {
+            if (slot_pos_[j] >= lo && slot_pos_[j] < hi) {
+                row[j] = zero;
+            }
+        }
+    }
+}
+
+void draft_session::read_proposals(const graph & g, int n_block) {
+    proposals_.n_positions = n_block - 1;
+    proposals_.top_k       = top_k_;
+    proposals_.ids.resize((size_t) (n_block - 1) * top_k_);
+    proposals_.logprobs.resize(proposals_.ids.size());
+    ggml_backend_tensor_get(g.top_ids, proposals_.ids.data(), 0, sizeof(int32_t) * proposals_.ids.size());
+    if (g.top_logprobs) {
+        ggml_backend_tensor_get(g.top_logprobs, proposals_.logprobs.data(), 0,
+                                sizeof(float) * proposals_.logprobs.size());
+    } else {
+        std::fill(proposals_.logprobs.begin(), proposals_.logprobs.end(), 0.0f);
+    }
+    sort_top_k(proposals_.ids.data(), proposals_.logprobs.data(), n_block - 1, top_k_);
 }
 
 void draft_session::queue(const int32_t * ring_rows, const int32_t * positions, int m) {

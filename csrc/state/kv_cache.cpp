@@ -168,7 +168,7 @@ void kv_cache::copy_rows(const std::vector<std::pair<int, int>> & moves, const c
                 throw backend_error("could not move KV cache rows");
             }
         }
-        const ggml_status status = ggml_backend_graph_compute(backend, gf);
+        const ggml_status status = compute.compute(backend, gf);
         ggml_free(ctx);
         if (status != GGML_STATUS_SUCCESS) {
             throw backend_error("could not move KV cache rows");

@@ -1,0 +1,56 @@
+"""What verifying costs, kept across processes (the speculation cost model, csrc/decode/cost_model.h).
+
+auto chooses each round how much to verify from the measured time of a target evaluation per width. Those
+times are learnt in the rounds that use them, from plain decoding up, so a fresh process answers at once; this
+module saves what was measured, per model file, drafter, machine, thread count and offload (as ubatch.py keys
+the prefill micro-batch), and gives it to the next load, which then chooses as well from its first round and
+goes on refining the times as it decodes. A table is written when it holds a width the saved one lacks.
+"""
+
+from __future__ import annotations
+
+from . import cache_paths, ubatch
+
+__all__ = ["cache_key", "restore", "remember"]
+
+# the widths each key's saved table holds, as this process last wrote or read it
+_saved: dict[str, frozenset] = {}
+CACHE_FILE = "verify_costs.json"
+
+
+def cache_key(model_path: str, draft_path: str | None, n_threads: int, n_gpu_layers: int) -> str | None:
+    """The key of a target and drafter on this machine with these threads and offload (None: no drafter)."""
+    return None if draft_path is None else ubatch.cache_key(model_path, draft_path, n_threads, n_gpu_layers, ())
+
+
+def _widths(chain: dict, tree: dict) -> frozenset:
+    return frozenset([(int(w), False) for w in chain] + [(int(w), True) for w in tree])
+
+
+def restore(draft, key: str | None) -> None:
+    """Give the DraftSession `draft` the verify times saved under `key`, if any."""
+    if draft is None or key is None:
+        return
+    saved = cache_paths.read_table(CACHE_FILE).get(key)
+    if not isinstance(saved, dict):
+        return
+    try:
+        chain = {int(w): float(ms) for w, ms in saved.get("verify_ms", {}).items()}
+        tree = {int(w): float(ms) for w, ms in saved.get("tree_verify_ms", {}).items()}
+    except (AttributeError, TypeError, ValueError):
+        return  # not a table this version wrote: measured again
+    draft.restore_costs(chain, tree)
+    _saved[key] = _widths(chain, tree)
+
+
+def remember(draft, key: str | None) -> None:
+    """After a generation: save the verify times `draft` has measured when they cover a width not saved yet."""
+    if draft is None or key is None:
+        return
+    chain, tree = draft.costs()["measured"]
+    widths = _widths(chain, tree)
+    if widths <= _saved.get(key, frozenset()):
+        return
+    _saved[key] = widths
+    cache_paths.write_entry(CACHE_FILE, key, {"verify_ms": {str(w): ms for w, ms in chain.items()},
+                 "tree_verify_ms": {str(w): ms for w, ms in tree.items()}})
