@@ -1,6 +1,6 @@
 """`pytest -m gpu`: the GPU build on a machine with a GPU (CUDA, HIP, Vulkan, Metal: ggml's first GPU device).
 Skipped where pydflash was built without a GPU backend or no device is usable, which is every CI run; ready for
-the day one is there (README, "Building" has the CUDA and HIP builds).
+the day one is there (docs/building.md has the CUDA and HIP builds).
 
 - CPU vs GPU: logits of both archs and the drafter's proposals, within f32 tolerance;
 - speculative == plain on the GPU for chain, tree and auto (greedy: the output must be the target's own);
