@@ -35,6 +35,22 @@ def _shim_pydflash_convert() -> None:
 _shim_pydflash_convert()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache_dir(tmp_path_factory):
+    """What the engine learns and keeps per machine (prefill micro-batches, verify costs: pydflash/cache_paths.py)
+    goes to a folder of this run's: the user's cache stays clean, and no test's choices follow what an earlier
+    run measured (on a busier machine) for the same files."""
+    import os
+
+    saved = os.environ.get("PYDFLASH_CACHE")
+    os.environ["PYDFLASH_CACHE"] = str(tmp_path_factory.mktemp("pydflash-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("PYDFLASH_CACHE", None)
+    else:
+        os.environ["PYDFLASH_CACHE"] = saved
+
+
 @pytest.fixture(scope="session")
 def llama_cpp_dir() -> Path:
     """The pinned llama.cpp source tree (vocab fixtures, converter, templates), unpacked from the sdist."""

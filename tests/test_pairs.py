@@ -60,7 +60,7 @@ def test_tau_equals_the_reference_loop(kind, genre):
         (eot,) = m.tokenize("<|endoftext|>", add_special=False, parse_special=True)
         for row in res["per_prompt"]:
             ids = m.tokenize(texts[row["id"]], add_special=False)
-            r = m._session.generate(ids, max_tokens=n_tokens, stop_tokens=[eot], draft=m._draft)
+            r = m._session.generate(ids, max_tokens=n_tokens, stop_tokens=[eot], draft=m._draft, spec_mode="chain")
             c = _timings(r["timings"])
             ref = row["greedy_tokens"]
             if ref and ref[-1] == eot:
