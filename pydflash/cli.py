@@ -324,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("-t", "--threads", type=int, default=None)
     demo.add_argument("--tiny-only", action="store_true", help="skip the cost-realistic copy of the pair")
     demo.add_argument("--cache-dir", type=Path, default=None,
-                      help="where the cost-realistic target is built (default: $PYDFLASH_CACHE, else $XDG_CACHE_HOME/pydflash, else ~/.cache/pydflash)")
+                      help="where the cost-realistic target is built (default: $PYDFLASH_CACHE, else "
+                           "$XDG_CACHE_HOME/pydflash, else ~/.cache/pydflash)")
     demo.set_defaults(func=_demo)
     return parser
 
