@@ -32,12 +32,14 @@ bool cost_model::calibrated() const {
 }
 
 int cost_model::frontier() const {
-    for (size_t i = 0; i < grid_.size(); ++i) {
-        if (!chain_seen_[i]) {
-            return grid_[i];
+    // one grid step past the widest measured width: the narrower ones are interpolated between measurements (a
+    // table restored from, or learnt in, chain rounds of one width must not hold auto below that width)
+    for (int i = (int) grid_.size() - 1; i >= 0; --i) {
+        if (chain_seen_[i]) {
+            return grid_[std::min(i + 1, (int) grid_.size() - 1)];
         }
     }
-    return max_width_;
+    return grid_[0];
 }
 
 double cost_model::verify_ms(int n, bool tree) const {
