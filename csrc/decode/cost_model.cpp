@@ -31,17 +31,6 @@ bool cost_model::calibrated() const {
     return std::all_of(chain_seen_.begin(), chain_seen_.end(), [](bool seen) { return seen; });
 }
 
-int cost_model::frontier() const {
-    // one grid step past the widest measured width: the narrower ones are interpolated between measurements (a
-    // table restored from, or learnt in, chain rounds of one width must not hold auto below that width)
-    for (int i = (int) grid_.size() - 1; i >= 0; --i) {
-        if (chain_seen_[i]) {
-            return grid_[std::min(i + 1, (int) grid_.size() - 1)];
-        }
-    }
-    return grid_[0];
-}
-
 double cost_model::verify_ms(int n, bool tree) const {
     n = std::clamp(n, 1, max_width_);
     const std::vector<double> & ms   = tree ? tree_ms_ : chain_ms_;
@@ -66,8 +55,8 @@ double cost_model::verify_ms(int n, bool tree) const {
         return ms[hi] * n / grid_[hi];
     }
     if (hi < 0) {
-        // past the widest measured (up to the frontier): a chain as the widest, a tree as the chain there in the
-        // ratio measured at its widest
+        // past the widest measured (optimistic: a round there measures it): a chain as the widest, a tree as the
+        // chain there in the ratio measured at its widest
         return tree ? verify_ms(n, false) * ms[lo] / verify_ms(grid_[lo], false) : ms[lo];
     }
     if (lo == hi) {

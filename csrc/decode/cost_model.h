@@ -4,10 +4,12 @@
 // round, what to verify.
 //
 // Nothing is measured up front: the decode loop (decode/driver.cpp) times every round it runs and reports it
-// here, so a fresh process decodes at once. Widths are learnt as rounds use them, from plain decoding up: a
-// round may verify at most frontier() tokens, the grid width after the widest measured one, whose time is
-// taken, optimistically, to be that of the widest measured one (a doubling each time speculation pays at the
-// widest so far); widths below the widest measured are interpolated between measured ones. What was learnt can be saved (measured()) and given to a later process (restore()).
+// here, so a fresh process decodes at once. Widths are learnt as rounds use them, from plain decoding up: a width
+// wider than every measured one is taken, optimistically, to cost what the widest measured one does (one between
+// measured widths is interpolated), so auto tries the widths that would pay most and measures them in the rounds
+// that run them; an exploring round is not counted in the speculative rate. (A cap at one grid step past the
+// widest measured width let auto stall at narrow widths, where a draft costs more than it saves.) What was learnt
+// can be saved (measured()) and given to a later process (restore()).
 #pragma once
 
 #include <vector>
@@ -23,9 +25,6 @@ class cost_model {
     const std::vector<int> & grid() const { return grid_; }
     // every grid width's chain time is measured
     bool                     calibrated() const;
-    // the widest evaluation a round may verify now: the grid width after the widest measured one (the narrowest
-    // grid width when none is, max_width when it is)
-    int                      frontier() const;
 
     // ms of one target evaluation of n tokens: a chain, or a tree (recurrent targets run trees depth by depth)
     double verify_ms(int n, bool tree) const;

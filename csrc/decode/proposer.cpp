@@ -97,8 +97,9 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
 
 int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
                          bool recurrent_target) {
-    // no wider than the frontier of measured widths (decode/cost_model.h: a round there measures the next)
-    const int           n_max  = std::min(full.size(), costs.frontier());
+    // widths not measured yet cost, optimistically, what the widest measured one does (decode/cost_model.h): a
+    // round that chooses one measures it
+    const int           n_max  = full.size();
     const double        rate   = std::max(costs.plain_rate(), costs.spec_rate());
     int                 best_b = 0;
     double              best   = 1.0 - rate * costs.verify_ms(1, false);
