@@ -51,6 +51,18 @@ def _own_cache_dir(tmp_path_factory):
         os.environ["PYDFLASH_CACHE"] = saved
 
 
+@pytest.fixture(autouse=True)
+def _fresh_verify_costs(_own_cache_dir):
+    """Each test starts with no verify costs learnt (pydflash/cost_cache.py), as a fresh machine does: a table
+    an earlier test learnt on the same files would let auto know up front that drafting does not pay on a tiny
+    pair, and an exactness test of auto would then compare plain decoding with itself. (The prefill micro-batch
+    sizes stay for the run: they change no output.)"""
+    from pydflash import cache_paths, cost_cache
+
+    (cache_paths.cache_dir() / cost_cache.CACHE_FILE).unlink(missing_ok=True)
+    cost_cache._saved.clear()
+
+
 @pytest.fixture(scope="session")
 def llama_cpp_dir() -> Path:
     """The pinned llama.cpp source tree (vocab fixtures, converter, templates), unpacked from the sdist."""
