@@ -1,0 +1,43 @@
+"""Verify costs kept across loads (pydflash/cost_cache.py): what one load of a target and drafter measured is what
+the next load of the same files starts from, so its first rounds choose from measurements, not guesses."""
+
+from __future__ import annotations
+
+import json
+
+import pydflash
+from export_pairs import pair_file
+from pydflash import cache_paths, cost_cache
+
+TARGET, DRAFT = str(pair_file("qwen3", "target", "q8_0")), str(pair_file("qwen3", "dflash", "q8_0"))
+PROMPT = "def fibonacci(n):\n"
+
+
+def test_a_second_load_starts_from_what_the_first_measured():
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2, spec_mode="chain") as m:
+        m.generate(PROMPT, max_tokens=48)
+        learnt = m._draft.costs()["measured"]
+    assert learnt[0], "chain rounds measured no verify width"
+    table = cache_paths.read_table(cost_cache.CACHE_FILE)
+    assert len(table) == 1
+    (saved,) = table.values()
+    assert {int(w): ms for w, ms in saved["verify_ms"].items()} == learnt[0]
+
+    cost_cache._saved.clear()  # as a new process
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
+        restored = again._draft.costs()["measured"]  # before any generation
+    # the same widths; a time may come back lower, where the widths around it bound it (a stall: cost_model.h)
+    for now, before in zip(restored, learnt):
+        assert now.keys() == before.keys()
+        assert all(0 < now[w] <= before[w] for w in now)
+
+
+def test_no_table_is_kept_for_other_threads_or_without_a_drafter():
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2, spec_mode="chain") as m:
+        m.generate(PROMPT, max_tokens=32)
+    cost_cache._saved.clear()
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=1) as other:
+        assert other._draft.costs()["measured"] == ({}, {})
+    with pydflash.Model(TARGET, n_ctx=512, n_threads=2) as plain:
+        plain.generate(PROMPT, max_tokens=8)
+    assert len(json.loads((cache_paths.cache_dir() / cost_cache.CACHE_FILE).read_text())) == 1
