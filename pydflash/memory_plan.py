@@ -281,10 +281,30 @@ def plan_checked(paths: tuple[str, str | None], options: dict, budget: dict, *, 
     return result
 
 
-def _plan_once(paths, args: dict, budget: dict, sweep: bool = True) -> MemoryPlan:
+def plan_for_load(paths: tuple[str, str | None], options: dict, budget: dict) -> tuple[MemoryPlan, object, object]:
+    """The plan a load checks before it reads any weight (the whole context's graphs only: sweep=False), with
+    the plan's target and drafter (`_core.Model` made plan_only, `_core.DraftModel` or None). The load takes
+    them over (their load_weights), so it builds its model once."""
+    core_model, core_draft = _planned_models(paths, options)
+    result = _plan_of(core_model, core_draft, paths, options, budget, sweep=False)
+    if result.fits is False:
+        result.suggestions = _suggest(paths, options, budget, result, sweep=False)
+    return result, core_model, core_draft
+
+
+def _planned_models(paths, args: dict) -> tuple:
     core_model = _core.Model(paths[0], n_gpu_layers=args["n_gpu_layers"], n_threads=1, plan_only=True,
                              delta_net=args["delta_net"])
-    core_draft = None if paths[1] is None else _core.DraftModel(core_model, paths[1])
+    return core_model, None if paths[1] is None else _core.DraftModel(core_model, paths[1])
+
+
+def _plan_once(paths, args: dict, budget: dict, sweep: bool = True) -> MemoryPlan:
+    return _plan_of(*_planned_models(paths, args), paths, args, budget, sweep)
+
+
+def _plan_of(core_model, core_draft, paths, args: dict, budget: dict, sweep: bool) -> MemoryPlan:
+    """The plan of the planned target and drafter: its session and the drafter's (gone when this returns) and
+    the largest graphs they run."""
     cfg = engine_config(core_model, core_draft, args)
     session = _core.Session(core_model, **cfg.session)
     draft_session = None if core_draft is None else _core.DraftSession(session, core_draft, **cfg.draft)

@@ -21,7 +21,8 @@ from . import _core, cost_cache, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
 from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
-from .memory_plan import (by_category, checked_paths, device_budget, engine_config, engine_options, plan_checked)
+from .memory_plan import (by_category, checked_paths, device_budget, engine_config, engine_options,
+                          plan_for_load)
 from .tokenizer import Tokenizer
 
 __all__ = ["Model", "Completion"]
@@ -255,21 +256,22 @@ class Model:
         progress = bool_arg("progress", progress)
         self.model_path, self.draft_model_path = checked_paths(model_path, draft_model_path)
         self.kv_type, self.spec_mode = kv_type, spec_mode
-        self._refuse_if_short(options)
+        planned = self._refuse_if_short(options)
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
-        self._load_weights(options, n_threads, progress)
+        self._load_weights(planned, options, n_threads, progress)
         self._resolve_engine(options)
         self._open_session(log=True)
 
-    def _refuse_if_short(self, options: dict) -> None:
+    def _refuse_if_short(self, options: dict) -> tuple:
         """Plan this configuration (pydflash.plan: the GGUFs' metadata, nothing loaded) and raise
         InsufficientMemoryError, naming the device, the shortfall and what would fit, if it needs more than the
         system's available memory or the GPU's free memory (compute buffers measured over the whole context's
-        graphs: a smaller window's may need a few percent more)."""
+        graphs: a smaller window's may need a few percent more). Returns the plan's target and drafter, for
+        _load_weights to load."""
         # the layers where the load will place them (no GPU: every layer on the CPU, as the load says)
         options = dict(options, n_gpu_layers=_core.usable_gpu_layers(options["n_gpu_layers"]))
         # the whole context's graphs only (sweep=False): a few ms, where the windows' sweep could take seconds
-        memory = plan_checked((self.model_path, self.draft_model_path), options, device_budget(), sweep=False)
+        memory, *planned = plan_for_load((self.model_path, self.draft_model_path), options, device_budget())
         if memory.fits is False:
             short = ", ".join(f"{d.upper()} needs {memory.total(d) / 2**20:.1f} MiB, {memory.budget[d] / 2**20:.1f} "
                               f"MiB available ({n / 2**20:.1f} MiB short)" for d, n in memory.shortfall().items())
@@ -277,12 +279,15 @@ class Model:
             fix = "; ".join(f"{k}={v!r}" for k, v in memory.suggestions.items()) or "none found"
             raise InsufficientMemoryError(f"{self.model_path}: this configuration does not fit: {short} ({parts}). "
                                           f"Would fit instead: {fix}", memory)
+        return tuple(planned)
 
-    def _load_weights(self, options: dict, n_threads: int | None, progress: bool) -> None:
-        """The target's weights (and the drafter's), read once and shared by every session over them."""
+    def _load_weights(self, planned: tuple, options: dict, n_threads: int | None, progress: bool) -> None:
+        """The target's weights (and the drafter's), read once and shared by every session over them: the models
+        the plan built (_refuse_if_short), moved into real buffers."""
+        self._model, draft_model = planned
         with _LoadBar(self.model_path, progress) as bar:
-            self._model = _core.Model(self.model_path, n_gpu_layers=options["n_gpu_layers"], n_threads=n_threads or 0,
-                                      progress=bar.update, delta_net=options["delta_net"])
+            self._model.load_weights(n_gpu_layers=options["n_gpu_layers"], n_threads=n_threads or 0,
+                                     progress=bar.update, delta_net=options["delta_net"])
         if self.tokenizer.n_vocab > self._model.n_vocab:
             raise ModelLoadError(
                 f"{self.model_path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
@@ -291,10 +296,10 @@ class Model:
         logger.info("%s: %s, %d layers, weights %.1f MiB, KV cache (n_ctx=%d, %s) %.1f MiB", self.model_path,
                     self._model.arch, self._model.n_layer, self._model.weight_bytes / 2**20, options["n_ctx"],
                     self.kv_type, kv_bytes / 2**20)
-        self._draft_model = None
-        if self.draft_model_path is not None:
+        self._draft_model = draft_model
+        if draft_model is not None:
             with _LoadBar(self.draft_model_path, progress) as bar:
-                self._draft_model = _core.DraftModel(self._model, self.draft_model_path, progress=bar.update)
+                draft_model.load_weights(progress=bar.update)
 
     def _resolve_engine(self, options: dict) -> None:
         """The session's and the drafter's parameters (decode/engine_params.h), as the plan resolved them; with
@@ -322,7 +327,7 @@ class Model:
                         self._session.recurrent_bytes / 2**20, n_rollback, per_node / 2**20, n_rollback)
         self._draft = None
         if self._draft_model is not None:
-            # over the target session: the two take turns on one CPU thread pool
+            # over the target session: the drafter computes in the session's steps, on its CPU threads
             self._draft = _core.DraftSession(self._session, self._draft_model, **self._draft_config)
             if log:
                 logger.info("%s: DFlash draft, block %d (trained %d), target layers %s, weights %.1f MiB, "

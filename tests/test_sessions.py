@@ -118,9 +118,9 @@ def test_abort_from_another_thread(model):
 
 
 def test_abort_while_another_session_computes(model):
-    """Sessions take turns on the model's CPU workers: one aborted while another generates ends with "abort"
-    (within a round: it waits at most one graph of the other for its turn), and the other's output is what it
-    gives alone."""
+    """Sessions share the model's CPU threads: one aborted while another generates ends with "abort" (within a
+    round: it waits at most one step of the other for its threads), and the other's output is what it gives
+    alone."""
     target, draft = _pair(model.arch)
     with pydflash.Model(target, draft_model_path=draft, n_ctx=4096, n_threads=1) as big:
         a, b = big.new_session(), big.new_session()

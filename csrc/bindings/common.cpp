@@ -12,6 +12,10 @@ int64_t checked(const char * name, int64_t v, int64_t lo, int64_t hi) {
     return v;
 }
 
+int tree_budget_arg(int64_t v) {
+    return (int) checked("tree_budget", v, 0, MAX_TREE_BUDGET);
+}
+
 std::vector<int32_t> int32_array(const char * name, const py::handle & o) {
     py::array a = py::array::ensure(o);
     if (!a || a.ndim() != 1 || (a.size() > 0 && a.dtype().kind() != 'i' && a.dtype().kind() != 'u')) {

@@ -34,11 +34,13 @@ inline constexpr int64_t MAX_ROLLBACK = 1 << 16;
 // Model: the read-only weights, shareable between sessions
 struct py_model {
     std::shared_ptr<const target_model> model;
+    std::shared_ptr<target_model>       planned;  // the same model while it is a memory plan's (load_weights)
 };
 
 // DFlash draft weights, loaded once and shared by the draft sessions of every target session over its target
 struct py_draft_model {
     std::shared_ptr<const dflash_draft> model;
+    std::shared_ptr<dflash_draft>       planned;  // the same drafter while it is a memory plan's (load_weights)
 };
 
 // A drafter for one target session, with what the decode loop learns about it on this machine (costs, how far
@@ -54,6 +56,10 @@ struct py_draft {
 // Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked
 // here, naming the parameter, before they are narrowed.
 int64_t checked(const char * name, int64_t v, int64_t lo, int64_t hi);
+// tree_budget as the bindings take it (0: the default by spec_mode), in the engine's one bound, MAX_TREE_BUDGET
+// (decode/engine_params.h). pydflash.Model and plan check the user's value first (1 .. MAX_TREE_BUDGET), so
+// this refuses only what a direct caller of _core passes.
+int     tree_budget_arg(int64_t v);
 // a 1-D array of token ids / positions: integers (a float array is refused, not truncated) that fit int32
 std::vector<int32_t> int32_array(const char * name, const py::handle & o);
 ggml_type   parse_kv_type(const std::string & name);

@@ -52,7 +52,7 @@ static py_draft make_draft_session(const py::object & target_arg, const py::obje
     checked("max_verify", max_verify, 0, INT32_MAX);
     py_draft d;
     d.spec.mode        = parse_spec_mode(mode);
-    d.spec.tree_budget = (int) checked("tree_budget", tree_budget, 0, 1 << 16);
+    d.spec.tree_budget = tree_budget_arg(tree_budget);
     d.spec.seed        = parse_tree_seed(seed);
     d.session = std::make_unique<draft_session>(draft_weights(weights, target), (uint32_t) n_ctx, params, compute);
     const int ring_rows = d.session->ring().capacity();

@@ -46,7 +46,7 @@ static py::dict resolve(const py_model & target, const py::object & draft, int64
     o.n_ctx        = (int) checked("n_ctx", n_ctx, 1, MAX_CTX);
     o.n_ubatch     = (int) checked("n_ubatch", n_ubatch, 0, MAX_CTX);
     o.block_size   = (int) checked("block_size", block_size, 0, dflash_draft::MAX_BLOCK_SIZE);
-    o.tree_budget  = (int) checked("tree_budget", tree_budget, 0, MAX_TREE_BUDGET);
+    o.tree_budget  = tree_budget_arg(tree_budget);
     o.draft_window = (int) checked("draft_window", draft_window, 1, INT32_MAX);
     o.mode         = parse_spec_mode(mode);
     parse_kv_type(kv_type);

@@ -159,7 +159,7 @@ static spec_params spec_for(const py_draft & draft, const std::optional<std::str
         sp.mode = parse_spec_mode(*mode);
     }
     if (tree_budget) {
-        sp.tree_budget = (int) checked("tree_budget", *tree_budget, 0, 1 << 16);
+        sp.tree_budget = tree_budget_arg(*tree_budget);
     }
     if (seed) {
         sp.seed = parse_tree_seed(*seed);

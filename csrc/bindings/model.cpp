@@ -41,20 +41,41 @@ static delta_net_form parse_delta_net(const std::string & name) {
     throw std::invalid_argument(format("delta_net = '%s', expected 'auto', 'fused' or 'chunked'", name.c_str()));
 }
 
-static py_model load_model(const std::string & path, int64_t n_gpu_layers, int64_t n_threads, py::object progress,
-                           bool plan_only, const std::string & delta_net) {
+static model_params load_params(int64_t n_gpu_layers, int64_t n_threads, const py::object & progress,
+                                const std::string & delta_net) {
     model_params p;
     p.n_gpu_layers = (int) checked("n_gpu_layers", n_gpu_layers, -1, INT32_MAX);
     p.n_threads    = (int) checked("n_threads", n_threads, 0, INT32_MAX);
     p.progress     = progress_callback(progress);
-    p.plan_only    = plan_only;
     p.delta_net    = parse_delta_net(delta_net);
-    std::unique_ptr<target_model> loaded;
+    return p;
+}
+
+static py_model load_model(const std::string & path, int64_t n_gpu_layers, int64_t n_threads, py::object progress,
+                           bool plan_only, const std::string & delta_net) {
+    model_params p = load_params(n_gpu_layers, n_threads, progress, delta_net);
+    p.plan_only    = plan_only;
+    std::shared_ptr<target_model> loaded;
     {
         py::gil_scoped_release nogil;
         loaded = load_target_model(path, p);
     }
-    return py_model{std::shared_ptr<const target_model>(std::move(loaded))};
+    return py_model{loaded, plan_only ? loaded : nullptr};
+}
+
+// a plan's Model (plan_only) becomes a load's: the one model object, built once (target_model::realize)
+static void load_planned_weights(py_model & m, int64_t n_gpu_layers, int64_t n_threads, py::object progress,
+                                 const std::string & delta_net) {
+    if (!m.planned) {
+        throw std::invalid_argument(format("%s: the weights are loaded already (load_weights is for a Model made "
+                                           "with plan_only=True)", m.model->info().path.c_str()));
+    }
+    const model_params p = load_params(n_gpu_layers, n_threads, progress, delta_net);
+    {
+        py::gil_scoped_release nogil;
+        m.planned->realize(p);
+    }
+    m.planned.reset();
 }
 
 static py::dict device_memory() {
@@ -80,6 +101,11 @@ static void register_target(py::module_ & m) {
              "placeable on a GPU this machine lacks; sessions over it measure graphs and cannot run them. delta_net "
              "(hybrid targets): how prefill micro-batches run the delta rule: 'fused' (ggml_gated_delta_net), "
              "'chunked' (stock ops, models/delta_net.h) or 'auto' (fused where the backend has the op).")
+        .def("load_weights", &load_planned_weights, py::arg("n_gpu_layers") = 0, py::arg("n_threads") = 0,
+             py::arg("progress") = py::none(), py::arg("delta_net") = "auto",
+             "A plan's Model (plan_only=True) becomes a loaded one, its layers where the plan placed them (an error "
+             "when n_gpu_layers places them elsewhere here): the weights move into real buffers and are read. "
+             "Sessions opened over the plan must be gone; a DraftModel over it loads its own after this.")
         .def_property_readonly("plan_only", [](const py_model & m) { return m.model->devices().plan_only(); })
         .def_property_readonly("n_gpu_layers", [](const py_model & m) { return m.model->devices().n_gpu_layers(); },
                                "Layers of [0 .. n_layer] on the GPU (the output head counts as layer n_layer).")
@@ -114,10 +140,24 @@ static void register_draft_model(py::module_ & m) {
         .def(py::init([](const py_model & target, const std::string & path, py::object progress) {
                  const load_progress on_progress = progress_callback(progress);
                  py::gil_scoped_release nogil;
-                 return py_draft_model{std::make_shared<dflash_draft>(path, target.model, on_progress)};
+                 auto draft = std::make_shared<dflash_draft>(path, target.model, on_progress);
+                 return py_draft_model{draft, target.model->devices().plan_only() ? draft : nullptr};
              }),
              py::arg("target"), py::arg("path"), py::arg("progress") = py::none(), py::keep_alive<1, 2>(),
              "DFlash draft weights for `target`, to share between DraftSessions (one per target session).")
+        .def("load_weights", [](py_draft_model & d, py::object progress) {
+                 if (!d.planned) {
+                     throw std::invalid_argument(format("%s: the weights are loaded already (load_weights is for a "
+                                                        "plan's DraftModel)", d.model->info().path.c_str()));
+                 }
+                 const load_progress on_progress = progress_callback(progress);
+                 {
+                     py::gil_scoped_release nogil;
+                     d.planned->realize(on_progress);
+                 }
+                 d.planned.reset();
+             }, py::arg("progress") = py::none(),
+             "A plan's DraftModel becomes a loaded one, after its target Model's load_weights.")
         .def_property_readonly("block_size", [](const py_draft_model & d) { return d.model->block_size(); })
         .def_property_readonly("weight_bytes", [](const py_draft_model & d) { return d.model->weight_bytes(); })
         .def_property_readonly("weight_memory",

@@ -44,8 +44,8 @@ static int usable_cores() {
     return (int) std::max(1u, std::thread::hardware_concurrency());
 }
 
-backends::backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only)
-    : n_layer_(n_layer), plan_only_(plan_only) {
+// n_threads as asked (0: every usable core), at most the usable cores
+static int thread_count(int n_threads) {
     if (n_threads < 0) {
         throw std::invalid_argument(format("n_threads = %d, expected 0 (all usable cores) or a positive count",
                                            n_threads));
@@ -55,7 +55,12 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only)
     if (n_threads > cores) {
         PDF_LOG_WARN("n_threads = %d exceeds the %d usable cores; using %d", n_threads, cores, cores);
     }
-    n_threads_ = n_threads > 0 ? std::min(n_threads, cores) : cores;
+    return n_threads > 0 ? std::min(n_threads, cores) : cores;
+}
+
+backends::backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only)
+    : n_layer_(n_layer), plan_only_(plan_only) {
+    n_threads_ = thread_count(n_threads);
     cpu_dev_   = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     if (!cpu_dev_) {
         throw backend_error("ggml has no CPU backend");
@@ -75,13 +80,22 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only)
         }
     }
 
-    gpu_dev_ = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
-    if (!plan_only && usable_gpu_layers(n_gpu_layers) != n_gpu_layers) {
+    gpu_dev_      = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    n_gpu_layers_ = layers_placed(plan_only ? n_gpu_layers : loadable_gpu_layers(n_gpu_layers));
+}
+
+int backends::layers_placed(int n_gpu_layers) const {
+    // n_gpu_layers < 0 or > n_layer means everything, output head included
+    return n_gpu_layers < 0 ? n_layer_ + 1 : std::min(n_gpu_layers, n_layer_ + 1);
+}
+
+int backends::loadable_gpu_layers(int n_gpu_layers) const {
+    if (usable_gpu_layers(n_gpu_layers) != n_gpu_layers) {
         PDF_LOG_WARN("n_gpu_layers=%d ignored: no GPU device (a CPU-only build of pydflash, or its GPU backend "
                      "found no usable device or driver)", n_gpu_layers);
-        n_gpu_layers = 0;
+        return 0;
     }
-    if (n_gpu_layers != 0 && !plan_only) {
+    if (n_gpu_layers != 0) {
         // started once here so that a device that cannot start fails the load, not a later session
         ggml_backend_t probe = ggml_backend_dev_init(gpu_dev_, nullptr);
         if (!probe) {
@@ -89,8 +103,22 @@ backends::backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only)
         }
         ggml_backend_free(probe);
     }
-    // n_gpu_layers < 0 or > n_layer means everything, output head included
-    n_gpu_layers_ = n_gpu_layers < 0 ? n_layer + 1 : std::min(n_gpu_layers, n_layer + 1);
+    return n_gpu_layers;
+}
+
+void backends::realize(int n_threads, int n_gpu_layers) {
+    if (!plan_only_) {
+        throw std::logic_error("backends::realize: these backends are a load's already");
+    }
+    const int placed = layers_placed(loadable_gpu_layers(n_gpu_layers));
+    if (placed != n_gpu_layers_) {
+        throw std::invalid_argument(format("n_gpu_layers = %d puts %d of the %d layers and head on the GPU here, but "
+                                           "the plan placed %d", n_gpu_layers, placed, n_layer_ + 1, n_gpu_layers_));
+    }
+    n_threads_ = thread_count(n_threads);
+    plan_only_ = false;
+    const std::lock_guard<std::mutex> lock(threads_mutex_);
+    threads_.reset();  // the plan's sessions' threads, of the plan's count
 }
 
 backends::~backends() = default;
@@ -153,74 +181,84 @@ device_bytes bytes_by_device(const std::vector<ggml_backend_buffer_t> & buffers)
     return n;
 }
 
-cpu_workers::cpu_workers(int n_threads) {
-    // ggml's own pool, kept between graphs (without one ggml starts threads per graph). Not OpenMP's: its pools
-    // belong to the calling thread, and once more threads exist than cores (one session's pool idle, another's
-    // computing) libgomp stops spinning at the per-op barriers and each graph ran ~2x slower. Started paused:
-    // the first compute wakes it.
-    ggml_threadpool_params params = ggml_threadpool_params_default(n_threads);
-    params.paused                 = true;
-    pool_                         = ggml_threadpool_new(&params);
-    if (!pool_) {
-        throw backend_error(format("could not start a CPU thread pool of %d threads", n_threads));
+void cpu_threads::begin_generation() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    busy_++;
+}
+
+void cpu_threads::end_generation() {
+    {
+        const std::lock_guard<std::mutex> lock(mutex_);
+        busy_--;
     }
+    next_.notify_all();  // a waiting step's share may have grown
 }
 
-cpu_workers::~cpu_workers() {
-    ggml_threadpool_free(pool_);
-}
-
-cpu_workers::turn::turn(cpu_workers & w, double & waited_ms) : w(w) {
-    std::unique_lock<std::mutex> lock(w.mutex_);
-    const uint64_t               ticket = w.issued_++;
-    if (w.serving_ != ticket) {  // (no clock read when nobody else computes)
+int cpu_threads::acquire(bool fair, double & waited_ms) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const uint64_t               ticket = issued_++;
+    int                          share  = 0;
+    // a fair share is decided when the step's turn comes, by the sessions busy then (at least one: a step outside
+    // any generation)
+    auto ready = [&] {
+        share = fair ? std::max(1, total_ / std::min(total_, std::max(1, busy_.load()))) : total_;
+        return serving_ == ticket && free_ >= share;
+    };
+    if (!ready()) {  // (no clock read when the threads are free)
         const auto t0 = clock_type::now();
-        w.next_.wait(lock, [&] { return w.serving_ == ticket; });
+        next_.wait(lock, ready);
         waited_ms += ms_since(t0);
     }
+    free_ -= share;
+    serving_++;
+    lock.unlock();
+    next_.notify_all();  // the next ticket may fit in what is left
+    return share;
 }
 
-cpu_workers::turn::~turn() {
+void cpu_threads::release(int share) {
     {
-        const std::lock_guard<std::mutex> lock(w.mutex_);
-        w.serving_++;
+        const std::lock_guard<std::mutex> lock(mutex_);
+        free_ += share;
     }
-    w.next_.notify_all();
+    next_.notify_all();
 }
 
-void cpu_workers::pause_if_idle() {
-    const std::lock_guard<std::mutex> lock(mutex_);  // no turn starts while this holds it
-    if (issued_ == serving_) {
-        ggml_threadpool_pause(pool_);
-    }
-}
-
-std::shared_ptr<cpu_workers> backends::shared_cpu_workers() const {
+std::shared_ptr<cpu_threads> backends::shared_cpu_threads() const {
     if (n_gpu_layers_ == n_layer_ + 1 && gpu_device()) {
         return nullptr;
     }
-    const std::lock_guard<std::mutex> lock(workers_mutex_);
-    if (!workers_) {
-        workers_ = std::make_shared<cpu_workers>(n_threads_);
+    const std::lock_guard<std::mutex> lock(threads_mutex_);
+    if (!threads_) {
+        threads_ = std::make_shared<cpu_threads>(n_threads_);
     }
-    return workers_;
+    return threads_;
 }
 
-compute_backends::compute_backends(const backends & devices) {
-    workers_ = devices.shared_cpu_workers();
-    if (!workers_) {
-        workers_ = std::make_shared<cpu_workers>(devices.n_threads());
+compute_backends::compute_backends(const backends & devices)
+    : n_threads_(devices.n_threads()), shared_(devices.shared_cpu_threads()) {
+    // ggml's own pool, kept between graphs (without one ggml starts threads per graph). Not OpenMP's: its pools
+    // belong to the calling thread, and once more threads exist than cores libgomp stops spinning at the per-op
+    // barriers and each graph ran ~2x slower. Started paused: the first compute wakes it. Threads beyond a
+    // step's share sleep (ggml wakes only the graph's n_threads).
+    ggml_threadpool_params params = ggml_threadpool_params_default(n_threads_);
+    params.paused                 = true;
+    pool_                         = ggml_threadpool_new(&params);
+    if (!pool_) {
+        throw backend_error(format("could not start a CPU thread pool of %d threads", n_threads_));
     }
     cpu_ = ggml_backend_dev_init(devices.cpu_device(), nullptr);
     if (!cpu_) {
+        ggml_threadpool_free(pool_);  // (a throwing constructor runs no destructor)
         throw backend_error("could not initialise the ggml CPU backend");
     }
-    ggml_backend_cpu_set_n_threads(cpu_, devices.n_threads());
-    ggml_backend_cpu_set_threadpool(cpu_, workers_->pool());
+    ggml_backend_cpu_set_n_threads(cpu_, n_threads_);
+    ggml_backend_cpu_set_threadpool(cpu_, pool_);
     if (ggml_backend_dev_t dev = devices.gpu_device()) {
         gpu_ = ggml_backend_dev_init(dev, nullptr);
         if (!gpu_) {
-            ggml_backend_free(cpu_);  // (a throwing constructor runs no destructor)
+            ggml_backend_free(cpu_);
+            ggml_threadpool_free(pool_);
             throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(dev)));
         }
     }
@@ -231,18 +269,73 @@ compute_backends::~compute_backends() {
         ggml_backend_free(gpu_);
     }
     ggml_backend_free(cpu_);
+    ggml_threadpool_free(pool_);
 }
 
 void compute_backends::pause() const {
-    workers_->pause_if_idle();
+    ggml_threadpool_pause(pool_);
 }
 
 ggml_status compute_backends::compute(ggml_backend_sched_t sched, ggml_cgraph * gf) const {
-    return workers_->in_turn(waited_ms_, [&] { return ggml_backend_sched_graph_compute(sched, gf); });
+    return in_step([&] { return ggml_backend_sched_graph_compute(sched, gf); });
 }
 
 ggml_status compute_backends::compute(ggml_backend_t backend, ggml_cgraph * gf) const {
-    return workers_->in_turn(waited_ms_, [&] { return ggml_backend_graph_compute(backend, gf); });
+    return in_step([&] { return ggml_backend_graph_compute(backend, gf); });
+}
+
+compute_backends::generation::generation(const compute_backends & c) : c_(c) {
+    if (c_.shared_) {
+        c_.shared_->begin_generation();
+    }
+}
+
+compute_backends::generation::~generation() {
+    if (c_.shared_) {
+        c_.shared_->end_generation();
+    }
+}
+
+namespace {
+// The share of a model's CPU threads this thread holds. A step of other backends over the same model nested in it
+// (a drafter with backends of its own, drafting for a session's round) computes on that share: waiting for more
+// would wait for itself.
+struct held_share {
+    const cpu_threads * on      = nullptr;
+    int                 threads = 0;
+};
+thread_local held_share held;
+}  // namespace
+
+compute_backends::step::step(const compute_backends & c, bool fair) : c_(c) {
+    if (c_.steps_held_++ > 0) {
+        return;
+    }
+    if (!c_.shared_) {
+        c_.step_threads_ = c_.n_threads_;
+    } else if (held.on == c_.shared_.get()) {
+        c_.step_threads_ = held.threads;
+    } else {
+        c_.step_threads_ = c_.shared_->acquire(fair, c_.waited_ms_);
+        held             = {c_.shared_.get(), c_.step_threads_};
+        owner_           = true;
+    }
+    ggml_backend_cpu_set_n_threads(c_.cpu_, c_.step_threads_);
+}
+
+compute_backends::step::~step() {
+    if (--c_.steps_held_ > 0) {
+        return;
+    }
+    if (owner_) {
+        held = {};
+        if (c_.shared_->shared_now()) {
+            // its workers would poll for the next graph on cores the next session's share now holds
+            ggml_threadpool_pause(c_.pool_);
+        }
+        c_.shared_->release(c_.step_threads_);
+    }
+    c_.step_threads_ = 0;
 }
 
 ggml_backend_sched_t compute_backends::new_sched(size_t graph_size) const {

@@ -3,14 +3,15 @@
 // (n_gpu_layers) and which buffer type holds it (the CPU's repacking buffer types for matmul weights, as
 // llama.cpp does); it is shared, read-only, by every session over the model. `compute_backends` are the backend
 // instances one session computes with: a CPU backend has a work buffer it reallocates during a compute and a GPU
-// backend a stream, so two sessions computing at once in two threads each need their own. The CPU's worker
-// threads (`cpu_workers`) are the model's, n_threads of them shared by all its sessions, which take turns.
+// backend a stream, so two sessions computing at once in two threads each need their own. The CPU threads
+// (`cpu_threads`) are the model's, n_threads of them divided among its busy sessions.
 #pragma once
 
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -22,40 +23,42 @@ namespace pdf {
 // one buffer of type `buft` holding `tensors` (allocated in order, cleared to zero); nullptr when it cannot be had
 ggml_backend_buffer_t alloc_tensors(ggml_backend_buffer_type_t buft, const std::vector<ggml_tensor *> & tensors);
 
-// A pool of CPU worker threads that runs one graph at a time, for whichever session's turn it is: sessions that
-// compute at once queue for it, first come first served. Until sessions batch their evaluations, this is what
-// keeps N parallel sessions from running N pools of n_threads on the same cores (each pool's workers spin at
-// every op's barrier while another's hold the core: 4 sessions of 2 threads on 2 cores made 14 tokens/s where
-// one session made 95). A session waits at most one graph of each session ahead of it.
-class cpu_workers {
+// The CPU threads a model's sessions share: n_threads in all (llama-server's -t), however many sessions decode.
+// A session computes in steps (a decode round, a prefill micro-batch, or a lone graph), each on some of the
+// threads, never more than n_threads busy in all; a step waits, first come first served, until what it asks for
+// is free. It asks for
+// - all of them: a step of many tokens (a prefill micro-batch, a speculative round's verify) keeps every core
+//   busy on its own, and on our 2-core VM two sessions verifying 16 drafts side by side on one thread each
+//   took 1.5x the time of one after the other on both (each reads the weights for itself); or
+// - a fair share: plain decoding of one token a step leaves the cores waiting on memory and on the host work
+//   between steps, so k busy sessions each on n_threads / k threads (at least one) decode side by side: 4 plain
+//   sessions on 2 cores made 1.35-1.76x one session's tokens/s, where taking turns on both made 0.85-0.99x.
+// Until sessions batch their evaluations, this is what keeps N parallel sessions off each other's cores: N pools
+// of n_threads each on the same cores spin at every op's barrier while another's hold the core (4 sessions of 2
+// threads on 2 cores made 14 tokens/s where one made 95).
+class cpu_threads {
   public:
-    explicit cpu_workers(int n_threads);  // throws backend_error when the threads cannot start
-    ~cpu_workers();
-    cpu_workers(const cpu_workers &)             = delete;
-    cpu_workers & operator=(const cpu_workers &) = delete;
+    explicit cpu_threads(int n_threads) : total_(n_threads), free_(n_threads) {}
+    int n_threads() const { return total_; }
 
-    ggml_threadpool_t pool() const { return pool_; }
-    // runs `compute` (a graph compute on these workers) in this caller's turn, adding the ms it waited for the
-    // turn to `waited_ms`
-    template <typename F> ggml_status in_turn(double & waited_ms, F && compute) {
-        const turn t(*this, waited_ms);
-        return compute();
-    }
-    // the workers sleep now instead of polling for the next graph, unless a session is computing or waiting
-    // (polling threads would take cores from other processes); the next compute wakes them
-    void pause_if_idle();
+    // a session starts / ends a generation: the busy sessions the threads are divided among
+    void begin_generation();
+    void end_generation();
+    // waits for this step's threads and takes them (adding the ms waited to `waited_ms`): all of them, or (fair)
+    // n_threads / the busy sessions, at least one; returns how many
+    int  acquire(bool fair, double & waited_ms);
+    void release(int share);
+    // other sessions are generating too
+    bool shared_now() const { return busy_.load(std::memory_order_relaxed) > 1; }
 
   private:
-    struct turn {  // held for one compute
-        turn(cpu_workers & w, double & waited_ms);
-        ~turn();
-        cpu_workers & w;
-    };
-    ggml_threadpool_t       pool_ = nullptr;
+    int                     total_;
+    int                     free_;
+    std::atomic<int>        busy_{0};      // sessions generating
     std::mutex              mutex_;
     std::condition_variable next_;
     uint64_t                issued_  = 0;  // tickets handed out
-    uint64_t                serving_ = 0;  // the ticket whose turn it is
+    uint64_t                serving_ = 0;  // the ticket whose turn it is to take its share
 };
 
 enum weight_use {
@@ -75,6 +78,10 @@ class backends {
     // the n_gpu_layers a load honours: as asked, or 0 without a GPU device (a CPU-only build of pydflash, or its
     // GPU backend found no usable device or driver); a plan places layers as asked
     static int usable_gpu_layers(int n_gpu_layers);
+    // a plan's backends become a load's, placing the layers where the plan did (refused, naming both, when
+    // n_gpu_layers places them elsewhere on this machine) and computing with n_threads; the weights placed by
+    // them are then moved into real buffers (weights::realize). Only before any session computes over them.
+    void       realize(int n_threads, int n_gpu_layers);
 
     ggml_backend_dev_t cpu_device() const { return cpu_dev_; }
     // the GPU device sessions compute on when layers are offloaded to it, else nullptr (and in a plan)
@@ -91,12 +98,17 @@ class backends {
     ggml_backend_buffer_type_t state_buft(int il) const;
     // free bytes on the device that holds layer `il`'s state (system memory for the CPU; a plan: unbounded)
     size_t free_memory(int il) const;
-    // the CPU workers the model's sessions share (started with the first session); nullptr when every layer is
-    // on the GPU, where the CPU has next to nothing to do and each session keeps a pool of its own so that the
-    // GPU's streams run the sessions' graphs at once
-    std::shared_ptr<cpu_workers> shared_cpu_workers() const;
+    // the CPU threads the model's sessions share; nullptr when every layer is on the GPU, where the CPU has next
+    // to nothing to do and each session computes on all of them so that the GPU's streams run the sessions'
+    // graphs at once
+    std::shared_ptr<cpu_threads> shared_cpu_threads() const;
 
   private:
+    // n_gpu_layers as placed: the layers and head on the GPU, counted from the output end
+    int layers_placed(int n_gpu_layers) const;
+    // n_gpu_layers a load honours on this machine (usable_gpu_layers, said in the log), its GPU started once
+    int loadable_gpu_layers(int n_gpu_layers) const;
+
     ggml_backend_dev_t                      cpu_dev_ = nullptr;
     ggml_backend_dev_t                      gpu_dev_ = nullptr;
     std::vector<ggml_backend_buffer_type_t> cpu_extra_bufts_;
@@ -104,8 +116,8 @@ class backends {
     int                                     n_layer_;
     int                                     n_gpu_layers_;
     bool                                    plan_only_;
-    mutable std::mutex                      workers_mutex_;
-    mutable std::shared_ptr<cpu_workers>    workers_;
+    mutable std::mutex                      threads_mutex_;
+    mutable std::shared_ptr<cpu_threads>    threads_;
 };
 
 // system memory available to this process (MemAvailable: free pages and reclaimable page cache)
@@ -131,21 +143,57 @@ class compute_backends {
     ggml_backend_t gpu() const { return gpu_; }  // nullptr without offloaded layers
     // a fresh scheduler over these backends (GPU first so it gets the work it can do)
     ggml_backend_sched_t new_sched(size_t graph_size) const;
-    // a graph compute through `sched` (made by new_sched), or on one of these backends, in this session's turn
-    // on the CPU workers
+    // a graph compute through `sched` (made by new_sched), or on one of these backends: in this session's step,
+    // or in a step of its own
     ggml_status          compute(ggml_backend_sched_t sched, ggml_cgraph * gf) const;
     ggml_status          compute(ggml_backend_t backend, ggml_cgraph * gf) const;
-    // the CPU workers sleep now instead of polling for the next graph (a generation ended: polling threads
-    // would take cores from other work), unless another session is using them; the next compute wakes them
+    // the CPU workers sleep now instead of polling for the next graph (a generation or a step ended: polling
+    // threads would take cores from other work); the next compute wakes them
     void                 pause() const;
-    // ms this session's computes have waited for their turn on the CPU workers (other sessions computing)
+    // ms this session's steps have waited for their CPU threads (other sessions computing)
     double               waited_ms() const { return waited_ms_; }
+
+    // This session generates (cpu_threads::begin_generation) while it lives: its steps share the threads with
+    // the other busy sessions
+    class generation {
+      public:
+        explicit generation(const compute_backends & c);
+        ~generation();
+        generation(const generation &)             = delete;
+        generation & operator=(const generation &) = delete;
+
+      private:
+        const compute_backends & c_;
+    };
+    // One step of decoding on some of the CPU threads (a round: drafting, the verify, the walk and the commit;
+    // or a prefill micro-batch): its graphs compute on them, and its host work runs on the thread that is one of
+    // them. fair: a fair share (a plain decoding step), else all of them (cpu_threads). Steps nest; one
+    // session's steps run on one thread at a time.
+    class step {
+      public:
+        explicit step(const compute_backends & c, bool fair = false);
+        ~step();
+        step(const step &)             = delete;
+        step & operator=(const step &) = delete;
+
+      private:
+        const compute_backends & c_;
+        bool                     owner_ = false;  // it took the share (not nested in a step that holds it)
+    };
 
   private:
     ggml_backend_t               cpu_ = nullptr;
     ggml_backend_t               gpu_ = nullptr;
-    std::shared_ptr<cpu_workers> workers_;  // the CPU backend's worker threads (backends::shared_cpu_workers)
-    mutable double               waited_ms_ = 0.0;
+    ggml_threadpool_t            pool_ = nullptr;  // this session's, n_threads_ workers; a step uses its share
+    int                          n_threads_ = 1;
+    std::shared_ptr<cpu_threads> shared_;           // the model's (backends::shared_cpu_threads), or nullptr
+    mutable double               waited_ms_    = 0.0;
+    mutable int                  steps_held_   = 0;  // nested steps
+    mutable int                  step_threads_ = 0;  // the outermost step's threads (0: outside a step)
+    template <typename F> ggml_status in_step(F && compute) const {
+        const step s(*this);
+        return compute();
+    }
 };
 
 }  // namespace pdf

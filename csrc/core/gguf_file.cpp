@@ -133,16 +133,30 @@ gguf_file::gguf_file(const std::string & path, bool metadata_only) : path_(path)
         throw file_error(format("%s: malformed or truncated GGUF header/metadata", path.c_str()));
     }
     // every tensor's bytes must lie inside the file (unless only its metadata is read: a plan)
+    if (!metadata_only_) {
+        try {
+            check_tensor_bounds();
+        } catch (...) {
+            release();  // (a throwing constructor runs no destructor)
+            throw;
+        }
+    }
+}
+
+void gguf_file::check_tensor_bounds() const {
     const size_t data_offset = gguf_get_data_offset(gguf_);
     for (int64_t i = 0; i < gguf_get_n_tensors(gguf_); ++i) {
         const size_t end = data_offset + gguf_get_tensor_offset(gguf_, i) + gguf_get_tensor_size(gguf_, i);
-        if (end > size_ && !metadata_only_) {
-            std::string name = gguf_get_tensor_name(gguf_, i);
-            release();
+        if (end > size_) {
             throw file_error(format("%s: truncated: tensor '%s' needs bytes up to %zu but the file has %zu",
-                                    path.c_str(), name.c_str(), end, size_));
+                                    path_.c_str(), gguf_get_tensor_name(gguf_, i), end, size_));
         }
     }
+}
+
+void gguf_file::require_data() {
+    check_tensor_bounds();
+    metadata_only_ = false;
 }
 
 gguf_file::~gguf_file() { release(); }

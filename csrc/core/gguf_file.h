@@ -16,6 +16,9 @@ class gguf_file {
   public:
     // metadata_only: tensor data need not be present (the memory planner reads shapes and types only)
     explicit gguf_file(const std::string & path, bool metadata_only = false);
+    // a plan's file becomes a load's: from now on every tensor's bytes must lie inside it (a file_error naming
+    // the first that does not)
+    void require_data();
     ~gguf_file();
     gguf_file(const gguf_file &)             = delete;
     gguf_file & operator=(const gguf_file &) = delete;
@@ -61,6 +64,7 @@ class gguf_file {
 
   private:
     void    release();
+    void    check_tensor_bounds() const;
     int64_t key_id(const std::string & key) const;  // -1 when absent
     void    check_shape(ggml_tensor * t, std::initializer_list<int64_t> ne) const;
 

@@ -126,6 +126,10 @@ ggml_backend_buffer_type_t planned_buft(ggml_backend_buffer_type_t real, bool on
     return twin;
 }
 
+ggml_backend_buffer_type_t real_buft(ggml_backend_buffer_type_t planned) {
+    return planned->iface.get_name == planned_name ? type_of(planned)->real : planned;
+}
+
 bool buffer_on_gpu(ggml_backend_buffer_t buffer) {
     ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(buffer);
     if (buft->iface.get_name == planned_name) {

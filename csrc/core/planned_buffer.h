@@ -13,6 +13,9 @@ namespace pdf {
 
 // the plan's twin of `real` (nullptr: a GPU that is absent); `on_gpu` says which device the plan counts it on
 ggml_backend_buffer_type_t planned_buft(ggml_backend_buffer_type_t real, bool on_gpu);
+// the buffer type `planned` (a planned_buft) stands for: nullptr for an absent GPU, `planned` itself when it is
+// not a planned type
+ggml_backend_buffer_type_t real_buft(ggml_backend_buffer_type_t planned);
 // whether the buffer lives on the GPU (a planned one: the device its plan placed it on)
 bool                       buffer_on_gpu(ggml_backend_buffer_t buffer);
 

@@ -59,6 +59,45 @@ ggml_tensor * weights::optional(const std::string & name, std::initializer_list<
 }
 
 void weights::load(const load_progress & progress) {
+    allocate();
+    planned_ = be_.plan_only();
+    if (!planned_) {  // a plan reads no tensor data (the file may hold none) until realize()
+        read(progress);
+    }
+}
+
+void weights::realize(const load_progress & progress) {
+    if (!planned_) {
+        throw std::invalid_argument(format("%s: the weights are loaded already (realize is for a memory plan's)",
+                                           file_.path().c_str()));
+    }
+    if (be_.plan_only()) {
+        throw std::logic_error("weights::realize: their backends are still a plan's (backends::realize first)");
+    }
+    // the same tensors (the model's pointers to them stay valid), out of the planned buffers and into the
+    // buffer types those stood for
+    std::map<ggml_backend_buffer_type_t, ggml_context *> by_real_buft;
+    for (auto & kv : ctx_by_buft_) {
+        ggml_backend_buffer_type_t buft = real_buft(kv.first);
+        if (!buft || by_real_buft.count(buft)) {
+            throw backend_error(format("%s: weights planned in %s cannot be loaded on this machine",
+                                       file_.path().c_str(), ggml_backend_buft_name(kv.first)));
+        }
+        for (ggml_tensor * t = ggml_get_first_tensor(kv.second); t; t = ggml_get_next_tensor(kv.second, t)) {
+            t->buffer = nullptr;
+            t->data   = nullptr;
+        }
+        by_real_buft[buft] = kv.second;
+    }
+    for (ggml_backend_buffer_t b : buffers_) {
+        ggml_backend_buffer_free(b);
+    }
+    buffers_.clear();
+    ctx_by_buft_ = std::move(by_real_buft);
+    load(progress);
+}
+
+void weights::allocate() {
     for (auto & kv : ctx_by_buft_) {
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(kv.second, kv.first);
         if (!buf) {
@@ -72,12 +111,9 @@ void weights::load(const load_progress & progress) {
                          ggml_backend_buffer_get_size(buf) / 1048576.0, ggml_backend_buft_name(kv.first));
         }
     }
-    if (be_.plan_only()) {
-        // a plan reads no tensor data (the file may hold none)
-        to_load_.clear();
-        to_transpose_.clear();
-        return;
-    }
+}
+
+void weights::read(const load_progress & progress) {
     size_t total = 0, done = 0;
     for (auto & p : to_load_) {
         total += ggml_nbytes(p.second);

@@ -29,9 +29,12 @@ class weights {
     // a second copy of a 2-D F32 weight, transposed ([ne1, ne0]), for a graph block that needs the other
     // layout (per-channel conv kernel taps): made once at load
     ggml_tensor * transposed_copy(const std::string & name, int il, weight_use use);
-    // allocate the backend buffers and copy every declared tensor in
-    // allocates the buffers and reads every tensor, calling progress(bytes read, bytes in all) as it goes
+    // allocates the buffers and reads every tensor, calling progress(bytes read, bytes in all) as it goes (a
+    // plan's: planned buffers, nothing read)
     void   load(const load_progress & progress = {});
+    // a plan's weights become a load's, once their backends have (backends::realize): the same tensors, moved
+    // into real buffers of the types the planned ones stood for, and read
+    void   realize(const load_progress & progress = {});
     size_t       n_bytes() const;
     device_bytes memory() const;
     // where each weight went: (tensor name, buffer type name, on the GPU), after load()
@@ -43,6 +46,8 @@ class weights {
     std::vector<placed> placement() const;
 
   private:
+    void           allocate();                             // a buffer per buffer type, holding its tensors
+    void           read(const load_progress & progress);  // every tensor's data from the file
     ggml_context * context_for(ggml_backend_buffer_type_t buft);
     ggml_tensor *  add(ggml_tensor * meta, int il, weight_use use);
 
@@ -52,6 +57,7 @@ class weights {
     std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_load_;       // (ours, file metadata)
     std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_transpose_;  // (ours, file metadata)
     std::vector<ggml_backend_buffer_t>                  buffers_;
+    bool                                                planned_ = false;  // in a plan's buffers, nothing read
 };
 
 }  // namespace pdf

@@ -49,7 +49,8 @@ bool prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, gen
     // same as a prefill from an empty cache
     const auto t0 = clock_type::now();
     for (int i = reuse; i < L; i += ub) {
-        const int n = std::min(ub, L - i);
+        const int                   n = std::min(ub, L - i);
+        const compute_backends::step step(*s.compute());  // the drafter's append in the same step
         p.before_eval(i, n);
         // the last row's logits stay on the device unless read (the last micro-batch's: a sampled first token)
         batch_layout whole;
@@ -103,9 +104,8 @@ std::vector<double> time_prefill_microbatches(session & s, proposer & p, const s
 
 namespace {
 
-// The time of a round's parts, less what this session waited meanwhile for its turn on the model's CPU workers
-// (other sessions computing, core/backend.h): what the round would cost alone is what auto weighs and what is
-// kept for later processes
+// The time of a round's parts, less what this session waited meanwhile for its share of the model's CPU threads
+// (other sessions computing, core/backend.h): what the round costs on its share is what auto weighs
 class round_clock {
   public:
     explicit round_clock(const compute_backends & compute) : compute_(compute) {}
@@ -177,7 +177,10 @@ void count_round(const round_state & round, double verify_ms, const generate_par
 // compacted, the recurrent state of the last accepted node, no replay). Returns the bonus token.
 int32_t run_round(session & s, proposer & p, verifier & choose, int32_t anchor, int start, int max_depth,
                   int max_nodes, const generate_params & params, round_state & round, generate_timings & t) {
-    round_clock whole(*s.compute()), part(*s.compute());
+    // a plain decoding step (no drafter) on a fair share of the model's CPU threads, a speculative round on all
+    // of them (core/backend.h); a wait for them is not in the round's time
+    const compute_backends::step step(*s.compute(), p.max_depth() == 0);
+    round_clock                  whole(*s.compute()), part(*s.compute());
     whole.start();
     p.propose(anchor, start, max_depth, max_nodes, round.tree);
     const double draft_ms = p.drafted() ? whole.ms() : 0.0;
@@ -223,6 +226,7 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
         const compute_backends & compute;
         ~pause_when_done() { compute.pause(); }
     } pause_workers{*s.compute()};
+    const compute_backends::generation busy(*s.compute());  // the model's threads are shared among busy sessions
     if (p.ring() && (int) s.n_ubatch() > p.ring()->capacity()) {
         throw std::invalid_argument(format("n_ubatch = %u exceeds the feature ring's %d rows", s.n_ubatch(),
                                            p.ring()->capacity()));

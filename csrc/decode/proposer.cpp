@@ -20,11 +20,7 @@ static constexpr int    COOLDOWN_MAX      = 2048;
 dflash_proposer::dflash_proposer(draft_session & d, speculation_state & state, const spec_params & params,
                                  bool recurrent_target)
     : d_(d), state_(state), costs_(state.costs), acceptance_(state.acceptance), params_(params),
-      recurrent_(recurrent_target) {
-    if (params.tree_budget < 0) {
-        throw std::invalid_argument(format("tree_budget = %d must be >= 0", params.tree_budget));
-    }
-}
+      recurrent_(recurrent_target) {}
 
 int dflash_proposer::before_prefill(int reusable) {
     // a reused prefix already has its rows in the draft cache, unless plain decoding extended it

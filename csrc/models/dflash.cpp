@@ -54,6 +54,15 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
 
 dflash_draft::~dflash_draft() = default;
 
+void dflash_draft::realize(const load_progress & progress) {
+    if (target_->devices().plan_only()) {
+        throw std::invalid_argument(format("%s: its target %s is still a plan's model (realize the target first)",
+                                           file_->path().c_str(), target_->info().path.c_str()));
+    }
+    file_->require_data();
+    realize_weights(progress);
+}
+
 void dflash_draft::check_pair(int64_t E) {
     // the pair must fit together: each mismatch names the field and both values
     const model_info &  t    = target_->info();

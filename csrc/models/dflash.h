@@ -38,6 +38,8 @@ class dflash_draft final : public loaded_model {
     dflash_draft(const std::string & path, std::shared_ptr<const target_model> target,
                  const load_progress & progress = {});
     ~dflash_draft();
+    // a memory plan's drafter becomes a load's, after its target did (target_model::realize)
+    void realize(const load_progress & progress = {});
 
     // info().kv_layers: the draft layers
     const target_model &     target() const { return *target_; }

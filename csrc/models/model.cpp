@@ -17,6 +17,21 @@ void loaded_model::read_weights(std::shared_ptr<backends> devices, const load_pr
     weights_->load(progress);
 }
 
+void loaded_model::realize_weights(const load_progress & progress) {
+    weights_->realize(progress);
+}
+
+void target_model::realize(const model_params & params) {
+    if (!devices_->plan_only()) {
+        throw std::invalid_argument(format("%s: the weights are loaded already (realize is for a memory plan's "
+                                           "model)", file_->path().c_str()));
+    }
+    file_->require_data();  // before anything changes: a truncated file leaves the plan as it was
+    devices_->realize(params.n_threads, params.n_gpu_layers);
+    realize_weights(params.progress);
+    loaded(params);
+}
+
 void target_model::describe(const std::string & arch, int64_t n_embd, int n_layer, uint32_t n_ctx_train,
                             float norm_eps) {
     ggml_tensor * embd = file_->find_tensor("token_embd.weight");

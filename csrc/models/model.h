@@ -66,6 +66,8 @@ class loaded_model {
     virtual void declare_weights(weights & w) = 0;
     // declares the weights placed by `devices` (kept while they are), then reads them
     void         read_weights(std::shared_ptr<backends> devices, const load_progress & progress);
+    // a plan's weights become a load's once `devices_` have (backends::realize): moved into real buffers, read
+    void         realize_weights(const load_progress & progress);
 
     std::unique_ptr<gguf_file> file_;
     model_info                 info_;
@@ -78,6 +80,11 @@ class loaded_model {
 // where the layers go, and the layer stack (with the feature capture a drafter reads).
 class target_model : public loaded_model {
   public:
+    // A memory plan's model (params.plan_only) becomes this load's: the plan decided the layers' places, its
+    // tensors are moved into real buffers and read from the file, so a load that planned first builds its model
+    // once. params as a load's (n_gpu_layers must place the layers where the plan did); only before any session
+    // over the plan computes, and before the drafter's own realize.
+    void          realize(const model_params & params);
     backends &    devices() const { return *devices_; }
     // shared with a DFlash draft, which has neither of its own
     ggml_tensor * token_embedding() const { return tok_embd_; }
