@@ -181,6 +181,33 @@ device_bytes bytes_by_device(const std::vector<ggml_backend_buffer_t> & buffers)
     return n;
 }
 
+// A ggml thread pool of n_threads (the caller and n_threads - 1 workers), kept between graphs (without one ggml
+// starts threads per graph). Not OpenMP's: its pools belong to the calling thread, and once more threads exist
+// than cores libgomp stops spinning at the per-op barriers and each graph ran ~2x slower. Started paused: the
+// first compute wakes it. Workers beyond a graph's n_threads sleep.
+static ggml_threadpool_t start_pool(int n_threads) {
+    ggml_threadpool_params params = ggml_threadpool_params_default(n_threads);
+    params.paused                 = true;
+    ggml_threadpool_t pool        = ggml_threadpool_new(&params);
+    if (!pool) {
+        throw backend_error(format("could not start a CPU thread pool of %d threads", n_threads));
+    }
+    return pool;
+}
+
+cpu_threads::cpu_threads(int n_threads) : pool_(start_pool(n_threads)), total_(n_threads), free_(n_threads) {}
+
+cpu_threads::~cpu_threads() {
+    ggml_threadpool_free(pool_);
+}
+
+void cpu_threads::pause_if_idle() {
+    const std::lock_guard<std::mutex> lock(mutex_);  // no step takes threads while this holds it
+    if (free_ == total_ && issued_ == serving_) {
+        ggml_threadpool_pause(pool_);
+    }
+}
+
 void cpu_threads::begin_generation() {
     const std::lock_guard<std::mutex> lock(mutex_);
     busy_++;
@@ -237,30 +264,28 @@ std::shared_ptr<cpu_threads> backends::shared_cpu_threads() const {
 
 compute_backends::compute_backends(const backends & devices)
     : n_threads_(devices.n_threads()), shared_(devices.shared_cpu_threads()) {
-    // ggml's own pool, kept between graphs (without one ggml starts threads per graph). Not OpenMP's: its pools
-    // belong to the calling thread, and once more threads exist than cores libgomp stops spinning at the per-op
-    // barriers and each graph ran ~2x slower. Started paused: the first compute wakes it. Threads beyond a
-    // step's share sleep (ggml wakes only the graph's n_threads).
-    ggml_threadpool_params params = ggml_threadpool_params_default(n_threads_);
-    params.paused                 = true;
-    pool_                         = ggml_threadpool_new(&params);
-    if (!pool_) {
-        throw backend_error(format("could not start a CPU thread pool of %d threads", n_threads_));
+    if (!shared_ || n_threads_ > 1) {  // (steps on fewer than all the threads, or every layer on the GPU)
+        own_pool_ = start_pool(n_threads_);
     }
     cpu_ = ggml_backend_dev_init(devices.cpu_device(), nullptr);
     if (!cpu_) {
-        ggml_threadpool_free(pool_);  // (a throwing constructor runs no destructor)
+        free_own_pool();  // (a throwing constructor runs no destructor)
         throw backend_error("could not initialise the ggml CPU backend");
     }
-    ggml_backend_cpu_set_n_threads(cpu_, n_threads_);
-    ggml_backend_cpu_set_threadpool(cpu_, pool_);
+    ggml_backend_cpu_set_n_threads(cpu_, n_threads_);  // (each step sets its threads and their pool)
     if (ggml_backend_dev_t dev = devices.gpu_device()) {
         gpu_ = ggml_backend_dev_init(dev, nullptr);
         if (!gpu_) {
             ggml_backend_free(cpu_);
-            ggml_threadpool_free(pool_);
+            free_own_pool();
             throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(dev)));
         }
+    }
+}
+
+void compute_backends::free_own_pool() {
+    if (own_pool_) {
+        ggml_threadpool_free(own_pool_);
     }
 }
 
@@ -269,11 +294,16 @@ compute_backends::~compute_backends() {
         ggml_backend_free(gpu_);
     }
     ggml_backend_free(cpu_);
-    ggml_threadpool_free(pool_);
+    free_own_pool();
 }
 
 void compute_backends::pause() const {
-    ggml_threadpool_pause(pool_);
+    if (own_pool_) {
+        ggml_threadpool_pause(own_pool_);
+    }
+    if (shared_) {
+        shared_->pause_if_idle();
+    }
 }
 
 ggml_status compute_backends::compute(ggml_backend_sched_t sched, ggml_cgraph * gf) const {
@@ -320,6 +350,9 @@ compute_backends::step::step(const compute_backends & c, bool fair) : c_(c) {
         held             = {c_.shared_.get(), c_.step_threads_};
         owner_           = true;
     }
+    // all the model's threads: its pool, still polling from the last such step; fewer: this session's own
+    const bool all = c_.shared_ && c_.step_threads_ == c_.shared_->n_threads();
+    ggml_backend_cpu_set_threadpool(c_.cpu_, all ? c_.shared_->pool() : c_.own_pool_);
     ggml_backend_cpu_set_n_threads(c_.cpu_, c_.step_threads_);
 }
 
@@ -329,9 +362,9 @@ compute_backends::step::~step() {
     }
     if (owner_) {
         held = {};
-        if (c_.shared_->shared_now()) {
-            // its workers would poll for the next graph on cores the next session's share now holds
-            ggml_threadpool_pause(c_.pool_);
+        if (c_.step_threads_ < c_.shared_->n_threads()) {
+            // its workers would poll for the next graph on cores another session's step may hold now
+            ggml_threadpool_pause(c_.own_pool_);
         }
         c_.shared_->release(c_.step_threads_);
     }

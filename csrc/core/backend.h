@@ -26,20 +26,32 @@ ggml_backend_buffer_t alloc_tensors(ggml_backend_buffer_type_t buft, const std::
 // The CPU threads a model's sessions share: n_threads in all (llama-server's -t), however many sessions decode.
 // A session computes in steps (a decode round, a prefill micro-batch, or a lone graph), each on some of the
 // threads, never more than n_threads busy in all; a step waits, first come first served, until what it asks for
-// is free. It asks for
-// - all of them: a step of many tokens (a prefill micro-batch, a speculative round's verify) keeps every core
-//   busy on its own, and on our 2-core VM two sessions verifying 16 drafts side by side on one thread each
-//   took 1.5x the time of one after the other on both (each reads the weights for itself); or
-// - a fair share: plain decoding of one token a step leaves the cores waiting on memory and on the host work
-//   between steps, so k busy sessions each on n_threads / k threads (at least one) decode side by side: 4 plain
-//   sessions on 2 cores made 1.35-1.76x one session's tokens/s, where taking turns on both made 0.85-0.99x.
+// is free, and holds it through its host work too. It asks for
+// - all of them: a step of many tokens (a prefill micro-batch, a speculative round's drafts and verify) keeps
+//   every core busy on its own. On our 2-core VM two sessions verifying 16 drafts side by side on one thread
+//   each took 1.5x the time of one after the other on both (each reads the weights for itself). Holding them
+//   through the round's host work (the tree, auto's choice, the walk) kept it off the cores another session's
+//   graph computes on: 4 auto sessions went from 0.79-0.91x one session's tokens/s (threads taken graph by
+//   graph) to 0.88-1.17x.
+// - a fair share: plain decoding of one token a step leaves the cores waiting on memory and on host work, so k
+//   busy sessions each on n_threads / k threads (at least one) decode side by side: 4 plain sessions on 2
+//   cores made 1.3-2.0x one session's tokens/s, where taking turns on both made 0.89-1.03x.
 // Until sessions batch their evaluations, this is what keeps N parallel sessions off each other's cores: N pools
 // of n_threads each on the same cores spin at every op's barrier while another's hold the core (4 sessions of 2
 // threads on 2 cores made 14 tokens/s where one made 95).
 class cpu_threads {
   public:
-    explicit cpu_threads(int n_threads) : total_(n_threads), free_(n_threads) {}
-    int n_threads() const { return total_; }
+    explicit cpu_threads(int n_threads);  // throws backend_error when its pool cannot start
+    ~cpu_threads();
+    cpu_threads(const cpu_threads &)             = delete;
+    cpu_threads & operator=(const cpu_threads &) = delete;
+    int               n_threads() const { return total_; }
+    // the pool a step on all the threads computes with, whichever session's: kept polling between such steps
+    // (one session's and the next's), as it would between one session's graphs
+    ggml_threadpool_t pool() const { return pool_; }
+    // the pool sleeps now instead of polling for the next graph, unless a step holds threads or waits for them
+    // (polling threads would take cores from other processes); the next compute wakes it
+    void              pause_if_idle();
 
     // a session starts / ends a generation: the busy sessions the threads are divided among
     void begin_generation();
@@ -48,10 +60,9 @@ class cpu_threads {
     // n_threads / the busy sessions, at least one; returns how many
     int  acquire(bool fair, double & waited_ms);
     void release(int share);
-    // other sessions are generating too
-    bool shared_now() const { return busy_.load(std::memory_order_relaxed) > 1; }
 
   private:
+    ggml_threadpool_t       pool_ = nullptr;
     int                     total_;
     int                     free_;
     std::atomic<int>        busy_{0};      // sessions generating
@@ -184,7 +195,10 @@ class compute_backends {
   private:
     ggml_backend_t               cpu_ = nullptr;
     ggml_backend_t               gpu_ = nullptr;
-    ggml_threadpool_t            pool_ = nullptr;  // this session's, n_threads_ workers; a step uses its share
+    // this session's pool, for a step on fewer threads than the model's (its workers beyond the step's sleep),
+    // or for every step with every layer on the GPU; nullptr on one thread, where every step takes them all
+    ggml_threadpool_t            own_pool_ = nullptr;
+    void                         free_own_pool();
     int                          n_threads_ = 1;
     std::shared_ptr<cpu_threads> shared_;           // the model's (backends::shared_cpu_threads), or nullptr
     mutable double               waited_ms_    = 0.0;
