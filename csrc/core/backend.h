@@ -4,7 +4,7 @@
 // llama.cpp does); it is shared, read-only, by every session over the model. `compute_backends` are the backend
 // instances one session computes with: a CPU backend has a work buffer it reallocates during a compute and a GPU
 // backend a stream, so two sessions computing at once in two threads each need their own. The CPU threads
-// (`cpu_threads`) are the model's, n_threads of them divided among its busy sessions.
+// (`cpu_threads`) are the model's: n_threads of them, never more busy however many of its sessions compute.
 #pragma once
 
 #include "ggml-backend.h"
@@ -35,7 +35,7 @@ ggml_backend_buffer_t alloc_tensors(ggml_backend_buffer_type_t buft, const std::
 //   graph) to 0.88-1.17x.
 // - a fair share: plain decoding of one token a step leaves the cores waiting on memory and on host work, so k
 //   busy sessions each on n_threads / k threads (at least one) decode side by side: 4 plain sessions on 2
-//   cores made 1.3-2.0x one session's tokens/s, where taking turns on both made 0.89-1.03x.
+//   cores made 1.4-2.1x one session's tokens/s, where taking turns on both made 0.92-1.01x.
 // Until sessions batch their evaluations, this is what keeps N parallel sessions off each other's cores: N pools
 // of n_threads each on the same cores spin at every op's barrier while another's hold the core (4 sessions of 2
 // threads on 2 cores made 14 tokens/s where one made 95).
@@ -65,7 +65,7 @@ class cpu_threads {
     ggml_threadpool_t       pool_ = nullptr;
     int                     total_;
     int                     free_;
-    std::atomic<int>        busy_{0};      // sessions generating
+    std::atomic<int>        busy_{0};      // sessions generating (what a fair share divides by)
     std::mutex              mutex_;
     std::condition_variable next_;
     uint64_t                issued_  = 0;  // tickets handed out
