@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers")
 
 from gguf_edit import rewrite  # noqa: E402
 from hf_models import QWEN3MOE_SHAPES, make_dflash_checkpoint, make_qwen3moe_shape  # noqa: E402
+from near_ties import draw_is_fragile, first_difference  # noqa: E402
+from test_qwen3 import kl_divergence, ref_logits  # noqa: E402
 
 import gguf  # noqa: E402
 import pydflash  # noqa: E402
@@ -30,11 +32,6 @@ def checkpoint(request, tmp_path_factory):
     gguf_path = convert_hf_to_gguf(d, d.parent / "model-f32.gguf", outtype="f32", progress=False)
     ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return d, gguf_path, ref
-
-
-def ref_logits(ref, tokens):
-    with torch.no_grad():
-        return ref(torch.tensor([tokens])).logits[0].numpy()
 
 
 def test_logits_match_transformers(checkpoint):
@@ -90,15 +87,6 @@ def test_tree_batch_matches_transformers(checkpoint):
     s.truncate(0)
     last, _ = s.eval(np.array(prefix + [r, b, c], dtype=np.int32), all_logits=False)
     assert np.abs(last[0] - path_bc[-1]).max() <= 1e-4 * scale
-
-
-def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
-    """Mean over positions of KL(p || q) of the softmax distributions."""
-    def log_softmax(x):
-        x = x - x.max(axis=-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-    lp, lq = log_softmax(p_logits.astype(np.float64)), log_softmax(q_logits.astype(np.float64))
-    return float((np.exp(lp) * (lp - lq)).sum(axis=-1).mean())
 
 
 def dequantized_copy(src, dst):
@@ -209,7 +197,8 @@ U32 = gguf.GGUFValueType.UINT32
      r"key 'qwen3moe\.expert_used_count' = 0, expected a value in \[1, 4\]"),
     (dict(set_keys={"qwen3moe.expert_used_count": (5, U32)}),
      r"key 'qwen3moe\.expert_used_count' = 5, expected a value in \[1, 4\]"),
-    (dict(set_keys={"qwen3moe.expert_count": (0, U32)}), r"key 'qwen3moe\.expert_count' = 0, expected a value in \[1, "),
+    (dict(set_keys={"qwen3moe.expert_count": (0, U32)}),
+     r"key 'qwen3moe\.expert_count' = 0, expected a value in \[1, "),
     (dict(drop_keys=("qwen3moe.expert_count",)), r"qwen3moe\.expert_count"),
     (dict(drop_tensors=("blk.1.ffn_gate_inp.weight",)), r"blk\.1\.ffn_gate_inp\.weight"),
     (dict(drop_tensors=("blk.0.ffn_down_exps.weight",)), r"blk\.0\.ffn_down_exps\.weight"),
@@ -273,3 +262,22 @@ def test_speculative_output_equals_plain_greedy(pair, mode, budget):
         assert spec.finish_reason == plain.finish_reason
         if mode != "auto":
             assert spec.timings["n_rounds"] > 0 and spec.timings["n_target_evals"] == spec.timings["n_rounds"]
+
+
+SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
+                presence_penalty=0.0, frequency_penalty=0.0, repeat_last_n=64)
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 20), ("auto", None)])
+def test_speculative_sampling_equals_plain_sampling(pair, mode, budget):
+    """Same seed, same tokens: or else they part at a draw that logit noise of near_ties.TIE could change."""
+    target, draft = pair
+    prompt = [5, 9, 33, 100, 7]
+    with pydflash.Model(target, n_ctx=512, draft_model_path=draft, spec_mode=mode, tree_budget=budget) as m:
+        for seed in (1, 77):
+            plain = m.generate(prompt, max_tokens=48, seed=seed, speculative=False, **SAMPLING).tokens
+            spec = m.generate(prompt, max_tokens=48, seed=seed, **SAMPLING).tokens
+            if spec != plain:
+                k = first_difference(spec + [-1], plain + [-2])
+                assert k < min(len(spec), len(plain)) and draw_is_fragile(m, prompt, plain, k, {**SAMPLING,
+                                                                                                 "seed": seed}), k

@@ -10,19 +10,10 @@ moe_hparams load_moe_hparams(const gguf_file & f, const std::string & prefix) {
     moe_hparams hp;
     hp.n_expert      = f.u32_in(prefix + "expert_count", 1, MAX_EXPERTS);
     hp.n_expert_used = f.u32_in(prefix + "expert_used_count", 1, (uint32_t) hp.n_expert);
+    // llama.cpp's fallback (a width of 0 fails as the experts' shapes are checked, naming the tensor)
     const std::string ff_exp = prefix + "expert_feed_forward_length";
-    if (f.has_key(ff_exp)) {
-        hp.n_ff_exp = f.u32_in(ff_exp, 1, 1 << 24);
-    } else {
-        const std::string ff = prefix + "feed_forward_length";
-        hp.n_ff_exp          = f.u32_in(ff, 1, 1 << 24) / hp.n_expert_used;
-        if (hp.n_ff_exp == 0) {
-            throw format_error(format("%s: no key '%s', and '%s' = %u over expert_used_count %lld leaves no expert "
-                                      "width (expected at least %lld)", f.path().c_str(), ff_exp.c_str(),
-                                      ff.c_str(), f.u32(ff), (long long) hp.n_expert_used,
-                                      (long long) hp.n_expert_used));
-        }
-    }
+    const std::string ff     = prefix + "feed_forward_length";
+    hp.n_ff_exp = f.has_key(ff_exp) ? f.u32_in(ff_exp, 1, 1 << 24) : f.u32_in(ff, 1, 1 << 24) / hp.n_expert_used;
     return hp;
 }
 
