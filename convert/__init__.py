@@ -31,6 +31,7 @@ from .quantize import QUANT_TYPES, quantize_gguf
 # converter modules register their HF architectures on import
 from . import qwen3  # noqa: F401  (Qwen3ForCausalLM)
 from . import qwen35  # noqa: F401  (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration)
+from . import qwen3moe  # noqa: F401  (Qwen3MoeForCausalLM)
 from . import dflash  # noqa: F401  (DFlashDraftModel)
 
 __all__ = [

@@ -553,3 +553,140 @@ def final_pre_norm_hidden(ref, tokens: list[int]):
     finally:
         hook.remove()
     return seen["x"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen3 MoE targets
+
+# Named shapes: expert counts (odd and even), top-k 1 to 4, tied / untied heads, head dims.
+# (hidden, layers, heads, kv_heads, head_dim, experts, top-k, expert width, tie)
+QWEN3MOE_SHAPES: dict[str, dict] = {
+    "x4k1": dict(hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_experts=4, top_k=1, expert_ff=64),
+    "x5k2_tied": dict(hidden=64, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=32, n_experts=5, top_k=2,
+                      expert_ff=96, tie=True),
+    "x8k4": dict(hidden=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, top_k=4, expert_ff=64),
+    "x7k3": dict(hidden=64, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=64, n_experts=7, top_k=3, expert_ff=32),
+}
+
+
+def _fuse_experts(path: Path) -> None:
+    """Rewrite the per-expert tensors of a saved Qwen3 MoE checkpoint (`mlp.experts.N.{gate,up,down}_proj.weight`)
+    in the fused layout transformers 5 holds in memory (`mlp.experts.gate_up_proj` [X, 2F, E],
+    `mlp.experts.down_proj` [X, E, F]), one safetensors file, no index."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        state.update(load_file(str(f)))
+        f.unlink()
+    (path / "model.safetensors.index.json").unlink(missing_ok=True)
+    per_expert = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    layers: dict[str, dict[str, dict[int, object]]] = {}
+    fused = {}
+    for name, t in state.items():
+        if (m := per_expert.match(name)) is not None:
+            layers.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
+        else:
+            fused[name] = t
+    if not layers:
+        raise ValueError(f"{path}: no per-expert tensors to fuse")
+    for prefix, projs in layers.items():
+        n = len(projs["down_proj"])
+        stack = {p: torch.stack([projs[p][x] for x in range(n)]) for p in projs}
+        fused[prefix + ".gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+        fused[prefix + ".down_proj"] = stack["down_proj"]
+    save_file({k: v.contiguous() for k, v in sorted(fused.items())}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def make_qwen3moe_checkpoint(
+    path: str | Path,
+    *,
+    hidden: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 32,
+    n_experts: int = 4,
+    top_k: int = 2,
+    expert_ff: int = 64,
+    intermediate: int | None = None,
+    tie: bool = False,
+    norm_topk_prob: bool = True,
+    experts: str = "per_expert",
+    seed: int = 0,
+    dtype: str = "float32",
+    tokenizer_vocab: int = 768,
+    vocab_size: int | None = None,
+    max_shard_size: str | int | None = None,
+    weight_std: float = 0.2,
+    router_std: float = 0.5,
+    embed_std: float = 1.0,
+    rope_theta: float = 1_000_000.0,
+    max_position_embeddings: int = 4096,
+    rms_norm_eps: float = 1e-6,
+) -> Path:
+    """Write a tiny random `Qwen3MoeForCausalLM` checkpoint + tokenizer into `path` and return it.
+
+    `n_experts` experts per layer of width `expert_ff`, `top_k` of them per token. The routers are drawn with
+    `router_std` (larger than the other weights: clear gaps between a token's k-th and (k+1)-th expert, so f32
+    rounding does not change which experts a token takes). `experts="per_expert"` keeps what `save_pretrained`
+    writes; `"fused"` rewrites the experts as `mlp.experts.gate_up_proj` / `down_proj` (the layout transformers 5
+    holds in memory). Other arguments as `make_qwen3_checkpoint`.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    tok = write_qwen_tokenizer(path, vocab_size=tokenizer_vocab)
+    n_vocab = vocab_size if vocab_size is not None else tok["n_tokens"]
+    if n_vocab < tok["n_tokens"]:
+        raise ValueError(f"vocab_size {n_vocab} < tokenizer size {tok['n_tokens']}")
+    if experts not in ("per_expert", "fused"):
+        raise ValueError(f"experts {experts!r}")
+
+    config = Qwen3MoeConfig(
+        vocab_size=n_vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate if intermediate is not None else 3 * hidden,
+        moe_intermediate_size=expert_ff,
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=tie,
+        attention_bias=False,
+        bos_token_id=tok["endoftext"],
+        eos_token_id=tok["im_end"],
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    _scale_weights(model, seed=seed, weight_std=weight_std, embed_std=embed_std)
+    gen = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(router_std * torch.randn(p.shape, generator=gen))
+    model = model.to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok["endoftext"], eos_token_id=[tok["im_end"], tok["endoftext"]], pad_token_id=tok["endoftext"])
+    model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+    if experts == "fused":
+        _fuse_experts(path)
+    return path
+
+
+def make_qwen3moe_shape(path: str | Path, shape: str, **overrides) -> Path:
+    """`make_qwen3moe_checkpoint` with one of the named `QWEN3MOE_SHAPES`."""
+    return make_qwen3moe_checkpoint(path, **{**QWEN3MOE_SHAPES[shape], **overrides})

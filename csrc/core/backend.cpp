@@ -135,13 +135,23 @@ bool backends::on_gpu(int il) const {
     return il >= n_layer_ + 1 - n_gpu_layers_;
 }
 
-// does `buft` hold `w` such that the device can run mul_mat with it? (llama.cpp's weight_buft_supported)
-static bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, ggml_tensor * w) {
+// does `buft` hold `w` such that the device can run its matmul with it (ggml_mul_mat, or ggml_mul_mat_id for stacked
+// experts)? (llama.cpp's weight_buft_supported; its expert probe routes each token to the model's top-k, where this
+// one routes to one expert: the buffer types' checks read the weight's type and layout, not the number of slots)
+static bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, ggml_tensor * w,
+                                 weight_use use) {
     ggml_init_params params = {ggml_tensor_overhead() * 8, nullptr, true};
     ggml_context *   ctx    = ggml_init(params);
     ggml_tensor *    w_copy = ggml_dup_tensor(ctx, w);
-    ggml_tensor *    x      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[0], 512);
-    ggml_tensor *    op     = ggml_mul_mat(ctx, w_copy, x);
+    ggml_tensor *    op     = nullptr;
+    if (use == WEIGHT_USE_MATMUL_ID) {
+        ggml_tensor * x   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, w->ne[0], 1, 512);
+        ggml_tensor * ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, 512);
+        op                = ggml_mul_mat_id(ctx, w_copy, x, ids);
+    } else {
+        ggml_tensor * x = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[0], 512);
+        op              = ggml_mul_mat(ctx, w_copy, x);
+    }
     ggml_backend_buffer_t dummy = ggml_backend_buft_alloc_buffer(buft, 0);
     w_copy->buffer              = dummy;
     bool ok                     = ggml_backend_dev_supports_op(dev, op);
@@ -154,9 +164,9 @@ ggml_backend_buffer_type_t backends::weight_buft(int il, weight_use use, ggml_te
     ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
     if (on_gpu(il)) {
         buft = gpu_dev_ ? ggml_backend_dev_buffer_type(gpu_dev_) : nullptr;  // nullptr: a plan's absent GPU
-    } else if (use == WEIGHT_USE_MATMUL) {
+    } else if (use == WEIGHT_USE_MATMUL || use == WEIGHT_USE_MATMUL_ID) {
         for (ggml_backend_buffer_type_t extra : cpu_extra_bufts_) {
-            if (buft_supports_matmul(cpu_dev_, extra, w)) {
+            if (buft_supports_matmul(cpu_dev_, extra, w, use)) {
                 buft = extra;
                 break;
             }

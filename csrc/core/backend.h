@@ -73,9 +73,10 @@ class cpu_threads {
 };
 
 enum weight_use {
-    WEIGHT_USE_MATMUL,    // right-hand side of ggml_mul_mat: may go to a repacking buffer type
-    WEIGHT_USE_GET_ROWS,  // token embeddings: looked up by row
-    WEIGHT_USE_OTHER,     // norms, biases, small vectors
+    WEIGHT_USE_MATMUL,     // right-hand side of ggml_mul_mat: may go to a repacking buffer type
+    WEIGHT_USE_MATMUL_ID,  // stacked experts [ne0, ne1, n_expert], first operand of ggml_mul_mat_id: likewise
+    WEIGHT_USE_GET_ROWS,   // token embeddings: looked up by row
+    WEIGHT_USE_OTHER,      // norms, biases, small vectors
 };
 
 class backends {

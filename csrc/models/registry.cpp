@@ -10,6 +10,7 @@ namespace pdf {
 // each reads its architecture's hyper-parameters from the file (load_target_model then reads the weights)
 std::unique_ptr<target_model> open_qwen3(std::unique_ptr<gguf_file> file);
 std::unique_ptr<target_model> open_qwen35(std::unique_ptr<gguf_file> file);
+std::unique_ptr<target_model> open_qwen3moe(std::unique_ptr<gguf_file> file);
 
 using model_factory = std::function<std::unique_ptr<target_model>(std::unique_ptr<gguf_file>)>;
 
@@ -17,6 +18,7 @@ static const std::map<std::string, model_factory> & registry() {
     static const std::map<std::string, model_factory> table = {
         {"qwen3", open_qwen3},
         {"qwen35", open_qwen35},
+        {"qwen3moe", open_qwen3moe},
     };
     return table;
 }
