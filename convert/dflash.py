@@ -31,7 +31,7 @@ import numpy as np
 from pydflash.errors import ConversionError
 
 from .base import LazyTensor, ModelConverter, converter_class, hf_architecture, load_hparams, register
-from .qwen_names import QWEN3_LAYER, weights
+from .qwen_names import QWEN3_LAYER, gguf_name, weights
 
 logger = logging.getLogger("pydflash.convert")
 
@@ -286,12 +286,8 @@ class DFlashConverter(ModelConverter):
         super().prepare_tensors()
 
     def map_tensor_name(self, name: str) -> str:
-        if name in _GLOBAL_TENSORS:
-            return _GLOBAL_TENSORS[name]
-        if (m := _LAYER_RE.match(name)) is not None:
-            bid, sub = int(m[1]), m[2]
-            if sub in _LAYER_TENSORS and bid < self.block_count:
-                return f"blk.{bid}.{_LAYER_TENSORS[sub]}"
+        if (mapped := gguf_name(name, _GLOBAL_TENSORS, _LAYER_RE, _LAYER_TENSORS, self.block_count)):
+            return mapped
         raise ConversionError(f"{self.dir_model}: cannot map tensor {name!r} of a DFlash draft "
                               f"(block_count {self.block_count})")
 

@@ -23,7 +23,7 @@ import numpy as np
 from pydflash.errors import ConversionError
 
 from .base import LazyTensor, ModelConverter, register
-from .qwen_names import ATTENTION
+from .qwen_names import ATTENTION, gguf_name
 from .vocab import set_vocab_gpt2
 
 # HF name (after "model.layers.N.", without ".weight") → GGUF name (after "blk.N.")
@@ -93,12 +93,8 @@ class Qwen3MoeConverter(ModelConverter):
         set_vocab_gpt2(self.writer, self.dir_model, int(self.hparams["vocab_size"]))
 
     def map_tensor_name(self, name: str) -> str:
-        if name in _GLOBAL_TENSORS:
-            return _GLOBAL_TENSORS[name]
-        if (m := _LAYER_RE.match(name)) is not None:
-            bid, sub = int(m[1]), m[2]
-            if sub in _LAYER_TENSORS and bid < self.block_count:
-                return f"blk.{bid}.{_LAYER_TENSORS[sub]}.weight"
+        if (mapped := gguf_name(name, _GLOBAL_TENSORS, _LAYER_RE, _LAYER_TENSORS, self.block_count, ".weight")):
+            return mapped
         raise ConversionError(f"{self.dir_model}: cannot map tensor {name!r} of a Qwen3MoeForCausalLM checkpoint "
                               f"(block_count {self.block_count})")
 

@@ -3,6 +3,8 @@ the ".weight" / ".bias" ending), shared by the qwen3, qwen35 and DFlash converte
 
 from __future__ import annotations
 
+import re
+
 # full attention: the projections and the per-head QK norms
 ATTENTION = {
     "self_attn.q_proj": "attn_q",
@@ -25,3 +27,16 @@ QWEN3_LAYER = {"input_layernorm": "attn_norm", **ATTENTION, "post_attention_laye
 def weights(names: dict[str, str]) -> dict[str, str]:
     """The same table with the ".weight" ending on both sides."""
     return {f"{hf}.weight": f"{gguf}.weight" for hf, gguf in names.items()}
+
+
+def gguf_name(name: str, global_names: dict[str, str], layer_re: re.Pattern, layer_names: dict[str, str],
+              block_count: int, ending: str = "") -> str | None:
+    """The GGUF name of HF tensor `name`: a global one (`global_names`), or "blk.N." + its layer name + `ending`
+    when `layer_re` matches it as (N, what follows "layers.N.") with N below block_count; None when neither."""
+    if name in global_names:
+        return global_names[name]
+    if (m := layer_re.match(name)) is not None:
+        bid, sub = int(m[1]), m[2]
+        if sub in layer_names and bid < block_count:
+            return f"blk.{bid}.{layer_names[sub]}{ending}"
+    return None
