@@ -238,7 +238,7 @@ int cpu_threads::acquire(bool fair, double & waited_ms) {
     // a fair share is decided when the step's turn comes, by the sessions busy then (at least one: a step outside
     // any generation)
     auto ready = [&] {
-        share = fair ? std::max(1, total_ / std::min(total_, std::max(1, busy_.load()))) : total_;
+        share = fair ? std::max(1, total_ / std::min(total_, std::max(1, busy_))) : total_;
         return serving_ == ticket && free_ >= share;
     };
     if (!ready()) {  // (no clock read when the threads are free)

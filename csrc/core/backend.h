@@ -11,7 +11,6 @@
 #include "ggml-cpu.h"
 #include "ggml.h"
 
-#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -65,7 +64,7 @@ class cpu_threads {
     ggml_threadpool_t       pool_ = nullptr;
     int                     total_;
     int                     free_;
-    std::atomic<int>        busy_{0};      // sessions generating (what a fair share divides by)
+    int                     busy_ = 0;     // sessions generating (what a fair share divides by)
     std::mutex              mutex_;
     std::condition_variable next_;
     uint64_t                issued_  = 0;  // tickets handed out
