@@ -185,6 +185,27 @@ QWEN35_SHAPES: dict[str, dict] = {
 }
 
 
+# Qwen3.5-MoE: expert counts (odd and even), top-k 1 to 4, a shared expert always (as the class has), both
+# checkpoint layouts, experts per expert and fused, MTP blocks with their MoE FFN, tied head.
+QWEN35MOE_SHAPES: dict[str, dict] = {
+    # 4 layers (L L L A), GDN K 2 / V 4 heads, 4 experts top-1
+    "x4k1": dict(hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, linear_k_heads=2, linear_v_heads=4,
+                 linear_head_dim=16, n_experts=4, top_k=1, expert_ff=32, shared_ff=48),
+    # the multimodal layout with one MTP block, 5 experts top-2, experts per expert
+    "vl_x5k2_mtp": dict(hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, linear_k_heads=2,
+                        linear_v_heads=4, linear_head_dim=16, layout="conditional", mtp_layers=1, n_experts=5,
+                        top_k=2, expert_ff=48, shared_ff=32),
+    # fused experts, 7 experts top-3, tied head, K = V heads, 3 layers (L A L)
+    "x7k3_fused_tied": dict(hidden=48, n_layers=3, n_heads=3, n_kv_heads=1, head_dim=16, linear_k_heads=2,
+                            linear_v_heads=2, linear_head_dim=16, tie=True, experts="fused", n_experts=7, top_k=3,
+                            expert_ff=24, shared_ff=64, layer_types=["linear_attention", "full_attention",
+                                                                     "linear_attention"]),
+    # 8 experts top-4, 5 layers (L L L A L)
+    "x8k4": dict(hidden=64, n_layers=5, n_heads=2, n_kv_heads=2, head_dim=32, linear_k_heads=2, linear_v_heads=4,
+                 linear_head_dim=16, n_experts=8, top_k=4, expert_ff=32, shared_ff=32),
+}
+
+
 def _default_mrope_section(head_dim: int, partial_rotary: float) -> list[int]:
     """Sections in Qwen3.5's proportions ([11, 11, 10] of 32 rotary pairs)."""
     half = int(head_dim * partial_rotary) // 2
@@ -218,9 +239,11 @@ def _qwen35_value(name: str, shape: tuple, gen, weight_std: float, embed_std: fl
     return weight_std * torch.randn(shape, generator=gen)
 
 
-def _mtp_tensors(config, n_mtp: int, *, seed: int, weight_std: float, embed_std: float) -> dict:
+def _mtp_tensors(config, n_mtp: int, *, seed: int, weight_std: float, embed_std: float,
+                 experts: str = "per_expert") -> dict:
     """Random MTP weights with the names and shapes of the Qwen3.5 releases (`mtp.*`; transformers'
-    Qwen3_5 classes neither build nor save them)."""
+    Qwen3_5 classes neither build nor save them). A Qwen3.5-MoE config gives the blocks its MoE FFN (router,
+    experts in the `experts` layout, shared expert and its gate)."""
     import torch
 
     h, hd, nh, nkv, ff = config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads, \
@@ -234,10 +257,59 @@ def _mtp_tensors(config, n_mtp: int, *, seed: int, weight_std: float, embed_std:
             p + "self_attn.q_proj.weight": (2 * nh * hd, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
             p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nh * hd),
             p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h), p + "mlp.down_proj.weight": (h, ff),
         })
+        shapes.update(_mtp_ffn_shapes(config, p + "mlp.", experts))
     gen = torch.Generator().manual_seed(seed + 1)
     return {name: _qwen35_value(name, shape, gen, weight_std, embed_std) for name, shape in sorted(shapes.items())}
+
+
+def _mtp_ffn_shapes(config, p: str, experts: str) -> dict:
+    """The shapes of one MTP block's FFN tensors (names after `p`), dense or MoE as the config is."""
+    h = config.hidden_size
+    if not getattr(config, "num_experts", 0):
+        ff = config.intermediate_size
+        return {p + "gate_proj.weight": (ff, h), p + "up_proj.weight": (ff, h), p + "down_proj.weight": (h, ff)}
+    n, f, sf = config.num_experts, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    shapes = {p + "gate.weight": (n, h), p + "shared_expert_gate.weight": (1, h),
+              p + "shared_expert.gate_proj.weight": (sf, h), p + "shared_expert.up_proj.weight": (sf, h),
+              p + "shared_expert.down_proj.weight": (h, sf)}
+    if experts == "fused":
+        shapes.update({p + "experts.gate_up_proj": (n, 2 * f, h), p + "experts.down_proj": (n, h, f)})
+    else:
+        for x in range(n):
+            shapes.update({f"{p}experts.{x}.gate_proj.weight": (f, h), f"{p}experts.{x}.up_proj.weight": (f, h),
+                           f"{p}experts.{x}.down_proj.weight": (h, f)})
+    return shapes
+
+
+def _unfuse_experts(state: dict) -> dict:
+    """The fused experts of a MoE state dict (`….mlp.experts.gate_up_proj` [X, 2F, E], `down_proj` [X, E, F]) as
+    the per-expert tensors `save_pretrained` writes (`….mlp.experts.N.{gate,up,down}_proj.weight`)."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base, f = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for x in range(t.shape[0]):
+                out[f"{base}{x}.gate_proj.weight"], out[f"{base}{x}.up_proj.weight"] = t[x, :f], t[x, f:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for x in range(t.shape[0]):
+                out[f"{base}{x}.down_proj.weight"] = t[x]
+        else:
+            out[name] = t
+    return out
+
+
+def _draw_routers(model, *, seed: int, router_std: float) -> None:
+    """Re-draw every router (`mlp.gate.weight`) N(0, router_std): wider than the other weights, so a token's k-th
+    and (k+1)-th experts are far enough apart that f32 rounding does not swap them."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(router_std * torch.randn(p.shape, generator=gen))
 
 
 def _add_safetensors_part(path: Path, part: str, tensors: dict) -> None:
@@ -279,6 +351,12 @@ def make_qwen35_checkpoint(
     tie: bool = False,
     mtp_layers: int = 0,
     layout: str = "causal",
+    n_experts: int = 0,
+    top_k: int = 2,
+    expert_ff: int = 32,
+    shared_ff: int = 48,
+    experts: str = "per_expert",
+    router_std: float = 0.5,
     seed: int = 0,
     dtype: str = "float32",
     tokenizer_vocab: int = 768,
@@ -301,10 +379,27 @@ def make_qwen35_checkpoint(
     (`rope_parameters.mrope_section`, `mrope_interleaved`); None leaves them out (the config
     default). `layer_types=None` lets the config derive them from `full_attention_interval`
     (written only when given; default 4).
+
+    `n_experts > 0` makes it Qwen3.5-MoE (`Qwen3_5MoeForCausalLM` / `…ForConditionalGeneration`): every layer's
+    FFN is `n_experts` routed experts of width `expert_ff`, `top_k` per token, plus a shared expert of width
+    `shared_ff` behind a sigmoid gate. Routers are drawn with `router_std` (clear margins between a token's k-th
+    and (k+1)-th expert). `experts="per_expert"` keeps what `save_pretrained` writes; `"fused"` rewrites them as
+    `mlp.experts.gate_up_proj` / `down_proj` (the layout transformers 5 holds in memory).
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    import transformers
+    from transformers import GenerationConfig
+
+    moe = n_experts > 0
+    family = "Qwen3_5Moe" if moe else "Qwen3_5"
+    Qwen3_5Config = getattr(transformers, family + "Config")
+    Qwen3_5ForCausalLM = getattr(transformers, family + "ForCausalLM")
+    Qwen3_5TextConfig = getattr(transformers, family + "TextConfig")
+    moe_fields = dict(num_experts=n_experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ff,
+                      shared_expert_intermediate_size=shared_ff) if moe else {}
+    if experts not in ("per_expert", "fused"):
+        raise ValueError(f"experts {experts!r}")
 
     path = Path(path)
     tok = write_qwen_tokenizer(path, vocab_size=tokenizer_vocab, split_regex=QWEN35_SPLIT_REGEX)
@@ -341,7 +436,8 @@ def make_qwen35_checkpoint(
         layer_types=layer_types,
         bos_token_id=tok["endoftext"],
         eos_token_id=tok["im_end"],
-        architectures=["Qwen3_5ForCausalLM"],
+        architectures=[family + "ForCausalLM"],
+        **moe_fields,
         **extra,
     )
     if mtp_layers:
@@ -350,6 +446,8 @@ def make_qwen35_checkpoint(
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(text)
     _qwen35_weights(model, seed=seed, weight_std=weight_std, embed_std=embed_std)
+    if moe:
+        _draw_routers(model, seed=seed, router_std=router_std)
     model = model.to(getattr(torch, dtype))
     generation = GenerationConfig(bos_token_id=tok["endoftext"], eos_token_id=[tok["im_end"], tok["endoftext"]],
                                   pad_token_id=tok["endoftext"])
@@ -365,6 +463,8 @@ def make_qwen35_checkpoint(
     else:
         state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
                  for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+        if moe and experts == "per_expert":
+            state = _unfuse_experts(state)
         gen = torch.Generator().manual_seed(seed + 2)
         state["model.visual.patch_embed.proj.weight"] = 0.02 * torch.randn((16, 3, 2, 4, 4), generator=gen)
         state["model.visual.merger.linear_fc1.weight"] = 0.02 * torch.randn((64, 64), generator=gen)
@@ -378,12 +478,14 @@ def make_qwen35_checkpoint(
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
                                temporal_patch_size=2, out_hidden_size=hidden),
             tie_word_embeddings=tie,
-            architectures=["Qwen3_5ForConditionalGeneration"],
+            architectures=[family + "ForConditionalGeneration"],
         )
         full.save_pretrained(path)
         generation.save_pretrained(path)
+    if experts == "fused":
+        _fuse_experts(path)
     if mtp_layers:
-        mtp = _mtp_tensors(text, mtp_layers, seed=seed, weight_std=weight_std, embed_std=embed_std)
+        mtp = _mtp_tensors(text, mtp_layers, seed=seed, weight_std=weight_std, embed_std=embed_std, experts=experts)
         _add_safetensors_part(path, "model-mtp.safetensors", {k: v.to(getattr(torch, dtype)) for k, v in mtp.items()})
     return path
 
@@ -391,6 +493,11 @@ def make_qwen35_checkpoint(
 def make_qwen35_shape(path: str | Path, shape: str, **overrides) -> Path:
     """`make_qwen35_checkpoint` with one of the named `QWEN35_SHAPES`."""
     return make_qwen35_checkpoint(path, **{**QWEN35_SHAPES[shape], **overrides})
+
+
+def make_qwen35moe_shape(path: str | Path, shape: str, **overrides) -> Path:
+    """`make_qwen35_checkpoint` (Qwen3.5-MoE) with one of the named `QWEN35MOE_SHAPES`."""
+    return make_qwen35_checkpoint(path, **{**QWEN35MOE_SHAPES[shape], **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -570,7 +677,7 @@ QWEN3MOE_SHAPES: dict[str, dict] = {
 
 
 def _fuse_experts(path: Path) -> None:
-    """Rewrite the per-expert tensors of a saved Qwen3 MoE checkpoint (`mlp.experts.N.{gate,up,down}_proj.weight`)
+    """Rewrite the per-expert tensors of a saved MoE checkpoint (`mlp.experts.N.{gate,up,down}_proj.weight`)
     in the fused layout transformers 5 holds in memory (`mlp.experts.gate_up_proj` [X, 2F, E],
     `mlp.experts.down_proj` [X, E, F]), one safetensors file, no index."""
     import re
@@ -583,7 +690,7 @@ def _fuse_experts(path: Path) -> None:
         state.update(load_file(str(f)))
         f.unlink()
     (path / "model.safetensors.index.json").unlink(missing_ok=True)
-    per_expert = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    per_expert = re.compile(r"^(.*\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
     layers: dict[str, dict[str, dict[int, object]]] = {}
     fused = {}
     for name, t in state.items():
@@ -673,11 +780,7 @@ def make_qwen3moe_checkpoint(
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config)
     _scale_weights(model, seed=seed, weight_std=weight_std, embed_std=embed_std)
-    gen = torch.Generator().manual_seed(seed + 3)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if name.endswith("mlp.gate.weight"):
-                p.copy_(router_std * torch.randn(p.shape, generator=gen))
+    _draw_routers(model, seed=seed, router_std=router_std)
     model = model.to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=tok["endoftext"], eos_token_id=[tok["im_end"], tok["endoftext"]], pad_token_id=tok["endoftext"])
