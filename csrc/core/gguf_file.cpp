@@ -335,6 +335,32 @@ std::vector<int32_t> gguf_file::i32_array(const std::string & key) const {
     return out;
 }
 
+std::vector<uint32_t> gguf_file::u32_per_layer_in(const std::string & key, int n_layer, uint32_t lo,
+                                                  uint32_t hi) const {
+    const int64_t id = key_id(key);
+    if (id < 0 || gguf_get_kv_type(gguf_, id) != GGUF_TYPE_ARRAY) {
+        return std::vector<uint32_t>(n_layer, u32_in(key, lo, hi));
+    }
+    const gguf_type at = gguf_get_arr_type(gguf_, id);
+    const size_t    n  = gguf_get_arr_n(gguf_, id);
+    if (!is_integer_type(at) || n != (size_t) n_layer) {
+        throw format_error(format("%s: key '%s' is an array of %zu %s, expected one integer or an array of %d "
+                                  "integers (one per layer)", path_.c_str(), key.c_str(), n, gguf_type_name(at),
+                                  n_layer));
+    }
+    const char *          data = (const char *) gguf_get_arr_data(gguf_, id);
+    std::vector<uint32_t> out(n);
+    for (size_t i = 0; i < n; ++i) {
+        const int64_t v = read_integer(at, data + i * integer_type_size(at));
+        if (v < (int64_t) lo || v > (int64_t) hi) {
+            throw format_error(format("%s: key '%s'[%zu] (layer %zu) = %lld, expected a value in [%u, %u]",
+                                      path_.c_str(), key.c_str(), i, i, (long long) v, lo, hi));
+        }
+        out[i] = (uint32_t) v;
+    }
+    return out;
+}
+
 std::vector<bool> gguf_file::bool_array(const std::string & key) const {
     int64_t id = key_id(key);
     if (id < 0) {

@@ -45,6 +45,11 @@ class gguf_file {
     float    f32_in(const std::string & key, float lo, float hi) const;
     float    f32_in_or(const std::string & key, float def, float lo, float hi) const;
 
+    // a per-layer value given as one integer (every layer's) or an integer array of exactly n_layer entries (as
+    // llama.cpp's get_key_or_arr reads it), each checked against [lo, hi]; a format_error names the key, the entry
+    // and the value
+    std::vector<uint32_t> u32_per_layer_in(const std::string & key, int n_layer, uint32_t lo, uint32_t hi) const;
+
     // 1 + the highest N of the `blk.N.*` tensors (0 when there are none)
     int n_blocks_present() const;
     // the block count `key`, checked against the `blk.N.*` tensors: every layer it names is present (its last

@@ -9,7 +9,7 @@ namespace pdf {
 class qwen3moe_model : public qwen3_layers {
   public:
     explicit qwen3moe_model(std::unique_ptr<gguf_file> file) : qwen3_layers(std::move(file), "qwen3moe") {
-        moe_ = load_moe_hparams(*file_, key_prefix());
+        moe_ = load_moe_hparams(*file_, key_prefix(), info_.n_layer, /*shared_expert=*/false);
         // llama.cpp's qwen3moe always renormalises the top-k probabilities (it reads no key for it): the released
         // checkpoints set norm_topk_prob, and pydflash-convert refuses those that do not
         moe_.renormalise = true;

@@ -11,6 +11,7 @@ namespace pdf {
 std::unique_ptr<target_model> open_qwen3(std::unique_ptr<gguf_file> file);
 std::unique_ptr<target_model> open_qwen35(std::unique_ptr<gguf_file> file);
 std::unique_ptr<target_model> open_qwen3moe(std::unique_ptr<gguf_file> file);
+std::unique_ptr<target_model> open_qwen35moe(std::unique_ptr<gguf_file> file);
 
 using model_factory = std::function<std::unique_ptr<target_model>(std::unique_ptr<gguf_file>)>;
 
@@ -19,6 +20,7 @@ static const std::map<std::string, model_factory> & registry() {
         {"qwen3", open_qwen3},
         {"qwen35", open_qwen35},
         {"qwen3moe", open_qwen3moe},
+        {"qwen35moe", open_qwen35moe},
     };
     return table;
 }
