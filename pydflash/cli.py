@@ -31,7 +31,7 @@ def _open_model(args: argparse.Namespace):
     from .model import Model
 
     return Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
-                 n_gpu_layers=args.n_gpu_layers, draft_model_path=args.draft, block_size=args.block_size,
+                 n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe, draft_model_path=args.draft, block_size=args.block_size,
                  spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose, progress=True)
 
 
@@ -196,6 +196,7 @@ def _plan(args: argparse.Namespace) -> int:
     from .memory_plan import plan
 
     memory = plan(args.model, args.draft, n_ctx=args.n_ctx, kv_type=args.kv_type, n_gpu_layers=args.n_gpu_layers,
+                  n_cpu_moe=args.n_cpu_moe,
                   n_ubatch=args.n_ubatch, spec_mode=args.spec_mode, block_size=args.block_size,
                   tree_budget=args.tree_budget, draft_window=args.draft_window, vram=args.vram, ram=args.ram)
     if args.json:
@@ -203,7 +204,8 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         c = memory.config
         print(f"{c['model_path']}" + (f" + {c['draft_model_path']}" if c["draft_model_path"] else "") +
-              f": n_ctx {c['n_ctx']}, kv {c['kv_type']}, n_gpu_layers {c['n_gpu_layers']}, n_ubatch {c['n_ubatch']}"
+              f": n_ctx {c['n_ctx']}, kv {c['kv_type']}, n_gpu_layers {c['n_gpu_layers']}"
+              + (f", n_cpu_moe {c['n_cpu_moe']}" if c["n_cpu_moe"] else "") + f", n_ubatch {c['n_ubatch']}"
               + (f", {c['spec_mode']} (block {c['block_size']}, tree budget {c['tree_budget']})"
                  if c["draft_model_path"] else ""))
         print(memory.table())
@@ -227,13 +229,23 @@ def _int_or_auto(text: str):
     return text if text == "auto" else int(text)
 
 
+def _cpu_moe_arguments(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's flags for a MoE target's experts in system memory (the rest of each layer where -ngl puts it)."""
+    moe = p.add_mutually_exclusive_group()
+    moe.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0, metavar="N",
+                     help="keep the experts of the first N layers in system memory (MoE targets)")
+    moe.add_argument("-cmoe", "--cpu-moe", dest="n_cpu_moe", action="store_const", const=-1,
+                     help="keep every layer's experts in system memory (MoE targets)")
+
+
 def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
-    p.add_argument("model", help="path to a qwen3 / qwen35 GGUF")
+    p.add_argument("model", help="path to a qwen3 / qwen35 / qwen3moe / qwen35moe GGUF")
     p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
     p.add_argument("-c", "--n-ctx", type=int, default=4096)
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--kv-type", default="f16")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    _cpu_moe_arguments(p)
     p.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF for speculative decoding")
     p.add_argument("-b", "--block-size", type=int, default=None)
     p.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto",
@@ -300,11 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
     plan_cmd = sub.add_parser("plan", help="the memory a configuration needs on each device and whether it fits "
                                            "(the GGUFs' metadata only: tensor data may be absent)")
-    plan_cmd.add_argument("model", help="path to a qwen3 / qwen35 GGUF")
+    plan_cmd.add_argument("model", help="path to a qwen3 / qwen35 / qwen3moe / qwen35moe GGUF")
     plan_cmd.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF")
     plan_cmd.add_argument("-c", "--n-ctx", type=int, default=4096)
     plan_cmd.add_argument("--kv-type", default="f16")
     plan_cmd.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="-1: all layers and the head")
+    _cpu_moe_arguments(plan_cmd)
     plan_cmd.add_argument("-ub", "--n-ubatch", type=_int_or_auto, default="auto",
                           help="prefill micro-batch (default auto: the largest Model may choose)")
     plan_cmd.add_argument("-b", "--block-size", type=int, default=None)

@@ -18,9 +18,10 @@ _saved: dict[str, frozenset] = {}
 CACHE_FILE = "verify_costs.json"
 
 
-def cache_key(model_path: str, draft_path: str | None, n_threads: int, n_gpu_layers: int) -> str | None:
-    """The key of a target and drafter on this machine with these threads and offload (None: no drafter)."""
-    return None if draft_path is None else ubatch.cache_key(model_path, draft_path, n_threads, n_gpu_layers, ())
+def cache_key(model_path: str, draft_path: str | None, n_threads: int, placement: str) -> str | None:
+    """The key of a target and drafter on this machine with these threads and placement (ubatch.cache_key; None:
+    no drafter)."""
+    return None if draft_path is None else ubatch.cache_key(model_path, draft_path, n_threads, placement, ())
 
 
 def _widths(chain: dict, tree: dict) -> frozenset:

@@ -38,12 +38,13 @@ MAX_CTX, MAX_BLOCK_SIZE, MAX_TREE_BUDGET = _core.MAX_CTX, _core.MAX_BLOCK_SIZE, 
 CATEGORIES = ("weights", "kv", "recurrent", "ring", "draft", "compute")
 
 
-def engine_options(*, n_ctx, kv_type, n_gpu_layers, n_ubatch, spec_mode, block_size, tree_budget, draft_window,
-                   delta_net) -> dict:
+def engine_options(*, n_ctx, kv_type, n_gpu_layers, n_cpu_moe, n_ubatch, spec_mode, block_size, tree_budget,
+                   draft_window, delta_net) -> dict:
     """The engine's options as `Model(...)` and `plan(...)` take them, each checked once, here (a TypeError or
     ValueError naming it); n_ubatch "auto" is 0 (the engine sizes for the largest micro-batch it may choose)."""
     return dict(n_ctx=int_arg("n_ctx", n_ctx, 1, MAX_CTX), kv_type=choice_arg("kv_type", kv_type, KV_TYPES),
                 n_gpu_layers=int_arg("n_gpu_layers", n_gpu_layers, -1),
+                n_cpu_moe=int_arg("n_cpu_moe", n_cpu_moe, -1),
                 n_ubatch=0 if n_ubatch == "auto" else int_arg("n_ubatch", n_ubatch, 1, MAX_CTX),
                 spec_mode=choice_arg("spec_mode", spec_mode, SPEC_MODES),
                 block_size=optional_int_arg("block_size", block_size, 2, MAX_BLOCK_SIZE),
@@ -115,6 +116,7 @@ class MemoryPlan:
     budget: dict  # device -> bytes available (None: unknown)
     graphs: dict = field(default_factory=dict)  # graph -> compute bytes measured
     suggestions: dict = field(default_factory=dict)
+    experts: dict = field(default_factory=lambda: {"cpu": 0, "gpu": 0})  # the MoE experts' part of the weights
 
     def total(self, device: str | None = None) -> int:
         devices = (device,) if device else ("cpu", "gpu")
@@ -141,7 +143,8 @@ class MemoryPlan:
         out = {f"{c}_bytes": self.bytes[c]["cpu"] + self.bytes[c]["gpu"] for c in CATEGORIES}
         out["total_bytes"] = self.total()
         out["devices"] = {d: {**{f"{c}_bytes": self.bytes[c][d] for c in CATEGORIES},
-                              "total_bytes": self.total(d), "budget_bytes": self.budget.get(d)}
+                              "expert_bytes": self.experts[d], "total_bytes": self.total(d),
+                              "budget_bytes": self.budget.get(d)}
                           for d in ("cpu", "gpu") if self.total(d) or d == "cpu"}
         out["fits"] = self.fits
         out["config"] = dict(self.config)
@@ -155,6 +158,8 @@ class MemoryPlan:
         lines = [f"{'':12}" + "".join(f"{d.upper():>14}" for d in devices)]
         for c in CATEGORIES:
             lines.append(f"{c:12}" + "".join(f"{_gib(self.bytes[c][d]):>14}" for d in devices))
+            if c == "weights" and any(self.experts.values()):
+                lines.append(f"{'  experts':12}" + "".join(f"{_gib(self.experts[d]):>14}" for d in devices))
         lines.append(f"{'total':12}" + "".join(f"{_gib(self.total(d)):>14}" for d in devices))
         lines.append(f"{'budget':12}" + "".join(
             f"{(_gib(self.budget[d]) if self.budget.get(d) is not None else 'unknown'):>14}" for d in devices))
@@ -237,7 +242,7 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
 
 
 def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str = "f16", n_gpu_layers: int = 0,
-         n_ubatch: int | str = "auto", spec_mode: str = "auto", block_size: int | None = None,
+         n_cpu_moe: int = 0, n_ubatch: int | str = "auto", spec_mode: str = "auto", block_size: int | None = None,
          tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
          suggest: bool = True, sweep: bool = True, delta_net: str = "auto") -> MemoryPlan:
     """The memory plan of `Model(model_path, draft_model_path=..., ...)` with these arguments (the same names and
@@ -248,7 +253,8 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
     per graph for a 27B model, 2048 windows at 128K), else over the whole context only (a few percent of the
     compute buffer may be missed)."""
     paths = checked_paths(model_path, draft_model_path)
-    args = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_ubatch=n_ubatch,
+    args = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
+                          n_ubatch=n_ubatch,
                           spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,
                           draft_window=draft_window, delta_net=delta_net)
     return plan_checked(paths, args, device_budget(vram, ram), suggest=suggest, sweep=sweep)
@@ -293,8 +299,8 @@ def plan_for_load(paths: tuple[str, str | None], options: dict, budget: dict) ->
 
 
 def _planned_models(paths, args: dict) -> tuple:
-    core_model = _core.Model(paths[0], n_gpu_layers=args["n_gpu_layers"], n_threads=1, plan_only=True,
-                             delta_net=args["delta_net"])
+    core_model = _core.Model(paths[0], n_gpu_layers=args["n_gpu_layers"], n_cpu_moe=args["n_cpu_moe"], n_threads=1,
+                             plan_only=True, delta_net=args["delta_net"])
     return core_model, None if paths[1] is None else _core.DraftModel(core_model, paths[1])
 
 
@@ -318,8 +324,9 @@ def _plan_of(core_model, core_draft, paths, args: dict, budget: dict, sweep: boo
     config = dict(args, model_path=paths[0], draft_model_path=paths[1], n_ubatch=cfg.session["n_ubatch"],
                   n_rollback=cfg.session["n_rollback"], tree_budget=cfg.tree_budget, block_size=cfg.block,
                   n_layer=core_model.n_layer)
+    cpu_experts, gpu_experts = core_model.expert_memory
     return MemoryPlan(config=config, bytes=by_category(core_model, session, core_draft, draft_session, compute_bytes),
-                      budget=dict(budget), graphs=graphs)
+                      budget=dict(budget), graphs=graphs, experts={"cpu": cpu_experts, "gpu": gpu_experts})
 
 
 def _largest(lo: int, hi: int, fits) -> int | None:
@@ -332,6 +339,19 @@ def _largest(lo: int, hi: int, fits) -> int | None:
             lo = mid
         else:
             hi = mid - 1
+    return lo
+
+
+def _smallest(lo: int, hi: int, fits) -> int | None:
+    """The smallest n in [lo, hi] with fits(n) (fits is monotone: false up to some n), or None."""
+    if lo > hi or not fits(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
     return lo
 
 
@@ -360,6 +380,11 @@ def _suggest(paths, args: dict, budget: dict, failed: MemoryPlan, sweep: bool) -
         layers = _largest(0, asked - 1, lambda n: fits_with(n_gpu_layers=n)) if asked > 0 else None
         if layers is not None:
             out["n_gpu_layers"] = layers
+        if any(failed.experts.values()) and args["n_cpu_moe"] >= 0:
+            # a MoE target's experts in system memory, the rest of each layer on the GPU (llama.cpp's advice)
+            kept = _smallest(args["n_cpu_moe"] + 1, n_layer, lambda n: fits_with(n_cpu_moe=n))
+            if kept is not None:
+                out["n_cpu_moe"] = kept
     if paths[1] is not None and args["spec_mode"] != "chain" and (failed.config["tree_budget"] or 0) > 1:
         budget_nodes = _largest(1, failed.config["tree_budget"] - 1, lambda b: fits_with(tree_budget=b))
         if budget_nodes is not None:

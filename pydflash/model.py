@@ -232,6 +232,7 @@ class Model:
         *,
         n_ctx: int = 4096,
         n_gpu_layers: int = 0,
+        n_cpu_moe: int = 0,
         n_threads: int | None = None,
         kv_type: str = "f16",
         n_ubatch: int | str = "auto",
@@ -246,7 +247,8 @@ class Model:
         progress: bool = False,
         delta_net: str = "auto",
     ):
-        options = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_ubatch=n_ubatch,
+        options = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
+                                 n_ubatch=n_ubatch,
                                  spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,
                                  draft_window=draft_window, delta_net=delta_net)
         n_threads = optional_int_arg("n_threads", n_threads, 1)
@@ -286,7 +288,8 @@ class Model:
         the plan built (_refuse_if_short), moved into real buffers."""
         self._model, draft_model = planned
         with _LoadBar(self.model_path, progress) as bar:
-            self._model.load_weights(n_gpu_layers=options["n_gpu_layers"], n_threads=n_threads or 0,
+            self._model.load_weights(n_gpu_layers=options["n_gpu_layers"], n_cpu_moe=options["n_cpu_moe"],
+                                     n_threads=n_threads or 0,
                                      progress=bar.update, delta_net=options["delta_net"])
         if self.tokenizer.n_vocab > self._model.n_vocab:
             raise ModelLoadError(
@@ -309,11 +312,14 @@ class Model:
         self._session_config = self._engine.session
         self._ubatch_sizes = self._engine.ubatch_candidates or None
         self._ubatch_key = None
+        # where the layers and experts are: what a measured cost depends on
+        placement = f"ngl={options['n_gpu_layers']}" + (f",ncmoe={self._model.n_cpu_moe}" if self._model.n_cpu_moe
+                                                          else "")
         if self._ubatch_sizes is not None:
             self._ubatch_key = ubatch.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
-                                                options["n_gpu_layers"], self._ubatch_sizes)
+                                                placement, self._ubatch_sizes)
         self._cost_key = cost_cache.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
-                                              options["n_gpu_layers"])
+                                              placement)
 
     def _open_session(self, log: bool = False) -> None:
         """This Model's own session over the loaded weights: KV cache, recurrent state, the drafter's context

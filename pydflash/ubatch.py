@@ -44,13 +44,15 @@ def _machine() -> str:
     return f"{cpu}|{gpu}"
 
 
-def cache_key(model_path: str, draft_path: str | None, n_threads: int, n_gpu_layers: int, sizes) -> str:
+def cache_key(model_path: str, draft_path: str | None, n_threads: int, placement: str, sizes) -> str:
+    """The key of these files on this machine with these threads, this placement of the layers (`ngl=N`, then
+    `,ncmoe=N` when experts stay on the CPU) and these micro-batch sizes."""
     def file_id(path):
         st = os.stat(path)
         return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
 
     return "|".join([file_id(model_path), file_id(draft_path) if draft_path else "-", _machine(),
-                     f"threads={n_threads}", f"ngl={n_gpu_layers}", "sizes=" + ",".join(map(str, sizes))])
+                     f"threads={n_threads}", placement, "sizes=" + ",".join(map(str, sizes))])
 
 
 def calibrate(session, draft, tokens: list[int], sizes, key: str) -> tuple[int, dict[int, float]]:

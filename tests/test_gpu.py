@@ -5,6 +5,8 @@ the day one is there (docs/building.md has the CUDA and HIP builds).
 - CPU vs GPU: logits of both archs and the drafter's proposals, within f32 tolerance;
 - speculative == plain on the GPU for chain, tree and auto (greedy: the output must be the target's own);
 - placement: what the load allocates on the GPU is what pydflash.plan says;
+- MoE targets (qwen3moe, qwen35moe): logits and speculative == plain with the experts on the device or kept in
+  system memory (n_cpu_moe);
 - a speed table (printed; run with -s): plain tok/s, the cost of a verify of 16 over one decode step, and
   speculative tok/s on cost-realistic pairs (timings are reported, never asserted).
 """
@@ -133,6 +135,67 @@ def test_gpu_allocations_are_the_plan(kind):
     for c in ("weights", "kv", "recurrent", "ring", "draft"):
         assert real[c] == plan.bytes[c], c
     assert real["weights"]["gpu"] > 0 and real["kv"]["gpu"] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# MoE targets, their experts on the device or kept in system memory (n_cpu_moe, llama.cpp's --n-cpu-moe)
+
+MOE_SHAPES = {"qwen3moe": "x5k2_tied", "qwen35moe": "x8k4"}  # 3 and 5 layers
+
+
+@pytest.fixture(scope="module")
+def moe_pairs(tmp_path_factory):
+    """{arch: (f32 target, f32 random DFlash drafter)}: tiny random MoE targets (tests/hf_models.py)."""
+    pytest.importorskip("torch")
+    from hf_models import make_dflash_checkpoint, make_qwen3moe_shape, make_qwen35moe_shape
+
+    from pydflash.convert import convert_hf_to_gguf
+
+    out = {}
+    for arch, make in (("qwen3moe", make_qwen3moe_shape), ("qwen35moe", make_qwen35moe_shape)):
+        root = tmp_path_factory.mktemp(arch)
+        hf = make(root / "target", MOE_SHAPES[arch], seed=5)
+        draft_hf = make_dflash_checkpoint(root / "draft", hf, target_layer_ids=[0, 1], seed=1)
+        out[arch] = (convert_hf_to_gguf(hf, root / "target.gguf", outtype="f32", progress=False),
+                     convert_hf_to_gguf(draft_hf, root / "draft.gguf", outtype="f32", target_model_dir=hf,
+                                        progress=False))
+    return out
+
+
+@pytest.mark.parametrize("n_cpu_moe", [0, 2, -1])
+@pytest.mark.parametrize("arch", sorted(MOE_SHAPES))
+def test_moe_logits_with_experts_on_either_side(moe_pairs, arch, n_cpu_moe):
+    """Every layer on the device, the experts of the first n_cpu_moe layers in system memory (the graph goes to
+    the CPU for those mul_mat_ids and back): the all-CPU logits; the experts' buffers where asked, as planned."""
+    target, _ = moe_pairs[arch]
+    tokens = np.array([3, 17, 200, 45, 9, 311, 77, 5, 128, 64, 400, 12] * 3, dtype=np.int32)
+    cpu, _ = _core.Session(_core.Model(str(target)), n_ctx=256).eval(tokens)
+    model = _core.Model(str(target), n_gpu_layers=-1, n_cpu_moe=n_cpu_moe)
+    dev, _ = _core.Session(model, n_ctx=256).eval(tokens)
+    assert np.abs(cpu - dev).max() <= 2e-3 * np.abs(cpu).max()
+    kept = model.n_layer if n_cpu_moe < 0 else n_cpu_moe
+    for name, device, _ in model.placement:
+        if "_exps" in name:
+            assert device == ("cpu" if int(name.split(".")[1]) < kept else "gpu"), name
+        elif name.startswith("blk."):
+            assert device == "gpu", name
+    plan = pydflash.plan(target, n_ctx=256, n_gpu_layers=-1, n_cpu_moe=n_cpu_moe, sweep=False)
+    assert tuple(plan.experts.values()) == model.expert_memory
+
+
+@pytest.mark.parametrize("n_cpu_moe", [0, 2])
+@pytest.mark.parametrize("arch", sorted(MOE_SHAPES))
+def test_moe_speculative_equals_plain_on_the_gpu(moe_pairs, arch, n_cpu_moe):
+    target, draft = moe_pairs[arch]
+    for mode in ("chain", "tree", "auto"):
+        with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, n_gpu_layers=-1, n_cpu_moe=n_cpu_moe,
+                            spec_mode=mode) as m:
+            for prompt in ([5, 9, 33, 100, 7], list(range(40, 90))):
+                plain = m.generate(prompt, max_tokens=48, speculative=False).tokens
+                spec = m.generate(prompt, max_tokens=48).tokens
+                if spec != plain:  # the device's rounding may part them at a near-tie only
+                    k = first_difference(spec, plain)
+                    assert tie_gap(m, prompt, spec, plain, k) < TIE, (mode, k)
 
 
 def test_speed_table(tmp_path):

@@ -58,8 +58,8 @@ static int thread_count(int n_threads) {
     return n_threads > 0 ? std::min(n_threads, cores) : cores;
 }
 
-backends::backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only)
-    : n_layer_(n_layer), plan_only_(plan_only) {
+backends::backends(int n_threads, int n_gpu_layers, int n_cpu_moe, int n_layer, bool plan_only)
+    : n_layer_(n_layer), n_cpu_moe_(n_cpu_moe < 0 ? n_layer : std::min(n_cpu_moe, n_layer)), plan_only_(plan_only) {
     n_threads_ = thread_count(n_threads);
     cpu_dev_   = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     if (!cpu_dev_) {
@@ -106,7 +106,7 @@ int backends::loadable_gpu_layers(int n_gpu_layers) const {
     return n_gpu_layers;
 }
 
-void backends::realize(int n_threads, int n_gpu_layers) {
+void backends::realize(int n_threads, int n_gpu_layers, int n_cpu_moe) {
     if (!plan_only_) {
         throw std::logic_error("backends::realize: these backends are a load's already");
     }
@@ -114,6 +114,11 @@ void backends::realize(int n_threads, int n_gpu_layers) {
     if (placed != n_gpu_layers_) {
         throw std::invalid_argument(format("n_gpu_layers = %d puts %d of the %d layers and head on the GPU here, but "
                                            "the plan placed %d", n_gpu_layers, placed, n_layer_ + 1, n_gpu_layers_));
+    }
+    const int cpu_moe = n_cpu_moe < 0 ? n_layer_ : std::min(n_cpu_moe, n_layer_);
+    if (cpu_moe != n_cpu_moe_) {
+        throw std::invalid_argument(format("n_cpu_moe = %d keeps the experts of %d layers on the CPU, but the plan "
+                                           "kept %d", n_cpu_moe, cpu_moe, n_cpu_moe_));
     }
     n_threads_ = thread_count(n_threads);
     plan_only_ = false;
@@ -160,9 +165,14 @@ static bool buft_supports_matmul(ggml_backend_dev_t dev, ggml_backend_buffer_typ
     return ok;
 }
 
+bool backends::weight_on_gpu(int il, weight_use use) const {
+    return on_gpu(il) && !(use == WEIGHT_USE_MATMUL_ID && il < n_cpu_moe_);
+}
+
 ggml_backend_buffer_type_t backends::weight_buft(int il, weight_use use, ggml_tensor * w) const {
     ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
-    if (on_gpu(il)) {
+    const bool                 gpu  = weight_on_gpu(il, use);
+    if (gpu) {
         buft = gpu_dev_ ? ggml_backend_dev_buffer_type(gpu_dev_) : nullptr;  // nullptr: a plan's absent GPU
     } else if (use == WEIGHT_USE_MATMUL || use == WEIGHT_USE_MATMUL_ID) {
         for (ggml_backend_buffer_type_t extra : cpu_extra_bufts_) {
@@ -172,7 +182,7 @@ ggml_backend_buffer_type_t backends::weight_buft(int il, weight_use use, ggml_te
             }
         }
     }
-    return plan_only_ ? planned_buft(buft, on_gpu(il)) : buft;
+    return plan_only_ ? planned_buft(buft, gpu) : buft;
 }
 
 ggml_backend_buffer_type_t backends::state_buft(int il) const {

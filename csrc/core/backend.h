@@ -82,7 +82,9 @@ class backends {
   public:
     // plan_only: for a memory plan (core/planned_buffer.h): every buffer is a planned one, layers may be placed
     // on a GPU this machine lacks, and only the CPU computes (graphs are measured, never run)
-    backends(int n_threads, int n_gpu_layers, int n_layer, bool plan_only = false);
+    // n_cpu_moe: the stacked experts (WEIGHT_USE_MATMUL_ID) of the first n_cpu_moe layers (-1: all) stay in system
+    // memory, computed by the CPU, wherever their layer is placed (llama.cpp's --n-cpu-moe)
+    backends(int n_threads, int n_gpu_layers, int n_cpu_moe, int n_layer, bool plan_only = false);
     ~backends();
     backends(const backends &)             = delete;
     backends & operator=(const backends &) = delete;
@@ -90,9 +92,9 @@ class backends {
     // GPU backend found no usable device or driver); a plan places layers as asked
     static int usable_gpu_layers(int n_gpu_layers);
     // a plan's backends become a load's, placing the layers where the plan did (refused, naming both, when
-    // n_gpu_layers places them elsewhere on this machine) and computing with n_threads; the weights placed by
-    // them are then moved into real buffers (weights::realize). Only before any session computes over them.
-    void       realize(int n_threads, int n_gpu_layers);
+    // n_gpu_layers or n_cpu_moe places them elsewhere on this machine) and computing with n_threads; the weights
+    // placed by them are then moved into real buffers (weights::realize). Only before any session computes over them.
+    void       realize(int n_threads, int n_gpu_layers, int n_cpu_moe);
 
     ggml_backend_dev_t cpu_device() const { return cpu_dev_; }
     // the GPU device sessions compute on when layers are offloaded to it, else nullptr (and in a plan)
@@ -100,9 +102,12 @@ class backends {
     int                n_threads() const { return n_threads_; }
     bool               plan_only() const { return plan_only_; }
     int                n_gpu_layers() const { return n_gpu_layers_; }  // of [0 .. n_layer], the head counted
+    int                n_cpu_moe() const { return n_cpu_moe_; }        // of [0 .. n_layer]: layers whose experts stay on the CPU
 
     // true when layer `il` (-1 = input embeddings, n_layer = output head) runs on the GPU
     bool on_gpu(int il) const;
+    // true when a weight of layer `il` with this use is placed on the GPU (a layer's experts may stay on the CPU)
+    bool weight_on_gpu(int il, weight_use use) const;
     // buffer type for a weight with the given use on layer `il`; `w` is a metadata tensor of its shape/type
     ggml_backend_buffer_type_t weight_buft(int il, weight_use use, ggml_tensor * w) const;
     // buffer type for per-session state (KV cache, recurrent state) of layer `il`
@@ -126,6 +131,7 @@ class backends {
     int                                     n_threads_;
     int                                     n_layer_;
     int                                     n_gpu_layers_;
+    int                                     n_cpu_moe_;
     bool                                    plan_only_;
     mutable std::mutex                      threads_mutex_;
     mutable std::shared_ptr<cpu_threads>    threads_;

@@ -32,6 +32,9 @@ ggml_tensor * weights::add(ggml_tensor * meta, int il, weight_use use) {
     ggml_tensor * t = ggml_dup_tensor(context_for(be_.weight_buft(il, use, meta)), meta);
     ggml_set_name(t, ggml_get_name(meta));
     to_load_.emplace_back(t, meta);
+    if (use == WEIGHT_USE_MATMUL_ID) {
+        experts_.push_back(t);
+    }
     return t;
 }
 
@@ -162,6 +165,17 @@ std::vector<weights::placed> weights::placement() const {
 
 device_bytes weights::memory() const {
     return bytes_by_device(buffers_);
+}
+
+device_bytes weights::expert_memory() const {
+    device_bytes n;
+    for (ggml_tensor * t : experts_) {
+        if (t->buffer) {
+            (buffer_on_gpu(t->buffer) ? n.gpu : n.cpu) +=
+                ggml_backend_buffer_get_alloc_size(t->buffer, t);
+        }
+    }
+    return n;
 }
 
 size_t weights::n_bytes() const {

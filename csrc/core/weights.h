@@ -37,6 +37,8 @@ class weights {
     void   realize(const load_progress & progress = {});
     size_t       n_bytes() const;
     device_bytes memory() const;
+    // the stacked experts' share of memory() (the weights declared WEIGHT_USE_MATMUL_ID)
+    device_bytes expert_memory() const;
     // where each weight went: (tensor name, buffer type name, on the GPU), after load()
     struct placed {
         std::string name;
@@ -57,6 +59,7 @@ class weights {
     std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_load_;       // (ours, file metadata)
     std::vector<std::pair<ggml_tensor *, ggml_tensor *>> to_transpose_;  // (ours, file metadata)
     std::vector<ggml_backend_buffer_t>                  buffers_;
+    std::vector<ggml_tensor *>                          experts_;
     bool                                                planned_ = false;  // in a plan's buffers, nothing read
 };
 

@@ -24,6 +24,7 @@ enum class delta_net_form { automatic, fused, chunked };
 
 struct model_params {
     int n_gpu_layers = 0;   // layers (counted from the output end) placed on the GPU; -1 = all
+    int n_cpu_moe    = 0;   // the experts of the first n layers stay in system memory (llama.cpp's --n-cpu-moe); -1 = all
     int n_threads    = 0;   // 0 = hardware concurrency
     load_progress progress;  // called as the weights are read (may be empty)
     bool plan_only = false;  // a memory plan: metadata only, planned buffers (core/planned_buffer.h)
@@ -58,6 +59,7 @@ class loaded_model {
     const model_info &           info() const { return info_; }
     size_t                       weight_bytes() const { return weights_->n_bytes(); }
     device_bytes                 weight_memory() const { return weights_->memory(); }
+    device_bytes                 expert_memory() const { return weights_->expert_memory(); }
     std::vector<weights::placed> weight_placement() const { return weights_->placement(); }
 
   protected:
