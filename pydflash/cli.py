@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import statistics
 import sys
@@ -31,7 +32,8 @@ def _open_model(args: argparse.Namespace):
     from .model import Model
 
     return Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
-                 n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe, draft_model_path=args.draft, block_size=args.block_size,
+                 n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe, rpc_servers=args.rpc,
+                 draft_model_path=args.draft, block_size=args.block_size,
                  spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose, progress=True)
 
 
@@ -196,7 +198,7 @@ def _plan(args: argparse.Namespace) -> int:
     from .memory_plan import plan
 
     memory = plan(args.model, args.draft, n_ctx=args.n_ctx, kv_type=args.kv_type, n_gpu_layers=args.n_gpu_layers,
-                  n_cpu_moe=args.n_cpu_moe,
+                  n_cpu_moe=args.n_cpu_moe, rpc_servers=args.rpc,
                   n_ubatch=args.n_ubatch, spec_mode=args.spec_mode, block_size=args.block_size,
                   tree_budget=args.tree_budget, draft_window=args.draft_window, vram=args.vram, ram=args.ram)
     if args.json:
@@ -210,6 +212,13 @@ def _plan(args: argparse.Namespace) -> int:
                  if c["draft_model_path"] else ""))
         print(memory.table())
     return 0 if memory.fits is not False else 2
+
+
+def _rpc_server(args: argparse.Namespace) -> int:
+    from .rpc import serve
+
+    serve(args.host, args.port, args.threads or os.cpu_count() or 1, args.device)
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -236,6 +245,8 @@ def _cpu_moe_arguments(p: argparse.ArgumentParser) -> None:
                      help="keep the experts of the first N layers in system memory (MoE targets)")
     moe.add_argument("-cmoe", "--cpu-moe", dest="n_cpu_moe", action="store_const", const=-1,
                      help="keep every layer's experts in system memory (MoE targets)")
+    p.add_argument("--rpc", default=None, metavar="SERVERS",
+                   help="comma-separated host:port of pydflash rpc-servers to offload -ngl layers to")
 
 
 def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
@@ -329,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--ram", default=None, help="system memory to fit in (default: what is available)")
     plan_cmd.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     plan_cmd.set_defaults(func=_plan)
+    rpc = sub.add_parser("rpc-server", help="serve this machine's GPU (else its CPU) as a device for models "
+                                            "elsewhere (--rpc); unauthenticated: trusted networks only")
+    rpc.add_argument("-H", "--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    rpc.add_argument("-p", "--port", type=int, default=50052)
+    rpc.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (a CPU device)")
+    rpc.add_argument("-d", "--device", choices=("auto", "cpu", "gpu"), default="auto")
+    rpc.set_defaults(func=_rpc_server)
     demo = sub.add_parser("demo", help="speculative vs plain decoding on the embedded trained pair (no download)")
     demo.add_argument("prompt", nargs="?", default=None, help="a prompt (default: held-out code prompts)")
     demo.add_argument("-n", "--max-tokens", type=int, default=128)

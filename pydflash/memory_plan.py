@@ -22,7 +22,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from . import _core
+from . import _core, rpc
 from ._arguments import choice_arg, int_arg, optional_int_arg
 from .errors import ModelLoadError
 
@@ -242,7 +242,7 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
 
 
 def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str = "f16", n_gpu_layers: int = 0,
-         n_cpu_moe: int = 0, n_ubatch: int | str = "auto", spec_mode: str = "auto", block_size: int | None = None,
+         n_cpu_moe: int = 0, rpc_servers=None, n_ubatch: int | str = "auto", spec_mode: str = "auto", block_size: int | None = None,
          tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
          suggest: bool = True, sweep: bool = True, delta_net: str = "auto") -> MemoryPlan:
     """The memory plan of `Model(model_path, draft_model_path=..., ...)` with these arguments (the same names and
@@ -253,6 +253,7 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
     per graph for a 27B model, 2048 windows at 128K), else over the whole context only (a few percent of the
     compute buffer may be missed)."""
     paths = checked_paths(model_path, draft_model_path)
+    rpc.add_servers(rpc_servers)  # the device its layers are placed on and whose memory is the budget
     args = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
                           n_ubatch=n_ubatch,
                           spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,

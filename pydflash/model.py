@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from . import _core, cost_cache, ubatch
+from . import _core, cost_cache, rpc, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
 from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
@@ -224,6 +224,10 @@ class Model:
     prompt (pydflash/ubatch.py). delta_net (Qwen3.5 targets): how prefill micro-batches run the delta rule,
     "fused" (ggml's op), "chunked" (stock ops) or "auto" (fused where the backend has it). A configuration that
     does not fit in memory is refused before anything loads (InsufficientMemoryError; see pydflash.plan).
+    n_cpu_moe (MoE targets): the experts of the first N layers (-1: all) stay in system memory, the rest of each
+    layer where n_gpu_layers puts it (llama.cpp's --n-cpu-moe). rpc_servers: "host:port" (a list, or one
+    comma-separated string as llama-cpp-python takes it) of `pydflash rpc-server`s whose device n_gpu_layers then
+    offloads to, as to a GPU (pydflash.rpc; unauthenticated: trusted networks only).
     """
 
     def __init__(
@@ -233,6 +237,7 @@ class Model:
         n_ctx: int = 4096,
         n_gpu_layers: int = 0,
         n_cpu_moe: int = 0,
+        rpc_servers: str | Sequence[str] | None = None,
         n_threads: int | None = None,
         kv_type: str = "f16",
         n_ubatch: int | str = "auto",
@@ -247,6 +252,8 @@ class Model:
         progress: bool = False,
         delta_net: str = "auto",
     ):
+        # an RPC server's device is offloaded to as a GPU: registered before the plan places the layers
+        rpc.add_servers(rpc_servers)
         options = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
                                  n_ubatch=n_ubatch,
                                  spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,

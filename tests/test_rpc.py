@@ -76,3 +76,122 @@ def test_unreachable_or_malformed_endpoint_raises(endpoint, error):
 
     with pytest.raises(error, match="RPC"):
         _core.rpc_add_server(endpoint)
+
+
+# --------------------------------------------------------------------------------------------------
+# RPC as a user feature: `pydflash rpc-server` serves a device, `Model(rpc_servers=...)` offloads to it
+
+
+def _start_rpc_server(tmp_path, *args) -> tuple[str, subprocess.Popen, Path]:
+    """`pydflash rpc-server -p PORT *args` in a process of its own, once it accepts connections: (endpoint, process,
+    its log)."""
+    port = _free_port()
+    log = tmp_path / f"rpc-server-{port}.log"
+    with log.open("w") as sink:
+        server = subprocess.Popen([sys.executable, "-c", "import sys; from pydflash.cli import main; "
+                                   "sys.exit(main(sys.argv[1:]))", "rpc-server", "-p", str(port), "-t", "1", *args],
+                                  cwd=TESTS, env=QUIET_ABORT, stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return f"127.0.0.1:{port}", server, log
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"pydflash rpc-server did not start: {log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.1)
+
+
+def _run_client(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    # a process of its own: registering a server is for the whole process
+    return subprocess.run([sys.executable, "-c", script, *args], cwd=TESTS, env=QUIET_ABORT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# (run in tests/: the committed pairs are found through tools/export_pairs.py)
+OFFLOAD = r'''
+import sys
+sys.path.insert(0, "../tools")
+import numpy as np
+import pydflash
+from pydflash import _core
+from export_pairs import pair_file
+target, endpoint = str(pair_file("qwen3", "target", "f32")), sys.argv[1]
+tokens = np.arange(3, 40, dtype=np.int32)
+cpu, _ = _core.Session(_core.Model(target), n_ctx=128).eval(tokens)
+with pydflash.Model(target, n_ctx=128, n_gpu_layers=-1, rpc_servers=[endpoint]) as m:
+    memory = m.memory()
+    dev, _ = _core.Session(m._model, n_ctx=128).eval(tokens)
+print("weights on the device:", memory["weights"]["gpu"], "max |cpu - device|:", float(np.abs(cpu - dev).max()),
+      "scale:", float(np.abs(cpu).max()))
+'''
+
+
+def test_a_model_offloads_to_an_rpc_server(tmp_path):
+    """`pydflash rpc-server` (127.0.0.1 by default, no warning) serves its CPU; a model given rpc_servers places every
+    layer on that device (its weights in the device's memory) and computes the CPU's logits there."""
+    endpoint, server, log = _start_rpc_server(tmp_path)
+    try:
+        res = _run_client(OFFLOAD, endpoint)
+    finally:
+        server.kill()
+        server.wait()
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    words = res.stdout.split()
+    on_device, diff, scale = int(words[4]), float(words[9]), float(words[11])
+    assert on_device > 0 and diff <= 2e-3 * scale
+    assert "unauthenticated" not in log.read_text().lower()
+
+
+def test_rpc_server_warns_when_it_listens_beyond_this_machine(tmp_path):
+    endpoint, server, log = _start_rpc_server(tmp_path, "-H", "0.0.0.0")
+    server.kill()
+    server.wait()
+    assert "RPC is unauthenticated" in log.read_text()
+
+
+LOST = r'''
+import sys
+sys.path.insert(0, "../tools")
+import pydflash
+from export_pairs import pair_file
+with pydflash.Model(pair_file("qwen3", "target", "f32"), n_ctx=4096, n_gpu_layers=-1, rpc_servers=sys.argv[1]) as m:
+    print("loaded", flush=True)
+    for _ in range(1000):
+        m.generate("def fib(n):", max_tokens=512)
+print("the server never went away")
+'''
+
+
+def test_a_server_that_goes_away_mid_generation_ends_the_process_with_one_line(tmp_path):
+    """ggml's RPC client cannot return from a compute whose server is gone: the process says which server, in one
+    line, and exits (no hang, no backtrace)."""
+    endpoint, server, _ = _start_rpc_server(tmp_path)
+    client = subprocess.Popen([sys.executable, "-c", LOST, endpoint], cwd=TESTS, env=QUIET_ABORT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == "loaded"
+        time.sleep(1.0)  # generating
+        server.kill()
+        server.wait()
+        out, err = client.communicate(timeout=120)
+    finally:
+        client.kill()
+        server.kill()
+    assert client.returncode != 0, out
+    lines = err.strip().splitlines()
+    assert lines[-1] == (f"pydflash: lost the RPC server at {endpoint} (it stopped or the connection broke); "
+                         "exiting"), err[-2000:]
+    assert "backtrace" not in err.lower() and "never went away" not in out
+
+
+@pytest.mark.parametrize("servers,error", [(5, TypeError), ([1], TypeError), (",", ValueError), ("nohost", ValueError),
+                                           ("127.0.0.1:1", ConnectionError)])
+def test_bad_rpc_servers(servers, error):
+    """(Each refused before anything is registered.)"""
+    import pydflash
+    from export_pairs import pair_file
+
+    with pytest.raises(error, match="rpc_servers|RPC"):
+        pydflash.Model(pair_file("qwen3", "target", "f32"), rpc_servers=servers)

@@ -1,8 +1,15 @@
-// ggml's RPC backend from Python: serve this machine's CPU as a device, or offload to one served elsewhere
-// (tests/test_rpc.py runs the device code paths on machines without a GPU this way)
+// ggml's RPC backend from Python: serve this machine's CPU or GPU as a device (`pydflash rpc-server`), or offload
+// to one served elsewhere (`Model(rpc_servers=...)`; tests/test_rpc.py also runs the device code paths on machines
+// without a GPU this way)
 #include "bindings/common.h"
 
 #include "ggml-rpc.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
 
 #ifndef _WIN32
 #include <netdb.h>
@@ -11,6 +18,30 @@
 #endif
 
 namespace pdf::bindings {
+
+// the endpoints registered in this process, named when one of them goes away
+static std::mutex               endpoints_mutex;
+static std::vector<std::string> endpoints;
+
+// ggml's RPC client cannot return an error from a compute: on a server that went away it aborts the process (with a
+// backtrace). Where that happens, say so in one line naming the servers and exit; other aborts print their message
+// as ggml would (without the backtrace) and abort.
+static void on_ggml_abort(const char * message) {
+    if (strstr(message, "RPC") != nullptr) {
+        std::string names;
+        {
+            const std::lock_guard<std::mutex> lock(endpoints_mutex);
+            for (const std::string & e : endpoints) {
+                names += (names.empty() ? "" : ", ") + e;
+            }
+        }
+        fprintf(stderr, "pydflash: lost the RPC server at %s (it stopped or the connection broke); exiting\n",
+                names.c_str());
+        fflush(stderr);
+        _exit(EXIT_FAILURE);
+    }
+    fprintf(stderr, "%s\n", message);
+}
 
 // Connects to host:port and closes, raising ConnectionError (ValueError for a malformed endpoint) where that fails.
 static void probe_tcp_endpoint(const std::string & endpoint) {
@@ -51,16 +82,32 @@ void register_rpc(py::module_ & m) {
             throw std::runtime_error(format("could not reach the RPC server at %s", endpoint.c_str()));
         }
         ggml_backend_register(reg);
+        const std::lock_guard<std::mutex> lock(endpoints_mutex);
+        endpoints.push_back(endpoint);
+        ggml_set_abort_callback(on_ggml_abort);
     }, py::arg("endpoint"),
-       "Registers the devices of an RPC server (host:port: ggml's rpc-server, or rpc_serve) for the process: later "
-       "models offload to the first as to a GPU. Raises ConnectionError when it cannot be reached (a server that "
-       "goes away later aborts the process: ggml's RPC client). For tests (tests/test_rpc.py).");
-    m.def("rpc_serve", [](const std::string & endpoint, int64_t n_threads) {
-        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+       "Registers the devices of an RPC server (host:port: pydflash rpc-server, or llama.cpp's rpc-server) for the "
+       "process: later models offload to the first as to a GPU. Raises ConnectionError when it cannot be reached; a "
+       "server that goes away later ends the process with one line naming it (ggml's RPC client cannot return).");
+    m.def("rpc_serve", [](const std::string & endpoint, int64_t n_threads, const std::string & device) {
+        checked("n_threads", n_threads, 1, 4096);
+        ggml_backend_dev_t dev = nullptr;
+        if (device == "gpu" || device == "auto") {
+            dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+            if (!dev && device == "gpu") {
+                throw py::value_error("device = 'gpu': this build of pydflash found no GPU device to serve");
+            }
+        } else if (device != "cpu") {
+            throw py::value_error(format("device = '%s', expected 'auto', 'cpu' or 'gpu'", device.c_str()));
+        }
+        if (!dev) {
+            dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        }
         py::gil_scoped_release nogil;
-        ggml_backend_rpc_start_server(endpoint.c_str(), nullptr, (size_t) n_threads, 1, &cpu);
-    }, py::arg("endpoint"), py::arg("n_threads") = 1,
-       "Serves this machine's CPU as an RPC device at host:port until the process ends (for tests).");
+        ggml_backend_rpc_start_server(endpoint.c_str(), nullptr, (size_t) n_threads, 1, &dev);
+    }, py::arg("endpoint"), py::arg("n_threads") = 1, py::arg("device") = "auto",
+       "Serves one device of this machine (auto: the first GPU, else the CPU) at host:port until the process ends. "
+       "Unauthenticated: anyone who can reach the port can run graphs and read or write its memory.");
 }
 
 }  // namespace pdf::bindings
