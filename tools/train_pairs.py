@@ -96,6 +96,13 @@ FULL = dict(
     qwen3=dict(hidden=192, layers=4, heads=3, kv_heads=1, head_dim=64, ffn=512, steps=450),
     qwen35=dict(hidden=192, layers=4, heads=3, kv_heads=1, head_dim=64, ffn=512, steps=280,
                 lin_k_heads=2, lin_v_heads=4, lin_head_dim=32),
+    # MoE: 8 experts, top-2, of a quarter of the dense width each (active FFN = half the dense one); qwen35moe adds
+    # a shared expert of that width (Qwen3.5-MoE's proportions: 256 experts, top-8, a shared expert)
+    qwen3moe=dict(hidden=192, layers=4, heads=3, kv_heads=1, head_dim=64, ffn=512, steps=450,
+                  experts=8, top_k=2, expert_ffn=128),
+    qwen35moe=dict(hidden=192, layers=4, heads=3, kv_heads=1, head_dim=64, ffn=512, steps=280,
+                   lin_k_heads=2, lin_v_heads=4, lin_head_dim=32, experts=8, top_k=2, expert_ffn=128,
+                   shared_ffn=128),
     target_layer_ids=[0, 1, 2],
     draft_layers=2,
     cont_len=256, cont_prompt_lens=[48, 64, 96, 128], n_cont=5120, n_cont_val=64, gen_batch=128,
@@ -110,6 +117,10 @@ QUICK = dict(
     qwen3=dict(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=32, ffn=128, steps=150),
     qwen35=dict(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=64, ffn=128, steps=120,
                 lin_k_heads=2, lin_v_heads=4, lin_head_dim=16),
+    qwen3moe=dict(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=32, ffn=128, steps=150, experts=4, top_k=2,
+                  expert_ffn=32),
+    qwen35moe=dict(hidden=64, layers=4, heads=2, kv_heads=1, head_dim=64, ffn=128, steps=120,
+                   lin_k_heads=2, lin_v_heads=4, lin_head_dim=16, experts=4, top_k=2, expert_ffn=32, shared_ffn=32),
     cont_len=64, cont_prompt_lens=[16, 24], n_cont=128, n_cont_val=16, gen_batch=64,
     draft_steps=120, draft_batch=8, anchors=8,
     n_prompts=4, eval_prompts=3, eval_tokens=32,
@@ -366,40 +377,49 @@ def encode_stream(tok, docs, eot: int) -> np.ndarray:
 # 3. targets
 
 
-def make_target(kind: str, c: dict, ids: Ids):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+# kind -> (config class, model class), all in transformers
+TARGET_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen35": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+                  "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+                  "qwen35moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
 
+
+def make_target(kind: str, c: dict, ids: Ids):
+    import transformers
+
+    config_class, model_class = (getattr(transformers, name) for name in TARGET_CLASSES[kind])
     common = dict(vocab_size=ids.n_model, hidden_size=c["hidden"], intermediate_size=c["ffn"],
                   num_hidden_layers=c["layers"], num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
                   head_dim=c["head_dim"], hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6,
-                  attention_bias=False, bos_token_id=ids.eot, eos_token_id=ids.eot, pad_token_id=ids.eot)
-    if kind == "qwen3":
-        cfg = Qwen3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                          tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"])
-        return Qwen3ForCausalLM(cfg)
+                  attention_bias=False, bos_token_id=ids.eot, eos_token_id=ids.eot, pad_token_id=ids.eot,
+                  architectures=[model_class])
+    if kind.endswith("moe"):
+        # llama.cpp's MoE graphs always renormalise the top-k router probabilities (Qwen3.5-MoE always does)
+        common.update(num_experts=c["experts"], num_experts_per_tok=c["top_k"], moe_intermediate_size=c["expert_ffn"])
+        common.update(dict(norm_topk_prob=True) if kind == "qwen3moe" else
+                      dict(shared_expert_intermediate_size=c["shared_ffn"]))
+    if kind in ("qwen3", "qwen3moe"):
+        cfg = config_class(**common, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                           tie_word_embeddings=True)
+        return model_class(cfg)
     assert c["layers"] % 4 == 0 and c["lin_v_heads"] > c["lin_k_heads"]
     rot_half = int(c["head_dim"] * 0.25) // 2
     section = [rot_half // 3 + (j < rot_half % 3) for j in range(3)]   # e.g. [3, 3, 2]: sums to the rotary half-dim
-    cfg = Qwen3_5TextConfig(
+    cfg = config_class(
         **common, tie_word_embeddings=False,
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (c["layers"] // 4),
         linear_conv_kernel_dim=4, linear_num_key_heads=c["lin_k_heads"], linear_num_value_heads=c["lin_v_heads"],
         linear_key_head_dim=c["lin_head_dim"], linear_value_head_dim=c["lin_head_dim"],
         rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": section, "mrope_interleaved": True},
-        architectures=["Qwen3_5ForCausalLM"],
     )
-    return Qwen3_5ForCausalLM(cfg)
+    return model_class(cfg)
 
 
 def load_target(path: Path):
-    from transformers import AutoConfig, Qwen3ForCausalLM
-    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
+    import transformers
 
-    cfg = AutoConfig.from_pretrained(path)
-    cls = Qwen3_5ForCausalLM if cfg.model_type.startswith("qwen3_5") else Qwen3ForCausalLM
-    return cls.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return getattr(transformers, cfg["architectures"][0]).from_pretrained(path, dtype=torch.float32).eval()
 
 
 class WindowSampler:
