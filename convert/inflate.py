@@ -1,13 +1,17 @@
-"""Cost-realistic targets from small trained ones: `inflate_gguf` widens every FFN of a qwen3 / qwen35 GGUF and
-appends layers, all with zero output projections, so the new model computes *exactly* the same function as the
-small one (its DFlash drafter still fits) at the cost of a ~0.3B-parameter model.
+"""Cost-realistic targets from small trained ones: `inflate_gguf` widens every FFN of a qwen3 / qwen35 / qwen3moe /
+qwen35moe GGUF and appends layers, all with zero output projections, so the new model computes *exactly* the same
+function as the small one (its DFlash drafter still fits) at the cost of a ~0.3B-parameter model (MoE: ~0.3B active
+per token).
 
 - FFN: `ffn_gate` / `ffn_up` get extra units (random rows), `ffn_down` zero columns for them: the units are
-  computed and contribute nothing.
+  computed and contribute nothing. MoE targets: every expert (`ffn_{gate,up,down}_exps`, to `n_ff_exp` units) and
+  the shared expert (`ffn_{gate,up,down}_shexp`, to `n_ff_shexp`) alike; the experts' count stays (a router over
+  more experts would route differently).
 - Layers: `extra_layers` copies of the model's layer shapes (Qwen3.5: recurrent or full attention by the
   model's own interval rule) with random weights and zero `attn_output` / `ssm_out` / `ffn_down`: each
   passes its input through unchanged, after computing everything (attention over a growing KV cache, the
-  gated delta net's state).
+  gated delta net's state; MoE: its random router picks each token's experts, so a verify of N rows reads the
+  union of their experts as a real MoE's does, and the experts output zero).
 - Types: `f32`, `f16`, `q8_0` (every matrix), or `q4mix`: q4_0 for the appended layers and q8_0 for the
   trained ones (q4_0 would change the trained model's function; zeros stay exactly zero in any type).
 
@@ -38,7 +42,21 @@ T = gguf.GGMLQuantizationType
 TYPES = ("f32", "f16", "q8_0", "q4mix")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # a layer's output projections: zero in the appended layers, so that each adds nothing to the residual
-_OUTPUT_PROJECTIONS = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight")
+_OUTPUT_PROJECTIONS = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight", "ffn_down_exps.weight",
+                       "ffn_down_shexp.weight")
+# the widened tensors: (the width they take, the numpy axis of its units, whether the new units are inputs
+# (random) or outputs (zero)); numpy order: dense [F, E] / [E, F], experts [X, F, E] / [X, E, F]
+_WIDENED = {
+    "ffn_gate.weight": ("ffn", 0, "in"), "ffn_up.weight": ("ffn", 0, "in"), "ffn_down.weight": ("ffn", 1, "out"),
+    "ffn_gate_exps.weight": ("exp", 1, "in"), "ffn_up_exps.weight": ("exp", 1, "in"),
+    "ffn_down_exps.weight": ("exp", 2, "out"),
+    "ffn_gate_shexp.weight": ("shexp", 0, "in"), "ffn_up_shexp.weight": ("shexp", 0, "in"),
+    "ffn_down_shexp.weight": ("shexp", 1, "out"),
+}
+# the keys of those widths (a file has those of its FFNs)
+_WIDTH_KEYS = {"ffn": "feed_forward_length", "exp": "expert_feed_forward_length",
+               "shexp": "expert_shared_feed_forward_length"}
+ARCHS = ("qwen3", "qwen35", "qwen3moe", "qwen35moe")
 
 
 def _source_array(t: gguf.ReaderTensor) -> np.ndarray:
@@ -62,9 +80,11 @@ def _matrix_type(qtype: str, trained: bool) -> T:
 
 
 def inflate_gguf(infile: str | Path, outfile: str | Path, qtype: str = "q8_0", *, n_ff: int = 32768,
-                 extra_layers: int = 12, seed: int = 0, progress: bool = True) -> Path:
-    """Write `outfile`: `infile` (an f32/f16/bf16 qwen3 or qwen35 GGUF) with FFNs of `n_ff` units and
-    `extra_layers` appended layers, every new unit and layer with zero output projections; see the module text."""
+                 n_ff_exp: int = 8192, n_ff_shexp: int = 8192, extra_layers: int = 12, seed: int = 0,
+                 progress: bool = True) -> Path:
+    """Write `outfile`: `infile` (an f32/f16/bf16 qwen3, qwen35, qwen3moe or qwen35moe GGUF) with dense FFNs of
+    `n_ff` units (MoE: experts of `n_ff_exp`, shared experts of `n_ff_shexp`) and `extra_layers` appended layers,
+    every new unit and layer with zero output projections; see the module text."""
     infile, outfile = Path(infile), Path(outfile)
     if qtype not in TYPES:
         raise ConversionError(f"unknown type {qtype!r}; choose one of {', '.join(TYPES)}")
@@ -74,16 +94,19 @@ def inflate_gguf(infile: str | Path, outfile: str | Path, qtype: str = "q8_0", *
         raise ConversionError(f"inflation needs the compiled core (pydflash._core): {e}") from e
     source = _Source(infile)
     n_layer = source.n_layer
-    if n_ff < source.n_ff:
-        raise ConversionError(f"n_ff = {n_ff} is smaller than the model's {source.n_ff}")
+    widths = {k: w for k, w in (("ffn", n_ff), ("exp", n_ff_exp), ("shexp", n_ff_shexp)) if k in source.widths}
+    for k, w in widths.items():
+        if w < source.widths[k]:
+            arg = {"ffn": "n_ff", "exp": "n_ff_exp", "shexp": "n_ff_shexp"}[k]
+            raise ConversionError(f"{arg} = {w} is smaller than the model's {source.widths[k]} ({_WIDTH_KEYS[k]})")
     recurrent = source.recurrent_layers(n_layer + extra_layers)
-    writer = _start_writer(source, n_layer + extra_layers, n_ff, recurrent, qtype)
-    out = _Inflation(writer, qtype, seed, n_ff, source.n_ff, _core)
+    writer = _start_writer(source, n_layer + extra_layers, widths, recurrent, qtype)
+    out = _Inflation(writer, qtype, seed, widths, source.widths, _core)
     out.add_trained(source.tensors)
     out.add_appended(source.tensors, n_layer, extra_layers, recurrent)
     outfile.parent.mkdir(parents=True, exist_ok=True)
     write_gguf_file(writer, outfile, progress=progress)
-    logger.info("wrote %s (%s: %d + %d layers, FFN %d)", outfile, qtype, n_layer, extra_layers, n_ff)
+    logger.info("wrote %s (%s: %d + %d layers, FFN widths %s)", outfile, qtype, n_layer, extra_layers, widths)
     return outfile
 
 
@@ -93,12 +116,22 @@ class _Source:
     def __init__(self, path: Path):
         self.path, self.reader = path, gguf.GGUFReader(path)
         self.arch = self.reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-        if self.arch not in ("qwen3", "qwen35"):
-            raise ConversionError(f"{path}: general.architecture = {self.arch!r}, expected qwen3 or qwen35")
-        self.n_layer, self.n_ff = int(self.key("block_count")), int(self.key("feed_forward_length"))
+        if self.arch not in ARCHS:
+            raise ConversionError(f"{path}: general.architecture = {self.arch!r}, expected one of {', '.join(ARCHS)}")
+        self.n_layer = int(self.key("block_count"))
         if self.key("nextn_predict_layers"):
             raise ConversionError(f"{path}: MTP layers are not inflated (nextn_predict_layers > 0)")
         self.tensors = {t.name: t for t in self.reader.tensors}
+        if "blk.0.ffn_gate_up_exps.weight" in self.tensors:
+            raise ConversionError(f"{path}: merged ffn_gate_up_exps are not inflated (convert without "
+                                  "--fuse-gate-up-exps)")
+        # the FFN widths the file's tensors have (the key when present, as the engine reads it)
+        suffixes = {_LAYER_RE.match(n)[2] for n in self.tensors if _LAYER_RE.match(n)}
+        self.widths = {k: int(self.key(_WIDTH_KEYS[k]) or 0) for k in _WIDTH_KEYS
+                       if any(s in suffixes for s, (w, _, _) in _WIDENED.items() if w == k)}
+        for k, w in self.widths.items():
+            if w == 0:
+                raise ConversionError(f"{path}: key '{self.arch}.{_WIDTH_KEYS[k]}' is missing (its FFN is inflated)")
 
     def key(self, name: str):
         f = self.reader.fields.get(f"{self.arch}.{name}")
@@ -117,16 +150,17 @@ class _Source:
         return recurrent
 
 
-def _start_writer(source: _Source, n_layer: int, n_ff: int, recurrent: list[bool] | None,
+def _start_writer(source: _Source, n_layer: int, widths: dict[str, int], recurrent: list[bool] | None,
                   qtype: str) -> gguf.GGUFWriter:
-    """A writer with the source's keys, and the new layer count, FFN width, layer kinds and file type."""
+    """A writer with the source's keys, and the new layer count, FFN widths, layer kinds and file type."""
     arch = source.arch
     writer = gguf.GGUFWriter(path=None, arch=arch)
     _copy_kv(source.reader, writer, source.path,
-             also_skip=frozenset({f"{arch}.block_count", f"{arch}.feed_forward_length",
-                                  f"{arch}.attention.recurrent_layers"}))
+             also_skip=frozenset({f"{arch}.block_count", f"{arch}.attention.recurrent_layers"} |
+                                 {f"{arch}.{_WIDTH_KEYS[k]}" for k in widths}))
     writer.add_uint32(f"{arch}.block_count", n_layer)
-    writer.add_uint32(f"{arch}.feed_forward_length", n_ff)
+    for k, w in widths.items():
+        writer.add_uint32(f"{arch}.{_WIDTH_KEYS[k]}", w)
     if recurrent is not None and source.key("attention.recurrent_layers") is not None:
         writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -139,14 +173,17 @@ class _Inflation:
     """The inflated model's tensors, added to `writer` in order; each new random tensor draws from its own
     stream (seed, salt), the salt counting every tensor added."""
 
-    def __init__(self, writer: gguf.GGUFWriter, qtype: str, seed: int, n_ff: int, n_ff_old: int, core):
-        self.writer, self.qtype, self.seed, self.n_ff, self.n_ff_old, self.core = \
-            writer, qtype, seed, n_ff, n_ff_old, core
+    def __init__(self, writer: gguf.GGUFWriter, qtype: str, seed: int, widths: dict[str, int],
+                 old_widths: dict[str, int], core):
+        self.writer, self.qtype, self.seed, self.widths, self.old_widths, self.core = \
+            writer, qtype, seed, widths, old_widths, core
         self.salt = 0
 
     def add(self, name: str, make, shape: tuple[int, ...], trained: bool) -> None:
         """Add `name` (numpy shape `shape`, float32 from make()) in the type its role and the qtype give."""
-        is_matrix = len(shape) == 2 and "ssm_conv1d" not in name and not name.endswith("norm.weight")
+        # matrices and stacked experts (not vectors stored as [1, n]: the shared expert's gate)
+        is_matrix = (len(shape) in (2, 3) and min(shape) > 1 and "ssm_conv1d" not in name
+                     and not name.endswith("norm.weight"))
         new = _matrix_type(self.qtype, trained) if is_matrix else T.F32
         if new == T.F32:
             self.writer.add_tensor(name, LazyTensor(shape, np.float32, make, what=name), raw_dtype=T.F32)
@@ -155,7 +192,8 @@ class _Inflation:
                                                     what=name), raw_dtype=T.F16)
         else:
             byte_shape = gguf.quant_shape_to_byte_shape(shape, new)
-            quantized = lambda: np.asarray(self.core.quantize(make(), int(new))).reshape(byte_shape)  # noqa: E731
+            quantized = lambda: np.asarray(self.core.quantize(make().reshape(-1, shape[-1]),  # noqa: E731
+                                                              int(new))).reshape(byte_shape)
             self.writer.add_tensor(name, LazyTensor(byte_shape, np.uint8, quantized, what=name), raw_dtype=new)
 
     def random_like(self, src: np.ndarray, shape: tuple[int, ...]):
@@ -163,24 +201,31 @@ class _Inflation:
         scale, seed, salt = float(src.std()) or 0.02, self.seed, self.salt
         return lambda: np.random.default_rng([seed, salt]).standard_normal(shape, dtype=np.float32) * scale
 
+    def widened_shape(self, suffix: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of a tensor `suffix` of this shape once its FFN has the new width (others: as it is)."""
+        if suffix not in _WIDENED:
+            return shape
+        width, axis, _ = _WIDENED[suffix]
+        return shape[:axis] + (self.widths[width],) + shape[axis + 1:]
+
     def add_trained(self, tensors: dict[str, gguf.ReaderTensor]) -> None:
-        """The source's tensors: FFNs widened, everything else as it is."""
-        n_ff, extra_units = self.n_ff, self.n_ff - self.n_ff_old
+        """The source's tensors: FFNs widened (new input units random, new output columns zero), everything else as
+        it is."""
         for name, t in tensors.items():
             src = _source_array(t)
             m = _LAYER_RE.match(name)
             suffix = m[2] if m else ""
             self.salt += 1
-            if suffix in ("ffn_gate.weight", "ffn_up.weight"):  # numpy [n_ff, E]: extra random rows
-                extra = self.random_like(src, (extra_units, src.shape[1]))
-                self.add(name, lambda src=src, extra=extra: np.concatenate([src, extra()]), (n_ff, src.shape[1]),
-                         True)
-            elif suffix == "ffn_down.weight":  # numpy [E, n_ff]: zero columns
-                self.add(name, lambda src=src: np.concatenate([src, np.zeros((src.shape[0], extra_units),
-                                                                             np.float32)], axis=1),
-                         (src.shape[0], n_ff), True)
-            else:
+            if suffix not in _WIDENED:
                 self.add(name, lambda src=src: src, src.shape, True)
+                continue
+            _, axis, role = _WIDENED[suffix]
+            shape = self.widened_shape(suffix, src.shape)
+            extra_shape = shape[:axis] + (shape[axis] - src.shape[axis],) + shape[axis + 1:]
+            extra = (self.random_like(src, extra_shape) if role == "in"
+                     else lambda extra_shape=extra_shape: np.zeros(extra_shape, np.float32))
+            self.add(name, lambda src=src, extra=extra, axis=axis: np.concatenate([src, extra()], axis=axis), shape,
+                     True)
 
     def add_appended(self, tensors: dict[str, gguf.ReaderTensor], n_layer: int, extra_layers: int,
                      recurrent: list[bool] | None) -> None:
@@ -196,11 +241,7 @@ class _Inflation:
                     self._add_appended_tensor(f"blk.{il}.", name[len(prefix):], _source_array(t))
 
     def _add_appended_tensor(self, prefix: str, suffix: str, src: np.ndarray) -> None:
-        shape = src.shape
-        if suffix in ("ffn_gate.weight", "ffn_up.weight"):
-            shape = (self.n_ff, src.shape[1])
-        elif suffix == "ffn_down.weight":
-            shape = (src.shape[0], self.n_ff)
+        shape = self.widened_shape(suffix, src.shape)
         self.salt += 1
         if suffix in _OUTPUT_PROJECTIONS:
             self.add(prefix + suffix, lambda: np.zeros(shape, np.float32), shape, False)
@@ -212,15 +253,19 @@ class _Inflation:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pydflash.convert.inflate",
-                                description="Widen a small qwen3/qwen35 GGUF to a larger model's cost, same function")
+                                description="Widen a small qwen3/qwen35/qwen3moe/qwen35moe GGUF to a larger model's "
+                                            "cost, same function")
     p.add_argument("infile", type=Path, help="input GGUF (f32, f16 or bf16)")
     p.add_argument("outfile", type=Path)
     p.add_argument("type", choices=TYPES)
     p.add_argument("--n-ff", type=int, default=32768, help="FFN units per layer (default 32768)")
+    p.add_argument("--n-ff-exp", type=int, default=8192, help="units per expert (MoE; default 8192)")
+    p.add_argument("--n-ff-shexp", type=int, default=8192, help="units of the shared expert (qwen35moe; default 8192)")
     p.add_argument("--extra-layers", type=int, default=12, help="appended pass-through layers (default 12)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     return run_command("inflate", lambda: inflate_gguf(args.infile, args.outfile, args.type, n_ff=args.n_ff,
+                                                       n_ff_exp=args.n_ff_exp, n_ff_shexp=args.n_ff_shexp,
                                                        extra_layers=args.extra_layers, seed=args.seed))
 
 

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import make_qwen3_shape, make_qwen35_shape  # noqa: E402
+from hf_models import make_qwen3_shape, make_qwen3moe_shape, make_qwen35_shape, make_qwen35moe_shape  # noqa: E402
 
 import pydflash  # noqa: E402
 from pydflash import _core  # noqa: E402
@@ -26,20 +26,36 @@ from near_ties import TIE, first_difference, tie_gap  # noqa: E402
 PROMPT = [3, 17, 200, 45, 9, 311, 77, 5, 128, 64, 400, 12]
 
 
-@pytest.mark.parametrize("arch,shape", [("qwen3", "gqa4x2_hd64"), ("qwen35", "k2v4_hd32")])
+MAKERS = {"qwen3": make_qwen3_shape, "qwen35": make_qwen35_shape, "qwen3moe": make_qwen3moe_shape,
+          "qwen35moe": make_qwen35moe_shape}
+# the FFN tensors whose widths grow, the keys of those widths, the widths asked for
+WIDENED = {"qwen3": {"ffn_down": ("feed_forward_length", 1024)},
+           "qwen35": {"ffn_down": ("feed_forward_length", 1024)},
+           "qwen3moe": {"ffn_down_exps": ("expert_feed_forward_length", 256)},
+           "qwen35moe": {"ffn_down_exps": ("expert_feed_forward_length", 256),
+                         "ffn_down_shexp": ("expert_shared_feed_forward_length", 192)}}
+
+
+@pytest.mark.parametrize("arch,shape", [("qwen3", "gqa4x2_hd64"), ("qwen35", "k2v4_hd32"), ("qwen3moe", "x5k2_tied"),
+                                        ("qwen35moe", "x8k4")])
 def test_inflated_model_computes_the_original_function(tmp_path, arch, shape):
-    make = make_qwen3_shape if arch == "qwen3" else make_qwen35_shape
-    hf = make(tmp_path / "hf", shape, seed=4)
+    hf = MAKERS[arch](tmp_path / "hf", shape, seed=4)
     small = convert_hf_to_gguf(hf, tmp_path / "small.gguf", outtype="f32", progress=False)
-    big = inflate_gguf(small, tmp_path / "big.gguf", "f32", n_ff=1024, extra_layers=5, progress=False)
+    big = inflate_gguf(small, tmp_path / "big.gguf", "f32", n_ff=1024, n_ff_exp=256, n_ff_shexp=192, extra_layers=5,
+                       progress=False)
     reader = gguf.GGUFReader(big)
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
-    assert int(reader.fields[f"{arch}.feed_forward_length"].contents()) == 1024
     names = {t.name: t for t in reader.tensors}
-    assert f"blk.{n_layer - 1}.ffn_down.weight" in names
-    for name in (f"blk.{n_layer - 1}.ffn_down.weight", f"blk.{n_layer - 1}.attn_output.weight"
-                 if f"blk.{n_layer - 1}.attn_output.weight" in names else f"blk.{n_layer - 1}.ssm_out.weight"):
-        assert not np.any(names[name].data)  # the appended layers add nothing to the residual
+    last = f"blk.{n_layer - 1}."
+    for down, (key, width) in WIDENED[arch].items():
+        assert int(reader.fields[f"{arch}.{key}"].contents()) == width
+        assert names[f"blk.0.{down}.weight"].shape[0] == width  # ggml order: the units first
+        assert not np.any(names[last + down + ".weight"].data)  # the appended layers add nothing to the residual
+    mixer_out = last + ("attn_output.weight" if last + "attn_output.weight" in names else "ssm_out.weight")
+    assert not np.any(names[mixer_out].data)
+    if arch.endswith("moe"):  # the appended layers' routers are random, not the trained ones copied
+        assert np.std(names[last + "ffn_gate_inp.weight"].data) > 0
+        assert not np.array_equal(names[last + "ffn_gate_inp.weight"].data, names["blk.0.ffn_gate_inp.weight"].data)
     ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = ref(torch.tensor([PROMPT])).logits[0].numpy()

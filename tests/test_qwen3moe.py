@@ -281,3 +281,26 @@ def test_speculative_sampling_equals_plain_sampling(pair, mode, budget):
                 k = first_difference(spec + [-1], plain + [-2])
                 assert k < min(len(spec), len(plain)) and draw_is_fragile(m, prompt, plain, k, {**SAMPLING,
                                                                                                  "seed": seed}), k
+
+
+def test_traced_routing_is_transformers_routing(checkpoint):
+    """The experts each token is routed to, read from the engine's `ffn_moe_topk-<layer>` nodes (Session.trace_nodes,
+    what benchmarks/bench_moe.py counts), are those of transformers' routers: the top k of each row of its router
+    logits, most probable first."""
+    _, gguf_path, ref = checkpoint
+    session = _core.Session(_core.Model(str(gguf_path)), n_ctx=128, type_k="f32", type_v="f32")
+    session.trace_nodes("ffn_moe_topk-")
+    session.eval(np.array(PROMPT, dtype=np.int32))
+    traced = session.take_trace()
+    with torch.no_grad():
+        router_logits = ref(torch.tensor([PROMPT]), output_router_logits=True).router_logits
+    k = ref.config.num_experts_per_tok
+    assert sorted(traced) == [f"ffn_moe_topk-{il}" for il in range(len(router_logits))]
+    for il, logits in enumerate(router_logits):
+        expected = torch.topk(logits.reshape(len(PROMPT), -1), k).indices.numpy()
+        assert np.array_equal(traced[f"ffn_moe_topk-{il}"], expected), il
+    session.eval(np.array([7], dtype=np.int32))
+    assert session.take_trace()["ffn_moe_topk-0"].shape == (1, k)
+    session.trace_nodes("")
+    session.eval(np.array([8], dtype=np.int32))
+    assert session.take_trace() == {}

@@ -3,6 +3,7 @@
 #include "bindings/common.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace pdf::bindings {
 
@@ -170,6 +171,42 @@ static void register_eval(py::class_<session> & cls) {
         .def("abort", [](session & s) { s.abort.store(true); });
 }
 
+// a traced node as numpy: int32 or float32, its shape ggml's reversed without the outer 1s beyond two dims
+// ([k, n] -> (n, k), also for one token)
+static py::array traced_array(const traced_node & n) {
+    int dims = 4;
+    while (dims > 2 && n.ne[dims - 1] == 1) {
+        --dims;
+    }
+    std::vector<py::ssize_t> shape;
+    for (int d = dims - 1; d >= 0; --d) {
+        shape.push_back((py::ssize_t) n.ne[d]);
+    }
+    py::dtype dtype = n.type == GGML_TYPE_I32 ? py::dtype::of<int32_t>() : py::dtype::of<float>();
+    if (n.type != GGML_TYPE_I32 && n.type != GGML_TYPE_F32) {
+        throw std::invalid_argument(format("traced node of type %s: only f32 and i32 nodes are read back",
+                                           ggml_type_name(n.type)));
+    }
+    py::array out(dtype, shape);
+    std::memcpy(out.mutable_data(), n.data.data(), n.data.size());
+    return out;
+}
+
+static void register_trace(py::class_<session> & cls) {
+    cls.def("trace_nodes", [](session & s, const std::string & prefix) { s.compute()->trace_nodes(prefix); },
+            py::arg("prefix"),
+            "From now on copy the graph nodes whose names start with prefix as they compute (slower; '' stops), "
+            "e.g. 'ffn_moe_topk-' for the experts each token was routed to, per layer.")
+        .def("take_trace", [](const session & s) {
+                 py::dict out;
+                 for (const auto & [name, node] : s.compute()->take_trace()) {
+                     out[py::str(name)] = traced_array(node);
+                 }
+                 return out;
+             },
+             "The traced nodes of the graphs computed since the last call, by name (numpy, outermost dim first).");
+}
+
 void register_session(py::module_ & m) {
     py::class_<session> cls(m, "Session");
     cls.def(py::init(&make_session), py::arg("model"), py::arg("n_ctx") = 4096, py::arg("type_k") = "f16",
@@ -189,6 +226,7 @@ void register_session(py::module_ & m) {
         .def_property_readonly("argmax", &session::argmax, "The greedy pick of each row read by the last eval.");
     register_memory(cls);
     register_eval(cls);
+    register_trace(cls);
 }
 
 }  // namespace pdf::bindings

@@ -327,7 +327,21 @@ void compute_backends::pause() const {
 }
 
 ggml_status compute_backends::compute(ggml_backend_sched_t sched, ggml_cgraph * gf) const {
-    return in_step([&] { return ggml_backend_sched_graph_compute(sched, gf); });
+    if (!trace_) {
+        return in_step([&] { return ggml_backend_sched_graph_compute(sched, gf); });
+    }
+    ggml_backend_sched_set_eval_callback(sched, node_trace::observe, trace_.get());
+    const ggml_status status = in_step([&] { return ggml_backend_sched_graph_compute(sched, gf); });
+    ggml_backend_sched_set_eval_callback(sched, nullptr, nullptr);
+    return status;
+}
+
+void compute_backends::trace_nodes(const std::string & prefix) {
+    trace_ = prefix.empty() ? nullptr : std::make_unique<node_trace>(prefix);
+}
+
+std::map<std::string, traced_node> compute_backends::take_trace() const {
+    return trace_ ? trace_->take() : std::map<std::string, traced_node>{};
 }
 
 ggml_status compute_backends::compute(ggml_backend_t backend, ggml_cgraph * gf) const {

@@ -10,11 +10,14 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
+#include "core/node_trace.h"
 
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace pdf {
@@ -169,6 +172,10 @@ class compute_backends {
     void                 pause() const;
     // ms this session's steps have waited for their CPU threads (other sessions computing)
     double               waited_ms() const { return waited_ms_; }
+    // from now on, the scheduled graphs' nodes whose names start with `prefix` are copied as they compute (empty:
+    // no more); the copies are taken with take_trace (core/node_trace.h)
+    void                               trace_nodes(const std::string & prefix);
+    std::map<std::string, traced_node> take_trace() const;
 
     // This session generates (cpu_threads::begin_generation) while it lives: its steps share the threads with
     // the other busy sessions
@@ -208,6 +215,7 @@ class compute_backends {
     int                          n_threads_ = 1;
     std::shared_ptr<cpu_threads> shared_;           // the model's (backends::shared_cpu_threads), or nullptr
     mutable double               waited_ms_    = 0.0;
+    std::unique_ptr<node_trace>  trace_;
     mutable int                  steps_held_   = 0;  // nested steps
     mutable int                  step_threads_ = 0;  // the outermost step's threads (0: outside a step)
     template <typename F> ggml_status in_step(F && compute) const {
