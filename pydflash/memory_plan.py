@@ -361,6 +361,9 @@ def _suggest(paths, args: dict, budget: dict, failed: MemoryPlan, sweep: bool) -
     def fits_with(sweep=False, **change) -> bool:
         return _plan_once(paths, {**args, **change}, budget, sweep).fits is not False
 
+    def gpu_fits_with(**change) -> bool:  # monotone in n_gpu_layers, where fitting as a whole is not (the CPU)
+        return "gpu" not in _plan_once(paths, {**args, **change}, budget, False).shortfall()
+
     def ctx(k: int) -> dict:
         return dict(n_ctx=256 * k)
 
@@ -378,8 +381,9 @@ def _suggest(paths, args: dict, budget: dict, failed: MemoryPlan, sweep: bool) -
     n_layer = failed.config["n_layer"]
     if args["n_gpu_layers"] != 0 and failed.shortfall().get("gpu"):
         asked = n_layer + 1 if args["n_gpu_layers"] < 0 else min(args["n_gpu_layers"], n_layer + 1)
-        layers = _largest(0, asked - 1, lambda n: fits_with(n_gpu_layers=n)) if asked > 0 else None
-        if layers is not None:
+        # the most layers the GPU holds, if the CPU then holds the rest
+        layers = _largest(0, asked - 1, lambda n: gpu_fits_with(n_gpu_layers=n)) if asked > 0 else None
+        if layers is not None and fits_with(n_gpu_layers=layers):
             out["n_gpu_layers"] = layers
         if any(failed.experts.values()) and args["n_cpu_moe"] >= 0:
             # a MoE target's experts in system memory, the rest of each layer on the GPU (llama.cpp's advice)

@@ -195,3 +195,52 @@ def test_bad_rpc_servers(servers, error):
 
     with pytest.raises(error, match="rpc_servers|RPC"):
         pydflash.Model(pair_file("qwen3", "target", "f32"), rpc_servers=servers)
+
+
+TWO_DEVICES = r'''
+import sys
+sys.path.insert(0, "../tools")
+import numpy as np
+import pydflash
+from pydflash import _core
+from export_pairs import pair_file, prompt_rows
+from near_ties import TIE, first_difference, tie_gap
+target, draft = str(pair_file("qwen35", "target", "f32")), str(pair_file("qwen35", "dflash", "f32"))
+tokens = np.arange(3, 40, dtype=np.int32)
+cpu, _ = _core.Session(_core.Model(target), n_ctx=128).eval(tokens)
+with pydflash.Model(target, draft_model_path=draft, n_ctx=512, n_gpu_layers=-1, rpc_servers=sys.argv[1:],
+                    spec_mode="tree") as m:
+    devices = {}
+    for name, device, buft in m._model.placement:
+        if name.startswith("blk.") or name == "output.weight":  # the head as layer n_layer
+            devices.setdefault(buft, set()).add(int(name.split(".")[1]) if name.startswith("blk.") else m._model.n_layer)
+    print("layers by device:", {b: sorted(ls) for b, ls in sorted(devices.items())})
+    dev, _ = _core.Session(m._model, n_ctx=128).eval(tokens)
+    print("max |cpu - devices| / scale:", float(np.abs(cpu - dev).max() / np.abs(cpu).max()))
+    text = prompt_rows("code")[0]["text"]
+    plain = m.generate(text, max_tokens=48, speculative=False).tokens
+    spec = m.generate(text, max_tokens=48).tokens
+    k = first_difference(spec, plain) if spec != plain else None
+    print("speculative == plain:", spec == plain or tie_gap(m, m.tokenize(text), spec, plain, k) < TIE)
+'''
+
+
+def test_layers_split_over_two_rpc_servers(tmp_path):
+    """Two servers: the offloaded layers and head go to both, consecutive runs in order (an equal split: the same
+    free memory; the head with the last), the hybrid's KV rows and recurrent state on each; the CPU's logits, and
+    speculative (tree) output equal to plain."""
+    (a, server_a, _), (b, server_b, _) = _start_rpc_server(tmp_path), _start_rpc_server(tmp_path)
+    try:
+        res = _run_client(TWO_DEVICES, a, b)
+    finally:
+        for s in (server_a, server_b):
+            s.kill()
+            s.wait()
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    layers = eval(lines[0].split(":", 1)[1])  # {buffer type: [layers]}
+    assert len(layers) == 2, layers
+    runs = [sorted(v) for _, v in sorted(layers.items(), key=lambda kv: min(kv[1]))]
+    assert runs[0][-1] + 1 == runs[1][0] and runs[0][0] == 0 and abs(len(runs[0]) - len(runs[1])) <= 1, runs
+    assert float(lines[1].split(":")[1]) <= 2e-3
+    assert lines[2] == "speculative == plain: True"

@@ -79,15 +79,28 @@ static void load_planned_weights(py_model & m, int64_t n_gpu_layers, int64_t n_c
     m.planned.reset();
 }
 
+// the GPU-type devices together (offloaded layers are split over all of them: backends::split_layers)
 static py::dict device_memory() {
     py::dict out;
     out["cpu_free"] = host_available_memory();
-    if (ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU)) {
+    std::string names;
+    size_t      gpu_free = 0, gpu_total = 0;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_GPU) {
+            continue;
+        }
         size_t free = 0, total = 0;
         ggml_backend_dev_memory(dev, &free, &total);
-        out["gpu_name"]  = std::string(ggml_backend_dev_name(dev)) + " (" + ggml_backend_dev_description(dev) + ")";
-        out["gpu_free"]  = free;
-        out["gpu_total"] = total;
+        names += (names.empty() ? "" : ", ") + std::string(ggml_backend_dev_name(dev)) + " (" +
+                 ggml_backend_dev_description(dev) + ")";
+        gpu_free += free;
+        gpu_total += total;
+    }
+    if (!names.empty()) {
+        out["gpu_name"]  = names;
+        out["gpu_free"]  = gpu_free;
+        out["gpu_total"] = gpu_total;
     }
     return out;
 }
@@ -179,8 +192,8 @@ void register_model(py::module_ & m) {
           "The n_gpu_layers a load honours: as asked, or 0 on a machine without a GPU device (a plan places layers "
           "as asked, on a GPU this machine may lack).");
     m.def("device_memory", &device_memory,
-          "Memory this process may use: the system's available bytes, and the first GPU's free and total bytes "
-          "(keys absent without a GPU).");
+          "Memory this process may use: the system's available bytes, and the GPU devices' free and total bytes "
+          "together, the devices named (keys absent without a GPU; RPC servers count as GPUs).");
     register_target(m);
     register_draft_model(m);
 }

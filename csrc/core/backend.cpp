@@ -5,6 +5,7 @@
 #include "core/planned_buffer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <sched.h>
@@ -80,8 +81,61 @@ backends::backends(int n_threads, int n_gpu_layers, int n_cpu_moe, int n_layer, 
         }
     }
 
-    gpu_dev_      = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        if (ggml_backend_dev_type(ggml_backend_dev_get(i)) == GGML_BACKEND_DEVICE_TYPE_GPU) {
+            gpu_devs_.push_back(ggml_backend_dev_get(i));
+        }
+    }
     n_gpu_layers_ = layers_placed(plan_only ? n_gpu_layers : loadable_gpu_layers(n_gpu_layers));
+    split_layers();
+}
+
+void backends::split_layers() {
+    layer_device_.assign(n_layer_ + 2, -1);
+    const int first = n_layer_ + 1 - n_gpu_layers_;  // the first offloaded layer
+    if (n_gpu_layers_ == 0) {
+        return;
+    }
+    std::vector<double> share;
+    double              sum = 0;
+    for (ggml_backend_dev_t dev : gpu_devs_) {
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+        share.push_back((double) free);
+        sum += (double) free;
+    }
+    if (share.empty()) {  // a plan's absent GPU
+        std::fill(layer_device_.begin() + 1 + first, layer_device_.end(), 0);
+        return;
+    }
+    // layer `first + j` goes to the first device whose cumulative share of the n_gpu_layers_ covers j
+    double cum = 0;
+    int    j   = 0;
+    for (size_t d = 0; d < share.size(); ++d) {
+        cum += sum > 0 ? share[d] / sum : 1.0 / (double) share.size();
+        const int end = d + 1 == share.size() ? n_gpu_layers_ : (int) std::lround(cum * n_gpu_layers_);
+        for (; j < end; ++j) {
+            layer_device_[1 + first + j] = (int) d;
+        }
+    }
+}
+
+std::vector<ggml_backend_dev_t> backends::gpu_devices() const {
+    std::vector<ggml_backend_dev_t> out;
+    if (plan_only_) {
+        return out;
+    }
+    for (size_t d = 0; d < gpu_devs_.size(); ++d) {
+        if (std::find(layer_device_.begin(), layer_device_.end(), (int) d) != layer_device_.end()) {
+            out.push_back(gpu_devs_[d]);
+        }
+    }
+    return out;
+}
+
+ggml_backend_dev_t backends::device_of(int il) const {
+    const int d = il + 1 >= 0 && il + 1 < (int) layer_device_.size() ? layer_device_[il + 1] : -1;
+    return d >= 0 && d < (int) gpu_devs_.size() ? gpu_devs_[d] : nullptr;
 }
 
 int backends::layers_placed(int n_gpu_layers) const {
@@ -97,11 +151,13 @@ int backends::loadable_gpu_layers(int n_gpu_layers) const {
     }
     if (n_gpu_layers != 0) {
         // started once here so that a device that cannot start fails the load, not a later session
-        ggml_backend_t probe = ggml_backend_dev_init(gpu_dev_, nullptr);
-        if (!probe) {
-            throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(gpu_dev_)));
+        for (ggml_backend_dev_t dev : gpu_devs_) {
+            ggml_backend_t probe = ggml_backend_dev_init(dev, nullptr);
+            if (!probe) {
+                throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(dev)));
+            }
+            ggml_backend_free(probe);
         }
-        ggml_backend_free(probe);
     }
     return n_gpu_layers;
 }
@@ -140,6 +196,10 @@ bool backends::on_gpu(int il) const {
     return il >= n_layer_ + 1 - n_gpu_layers_;
 }
 
+static ggml_backend_buffer_type_t device_buft(ggml_backend_dev_t dev) {
+    return dev ? ggml_backend_dev_buffer_type(dev) : nullptr;  // nullptr: a plan's absent GPU
+}
+
 // does `buft` hold `w` such that the device can run its matmul with it (ggml_mul_mat, or ggml_mul_mat_id for stacked
 // experts)? (llama.cpp's weight_buft_supported; its expert probe routes each token to the model's top-k, where this
 // one routes to one expert: the buffer types' checks read the weight's type and layout, not the number of slots)
@@ -173,7 +233,7 @@ ggml_backend_buffer_type_t backends::weight_buft(int il, weight_use use, ggml_te
     ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
     const bool                 gpu  = weight_on_gpu(il, use);
     if (gpu) {
-        buft = gpu_dev_ ? ggml_backend_dev_buffer_type(gpu_dev_) : nullptr;  // nullptr: a plan's absent GPU
+        buft = device_buft(device_of(il));
     } else if (use == WEIGHT_USE_MATMUL || use == WEIGHT_USE_MATMUL_ID) {
         for (ggml_backend_buffer_type_t extra : cpu_extra_bufts_) {
             if (buft_supports_matmul(cpu_dev_, extra, w, use)) {
@@ -188,7 +248,7 @@ ggml_backend_buffer_type_t backends::weight_buft(int il, weight_use use, ggml_te
 ggml_backend_buffer_type_t backends::state_buft(int il) const {
     ggml_backend_buffer_type_t buft = ggml_backend_cpu_buffer_type();
     if (on_gpu(il)) {
-        buft = gpu_dev_ ? ggml_backend_dev_buffer_type(gpu_dev_) : nullptr;
+        buft = device_buft(device_of(il));
     }
     return plan_only_ ? planned_buft(buft, on_gpu(il)) : buft;
 }
@@ -272,7 +332,7 @@ void cpu_threads::release(int share) {
 }
 
 std::shared_ptr<cpu_threads> backends::shared_cpu_threads() const {
-    if (n_gpu_layers_ == n_layer_ + 1 && gpu_device()) {
+    if (n_gpu_layers_ == n_layer_ + 1 && !gpu_devices().empty()) {
         return nullptr;
     }
     const std::lock_guard<std::mutex> lock(threads_mutex_);
@@ -293,14 +353,22 @@ compute_backends::compute_backends(const backends & devices)
         throw backend_error("could not initialise the ggml CPU backend");
     }
     ggml_backend_cpu_set_n_threads(cpu_, n_threads_);  // (each step sets its threads and their pool)
-    if (ggml_backend_dev_t dev = devices.gpu_device()) {
-        gpu_ = ggml_backend_dev_init(dev, nullptr);
-        if (!gpu_) {
-            ggml_backend_free(cpu_);
-            free_own_pool();
+    for (ggml_backend_dev_t dev : devices.gpu_devices()) {
+        ggml_backend_t gpu = ggml_backend_dev_init(dev, nullptr);
+        if (!gpu) {
+            free_backends();  // (a throwing constructor runs no destructor)
             throw backend_error(format("could not initialise GPU device %s", ggml_backend_dev_name(dev)));
         }
+        gpus_.push_back(gpu);
     }
+}
+
+void compute_backends::free_backends() {
+    for (ggml_backend_t gpu : gpus_) {
+        ggml_backend_free(gpu);
+    }
+    ggml_backend_free(cpu_);
+    free_own_pool();
 }
 
 void compute_backends::free_own_pool() {
@@ -310,11 +378,7 @@ void compute_backends::free_own_pool() {
 }
 
 compute_backends::~compute_backends() {
-    if (gpu_) {
-        ggml_backend_free(gpu_);
-    }
-    ggml_backend_free(cpu_);
-    free_own_pool();
+    free_backends();
 }
 
 void compute_backends::pause() const {
@@ -406,10 +470,7 @@ compute_backends::step::~step() {
 }
 
 ggml_backend_sched_t compute_backends::new_sched(size_t graph_size) const {
-    std::vector<ggml_backend_t> list;
-    if (gpu_) {
-        list.push_back(gpu_);
-    }
+    std::vector<ggml_backend_t> list(gpus_);
     list.push_back(cpu_);
     return ggml_backend_sched_new(list.data(), nullptr, (int) list.size(), graph_size, false, true);
 }
@@ -438,8 +499,8 @@ size_t backends::free_memory(int il) const {
         return SIZE_MAX;  // what fits is the plan's answer, not the load's
     }
     size_t free = 0, total = 0;
-    if (on_gpu(il)) {
-        ggml_backend_dev_memory(gpu_dev_, &free, &total);
+    if (ggml_backend_dev_t dev = device_of(il)) {
+        ggml_backend_dev_memory(dev, &free, &total);
         return free;
     }
     return host_available_memory();

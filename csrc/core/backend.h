@@ -100,8 +100,11 @@ class backends {
     void       realize(int n_threads, int n_gpu_layers, int n_cpu_moe);
 
     ggml_backend_dev_t cpu_device() const { return cpu_dev_; }
-    // the GPU device sessions compute on when layers are offloaded to it, else nullptr (and in a plan)
-    ggml_backend_dev_t gpu_device() const { return n_gpu_layers_ > 0 && !plan_only_ ? gpu_dev_ : nullptr; }
+    // the GPU devices sessions compute on (those holding offloaded layers; none in a plan)
+    std::vector<ggml_backend_dev_t> gpu_devices() const;
+    // the GPU device holding layer `il` (-1: input embeddings, n_layer: output head), nullptr on the CPU or in a
+    // plan without that device
+    ggml_backend_dev_t device_of(int il) const;
     int                n_threads() const { return n_threads_; }
     bool               plan_only() const { return plan_only_; }
     int                n_gpu_layers() const { return n_gpu_layers_; }  // of [0 .. n_layer], the head counted
@@ -125,11 +128,17 @@ class backends {
   private:
     // n_gpu_layers as placed: the layers and head on the GPU, counted from the output end
     int layers_placed(int n_gpu_layers) const;
+    // the offloaded layers over the GPU devices: consecutive runs in device order, in proportion to each
+    // device's free memory (llama.cpp's default split), the output head on the last
+    void split_layers();
     // n_gpu_layers a load honours on this machine (usable_gpu_layers, said in the log), its GPU started once
     int loadable_gpu_layers(int n_gpu_layers) const;
 
     ggml_backend_dev_t                      cpu_dev_ = nullptr;
-    ggml_backend_dev_t                      gpu_dev_ = nullptr;
+    // every GPU-type device (local GPUs first, then RPC servers, in the registry's order); a plan on a machine
+    // without one places its layers on one absent GPU (nullptr)
+    std::vector<ggml_backend_dev_t>         gpu_devs_;
+    std::vector<int>                        layer_device_;  // il + 1 -> index in gpu_devs_, or -1 (the CPU)
     std::vector<ggml_backend_buffer_type_t> cpu_extra_bufts_;
     int                                     n_threads_;
     int                                     n_layer_;
@@ -159,8 +168,8 @@ class compute_backends {
     compute_backends(const compute_backends &)             = delete;
     compute_backends & operator=(const compute_backends &) = delete;
 
-    ggml_backend_t cpu() const { return cpu_; }
-    ggml_backend_t gpu() const { return gpu_; }  // nullptr without offloaded layers
+    ggml_backend_t                      cpu() const { return cpu_; }
+    const std::vector<ggml_backend_t> & gpus() const { return gpus_; }  // none without offloaded layers
     // a fresh scheduler over these backends (GPU first so it gets the work it can do)
     ggml_backend_sched_t new_sched(size_t graph_size) const;
     // a graph compute through `sched` (made by new_sched), or on one of these backends: in this session's step,
@@ -207,11 +216,12 @@ class compute_backends {
 
   private:
     ggml_backend_t               cpu_ = nullptr;
-    ggml_backend_t               gpu_ = nullptr;
+    std::vector<ggml_backend_t>  gpus_;
     // this session's pool, for a step on fewer threads than the model's (its workers beyond the step's sleep),
     // or for every step with every layer on the GPU; nullptr on one thread, where every step takes them all
     ggml_threadpool_t            own_pool_ = nullptr;
     void                         free_own_pool();
+    void                         free_backends();  // every backend and the pool
     int                          n_threads_ = 1;
     std::shared_ptr<cpu_threads> shared_;           // the model's (backends::shared_cpu_threads), or nullptr
     mutable double               waited_ms_    = 0.0;

@@ -48,7 +48,9 @@ size_t graph_arena::bytes(ggml_backend_t backend) const {
 device_bytes graph_arena::memory() const {
     device_bytes n;
     n.cpu = bytes(compute_.cpu());
-    n.gpu = bytes(compute_.gpu());
+    for (ggml_backend_t gpu : compute_.gpus()) {
+        n.gpu += bytes(gpu);
+    }
     return n;
 }
 

@@ -242,11 +242,11 @@ void qwen35_layers::choose_delta_net_form(delta_net_form form) {
         const backends & be = devices();
         // a plan without the GPU it places layers on assumes the fused op (CUDA, HIP and Metal have it)
         const bool cpu_fused = ggml_backend_dev_supports_op(be.cpu_device(), probe);
-        const bool gpu_fused = be.gpu_device() ? ggml_backend_dev_supports_op(be.gpu_device(), probe) : true;
-        ggml_free(ctx);
         for (int il = 0; il < hp_.n_layer; ++il) {
-            chunked_[il] = !(be.on_gpu(il) ? gpu_fused : cpu_fused);
+            ggml_backend_dev_t gpu = be.on_gpu(il) ? be.device_of(il) : nullptr;
+            chunked_[il] = !(be.on_gpu(il) ? (!gpu || ggml_backend_dev_supports_op(gpu, probe)) : cpu_fused);
         }
+        ggml_free(ctx);
     }
     any_chunked_ = false;
     for (int il = 0; il < hp_.n_layer; ++il) {

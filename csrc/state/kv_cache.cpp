@@ -133,14 +133,16 @@ void kv_cache::move_rows(const std::vector<std::pair<int, int>> & moves, const c
 void kv_cache::copy_rows(const std::vector<std::pair<int, int>> & moves, const compute_backends & compute) {
     // one small graph of row copies (same type: a plain copy, also of quantized rows) per device that holds
     // cache layers
-    for (ggml_backend_t backend : {compute.gpu(), compute.cpu()}) {
-        if (!backend) {
-            continue;
-        }
+    std::vector<ggml_backend_t> backends(compute.gpus());
+    backends.push_back(compute.cpu());
+    for (ggml_backend_t backend : backends) {
         std::vector<ggml_tensor *> tensors;
         for (const auto & kv : layers_) {
             for (ggml_tensor * t : {kv.second.first, kv.second.second}) {
-                if ((backend == compute.cpu()) == ggml_backend_buffer_is_host(t->buffer)) {
+                const bool host = ggml_backend_buffer_is_host(t->buffer);
+                if (backend == compute.cpu() ? host
+                                             : !host && ggml_backend_supports_buft(backend,
+                                                                                   ggml_backend_buffer_get_type(t->buffer))) {
                     tensors.push_back(t);
                 }
             }
