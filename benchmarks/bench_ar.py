@@ -11,6 +11,7 @@ spread of those paired ratios (min-max), and the ratio of each engine's best run
 
     python benchmarks/bench_ar.py                  # tiny and ~0.6B random Qwen3, q4_0 and q8_0
     python benchmarks/bench_ar.py --arch qwen35    # tiny and ~0.8B random Qwen3.5 hybrids
+    python benchmarks/bench_ar.py --arch qwen3moe  # tiny and ~1.1B random Qwen3-MoE (64 experts, top-8)
     python benchmarks/bench_ar.py --peer build     # also build llama.cpp first (CPU, ~11 min on 2 cores)
 """
 
@@ -28,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import peer  # noqa: E402
-from random_gguf import HYBRID_SHAPES, SHAPES, write_random_qwen3, write_random_qwen35  # noqa: E402
+from random_gguf import (HYBRID_SHAPES, MOE_SHAPES, SHAPES, write_random_qwen3, write_random_qwen3moe,  # noqa: E402
+                         write_random_qwen35)
 
 from pydflash import _core  # noqa: E402
 
@@ -73,8 +75,9 @@ def llama_cpp(path: Path, threads: int, n_prompt: int, n_gen: int) -> tuple[floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=["qwen3", "qwen35"], default="qwen3")
-    ap.add_argument("--shapes", default=None, help="comma-separated; qwen3: tiny,0.6b  qwen35: tiny,0.8b")
+    ap.add_argument("--arch", choices=["qwen3", "qwen35", "qwen3moe"], default="qwen3")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated; qwen3: tiny,0.6b  qwen35: tiny,0.8b  qwen3moe: tiny,1b")
     ap.add_argument("--types", default="q4_0,q8_0")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--n-prompt", type=int, default=512)
@@ -93,6 +96,8 @@ def main() -> None:
     models = peer.source_dir() / "models"
     if args.arch == "qwen3":
         vocab, shapes, write = models / "ggml-vocab-qwen2.gguf", SHAPES, write_random_qwen3
+    elif args.arch == "qwen3moe":
+        vocab, shapes, write = models / "ggml-vocab-qwen2.gguf", MOE_SHAPES, write_random_qwen3moe
     else:
         vocab, shapes, write = models / "ggml-vocab-qwen35.gguf", HYBRID_SHAPES, write_random_qwen35
     args.out.mkdir(parents=True, exist_ok=True)

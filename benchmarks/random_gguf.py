@@ -1,4 +1,4 @@
-"""Random-weight Qwen3- and Qwen3.5-shaped GGUFs for speed measurements (timing does not depend on the weights).
+"""Random-weight Qwen3-, Qwen3-MoE- and Qwen3.5-shaped GGUFs for speed measurements (timing does not depend on the weights).
 
 The tokenizer keys come from llama.cpp's real Qwen2 vocabulary fixture, so both engines load the file and
 the LM head has the real 151,936-row shape. Weights are quantized with ggml's own quantizer
@@ -19,6 +19,13 @@ SHAPES = {
     # name: hidden, layers, heads, kv heads, head dim, ffn
     "tiny": dict(hidden=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, n_ff=768),
     "0.6b": dict(hidden=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, n_ff=3072),  # Qwen3-0.6B
+}
+# MoE (qwen3moe): experts of width expert_ff, top_k of them per token; "1b": 64 experts, top-8, ~1.1B parameters
+# (0.25B active per token), Qwen3-30B-A3B's layer in miniature
+MOE_SHAPES = {
+    "tiny": dict(hidden=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8, top_k=2, expert_ff=128),
+    "1b": dict(hidden=1024, n_layers=16, n_heads=16, n_kv_heads=4, head_dim=128, n_experts=64, top_k=8,
+               expert_ff=256),
 }
 # hybrid: every 4th layer full attention; GDN with k_heads / v_heads of dimension ssm_dim, conv kernel 4
 HYBRID_SHAPES = {
@@ -65,14 +72,18 @@ class _RandomWriter:
         self.qtype = gguf.GGMLQuantizationType[weight_type.upper()]
         self.rng = np.random.default_rng(seed)
 
-    def matrix(self, name: str, n_out: int, n_in: int) -> None:
-        w = self.rng.standard_normal((n_out, n_in), dtype=np.float32) * (1.0 / np.sqrt(n_in))
-        if self.qtype == gguf.GGMLQuantizationType.F32:
+    def matrix(self, name: str, n_out: int, n_in: int, n_stack: int = 0, qtype=None) -> None:
+        """A random [n_out, n_in] weight (numpy order), or n_stack of them stacked ([n_stack, n_out, n_in]: experts)."""
+        qtype = self.qtype if qtype is None else qtype
+        shape = (n_stack, n_out, n_in) if n_stack else (n_out, n_in)
+        w = (self.rng.standard_normal(shape, dtype=np.float32) / np.sqrt(n_in)).astype(np.float32)
+        if qtype == gguf.GGMLQuantizationType.F32:
             self.writer.add_tensor(name, w)
-        elif self.qtype == gguf.GGMLQuantizationType.F16:
+        elif qtype == gguf.GGMLQuantizationType.F16:
             self.writer.add_tensor(name, w.astype(np.float16))
         else:
-            self.writer.add_tensor(name, _core.quantize(w, int(self.qtype)), raw_dtype=self.qtype)
+            q = np.asarray(_core.quantize(w.reshape(-1, n_in), int(qtype)))
+            self.writer.add_tensor(name, q.reshape(*shape[:-1], -1), raw_dtype=qtype)
 
     def qwen3_layer(self, il: int, E: int, hd: int, n_heads: int, n_kv: int, n_ff: int) -> None:
         """One Qwen3 decoder layer (the target's and the DFlash draft's layers alike)."""
@@ -88,6 +99,22 @@ class _RandomWriter:
         self.matrix(p + "ffn_gate.weight", n_ff, E)
         self.matrix(p + "ffn_up.weight", n_ff, E)
         self.matrix(p + "ffn_down.weight", E, n_ff)
+
+    def qwen3moe_layer(self, il: int, E: int, hd: int, n_heads: int, n_kv: int, n_experts: int, expert_ff: int) -> None:
+        """One Qwen3-MoE decoder layer: attention as qwen3's, an f32 router and stacked experts."""
+        p = f"blk.{il}."
+        self.vector(p + "attn_norm.weight", E)
+        self.matrix(p + "attn_q.weight", hd * n_heads, E)
+        self.matrix(p + "attn_k.weight", hd * n_kv, E)
+        self.matrix(p + "attn_v.weight", hd * n_kv, E)
+        self.matrix(p + "attn_output.weight", E, hd * n_heads)
+        self.vector(p + "attn_q_norm.weight", hd)
+        self.vector(p + "attn_k_norm.weight", hd)
+        self.vector(p + "ffn_norm.weight", E)
+        self.matrix(p + "ffn_gate_inp.weight", n_experts, E, qtype=gguf.GGMLQuantizationType.F32)
+        self.matrix(p + "ffn_gate_exps.weight", expert_ff, E, n_stack=n_experts)
+        self.matrix(p + "ffn_up_exps.weight", expert_ff, E, n_stack=n_experts)
+        self.matrix(p + "ffn_down_exps.weight", E, expert_ff, n_stack=n_experts)
 
     def vector(self, name: str, n: int, center: float = 1.0, spread: float = 0.05) -> None:
         self.writer.add_tensor(name, (center + spread * self.rng.standard_normal(n)).astype(np.float32))
@@ -186,6 +213,37 @@ def write_random_qwen3(path: Path, shape: str, weight_type: str, vocab_gguf: Pat
     t.vector("output_norm.weight", E)
     for il in range(s["n_layers"]):
         t.qwen3_layer(il, E, hd, s["n_heads"], s["n_kv_heads"], s["n_ff"])
+    _finish(writer)
+    return path
+
+
+def write_random_qwen3moe(path: Path, shape: str, weight_type: str, vocab_gguf: Path, seed: int = 0,
+                          n_vocab: int | None = None) -> Path:
+    """Write a random Qwen3-MoE GGUF of `shape` (MOE_SHAPES) with matrices and experts in `weight_type`."""
+    s = MOE_SHAPES[shape]
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    n_vocab = _copy_tokenizer(writer, vocab_gguf, n_vocab)
+    E, hd = s["hidden"], s["head_dim"]
+    writer.add_name(f"random-qwen3moe-{shape}")
+    writer.add_block_count(s["n_layers"])
+    writer.add_context_length(40960)
+    writer.add_embedding_length(E)
+    writer.add_feed_forward_length(s["expert_ff"] * s["top_k"])
+    writer.add_expert_feed_forward_length(s["expert_ff"])
+    writer.add_expert_count(s["n_experts"])
+    writer.add_expert_used_count(s["top_k"])
+    writer.add_head_count(s["n_heads"])
+    writer.add_head_count_kv(s["n_kv_heads"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    t = _RandomWriter(writer, weight_type, seed)
+    t.matrix("token_embd.weight", n_vocab, E)
+    t.vector("output_norm.weight", E)
+    t.matrix("output.weight", n_vocab, E)  # untied, as Qwen3-30B-A3B
+    for il in range(s["n_layers"]):
+        t.qwen3moe_layer(il, E, hd, s["n_heads"], s["n_kv_heads"], s["n_experts"], s["expert_ff"])
     _finish(writer)
     return path
 

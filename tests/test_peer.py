@@ -32,12 +32,34 @@ def llama_completion():
 
 
 CHECKPOINTS = [("qwen3", "gqa4x2_hd64"), ("qwen3", "gqa4x2_hd128_tied"), ("qwen35", "k2v4_hd32"),
-               ("qwen35", "k1v3_tied_mtp"), ("qwen35", "k8v32_hd8")]
+               ("qwen35", "k1v3_tied_mtp"), ("qwen35", "k8v32_hd8"), ("qwen3moe", "x5k2_tied"), ("qwen3moe", "x8k4"),
+               ("qwen35moe", "x4k1"), ("qwen35moe", "vl_x5k2_mtp"), ("qwen35moe", "x8k4")]
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """Tiny random MoE checkpoints, made once per module: moe_checkpoint("qwen35moe", "x4k1") -> Path."""
+    from hf_models import make_qwen3moe_shape, make_qwen35moe_shape
+
+    made: dict = {}
+
+    def make(arch: str, shape: str) -> Path:
+        if (arch, shape) not in made:
+            maker = make_qwen3moe_shape if arch == "qwen3moe" else make_qwen35moe_shape
+            made[arch, shape] = maker(tmp_path_factory.mktemp(f"{arch}-{shape}") / "hf", shape, seed=7)
+        return made[arch, shape]
+
+    return make
 
 
 @pytest.fixture
-def checkpoint_of(qwen3_checkpoint, qwen35_checkpoint):
-    return lambda arch, shape: (qwen3_checkpoint if arch == "qwen3" else qwen35_checkpoint)(shape)
+def checkpoint_of(qwen3_checkpoint, qwen35_checkpoint, moe_checkpoint):
+    def checkpoint(arch: str, shape: str) -> Path:
+        if arch.endswith("moe"):
+            return moe_checkpoint(arch, shape)
+        return (qwen3_checkpoint if arch == "qwen3" else qwen35_checkpoint)(shape)
+
+    return checkpoint
 
 
 @pytest.mark.slow
@@ -49,7 +71,9 @@ def test_our_gguf_in_llama_cpp(checkpoint_of, llama_completion, tmp_path, arch, 
     with pydflash.Model(gguf_path, n_ctx=256) as m:
         prompt_ids = m.tokenize(PROMPT)
         ours = m._session.generate(prompt_ids, max_tokens=n, stop_tokens=[])["tokens"]
-        pieces = [m.tokenizer.token_bytes(t) for t in ours]
+        # as llama-completion prints them: control tokens (<|im_start|>, which random models do generate) as nothing
+        pieces = [b"" if m.tokenizer.detokenize([t], skip_special=True) == "" else m.tokenizer.token_bytes(t)
+                  for t in ours]
         ours_bytes = b"".join(pieces)
         # logits that chose each generated token, for the tie rule below
         session = _core.Session(m._model, n_ctx=256)
@@ -83,13 +107,14 @@ def test_our_gguf_in_llama_cpp(checkpoint_of, llama_completion, tmp_path, arch, 
     assert top2[1] - top2[0] < TIE, f"diverged at step {step} with a top-1/top-2 gap of {top2[1] - top2[0]}"
 
 
-@pytest.mark.parametrize("arch, shape", [("qwen3", "gqa4x2_hd64"), ("qwen35", "k2v4_hd32")])
+@pytest.mark.parametrize("arch, shape", [("qwen3", "gqa4x2_hd64"), ("qwen35", "k2v4_hd32"), ("qwen3moe", "x8k4"),
+                                         ("qwen35moe", "x8k4")])
 def test_llama_cpp_converted_gguf_in_ours(checkpoint_of, llama_cpp_dir, tmp_path, arch, shape):
     from llama_ref import llama_convert
 
     hf = checkpoint_of(arch, shape)
     # a checkpoint without MTP weights needs --no-mtp in llama.cpp's converter (its assert otherwise)
-    extra = ["--no-mtp"] if arch == "qwen35" else []
+    extra = ["--no-mtp"] if arch.startswith("qwen35") else []
     theirs = llama_convert(llama_cpp_dir, hf, tmp_path / "theirs.gguf", "--outtype", "f16", *extra)
     ours = convert_hf_to_gguf(hf, tmp_path / "ours.gguf", outtype="f16", progress=False)
     outputs = []
