@@ -51,25 +51,31 @@ class RoutedExperts:
         self.fuse_gate_up = fuse_gate_up
         # per-expert tensors read so far, by layer, until the layer's are all there
         self._pending: dict[int, dict[str, LazyTensor]] = {}
+        # llama.cpp's name → the checkpoint's, where they differ (errors name the checkpoint's)
+        self._shown: dict[str, str] = {}
 
-    def take(self, data: LazyTensor, name: str, block_count: int) -> Named | None:
-        """The GGUF tensors (possibly none yet) that HF tensor `name` (llama.cpp's `model.layers.N.…` naming) makes,
-        or None when it is no expert tensor (a router is checked, then left to the caller to rename)."""
+    def take(self, data: LazyTensor, name: str, block_count: int, *, stored: str | None = None) -> Named | None:
+        """The GGUF tensors (possibly none yet) that HF tensor `name` (llama.cpp's `model.layers.N.…` naming; the
+        checkpoint's name is `stored` when it differs) makes, or None when it is no expert tensor (a router is
+        checked, then left to the caller to rename)."""
+        shown = stored or name
         if _ROUTER_RE.match(name) is not None:
             if data.shape != (self.n_expert, self.n_embd):
-                raise ConversionError(f"{self.where}: router {name!r} has shape {list(data.shape)}, expected "
+                raise ConversionError(f"{self.where}: router {shown!r} has shape {list(data.shape)}, expected "
                                       f"{[self.n_expert, self.n_embd]} (num_experts, hidden_size)")
             return None
         if (m := _FUSED_RE.match(name)) is not None:
-            self._check_layer(name, int(m[1]), block_count)
-            return self._fused(data, name, int(m[1]), m[2])
+            self._check_layer(shown, int(m[1]), block_count)
+            return self._fused(data, shown, int(m[1]), m[2])
         if (m := _EXPERT_RE.match(name)) is not None:
-            self._check_layer(name, int(m[1]), block_count)
+            self._check_layer(shown, int(m[1]), block_count)
+            if stored is not None:
+                self._shown[name] = stored
             return self._one(data, name, int(m[1]), int(m[2]), m[3])
         return None
 
     def check_complete(self) -> None:
-        left = sorted(n for layer in self._pending.values() for n in layer)
+        left = sorted(self._shown.get(n, n) for layer in self._pending.values() for n in layer)
         if left:
             raise ConversionError(f"{self.where}: incomplete experts (each layer needs gate_proj, up_proj and "
                                   f"down_proj of all {self.n_expert} experts); left over: {left[:8]}")
@@ -80,12 +86,13 @@ class RoutedExperts:
                                   f"{block_count} blocks")
 
     def _one(self, data: LazyTensor, name: str, bid: int, xid: int, proj: str) -> Named:
+        shown = self._shown.get(name, name)
         if xid >= self.n_expert:
-            raise ConversionError(f"{self.where}: tensor {name!r} names expert {xid}, but num_experts is "
+            raise ConversionError(f"{self.where}: tensor {shown!r} names expert {xid}, but num_experts is "
                                   f"{self.n_expert}")
         expected = (self.n_embd, self.n_ff) if proj == "down_proj" else (self.n_ff, self.n_embd)
         if data.shape != expected:
-            raise ConversionError(f"{self.where}: tensor {name!r} has shape {list(data.shape)}, expected "
+            raise ConversionError(f"{self.where}: tensor {shown!r} has shape {list(data.shape)}, expected "
                                   f"{list(expected)} (hidden_size, moe_intermediate_size)")
         layer = self._pending.setdefault(bid, {})
         layer[name] = data

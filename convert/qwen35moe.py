@@ -60,7 +60,7 @@ class Qwen35MoeConverter(Qwen35Converter):
 
     def modify_tensors(self, data: LazyTensor, name: str, bid: int | None) -> Iterable[tuple[str, LazyTensor]]:
         # the experts by their llama.cpp name: an MTP block's are numbered after the trunk's layers
-        if (experts := self.experts.take(data, self._hf_name(name), self.block_count)) is not None:
+        if (experts := self.experts.take(data, self._hf_name(name), self.block_count, stored=name)) is not None:
             return experts
         return super().modify_tensors(data, name, bid)
 
