@@ -12,8 +12,9 @@ TYPE:
 
 Tensors whose row length is not a multiple of the type's block size fall back like llama.cpp
 (q4_k → q5_0, q5_k → q5_1, q6_k → q8_0, then f16). 1-D tensors (trailing dimensions of 1 not counted, as in
-ggml), norms, MoE routers and conv kernels are copied unchanged; the experts (3-D) quantize like other matrices. All metadata is copied; `general.quantization_version` and `general.file_type`
-are (re)set at the end, as llama.cpp does.
+ggml), norms, MoE routers and conv kernels are copied unchanged; the experts (3-D) quantize like other matrices.
+All metadata is copied; `general.quantization_version` and `general.file_type` are (re)set at the end, as
+llama.cpp does.
 """
 
 from __future__ import annotations

@@ -4,16 +4,13 @@ per expert and fused, MTP blocks with their MoE FFN, and `--fuse-gate-up-exps` (
 converter refuses it); the experts, the shared expert and the merged gate/up checked from the HF tensors directly;
 the error paths.
 
-Reference runs: the pinned llama.cpp `convert_hf_to_gguf.py` (tests/llama_ref.py), with `--no-mtp` for checkpoints
-without MTP weights (see tests/test_convert_qwen35.py: without it that converter asserts). `ssm_a` may differ in the
-last bit (tests/test_convert_qwen35.py's module docstring).
+Reference runs: the pinned llama.cpp `convert_hf_to_gguf.py` (tests/llama_ref.py; `--no-mtp` for checkpoints without
+MTP weights). `ssm_a` may differ in the last bit (tests/test_convert_qwen35.py's module docstring).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +18,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import make_qwen3moe_shape, make_qwen35moe_shape  # noqa: E402
-from llama_ref import assert_same_gguf, llama_convert, read_gguf  # noqa: E402
+from hf_models import (checkpoint_cache, copy_checkpoint, drop_tensor, edit_config, hf_tensors,  # noqa: E402
+                       make_qwen3moe_shape, make_qwen35moe_shape)
+from llama_ref import assert_same_gguf, llama_convert, llama_convert_qwen35, read_gguf  # noqa: E402
 
 from pydflash.convert import convert_hf_to_gguf  # noqa: E402
 from pydflash.convert.cli import main as convert_main  # noqa: E402
@@ -35,39 +33,7 @@ ULP = ("ssm_a",)
 def qwen35moe_checkpoint(tmp_path_factory):
     """Factory for tiny random Qwen3.5-MoE checkpoints, cached for the module: `qwen35moe_checkpoint("x4k1",
     experts="fused")` -> Path (shapes: hf_models.QWEN35MOE_SHAPES)."""
-    made: dict = {}
-
-    def make(shape: str, **overrides) -> Path:
-        key = (shape, tuple(sorted(overrides.items())))
-        if key not in made:
-            made[key] = make_qwen35moe_shape(tmp_path_factory.mktemp(shape) / "hf", shape, **overrides)
-        return made[key]
-
-    return make
-
-
-def _ref(llama_cpp_dir: Path, model: Path, out: Path, *args: str) -> Path:
-    has_mtp = (model / "model-mtp.safetensors").is_file()
-    return llama_convert(llama_cpp_dir, model, out, *args, *([] if has_mtp else ["--no-mtp"]))
-
-
-def _copy(model: Path, dst: Path) -> Path:
-    return Path(shutil.copytree(model, dst))
-
-
-def _edit_config(model: Path, fn) -> None:
-    cfg = json.loads((model / "config.json").read_text())
-    fn(cfg.get("text_config", cfg))
-    (model / "config.json").write_text(json.dumps(cfg, indent=2))
-
-
-def _hf_tensors(model: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    out: dict[str, np.ndarray] = {}
-    for f in sorted(model.glob("model*.safetensors")):
-        out.update(load_file(f))
-    return out
+    return checkpoint_cache(make_qwen35moe_shape, tmp_path_factory)
 
 
 # (shape, checkpoint overrides, --outtype, --fuse-gate-up-exps): 4 / 5 / 7 / 8 experts, top-1 to top-4, both
@@ -91,7 +57,7 @@ def test_matches_llama_cpp_converter(qwen35moe_checkpoint, llama_cpp_dir, tmp_pa
     if overrides.get("max_shard_size"):
         assert len(list(model.glob("model-*.safetensors"))) > 1
     flags = ["--fuse-gate-up-exps"] if fuse else []
-    ref = _ref(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", outtype, *flags)
+    ref = llama_convert_qwen35(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", outtype, *flags)
     ours = convert_hf_to_gguf(model, tmp_path / "ours.gguf", outtype=outtype, fuse_gate_up_exps=fuse, progress=False)
     assert_same_gguf(ours, ref, ulp_tolerant=ULP)
     names = [t[0] for t in read_gguf(ours)[1]]
@@ -101,7 +67,7 @@ def test_matches_llama_cpp_converter(qwen35moe_checkpoint, llama_cpp_dir, tmp_pa
 
 def test_vocab_only_matches_llama_cpp(qwen35moe_checkpoint, llama_cpp_dir, tmp_path):
     model = qwen35moe_checkpoint("vl_x5k2_mtp")
-    ref = _ref(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", "f16", "--vocab-only")
+    ref = llama_convert_qwen35(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", "f16", "--vocab-only")
     ours = convert_hf_to_gguf(model, tmp_path / "ours.gguf", outtype="f16", vocab_only=True, progress=False)
     assert_same_gguf(ours, ref)
 
@@ -128,7 +94,7 @@ def test_qwen35moe_contract(qwen35moe_checkpoint, tmp_path):
     expert's gate kept F32."""
     model = qwen35moe_checkpoint("vl_x5k2_mtp")
     cfg = json.loads((model / "config.json").read_text())["text_config"]
-    hf = _hf_tensors(model)
+    hf = hf_tensors(model)
     kv, tensors = read_gguf(convert_hf_to_gguf(model, tmp_path / "m.gguf", outtype="f32", progress=False))
     by_name = {name: (shape, dtype, data) for name, shape, dtype, data in tensors}
     E, F, S, X = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"], 5
@@ -167,7 +133,7 @@ def test_fused_gate_up_is_gate_then_up(qwen35moe_checkpoint, tmp_path, shape):
     its up_proj along the expert-width axis (ggml ne = {hidden, 2 × width, experts}); no gate / up left."""
     model = qwen35moe_checkpoint(shape)
     cfg = json.loads((model / "config.json").read_text())
-    hf = _hf_tensors(model)
+    hf = hf_tensors(model)
     _, tensors = read_gguf(convert_hf_to_gguf(model, tmp_path / "m.gguf", outtype="f32", fuse_gate_up_exps=True,
                                               progress=False))
     by_name = {name: (shape_, dtype, data) for name, shape_, dtype, data in tensors}
@@ -185,16 +151,12 @@ def test_fused_gate_up_is_gate_then_up(qwen35moe_checkpoint, tmp_path, shape):
     assert not any(n.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")) for n in by_name)
 
 
-def test_per_expert_and_fused_layouts_give_the_same_file(qwen35moe_checkpoint, tmp_path):
-    per_expert = convert_hf_to_gguf(qwen35moe_checkpoint("x8k4"), tmp_path / "a.gguf", outtype="f16", progress=False)
-    fused = convert_hf_to_gguf(qwen35moe_checkpoint("x8k4", experts="fused"), tmp_path / "b.gguf", outtype="f16",
-                               progress=False)
-    _, a = read_gguf(per_expert)
-    _, b = read_gguf(fused)
-    assert sorted(t[:3] for t in a) == sorted(t[:3] for t in b)
-    data_b = {t[0]: t[3] for t in b}
-    for name, _, _, data in a:
-        assert np.array_equal(data, data_b[name]), name
+@pytest.mark.parametrize("fuse", [False, True], ids=["split", "merged-gate-up"])
+def test_per_expert_and_fused_layouts_give_the_same_file(qwen35moe_checkpoint, tmp_path, fuse):
+    a, b = (convert_hf_to_gguf(qwen35moe_checkpoint("x8k4", experts=experts), tmp_path / f"{experts}.gguf",
+                               outtype="f16", fuse_gate_up_exps=fuse, progress=False)
+            for experts in ("per_expert", "fused"))
+    assert_same_gguf(a, b)
 
 
 def test_cli(qwen35moe_checkpoint, tmp_path, capsys):
@@ -212,66 +174,39 @@ def test_cli(qwen35moe_checkpoint, tmp_path, capsys):
 # errors
 
 
-def _drop_tensor(model: Path, name: str) -> None:
-    from safetensors.numpy import load_file, save_file
-
-    for f in model.glob("model*.safetensors"):
-        state = load_file(str(f))
-        if name in state:
-            del state[name]
-            save_file(state, str(f), metadata={"format": "pt"})
-            index = model / "model.safetensors.index.json"
-            if index.is_file():
-                idx = json.loads(index.read_text())
-                del idx["weight_map"][name]
-                index.write_text(json.dumps(idx))
-            return
-    raise KeyError(name)
+def _experts(n: int):
+    return lambda c: c.update(num_experts=n, num_experts_per_tok=1)
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda c: c.pop("num_experts"), r"config\.json: no num_experts: Qwen3\.5 MoE checkpoints"),
-    (lambda c: c.update(num_experts_per_tok=5), r"num_experts_per_tok = 5, expected 1\.\.num_experts \(4\)"),
-    (lambda c: c.update(num_experts_per_tok=0), r"num_experts_per_tok = 0, expected 1\.\.num_experts \(4\)"),
-], ids=["no-expert-count", "top-k-above-experts", "top-k-zero"])
-def test_bad_config(qwen35moe_checkpoint, tmp_path, edit, match):
-    model = _copy(qwen35moe_checkpoint("x4k1"), tmp_path / "m")
-    _edit_config(model, edit)
-    with pytest.raises(ConversionError, match=match):
-        convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
-    assert not (tmp_path / "x.gguf").exists()
-
-
-@pytest.mark.parametrize("shape, n_experts, match", [
-    # per expert: one fewer in the config than stored -> the first surplus expert is named
-    ("x4k1", 3, r"tensor 'model\.layers\.0\.mlp\.experts\.3\.down_proj\.weight' names expert 3, but num_experts "
-                r"is 3"),
-    # per expert: one more -> the layer never completes; the router, read after its experts, disagrees first
-    ("x4k1", 5, r"router 'model\.layers\.0\.mlp\.gate\.weight' has shape \[4, 64\], expected \[5, 64\] "
-                r"\(num_experts, hidden_size\)"),
+@pytest.mark.parametrize("shape, edit, match", [
+    ("x4k1", lambda c: c.pop("num_experts"), r"config\.json: no num_experts: Qwen3\.5 MoE checkpoints"),
+    ("x4k1", lambda c: c.update(num_experts_per_tok=5), r"num_experts_per_tok = 5, expected 1\.\.num_experts \(4\)"),
+    ("x4k1", lambda c: c.update(num_experts_per_tok=0), r"num_experts_per_tok = 0, expected 1\.\.num_experts \(4\)"),
+    # per expert, one fewer in the config than stored: the first surplus expert is named
+    ("x4k1", _experts(3), r"tensor 'model\.layers\.0\.mlp\.experts\.3\.down_proj\.weight' names expert 3, but "
+                          r"num_experts is 3"),
+    # per expert, one more: the layer never completes; its router, read after its experts, disagrees first
+    ("x4k1", _experts(5), r"router 'model\.layers\.0\.mlp\.gate\.weight' has shape \[4, 64\], expected \[5, 64\] "
+                          r"\(num_experts, hidden_size\)"),
     # fused: the stacked tensors' first axis
-    ("x7k3_fused_tied", 6, r"tensor 'model\.layers\.0\.mlp\.experts\.down_proj' has shape \[7, 48, 24\], expected "
-                           r"\[6, 48, 24\] \(num_experts, hidden_size, moe_intermediate_size\)"),
-], ids=["per-expert-fewer", "per-expert-more", "fused"])
-def test_expert_count_disagrees_with_tensors(qwen35moe_checkpoint, tmp_path, shape, n_experts, match):
-    model = _copy(qwen35moe_checkpoint(shape), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(num_experts=n_experts, num_experts_per_tok=1))
+    ("x7k3_fused_tied", _experts(6), r"tensor 'model\.layers\.0\.mlp\.experts\.down_proj' has shape \[7, 48, 24\], "
+                                     r"expected \[6, 48, 24\] \(num_experts, hidden_size, moe_intermediate_size\)"),
+    ("x4k1", lambda c: c.update(moe_intermediate_size=16),
+     r"mlp\.experts\.0\.down_proj\.weight' has shape \[64, 32\], expected \[64, 16\] \(hidden_size, "
+     r"moe_intermediate_size\)"),
+], ids=["no-expert-count", "top-k-above-experts", "top-k-zero", "fewer-experts-than-stored",
+        "more-experts-than-stored", "fused-experts-count", "expert-width"])
+def test_config_disagrees(qwen35moe_checkpoint, tmp_path, shape, edit, match):
+    model = copy_checkpoint(qwen35moe_checkpoint(shape), tmp_path / "m")
+    edit_config(model, edit)
     with pytest.raises(ConversionError, match=match):
-        convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
-
-
-def test_expert_width_disagrees_with_config(qwen35moe_checkpoint, tmp_path):
-    model = _copy(qwen35moe_checkpoint("x4k1"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(moe_intermediate_size=16))
-    with pytest.raises(ConversionError, match=r"mlp\.experts\.0\.down_proj\.weight' has shape \[64, 32\], "
-                                              r"expected \[64, 16\] \(hidden_size, moe_intermediate_size\)"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
 
 
 def test_missing_expert_of_an_mtp_block(qwen35moe_checkpoint, tmp_path):
     """The error names the checkpoint's tensors (mtp.layers.0…, not llama.cpp's renumbered layer)."""
-    model = _copy(qwen35moe_checkpoint("vl_x5k2_mtp"), tmp_path / "m")
-    _drop_tensor(model, "mtp.layers.0.mlp.experts.2.up_proj.weight")
+    model = copy_checkpoint(qwen35moe_checkpoint("vl_x5k2_mtp"), tmp_path / "m")
+    drop_tensor(model, "mtp.layers.0.mlp.experts.2.up_proj.weight")
     with pytest.raises(ConversionError, match=r"incomplete experts .*all 5 experts\); left over: "
                                               r"\['mtp\.layers\.0\.mlp\.experts\.0\.down_proj\.weight'"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
