@@ -130,7 +130,7 @@ class Qwen35Converter(ModelConverter):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         hp, cfg = self.hparams, self.dir_model / "config.json"
-        self._check_ffn_config()
+        self._read_ffn_config()
         self.n_layer = int(hp["num_hidden_layers"])
         self.n_k_heads = int(hp["linear_num_key_heads"])
         self.n_v_heads = int(hp["linear_num_value_heads"])
@@ -148,7 +148,8 @@ class Qwen35Converter(ModelConverter):
 
     # -- hparams ------------------------------------------------------------------------------------
 
-    def _check_ffn_config(self) -> None:
+    def _read_ffn_config(self) -> None:
+        """Check (and keep what the tensors need of) the FFN's config fields; a dense FFN has none of its own."""
         if any(k in self.hparams for k in ("num_experts", "num_local_experts", "moe_intermediate_size")):
             raise ConversionError(f"{self.dir_model / 'config.json'}: MoE fields (num_experts, moe_intermediate_size) "
                                   f"in a dense {', '.join(self.hf_architectures)} config; a Qwen3.5 MoE checkpoint "

@@ -40,7 +40,7 @@ class Qwen35MoeConverter(Qwen35Converter):
     hparam_defaults = QWEN35MOE_TEXT_DEFAULTS
     ffn_tensors = weights({**MOE_ROUTER, **SHARED_EXPERT})
 
-    def _check_ffn_config(self) -> None:
+    def _read_ffn_config(self) -> None:
         cfg = self.dir_model / "config.json"
         raw = {**self.raw_hparams, **(self.raw_hparams.get("text_config") or {})}
         if "num_experts" not in raw:
