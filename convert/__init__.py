@@ -32,6 +32,7 @@ from .quantize import QUANT_TYPES, quantize_gguf
 from . import qwen3  # noqa: F401  (Qwen3ForCausalLM)
 from . import qwen35  # noqa: F401  (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration)
 from . import qwen3moe  # noqa: F401  (Qwen3MoeForCausalLM)
+from . import qwen35moe  # noqa: F401  (Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration)
 from . import dflash  # noqa: F401  (DFlashDraftModel)
 
 __all__ = [
@@ -55,16 +56,19 @@ __all__ = [
 
 def convert_hf_to_gguf(model_dir: str | Path, outfile: str | Path | None = None, *, outtype: str = "auto",
                        vocab_only: bool = False, dry_run: bool = False, model_name: str | None = None,
-                       target_model_dir: str | Path | None = None, progress: bool = True) -> Path:
+                       target_model_dir: str | Path | None = None, fuse_gate_up_exps: bool = False,
+                       progress: bool = True) -> Path:
     """Convert the HF checkpoint folder `model_dir` to GGUF; returns the written path.
 
     `outtype`: f32 | f16 | bf16 | q8_0 | auto (bf16/f16 after the checkpoint's dtype). `outfile`
     may be a folder or contain `{ftype}`; None writes into `model_dir` with llama.cpp's default name.
     `target_model_dir` is required for DFlash drafts (the target's folder: tokenizer, hidden size,
-    layer count).
+    layer count). `fuse_gate_up_exps` writes a MoE layer's gate and up experts as one `ffn_gate_up_exps` tensor
+    (llama.cpp's `--fuse-gate-up-exps`; qwen35moe only, as in llama.cpp).
     Raises `pydflash.errors.ConversionError` for anything it cannot convert.
     """
     hparams = load_hparams(Path(model_dir))
     cls = converter_class(hf_architecture(hparams, Path(model_dir) / "config.json"))
-    conv = cls(model_dir, outtype=outtype, model_name=model_name, target_model_dir=target_model_dir, hparams=hparams)
+    conv = cls(model_dir, outtype=outtype, model_name=model_name, target_model_dir=target_model_dir, hparams=hparams,
+               fuse_gate_up_exps=fuse_gate_up_exps)
     return conv.write(outfile, vocab_only=vocab_only, dry_run=dry_run, progress=progress)

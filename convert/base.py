@@ -273,8 +273,12 @@ class ModelConverter:
     hparam_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, model_dir: str | Path, *, outtype: str = "auto", model_name: str | None = None,
-                 target_model_dir: str | Path | None = None, hparams: dict[str, Any] | None = None):
+                 target_model_dir: str | Path | None = None, hparams: dict[str, Any] | None = None,
+                 fuse_gate_up_exps: bool = False):
         self.dir_model = Path(model_dir)
+        # write a MoE layer's gate and up experts as one ffn_gate_up_exps (llama.cpp's --fuse-gate-up-exps; no
+        # effect on dense models)
+        self.fuse_gate_up_exps = fuse_gate_up_exps
         self.model_name = model_name
         self.target_model_dir = Path(target_model_dir) if target_model_dir is not None else None
         raw = load_hparams(self.dir_model) if hparams is None else hparams

@@ -1,7 +1,7 @@
 """`pydflash-convert HF_DIR --outfile OUT.gguf --outtype f32|f16|bf16|q8_0|auto [--target-model-dir TARGET]`
 
 The flags mirror llama.cpp's `convert_hf_to_gguf.py` (`--outfile`, `--outtype`, `--vocab-only`,
-`--dry-run`, `--model-name`, `--target-model-dir`, `--verbose`).
+`--dry-run`, `--model-name`, `--target-model-dir`, `--fuse-gate-up-exps`, `--verbose`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-model-dir", type=Path, default=None,
                    help="target model folder; required for DFlash drafts (DFlashDraftModel), which borrow the "
                         "target's tokenizer, embedding and LM head")
+    p.add_argument("--fuse-gate-up-exps", action="store_true",
+                   help="write each MoE layer's gate and up experts as one ffn_gate_up_exps tensor (qwen35moe)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verbose", action="store_true", help="log every tensor")
     p.add_argument("--print-supported-models", action="store_true", help="list the supported HF architectures")
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     def convert() -> Path | None:
         out = convert_hf_to_gguf(args.model, args.outfile, outtype=args.outtype, vocab_only=args.vocab_only,
                                  dry_run=args.dry_run, model_name=args.model_name,
-                                 target_model_dir=args.target_model_dir, progress=not args.no_progress)
+                                 target_model_dir=args.target_model_dir,
+                                 fuse_gate_up_exps=args.fuse_gate_up_exps, progress=not args.no_progress)
         return None if args.dry_run else out
 
     return run_command("pydflash-convert", convert, verbose=args.verbose)

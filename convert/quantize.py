@@ -11,9 +11,10 @@ TYPE:
   layers.
 
 Tensors whose row length is not a multiple of the type's block size fall back like llama.cpp
-(q4_k → q5_0, q5_k → q5_1, q6_k → q8_0, then f16). 1-D tensors, norms, routers and conv kernels are
-copied unchanged. All metadata is copied; `general.quantization_version` and `general.file_type`
-are (re)set at the end, as llama.cpp does.
+(q4_k → q5_0, q5_k → q5_1, q6_k → q8_0, then f16). 1-D tensors (trailing dimensions of 1 not counted, as in
+ggml), norms, MoE routers and conv kernels are copied unchanged; the experts (3-D) quantize like other matrices.
+All metadata is copied; `general.quantization_version` and `general.file_type` are (re)set at the end, as
+llama.cpp does.
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ def tensor_order(names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: (_layer_of(n), n.encode()))
 
 
+def ggml_n_dims(ne: tuple[int, ...]) -> int:
+    """ggml's `ggml_n_dims`: trailing dimensions of 1 do not count (a [E, 1] tensor such as qwen35moe's
+    `ffn_gate_inp_shexp` is 1-D to llama-quantize, so it stays as it is)."""
+    n = len(ne)
+    while n > 1 and ne[n - 1] == 1:
+        n -= 1
+    return max(n, 1)
+
+
 def allows_quantization(name: str, n_dims: int) -> bool:
     if n_dims < 2 or not name.endswith("weight"):
         return False
@@ -140,7 +150,7 @@ class TypePlanner:
 
     def target(self, name: str, ne: tuple[int, ...], cur: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
         """`ne` in ggml order (ne[0] = row length)."""
-        if not allows_quantization(name, len(ne)):
+        if not allows_quantization(name, ggml_n_dims(ne)):
             return cur
         t = self.qt.default
         if not self.qt.pure:

@@ -70,7 +70,6 @@ KEY_SSM_INNER_SIZE = "{arch}.ssm.inner_size"
 _COMMON = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "post_attention_norm.weight",
-    **weights(FFN),
 }
 _ATTENTION = weights(ATTENTION)
 _LINEAR = {
@@ -125,13 +124,13 @@ def neg_exp(a: np.ndarray) -> np.ndarray:
 class Qwen35Converter(ModelConverter):
     gguf_arch = "qwen35"
     hparam_defaults = QWEN35_TEXT_DEFAULTS
+    # the FFN's tensors (after "model.layers.N.", GGUF name after "blk.N."), in every block, MTP ones included
+    ffn_tensors = weights(FFN)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         hp, cfg = self.hparams, self.dir_model / "config.json"
-        if any(k in hp for k in ("num_experts", "num_local_experts", "moe_intermediate_size")):
-            raise ConversionError(f"{cfg}: Qwen3.5 MoE checkpoints (arch qwen35moe) are not supported; "
-                                  "pydflash converts the dense Qwen3.5 models")
+        self._read_ffn_config()
         self.n_layer = int(hp["num_hidden_layers"])
         self.n_k_heads = int(hp["linear_num_key_heads"])
         self.n_v_heads = int(hp["linear_num_value_heads"])
@@ -148,6 +147,16 @@ class Qwen35Converter(ModelConverter):
         self.n_mtp: int | None = None  # known once the tensors are indexed
 
     # -- hparams ------------------------------------------------------------------------------------
+
+    def _read_ffn_config(self) -> None:
+        """Check (and keep what the tensors need of) the FFN's config fields; a dense FFN has none of its own."""
+        if any(k in self.hparams for k in ("num_experts", "num_local_experts", "moe_intermediate_size")):
+            raise ConversionError(f"{self.dir_model / 'config.json'}: MoE fields (num_experts, moe_intermediate_size) "
+                                  f"in a dense {', '.join(self.hf_architectures)} config; a Qwen3.5 MoE checkpoint "
+                                  "names Qwen3_5MoeForCausalLM (arch qwen35moe)")
+
+    def _add_ffn_parameters(self) -> None:
+        """Keys of the FFN beyond the generic decoder ones, written right after them (none for the dense FFN)."""
 
     def _layer_types(self) -> list[str]:
         cfg = self.dir_model / "config.json"
@@ -206,6 +215,7 @@ class Qwen35Converter(ModelConverter):
     def set_gguf_parameters(self) -> None:
         n_mtp = self._count_mtp()
         super().set_gguf_parameters()
+        self._add_ffn_parameters()
         w, arch, hp = self.writer, self.gguf_arch, self.hparams
         if n_mtp:
             w.add_uint32(KEY_NEXTN_PREDICT_LAYERS.format(arch=arch), n_mtp)
@@ -257,12 +267,12 @@ class Qwen35Converter(ModelConverter):
             bid, sub = int(m[1]), m[2]
             if bid < self.n_layer:
                 kind = self.layer_types[bid]
-                table = {**_COMMON, **(_LINEAR if kind == "linear_attention" else _ATTENTION)}
+                table = {**_COMMON, **self.ffn_tensors, **(_LINEAR if kind == "linear_attention" else _ATTENTION)}
                 if sub not in table and sub in (_ATTENTION if kind == "linear_attention" else _LINEAR):
                     raise ConversionError(f"{self.dir_model}: tensor {name!r} does not belong in layer {bid}, which "
                                           f"layer_types declares {kind!r}")
             elif bid < self.block_count:
-                table = {**_COMMON, **_ATTENTION, **_NEXTN}
+                table = {**_COMMON, **self.ffn_tensors, **_ATTENTION, **_NEXTN}
             else:
                 table = {}
             if sub in table:
@@ -296,13 +306,6 @@ class Qwen35Converter(ModelConverter):
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             data = data.map(lambda a: a + a.dtype.type(1))
         return [(self.map_tensor_name(name), data)]
-
-
-@register("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
-class Qwen35MoeConverter(ModelConverter):
-    gguf_arch = "qwen35moe"
-    unsupported = ("Qwen3.5 MoE checkpoints (arch qwen35moe) are not supported; pydflash converts the dense "
-                   "Qwen3.5 models (Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration)")
 
 
 def _canonical(name: str) -> str:

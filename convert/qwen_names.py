@@ -1,5 +1,5 @@
 """Hugging Face tensor names of the Qwen blocks and their GGUF names (after "layers.N." and after "blk.N.", without
-the ".weight" / ".bias" ending), shared by the qwen3, qwen35 and DFlash converters."""
+the ".weight" / ".bias" ending), shared by the qwen3, qwen35, MoE and DFlash converters."""
 
 from __future__ import annotations
 
@@ -19,6 +19,15 @@ FFN = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+}
+# a MoE FFN's router, and the shared expert with its sigmoid gate (qwen35moe); the routed experts are stacked
+# (convert/moe_experts.py)
+MOE_ROUTER = {"mlp.gate": "ffn_gate_inp"}
+SHARED_EXPERT = {
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # a Qwen3 layer (also the DFlash drafter's): a norm before the attention, one before the FFN
 QWEN3_LAYER = {"input_layernorm": "attn_norm", **ATTENTION, "post_attention_layernorm": "ffn_norm", **FFN}

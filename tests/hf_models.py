@@ -793,3 +793,63 @@ def make_qwen3moe_checkpoint(
 def make_qwen3moe_shape(path: str | Path, shape: str, **overrides) -> Path:
     """`make_qwen3moe_checkpoint` with one of the named `QWEN3MOE_SHAPES`."""
     return make_qwen3moe_checkpoint(path, **{**QWEN3MOE_SHAPES[shape], **overrides})
+
+
+# --------------------------------------------------------------------------------------------------
+# made checkpoints, cached and edited (the converters' tests)
+
+
+def checkpoint_cache(make_shape, tmp_path_factory):
+    """`make(shape, **overrides) -> Path` over a `make_*_shape` function, each checkpoint written once, into a fresh
+    temporary folder (for a module- or session-scoped fixture)."""
+    made: dict = {}
+
+    def make(shape: str, **overrides) -> Path:
+        key = (shape, json.dumps(overrides, sort_keys=True))
+        if key not in made:
+            made[key] = make_shape(tmp_path_factory.mktemp(shape) / "hf", shape, **overrides)
+        return made[key]
+
+    return make
+
+
+def copy_checkpoint(model: Path, dst: Path) -> Path:
+    """A copy of the checkpoint folder `model` to edit."""
+    import shutil
+
+    return Path(shutil.copytree(model, dst))
+
+
+def edit_config(model: Path, fn) -> None:
+    """Rewrite `model`/config.json with `fn(config dict)` applied."""
+    cfg = json.loads((model / "config.json").read_text())
+    fn(cfg)
+    (model / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def hf_tensors(model: Path) -> dict:
+    """Every tensor of the checkpoint's safetensors files, by name (numpy)."""
+    from safetensors.numpy import load_file
+
+    out: dict = {}
+    for f in sorted(model.glob("model*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def drop_tensor(model: Path, name: str) -> None:
+    """Remove tensor `name` from the checkpoint (its shard and, if there is one, the index)."""
+    from safetensors.numpy import load_file, save_file
+
+    for f in sorted(model.glob("model*.safetensors")):
+        state = load_file(str(f))
+        if name in state:
+            del state[name]
+            save_file(state, str(f), metadata={"format": "pt"})
+            index = model / "model.safetensors.index.json"
+            if index.is_file():
+                idx = json.loads(index.read_text())
+                del idx["weight_map"][name]
+                index.write_text(json.dumps(idx, indent=2))
+            return
+    raise KeyError(f"{model}: no tensor {name!r}")

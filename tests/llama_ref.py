@@ -77,6 +77,13 @@ def llama_convert(llama_cpp_dir: Path, model_dir: Path, outfile: Path, *args: st
     return outfile
 
 
+def llama_convert_qwen35(llama_cpp_dir: Path, model_dir: Path, outfile: Path, *args: str) -> Path:
+    """`llama_convert` for a Qwen3.5 / Qwen3.5-MoE checkpoint: with `--no-mtp` when it holds no MTP weights (without
+    it, that converter asserts on `mtp_num_hidden_layers`; see tests/test_convert_qwen35.py)."""
+    has_mtp = (model_dir / "model-mtp.safetensors").is_file()
+    return llama_convert(llama_cpp_dir, model_dir, outfile, *args, *([] if has_mtp else ["--no-mtp"]))
+
+
 def read_gguf(path: Path):
     """(kv, tensors): kv = {key: ([value type names], value)} in file order; tensors = [(name, ggml shape,
     type name, data)] in file order."""

@@ -23,36 +23,17 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from llama_ref import assert_same_gguf, llama_convert, read_gguf
+from hf_models import copy_checkpoint, edit_config, hf_tensors
+from llama_ref import assert_same_gguf, llama_convert, llama_convert_qwen35, read_gguf
 from pydflash.convert import convert_hf_to_gguf
 from pydflash.convert.cli import main as convert_main
 from pydflash.errors import ConversionError
 
 ULP = ("ssm_a",)
-
-
-def _has_mtp(model: Path) -> bool:
-    return (model / "model-mtp.safetensors").is_file()
-
-
-def _ref(llama_cpp_dir: Path, model: Path, out: Path, *args: str) -> Path:
-    return llama_convert(llama_cpp_dir, model, out, *args, *([] if _has_mtp(model) else ["--no-mtp"]))
-
-
-def _copy(model: Path, dst: Path) -> Path:
-    return Path(shutil.copytree(model, dst))
-
-
-def _edit_config(model: Path, fn) -> None:
-    cfg = json.loads((model / "config.json").read_text())
-    fn(cfg)
-    (model / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 # (shape, checkpoint overrides, --outtype). K:V linear heads 2:4, 2:2, 1:3, 8:32; partial rotary 0.25 / 0.5;
@@ -73,7 +54,7 @@ def test_matches_llama_cpp_converter(qwen35_checkpoint, llama_cpp_dir, tmp_path,
     model = qwen35_checkpoint(shape, **overrides)
     if overrides.get("max_shard_size"):
         assert len(list(model.glob("model-*.safetensors"))) > 1
-    ref = _ref(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", outtype)
+    ref = llama_convert_qwen35(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", outtype)
     ours = convert_hf_to_gguf(model, tmp_path / "ours.gguf", outtype=outtype, progress=False)
     assert_same_gguf(ours, ref, ulp_tolerant=ULP)
 
@@ -81,7 +62,7 @@ def test_matches_llama_cpp_converter(qwen35_checkpoint, llama_cpp_dir, tmp_path,
 def test_vocab_only_matches_llama_cpp(qwen35_checkpoint, llama_cpp_dir, tmp_path):
     """--vocab-only of a checkpoint with MTP: block_count still counts the MTP blocks."""
     model = qwen35_checkpoint("k1v3_tied_mtp")
-    ref = _ref(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", "f16", "--vocab-only")
+    ref = llama_convert_qwen35(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", "f16", "--vocab-only")
     ours = convert_hf_to_gguf(model, tmp_path / "ours.gguf", outtype="f16", vocab_only=True, progress=False)
     assert_same_gguf(ours, ref)
     kv, tensors = read_gguf(ours)
@@ -94,8 +75,8 @@ def test_mtp_in_config_but_not_in_checkpoint(qwen35_checkpoint, llama_cpp_dir, t
     """transformers' save_pretrained drops `mtp.*` but keeps `mtp_num_hidden_layers`. llama.cpp would
     then declare MTP blocks it has no tensors for (a file its loader rejects); pydflash follows the
     weights, says so, and writes what `--no-mtp` writes."""
-    model = _copy(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(mtp_num_hidden_layers=1))
+    model = copy_checkpoint(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
+    edit_config(model, lambda c: c.update(mtp_num_hidden_layers=1))
     ref = llama_convert(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", "f16", "--no-mtp")
     with caplog.at_level(logging.WARNING, logger="pydflash.convert"):
         ours = convert_hf_to_gguf(model, tmp_path / "ours.gguf", outtype="f16", progress=False)
@@ -110,9 +91,9 @@ def test_interval_from_config(qwen35_checkpoint, llama_cpp_dir, tmp_path):
     carries the config's value where llama.cpp writes its default 4 (see the module docstring)."""
     model = qwen35_checkpoint("k2v2_prf05_nomrope", layer_types=None, full_attention_interval=2)
     assert "layer_types" in json.loads((model / "config.json").read_text())  # save_pretrained writes them...
-    model = _copy(model, tmp_path / "m")
-    _edit_config(model, lambda c: c.pop("layer_types"))  # ...the Hub configs of some fine-tunes do not
-    ref = _ref(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", "f32")
+    model = copy_checkpoint(model, tmp_path / "m")
+    edit_config(model, lambda c: c.pop("layer_types"))  # ...the Hub configs of some fine-tunes do not
+    ref = llama_convert_qwen35(llama_cpp_dir, model, tmp_path / "ref.gguf", "--outtype", "f32")
     ours = convert_hf_to_gguf(model, tmp_path / "ours.gguf", outtype="f32", progress=False)
     assert_same_gguf(ours, ref, ulp_tolerant=ULP, ignore_keys=("qwen35.full_attention_interval",))
     kv_ours, kv_ref = read_gguf(ours)[0], read_gguf(ref)[0]
@@ -123,15 +104,6 @@ def test_interval_from_config(qwen35_checkpoint, llama_cpp_dir, tmp_path):
 
 # --------------------------------------------------------------------------------------------------
 # the contract (gguf-formats.md §3), without llama.cpp
-
-
-def _hf_tensors(model: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    out: dict[str, np.ndarray] = {}
-    for f in sorted(model.glob("model*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def _tiled(a: np.ndarray, n_k: int, r: int, head_dim: int) -> np.ndarray:
@@ -145,7 +117,7 @@ def _tiled(a: np.ndarray, n_k: int, r: int, head_dim: int) -> np.ndarray:
 def test_qwen35_contract(qwen35_checkpoint, tmp_path, shape):
     model = qwen35_checkpoint(shape)
     cfg = json.loads((model / "config.json").read_text())
-    hf = _hf_tensors(model)
+    hf = hf_tensors(model)
     kv, tensors = read_gguf(convert_hf_to_gguf(model, tmp_path / "m.gguf", outtype="f32", progress=False))
     g = {name: (shape_, dtype, data) for name, shape_, dtype, data in tensors}
 
@@ -253,8 +225,8 @@ def test_cli_logs_mtp(qwen35_checkpoint, tmp_path, caplog):
 
 
 def test_unknown_layer_type(qwen35_checkpoint, tmp_path):
-    model = _copy(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(layer_types=["linear_attention", "sliding_attention",
+    model = copy_checkpoint(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
+    edit_config(model, lambda c: c.update(layer_types=["linear_attention", "sliding_attention",
                                                         "linear_attention", "full_attention"]))
     with pytest.raises(ConversionError, match=r"unknown layer type\(s\) \['sliding_attention'\]"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
@@ -262,36 +234,36 @@ def test_unknown_layer_type(qwen35_checkpoint, tmp_path):
 
 
 def test_layer_types_length(qwen35_checkpoint, tmp_path):
-    model = _copy(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(layer_types=["linear_attention", "full_attention"]))
+    model = copy_checkpoint(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
+    edit_config(model, lambda c: c.update(layer_types=["linear_attention", "full_attention"]))
     with pytest.raises(ConversionError, match=r"layer_types has 2 entries, expected num_hidden_layers \(4\)"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
 
 
 def test_layer_type_disagrees_with_tensors(qwen35_checkpoint, tmp_path):
-    model = _copy(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(layer_types=["full_attention"] + c["layer_types"][1:]))
+    model = copy_checkpoint(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
+    edit_config(model, lambda c: c.update(layer_types=["full_attention"] + c["layer_types"][1:]))
     with pytest.raises(ConversionError, match=r"does not belong in layer 0, which layer_types declares 'full_attent"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
 
 
 def test_unequal_linear_head_dims(qwen35_checkpoint, tmp_path):
-    model = _copy(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(linear_value_head_dim=32))
+    model = copy_checkpoint(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
+    edit_config(model, lambda c: c.update(linear_value_head_dim=32))
     with pytest.raises(ConversionError, match=r"linear_key_head_dim \(16\) != linear_value_head_dim \(32\)"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
 
 
 def test_value_heads_not_a_multiple(qwen35_checkpoint, tmp_path):
-    model = _copy(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(linear_num_key_heads=3))
+    model = copy_checkpoint(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
+    edit_config(model, lambda c: c.update(linear_num_key_heads=3))
     with pytest.raises(ConversionError, match=r"linear_num_value_heads \(4\) must be a multiple of linear_num_key_h"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
 
 
 def test_moe_rejected(qwen35_checkpoint, tmp_path):
-    model = _copy(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(architectures=["Qwen3_5MoeForCausalLM"]))
+    model = copy_checkpoint(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
+    edit_config(model, lambda c: c.update(architectures=["Qwen3_5MoeForCausalLM"]))
     with pytest.raises(ConversionError, match=r"Qwen3.5 MoE checkpoints \(arch qwen35moe\) are not supported"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
 
@@ -300,7 +272,7 @@ def test_unmappable_mtp_tensor(qwen35_checkpoint, tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    model = _copy(qwen35_checkpoint("k1v3_tied_mtp"), tmp_path / "m")
+    model = copy_checkpoint(qwen35_checkpoint("k1v3_tied_mtp"), tmp_path / "m")
     index = json.loads((model / "model.safetensors.index.json").read_text())
     save_file({"mtp.extra_proj.weight": torch.zeros(4, 4)}, str(model / "model-zz.safetensors"))
     index["weight_map"]["mtp.extra_proj.weight"] = "model-zz.safetensors"

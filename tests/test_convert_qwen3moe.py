@@ -7,8 +7,6 @@ Reference runs: the pinned llama.cpp `convert_hf_to_gguf.py` (tests/llama_ref.py
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import make_qwen3moe_shape  # noqa: E402
+from hf_models import checkpoint_cache, copy_checkpoint, edit_config, make_qwen3moe_shape  # noqa: E402
 from llama_ref import assert_same_gguf, llama_convert, read_gguf  # noqa: E402
 
 from pydflash.convert import convert_hf_to_gguf  # noqa: E402
@@ -28,25 +26,7 @@ from pydflash.errors import ConversionError  # noqa: E402
 def qwen3moe_checkpoint(tmp_path_factory):
     """Factory for tiny random Qwen3 MoE checkpoints, cached for the module: `qwen3moe_checkpoint("x8k4",
     experts="fused")` -> Path (shapes: hf_models.QWEN3MOE_SHAPES)."""
-    made: dict = {}
-
-    def make(shape: str, **overrides) -> Path:
-        key = (shape, tuple(sorted(overrides.items())))
-        if key not in made:
-            made[key] = make_qwen3moe_shape(tmp_path_factory.mktemp(shape) / "hf", shape, **overrides)
-        return made[key]
-
-    return make
-
-
-def _copy(model: Path, dst: Path) -> Path:
-    return Path(shutil.copytree(model, dst))
-
-
-def _edit_config(model: Path, fn) -> None:
-    cfg = json.loads((model / "config.json").read_text())
-    fn(cfg)
-    (model / "config.json").write_text(json.dumps(cfg, indent=2))
+    return checkpoint_cache(make_qwen3moe_shape, tmp_path_factory)
 
 
 # (shape, checkpoint overrides, --outtype): 4 / 5 / 7 / 8 experts, top-1 to top-4, tied and untied heads, experts per
@@ -129,24 +109,24 @@ def test_cli_lists_qwen3moe(capsys):
     (lambda c: c.update(num_experts_per_tok=5), r"num_experts_per_tok = 5, expected 1\.\.num_experts \(4\)"),
 ], ids=["no-renormalisation", "renormalisation-default", "dense-layers", "sparse-step", "top-k-above-experts"])
 def test_config_llama_cpp_cannot_run(qwen3moe_checkpoint, tmp_path, edit, match):
-    model = _copy(qwen3moe_checkpoint("x4k1"), tmp_path / "m")
-    _edit_config(model, edit)
+    model = copy_checkpoint(qwen3moe_checkpoint("x4k1"), tmp_path / "m")
+    edit_config(model, edit)
     with pytest.raises(ConversionError, match=match):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
     assert not (tmp_path / "x.gguf").exists()
 
 
 def test_expert_width_disagrees_with_config(qwen3moe_checkpoint, tmp_path):
-    model = _copy(qwen3moe_checkpoint("x4k1"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(moe_intermediate_size=48))
+    model = copy_checkpoint(qwen3moe_checkpoint("x4k1"), tmp_path / "m")
+    edit_config(model, lambda c: c.update(moe_intermediate_size=48))
     with pytest.raises(ConversionError, match=r"mlp\.experts\.\d+\.\w+_proj\.weight' has shape \[\d+, \d+\], "
                                               r"expected \[(48, 64|64, 48)\]"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
 
 
 def test_fused_experts_of_the_wrong_shape(qwen3moe_checkpoint, tmp_path):
-    model = _copy(qwen3moe_checkpoint("x4k1", experts="fused"), tmp_path / "m")
-    _edit_config(model, lambda c: c.update(num_local_experts=3, num_experts_per_tok=1))
+    model = copy_checkpoint(qwen3moe_checkpoint("x4k1", experts="fused"), tmp_path / "m")
+    edit_config(model, lambda c: c.update(num_local_experts=3, num_experts_per_tok=1))
     with pytest.raises(ConversionError, match=r"mlp\.experts\.(gate_up|down)_proj' has shape \[4, \d+, \d+\], "
                                               r"expected \[3, "):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
@@ -155,7 +135,7 @@ def test_fused_experts_of_the_wrong_shape(qwen3moe_checkpoint, tmp_path):
 def test_missing_expert(qwen3moe_checkpoint, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    model = _copy(qwen3moe_checkpoint("x4k1"), tmp_path / "m")
+    model = copy_checkpoint(qwen3moe_checkpoint("x4k1"), tmp_path / "m")
     state = load_file(str(model / "model.safetensors"))
     del state["model.layers.1.mlp.experts.2.up_proj.weight"]
     save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})

@@ -175,3 +175,69 @@ def test_matches_llama_quantize(request, tmp_path, qtype, source):
            [(t.name, list(t.shape), int(t.tensor_type)) for t in b.tensors]
     for ta, tb in zip(a.tensors, b.tensors):
         assert np.array_equal(ta.data.view(np.uint8), tb.data.view(np.uint8)), ta.name
+
+
+# --------------------------------------------------------------------------------------------------
+# MoE tensors (llama.cpp src/llama-quant.cpp: tensor_allows_quantization, llama_tensor_get_type_impl)
+
+
+def _moe_plan(qtype: str, n_layer: int, n_embd: int = 256, n_ff: int = 256, n_expert: int = 8) -> dict[str, T]:
+    ne = {"ffn_gate_inp.weight": (n_embd, n_expert), "ffn_gate_inp_shexp.weight": (n_embd, 1),
+          "ffn_gate_exps.weight": (n_embd, n_ff, n_expert), "ffn_up_exps.weight": (n_embd, n_ff, n_expert),
+          "ffn_gate_up_exps.weight": (n_embd, 2 * n_ff, n_expert), "ffn_down_exps.weight": (n_ff, n_embd, n_expert),
+          "ffn_gate_shexp.weight": (n_embd, n_ff), "ffn_up_shexp.weight": (n_embd, n_ff),
+          "ffn_down_shexp.weight": (n_ff, n_embd)}
+    names = tensor_order(["token_embd.weight", "output.weight"] + [f"blk.{i}.{t}" for i in range(n_layer) for t in ne])
+    planner = TypePlanner(QUANT_TYPES[qtype], names, n_layer=n_layer, n_expert=n_expert)
+    return {n: planner.target(n, ne[n.split(".", 2)[2]] if n.startswith("blk.") else (n_embd, 64), T.F16)
+            for n in names}
+
+
+def test_moe_tensors_pure():
+    """Experts (3-D, the merged gate/up too) and the shared expert quantize like any matrix; the router stays (by
+    name), and so does the shared expert's gate: [n_embd, 1] is 1-D to ggml_n_dims, so llama-quantize keeps it."""
+    types = _moe_plan("q4_0", n_layer=2)
+    for i in range(2):
+        assert types[f"blk.{i}.ffn_gate_inp.weight"] == T.F16
+        assert types[f"blk.{i}.ffn_gate_inp_shexp.weight"] == T.F16
+        for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps", "ffn_gate_shexp",
+                  "ffn_up_shexp", "ffn_down_shexp"):
+            assert types[f"blk.{i}.{t}.weight"] == T.Q4_0, t
+
+
+def test_moe_q4_k_m_ffn_down_by_layer_name():
+    """With experts, q4_k_m gives ffn_down (routed and shared) q6_k in the "use more bits" layers, the layer read from
+    the tensor's name (llama.cpp's layer_info)."""
+    types = _moe_plan("q4_k_m", n_layer=8)
+    more_bits = {0, 3, 6, 7}
+    for i in range(8):
+        want = T.Q6_K if i in more_bits else T.Q4_K
+        assert types[f"blk.{i}.ffn_down_exps.weight"] == want, i
+        assert types[f"blk.{i}.ffn_down_shexp.weight"] == want, i
+        assert types[f"blk.{i}.ffn_gate_up_exps.weight"] == T.Q4_K
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["split", "merged-gate-up"])
+def test_quantized_qwen35moe_file(tmp_path, fuse):
+    pytest.importorskip("pydflash._core")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_models import make_qwen35moe_shape
+
+    model = make_qwen35moe_shape(tmp_path / "hf", "x8k4")  # every row a multiple of 32: no fallbacks
+    src_path = convert_hf_to_gguf(model, tmp_path / "m-f16.gguf", outtype="f16", fuse_gate_up_exps=fuse,
+                                  progress=False)
+    out = quantize_gguf(src_path, tmp_path / "m-q8_0.gguf", "q8_0", progress=False)
+    src = {t.name: t for t in gguf.GGUFReader(src_path).tensors}
+    dst = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert sorted(dst) == sorted(src)
+    kept = [n for n in dst if n.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))]
+    experts = [n for n in dst if n.endswith(("_exps.weight", "_shexp.weight")) and "ffn_gate_inp" not in n]
+    assert len(kept) == 2 * 5 and len(experts) == 5 * (5 if fuse else 6)
+    for n in kept:
+        assert T(dst[n].tensor_type) == T.F32 and np.array_equal(dst[n].data, src[n].data), n
+    for n in experts:
+        assert T(dst[n].tensor_type) == T.Q8_0 and list(dst[n].shape) == list(src[n].shape), n
+        x = gguf.quants.dequantize(src[n].data, T(src[n].tensor_type)).reshape(-1)
+        y = gguf.quants.dequantize(dst[n].data, T.Q8_0).reshape(-1)
+        assert np.abs(y - x).max() <= _TOLERANCE[T.Q8_0] * np.abs(x).max(), n
