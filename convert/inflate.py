@@ -138,9 +138,9 @@ class _Source:
         return f.contents() if f is not None else None
 
     def recurrent_layers(self, n_layer: int) -> list[bool] | None:
-        """Which of `n_layer` layers are recurrent (qwen35; None for qwen3): the model's own interval rule, which
+        """Which of `n_layer` layers are recurrent (qwen35, qwen35moe; None for qwen3, qwen3moe): the model's own interval rule, which
         its recurrent_layers key (if any) must follow."""
-        if self.arch != "qwen35":
+        if self.arch not in ("qwen35", "qwen35moe"):
             return None
         interval = int(self.key("full_attention_interval") or 4)
         recurrent = [(il + 1) % interval != 0 for il in range(n_layer)]

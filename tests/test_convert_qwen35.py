@@ -261,10 +261,13 @@ def test_value_heads_not_a_multiple(qwen35_checkpoint, tmp_path):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
 
 
-def test_moe_rejected(qwen35_checkpoint, tmp_path):
+def test_dense_checkpoint_labelled_moe_is_refused(qwen35_checkpoint, tmp_path):
+    """A dense Qwen3.5 config under the MoE class has no expert count: refused, naming what is missing (llama.cpp's
+    converter would assume transformers' default of 256 experts and fail later on the tensors)."""
     model = copy_checkpoint(qwen35_checkpoint("k2v4_hd32"), tmp_path / "m")
     edit_config(model, lambda c: c.update(architectures=["Qwen3_5MoeForCausalLM"]))
-    with pytest.raises(ConversionError, match=r"Qwen3.5 MoE checkpoints \(arch qwen35moe\) are not supported"):
+    with pytest.raises(ConversionError, match=r"no num_experts: Qwen3.5 MoE checkpoints \(arch qwen35moe\) are not "
+                                              r"supported without their expert count"):
         convert_hf_to_gguf(model, tmp_path / "x.gguf", progress=False)
 
 

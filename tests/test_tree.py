@@ -1,7 +1,8 @@
 """DDTree tree verification (../shared/reference/dflash-algorithm.md §5): one batched target evaluation of a
 tree of drafts, in which every node sees only its ancestors (on Qwen3.5 also through the conv window and the
-gated-delta-net state, which follow parent links), and the commit of any accepted path: KV rows compacted to
-consecutive slots and the recurrent state of the path's last node, with no replay.
+gated-delta-net state, which follow parent links; on Qwen3.5 MoE every node is also routed to its own experts),
+and the commit of any accepted path: KV rows compacted to consecutive slots and the recurrent state of the path's
+last node, with no replay.
 
 References: transformers run on each node's own path (logits, KV cache, recurrent and conv state), a fresh
 session fed only the accepted tokens (hundreds of random rounds, no drift), and the DDTree construction
@@ -18,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import make_qwen3_shape, make_qwen35_shape  # noqa: E402
+from hf_models import make_qwen3_shape, make_qwen35_shape, make_qwen35moe_shape  # noqa: E402
 
 from pydflash import _core  # noqa: E402
 from pydflash.convert import convert_hf_to_gguf  # noqa: E402
@@ -30,14 +31,15 @@ TARGETS = {
     "qwen3": ("qwen3", "gqa4x2_hd64"),
     "qwen35": ("qwen35", "k2v4_hd32"),
     "qwen35_gdn_last": ("qwen35", "k8v32_hd8"),  # 5 layers: the last one is a gated delta net
+    "qwen35moe": ("qwen35moe", "x8k4"),  # the hybrid with a routed FFN: every node routed on its own
 }
+MAKERS = {"qwen3": make_qwen3_shape, "qwen35": make_qwen35_shape, "qwen35moe": make_qwen35moe_shape}
 
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
 def target(request, tmp_path_factory):
     arch, shape = TARGETS[request.param]
-    make = make_qwen3_shape if arch == "qwen3" else make_qwen35_shape
-    d = make(tmp_path_factory.mktemp(request.param) / "hf", shape, seed=11)
+    d = MAKERS[arch](tmp_path_factory.mktemp(request.param) / "hf", shape, seed=11)
     path = convert_hf_to_gguf(d, d.parent / "model-f32.gguf", outtype="f32", progress=False)
     ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return _core.Model(str(path)), ref

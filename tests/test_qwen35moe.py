@@ -1,0 +1,232 @@
+"""The Qwen3.5 MoE target (arch `qwen35moe`): HF `Qwen3_5MoeForCausalLM` / `…ForConditionalGeneration` -> our
+converter -> GGUF -> our engine, against transformers (4, 5, 7 and 8 experts, top-1 to top-4, a gated shared expert,
+experts stored per expert or fused, routers with clear margins); llama.cpp's converter output (split and merged
+gate/up experts) in our engine; per-layer expert counts; quantized; typed errors for bad files; speculative decoding
+over it (equal to plain). Tree verification and commit on it are in test_tree.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from gguf_edit import rewrite  # noqa: E402
+from hf_models import QWEN35MOE_SHAPES, make_dflash_checkpoint, make_qwen35moe_shape  # noqa: E402
+from llama_ref import llama_convert  # noqa: E402
+from near_ties import draw_is_fragile, first_difference  # noqa: E402
+from test_qwen3 import kl_divergence, ref_logits  # noqa: E402
+from test_qwen3moe import SAMPLING, generate  # noqa: E402
+
+import gguf  # noqa: E402
+import pydflash  # noqa: E402
+from pydflash import _core  # noqa: E402
+from pydflash.convert import convert_hf_to_gguf  # noqa: E402
+from pydflash.convert.quantize import quantize_gguf  # noqa: E402
+from pydflash.errors import GGUFFormatError  # noqa: E402
+
+PROMPT = [3, 17, 200, 45, 9, 311, 77, 5, 128, 64, 400, 12]
+LLAMA_CPP = Path(__file__).resolve().parents[1] / "vendor" / "ggml" / "llama.cpp-0c1e57098bba"
+
+
+def logits_of(path, tokens=PROMPT):
+    session = _core.Session(_core.Model(str(path)), n_ctx=128, type_k="f32", type_v="f32")
+    return session.eval(np.array(tokens, dtype=np.int32), all_logits=True)[0]
+
+
+def relative_error(ours, theirs):
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+@pytest.fixture(scope="module", params=sorted(QWEN35MOE_SHAPES))
+def checkpoint(request, tmp_path_factory):
+    """(HF folder, f32 GGUF path, transformers model) for one tiny random Qwen3.5 MoE shape."""
+    d = make_qwen35moe_shape(tmp_path_factory.mktemp(request.param) / "hf", request.param, seed=7)
+    gguf_path = convert_hf_to_gguf(d, d.parent / "model-f32.gguf", outtype="f32", progress=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    return d, gguf_path, ref
+
+
+def test_logits_match_transformers(checkpoint):
+    _, gguf_path, ref = checkpoint
+    assert _core.Model(str(gguf_path)).arch == "qwen35moe"
+    rel = relative_error(logits_of(gguf_path), ref_logits(ref, PROMPT))
+    print(f"max relative error vs transformers: {rel:.2e}")
+    assert rel <= 1e-4
+
+
+def test_greedy_continuation_matches_transformers(checkpoint):
+    _, gguf_path, ref = checkpoint
+    n_new = 64
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    theirs = out.sequences[0, len(PROMPT):].tolist()
+    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as m:
+        ours = m._session.generate(PROMPT, max_tokens=n_new, stop_tokens=[])["tokens"]
+    assert len(ours) == n_new
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            top2 = torch.topk(out.logits[step][0], 2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < 1e-2, f"diverged at step {step} ({a} vs {b}) with a top-1/top-2 gap of {gap}"
+            break
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["split-gate-up", "merged-gate-up"])
+def test_llama_cpp_converter_output_runs_in_ours(checkpoint, tmp_path, fuse):
+    """llama.cpp's converter (with and without --fuse-gate-up-exps: one ffn_gate_up_exps tensor) gives a file whose
+    logits in our engine are transformers'."""
+    hf_dir, _, ref = checkpoint
+    args = ["--outtype", "f32"] + (["--fuse-gate-up-exps"] if fuse else [])
+    if not (hf_dir / "model-mtp.safetensors").is_file():
+        args.append("--no-nextn")  # llama.cpp's converter asserts an MTP block unless told there is none
+    theirs = llama_convert(LLAMA_CPP, hf_dir, tmp_path / "llama.gguf", *args)
+    names = {t.name for t in gguf.GGUFReader(theirs).tensors}
+    assert ("blk.0.ffn_gate_up_exps.weight" in names) == fuse
+    assert relative_error(logits_of(theirs), ref_logits(ref, PROMPT)) <= 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# per-layer expert counts
+
+
+@pytest.fixture(scope="module")
+def x8k4(tmp_path_factory):
+    """(f32 GGUF, HF folder) of the 5-layer, 8-expert, top-4 shape."""
+    d = make_qwen35moe_shape(tmp_path_factory.mktemp("x8k4") / "hf", "x8k4", seed=3)
+    return convert_hf_to_gguf(d, d.parent / "m.gguf", outtype="f32", progress=False), d
+
+
+U32 = gguf.GGUFValueType.UINT32
+ARRAY = gguf.GGUFValueType.ARRAY
+
+
+def test_per_layer_expert_used_count_routes_each_layer_its_own_top_k(x8k4, tmp_path):
+    """`expert_used_count` as one value per layer (llama.cpp's key-or-array form): each layer takes its own top-k,
+    as transformers does with each layer's router set to that k."""
+    path, hf_dir = x8k4
+    per_layer = [4, 1, 8, 2, 3]
+    edited = rewrite(path, tmp_path / "per-layer.gguf",
+                     set_keys={"qwen35moe.expert_used_count": (per_layer, ARRAY, U32)})
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for layer, k in zip(ref.model.layers, per_layer):
+        layer.mlp.gate.top_k = k
+    theirs = ref_logits(ref, PROMPT)
+    assert relative_error(logits_of(edited), theirs) <= 1e-4
+    assert relative_error(logits_of(path), theirs) > 1e-2  # the layers' k do change the output
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(set_keys={"qwen35moe.expert_used_count": (0, U32)}),
+     r"key 'qwen35moe\.expert_used_count' = 0, expected a value in \[1, 8\]"),
+    (dict(set_keys={"qwen35moe.expert_used_count": (9, U32)}),
+     r"key 'qwen35moe\.expert_used_count' = 9, expected a value in \[1, 8\]"),
+    (dict(set_keys={"qwen35moe.expert_used_count": ([4, 4, 9, 4, 4], ARRAY, U32)}),
+     r"key 'qwen35moe\.expert_used_count'\[2\] \(layer 2\) = 9, expected a value in \[1, 8\]"),
+    (dict(set_keys={"qwen35moe.expert_used_count": ([4, 4, 4], ARRAY, U32)}),
+     r"key 'qwen35moe\.expert_used_count' is an array of 3 u32, expected one integer or an array of 5"),
+    (dict(set_keys={"qwen35moe.expert_feed_forward_length": ([32, 32, 32, 16, 32], ARRAY, U32)}),
+     r"tensor 'blk\.3\.ffn_gate_exps\.weight' has shape \{64, 32, 8\}, expected \{64, 16, 8\}"),
+    (dict(drop_tensors=("blk.2.ffn_gate_inp.weight",)), r"blk\.2\.ffn_gate_inp\.weight"),
+    (dict(drop_tensors=("blk.1.ffn_gate_inp_shexp.weight",)), r"blk\.1\.ffn_gate_inp_shexp\.weight"),
+    (dict(drop_tensors=("blk.0.ffn_up_exps.weight",)), r"blk\.0\.ffn_up_exps\.weight"),
+    (dict(reshape={"blk.4.ffn_down_exps.weight": (7, 64, 32)}),
+     r"tensor 'blk\.4\.ffn_down_exps\.weight' has shape \{32, 64, 7\}, expected \{32, 64, 8\}"),
+    (dict(reshape={"blk.0.ffn_up_shexp.weight": (16, 64)}),
+     r"tensor 'blk\.0\.ffn_up_shexp\.weight' has shape \{64, 16\}, expected \{64, 32\}"),
+    (dict(set_keys={"qwen35moe.expert_shared_feed_forward_length": (48, U32)}),
+     r"tensor 'blk\.0\.ffn_gate_shexp\.weight' has shape \{64, 32\}, expected \{64, 48\}"),
+], ids=["used-0", "used-above-count", "used-array-entry", "used-array-length", "width-array-disagrees",
+        "no-router", "no-shared-gate", "no-up-experts", "fewer-down-experts", "narrower-shared-expert",
+        "shared-width-disagrees"])
+def test_bad_file_names_the_key_or_tensor(x8k4, tmp_path, edit, match):
+    bad = rewrite(x8k4[0], tmp_path / "bad.gguf", **edit)
+    with pytest.raises(GGUFFormatError, match=match):
+        _core.Model(str(bad))
+    with pytest.raises(GGUFFormatError, match=match):
+        pydflash.plan(bad)
+
+
+def test_shared_expert_width_from_feed_forward_length(x8k4, tmp_path):
+    """Without expert_shared_feed_forward_length llama.cpp takes feed_forward_length."""
+    path, _ = x8k4
+    moved = rewrite(path, tmp_path / "m.gguf", drop_keys=("qwen35moe.expert_shared_feed_forward_length",),
+                    set_keys={"qwen35moe.feed_forward_length": (32, U32)})
+    assert np.array_equal(logits_of(moved), logits_of(path))
+
+
+# --------------------------------------------------------------------------------------------------
+# quantized
+
+
+def test_q8_0_weights_stay_close_to_f32(x8k4, tmp_path):
+    """Stated bound: mean KL(f32 weights || q8_0 weights) over a 64-token sequence, f32 KV on both sides, as
+    test_qwen35.py states it for the dense hybrid (the routers and the shared expert's gate stay f32)."""
+    path, _ = x8k4
+    seq = (PROMPT * 6)[:64]
+    qpath = quantize_gguf(path, tmp_path / "q8_0.gguf", "q8_0", progress=False)
+    kl = kl_divergence(logits_of(path, seq), logits_of(qpath, seq))
+    print(f"weights q8_0: mean KL vs f32 = {kl:.2e}")
+    assert kl <= 0.3
+
+
+def test_plan_counts_the_experts(x8k4):
+    path, _ = x8k4
+    plan = pydflash.plan(path, n_ctx=256)
+    with pydflash.Model(path, n_ctx=256) as m:
+        real = m.memory()
+    experts = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors if "_exps" in t.name or "_shexp" in t.name)
+    assert plan.bytes["weights"] == real["weights"]
+    assert plan.bytes["kv"] == real["kv"] and plan.bytes["recurrent"] == real["recurrent"]
+    assert real["weights"]["cpu"] >= experts > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# speculative decoding over the hybrid MoE target: a random DFlash drafter is rejected at almost every round, which
+# makes these runs a rollback test of the KV cache and the recurrent state with a routed FFN
+
+
+# target shape: the drafter's target_layer_ids
+PAIRS = {"x4k1": [0, 2], "x8k4": [1]}
+
+
+@pytest.fixture(scope="module", params=sorted(PAIRS))
+def pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair-" + request.param)
+    target_dir = make_qwen35moe_shape(root / "target", request.param, seed=5)
+    target = convert_hf_to_gguf(target_dir, root / "target.gguf", outtype="f32", progress=False)
+    draft_dir = make_dflash_checkpoint(root / "draft", target_dir, target_layer_ids=PAIRS[request.param], seed=1)
+    draft = convert_hf_to_gguf(draft_dir, root / "draft.gguf", outtype="f32", target_model_dir=target_dir,
+                               progress=False)
+    return target, draft
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 15), ("tree", 63), ("auto", None)])
+def test_speculative_output_equals_plain_greedy(pair, mode, budget):
+    target, draft = pair
+    for prompt in ([5, 9, 33, 100, 7], list(range(40, 90))):
+        plain = generate(target, prompt, 64)
+        spec = generate(target, prompt, 64, draft=draft, spec_mode=mode, tree_budget=budget)
+        assert spec.tokens == plain.tokens
+        assert spec.finish_reason == plain.finish_reason
+        if mode != "auto":
+            assert spec.timings["n_rounds"] > 0 and spec.timings["n_target_evals"] == spec.timings["n_rounds"]
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 20), ("auto", None)])
+def test_speculative_sampling_equals_plain_sampling(pair, mode, budget):
+    """Same seed, same tokens: or else they part at a draw that logit noise of near_ties.TIE could change."""
+    target, draft = pair
+    prompt = [5, 9, 33, 100, 7]
+    with pydflash.Model(target, n_ctx=512, draft_model_path=draft, spec_mode=mode, tree_budget=budget) as m:
+        for seed in (1, 77):
+            plain = m.generate(prompt, max_tokens=48, seed=seed, speculative=False, **SAMPLING).tokens
+            spec = m.generate(prompt, max_tokens=48, seed=seed, **SAMPLING).tokens
+            if spec != plain:
+                k = first_difference(spec + [-1], plain + [-2])
+                assert k < min(len(spec), len(plain)) and draw_is_fragile(m, prompt, plain, k, {**SAMPLING,
+                                                                                                 "seed": seed}), k
