@@ -169,9 +169,11 @@ def test_moe_logits_with_experts_on_either_side(moe_pairs, arch, n_cpu_moe):
     the CPU for those mul_mat_ids and back): the all-CPU logits; the experts' buffers where asked, as planned."""
     target, _ = moe_pairs[arch]
     tokens = np.array([3, 17, 200, 45, 9, 311, 77, 5, 128, 64, 400, 12] * 3, dtype=np.int32)
-    cpu, _ = _core.Session(_core.Model(str(target)), n_ctx=256).eval(tokens)
+    # f32 K/V: the device's flash attention rounds an f16 cache differently from the CPU's path, which the routers
+    # then amplify (measured 3.7e-3 relative with f16 on an RPC device)
+    cpu, _ = _core.Session(_core.Model(str(target)), n_ctx=256, type_k="f32", type_v="f32").eval(tokens)
     model = _core.Model(str(target), n_gpu_layers=-1, n_cpu_moe=n_cpu_moe)
-    dev, _ = _core.Session(model, n_ctx=256).eval(tokens)
+    dev, _ = _core.Session(model, n_ctx=256, type_k="f32", type_v="f32").eval(tokens)
     assert np.abs(cpu - dev).max() <= 2e-3 * np.abs(cpu).max()
     kept = model.n_layer if n_cpu_moe < 0 else n_cpu_moe
     for name, device, _ in model.placement:
