@@ -190,6 +190,21 @@ def write_random_qwen35(path: Path, shape: str, weight_type: str, vocab_gguf: Pa
     return path
 
 
+def _qwen3_keys(writer: gguf.GGUFWriter, name: str, s: dict, n_ff: int) -> None:
+    """The keys a Qwen3-layered model of shape `s` has (qwen3, qwen3moe)."""
+    writer.add_name(name)
+    writer.add_block_count(s["n_layers"])
+    writer.add_context_length(40960)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(s["n_heads"])
+    writer.add_head_count_kv(s["n_kv_heads"])
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+
+
 def write_random_qwen3(path: Path, shape: str, weight_type: str, vocab_gguf: Path, seed: int = 0,
                        n_vocab: int | None = None) -> Path:
     """Write a random Qwen3 GGUF of `shape` with 2-D weights in `weight_type` (f32, f16, q8_0, q4_0, ...)."""
@@ -197,17 +212,7 @@ def write_random_qwen3(path: Path, shape: str, weight_type: str, vocab_gguf: Pat
     writer = gguf.GGUFWriter(path, "qwen3")
     n_vocab = _copy_tokenizer(writer, vocab_gguf, n_vocab)
     E, hd = s["hidden"], s["head_dim"]
-    writer.add_name(f"random-qwen3-{shape}")
-    writer.add_block_count(s["n_layers"])
-    writer.add_context_length(40960)
-    writer.add_embedding_length(E)
-    writer.add_feed_forward_length(s["n_ff"])
-    writer.add_head_count(s["n_heads"])
-    writer.add_head_count_kv(s["n_kv_heads"])
-    writer.add_key_length(hd)
-    writer.add_value_length(hd)
-    writer.add_rope_freq_base(1_000_000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
+    _qwen3_keys(writer, f"random-qwen3-{shape}", s, s["n_ff"])
     t = _RandomWriter(writer, weight_type, seed)
     t.matrix("token_embd.weight", n_vocab, E)  # tied head, as in Qwen3-0.6B
     t.vector("output_norm.weight", E)
@@ -224,20 +229,10 @@ def write_random_qwen3moe(path: Path, shape: str, weight_type: str, vocab_gguf: 
     writer = gguf.GGUFWriter(path, "qwen3moe")
     n_vocab = _copy_tokenizer(writer, vocab_gguf, n_vocab)
     E, hd = s["hidden"], s["head_dim"]
-    writer.add_name(f"random-qwen3moe-{shape}")
-    writer.add_block_count(s["n_layers"])
-    writer.add_context_length(40960)
-    writer.add_embedding_length(E)
-    writer.add_feed_forward_length(s["expert_ff"] * s["top_k"])
+    _qwen3_keys(writer, f"random-qwen3moe-{shape}", s, s["expert_ff"] * s["top_k"])
     writer.add_expert_feed_forward_length(s["expert_ff"])
     writer.add_expert_count(s["n_experts"])
     writer.add_expert_used_count(s["top_k"])
-    writer.add_head_count(s["n_heads"])
-    writer.add_head_count_kv(s["n_kv_heads"])
-    writer.add_key_length(hd)
-    writer.add_value_length(hd)
-    writer.add_rope_freq_base(1_000_000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
     t = _RandomWriter(writer, weight_type, seed)
     t.matrix("token_embd.weight", n_vocab, E)
     t.vector("output_norm.weight", E)

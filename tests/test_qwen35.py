@@ -85,19 +85,10 @@ def test_last_token_only_prefill_matches_transformers(checkpoint):
 
 
 def test_greedy_continuation_matches_transformers(checkpoint):
+    from test_qwen3 import assert_greedy_matches_transformers
+
     _, gguf_path, ref = checkpoint
-    n_new = 64
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
-                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    theirs = out.sequences[0, len(PROMPT):].tolist()
-    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as m:
-        ours = m._session.generate(PROMPT, max_tokens=n_new, stop_tokens=[])["tokens"]
-    for step, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            top2 = torch.topk(out.logits[step][0], 2).values
-            assert float(top2[0] - top2[1]) < 1e-2, f"diverged at step {step} without a tie"
-            break
+    assert_greedy_matches_transformers(gguf_path, ref, PROMPT)
 
 
 def test_batched_eval_equals_single_steps(checkpoint):

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from gguf_edit import rewrite  # noqa: E402
 from hf_models import QWEN3MOE_SHAPES, make_dflash_checkpoint, make_qwen3moe_shape  # noqa: E402
 from near_ties import draw_is_fragile, first_difference  # noqa: E402
-from test_qwen3 import kl_divergence, ref_logits  # noqa: E402
+from test_qwen3 import assert_greedy_matches_transformers, kl_divergence, ref_logits  # noqa: E402
 
 import gguf  # noqa: E402
 import pydflash  # noqa: E402
@@ -48,20 +48,7 @@ def test_logits_match_transformers(checkpoint):
 
 def test_greedy_continuation_matches_transformers(checkpoint):
     _, gguf_path, ref = checkpoint
-    n_new = 64
-    with torch.no_grad():
-        out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
-                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    theirs = out.sequences[0, len(PROMPT):].tolist()
-    with pydflash.Model(gguf_path, n_ctx=256, kv_type="f32") as m:
-        ours = m._session.generate(PROMPT, max_tokens=n_new, stop_tokens=[])["tokens"]
-    assert len(ours) == n_new
-    for step, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            top2 = torch.topk(out.logits[step][0], 2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < 1e-2, f"diverged at step {step} ({a} vs {b}) with a top-1/top-2 gap of {gap}"
-            break
+    assert_greedy_matches_transformers(gguf_path, ref, PROMPT)
 
 
 def test_tree_batch_matches_transformers(checkpoint):

@@ -1,4 +1,5 @@
 #include "models/blocks.h"
+#include "core/error.h"
 
 #include <algorithm>
 
@@ -13,6 +14,13 @@ ggml_tensor * build_swiglu_ffn(ggml_context * ctx, ggml_tensor * x, ggml_tensor 
     ggml_tensor * g = ggml_mul_mat(ctx, gate, x);  // [n_ff, n]
     ggml_tensor * u = ggml_mul_mat(ctx, up, x);    // [n_ff, n]
     return ggml_mul_mat(ctx, down, ggml_swiglu_split(ctx, g, u));
+}
+
+swiglu_weights declare_swiglu(weights & w, int64_t n_embd, int64_t n_ff, int il) {
+    auto name = [il](const char * s) { return format("blk.%d.%s", il, s); };
+    return {w.require(name("ffn_gate.weight"), {n_embd, n_ff}, il, WEIGHT_USE_MATMUL),
+            w.require(name("ffn_up.weight"), {n_embd, n_ff}, il, WEIGHT_USE_MATMUL),
+            w.require(name("ffn_down.weight"), {n_ff, n_embd}, il, WEIGHT_USE_MATMUL)};
 }
 
 ggml_tensor * build_mixer_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, float eps,

@@ -16,6 +16,14 @@ ggml_tensor * build_rms_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * 
 ggml_tensor * build_swiglu_ffn(ggml_context * ctx, ggml_tensor * x, ggml_tensor * gate, ggml_tensor * up,
                                ggml_tensor * down);
 
+// a dense SwiGLU FFN's weights, blk.il.ffn_{gate,up,down}.weight (the dense targets' FFN)
+struct swiglu_weights {
+    ggml_tensor * gate;  // [n_embd, n_ff]
+    ggml_tensor * up;    // [n_embd, n_ff]
+    ggml_tensor * down;  // [n_ff, n_embd]
+};
+swiglu_weights declare_swiglu(weights & w, int64_t n_embd, int64_t n_ff, int il);
+
 // the first half of a pre-norm layer il: x [n_embd, n] -> x + mixer(rms_norm(x) * norm), named `name`-il. The mixer
 // (attention, a recurrent block) maps the normed x to [n_embd, n], or with last_token_only to [n_embd, 1]: only
 // x's last token then takes it

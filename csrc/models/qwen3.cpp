@@ -104,27 +104,15 @@ class qwen3_model : public qwen3_layers {
     }
 
   private:
-    struct swiglu {
-        ggml_tensor * gate;  // [E, n_ff]
-        ggml_tensor * up;    // [E, n_ff]
-        ggml_tensor * down;  // [n_ff, E]
-    };
-
-    void declare_ffn(weights & w, int il) override {
-        const int64_t E    = n_embd();
-        auto          name = [il](const char * s) { return format("blk.%d.%s", il, s); };
-        ffn_[il].gate = w.require(name("ffn_gate.weight"), {E, n_ff_}, il, WEIGHT_USE_MATMUL);
-        ffn_[il].up   = w.require(name("ffn_up.weight"), {E, n_ff_}, il, WEIGHT_USE_MATMUL);
-        ffn_[il].down = w.require(name("ffn_down.weight"), {n_ff_, E}, il, WEIGHT_USE_MATMUL);
-    }
+    void declare_ffn(weights & w, int il) override { ffn_[il] = declare_swiglu(w, n_embd(), n_ff_, il); }
 
     // cur: [E, n] -> [E, n]
     ggml_tensor * build_ffn(ggml_context * ctx, ggml_cgraph *, int il, ggml_tensor * cur) const override {
         return build_swiglu_ffn(ctx, cur, ffn_[il].gate, ffn_[il].up, ffn_[il].down);
     }
 
-    int64_t             n_ff_ = 0;
-    std::vector<swiglu> ffn_;
+    int64_t                     n_ff_ = 0;
+    std::vector<swiglu_weights> ffn_;
 };
 
 std::unique_ptr<target_model> open_qwen3(std::unique_ptr<gguf_file> file) {
