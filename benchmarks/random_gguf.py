@@ -85,9 +85,8 @@ class _RandomWriter:
             q = np.asarray(_core.quantize(w.reshape(-1, n_in), int(qtype)))
             self.writer.add_tensor(name, q.reshape(*shape[:-1], -1), raw_dtype=qtype)
 
-    def qwen3_layer(self, il: int, E: int, hd: int, n_heads: int, n_kv: int, n_ff: int) -> None:
-        """One Qwen3 decoder layer (the target's and the DFlash draft's layers alike)."""
-        p = f"blk.{il}."
+    def qwen3_attention(self, p: str, E: int, hd: int, n_heads: int, n_kv: int) -> None:
+        """A Qwen3 layer's attention half and the norm before its FFN (tensor names after prefix `p`)."""
         self.vector(p + "attn_norm.weight", E)
         self.matrix(p + "attn_q.weight", hd * n_heads, E)
         self.matrix(p + "attn_k.weight", hd * n_kv, E)
@@ -96,6 +95,11 @@ class _RandomWriter:
         self.vector(p + "attn_q_norm.weight", hd)
         self.vector(p + "attn_k_norm.weight", hd)
         self.vector(p + "ffn_norm.weight", E)
+
+    def qwen3_layer(self, il: int, E: int, hd: int, n_heads: int, n_kv: int, n_ff: int) -> None:
+        """One Qwen3 decoder layer (the target's and the DFlash draft's layers alike)."""
+        p = f"blk.{il}."
+        self.qwen3_attention(p, E, hd, n_heads, n_kv)
         self.matrix(p + "ffn_gate.weight", n_ff, E)
         self.matrix(p + "ffn_up.weight", n_ff, E)
         self.matrix(p + "ffn_down.weight", E, n_ff)
@@ -103,14 +107,7 @@ class _RandomWriter:
     def qwen3moe_layer(self, il: int, E: int, hd: int, n_heads: int, n_kv: int, n_experts: int, expert_ff: int) -> None:
         """One Qwen3-MoE decoder layer: attention as qwen3's, an f32 router and stacked experts."""
         p = f"blk.{il}."
-        self.vector(p + "attn_norm.weight", E)
-        self.matrix(p + "attn_q.weight", hd * n_heads, E)
-        self.matrix(p + "attn_k.weight", hd * n_kv, E)
-        self.matrix(p + "attn_v.weight", hd * n_kv, E)
-        self.matrix(p + "attn_output.weight", E, hd * n_heads)
-        self.vector(p + "attn_q_norm.weight", hd)
-        self.vector(p + "attn_k_norm.weight", hd)
-        self.vector(p + "ffn_norm.weight", E)
+        self.qwen3_attention(p, E, hd, n_heads, n_kv)
         self.matrix(p + "ffn_gate_inp.weight", n_experts, E, qtype=gguf.GGMLQuantizationType.F32)
         self.matrix(p + "ffn_gate_exps.weight", expert_ff, E, n_stack=n_experts)
         self.matrix(p + "ffn_up_exps.weight", expert_ff, E, n_stack=n_experts)

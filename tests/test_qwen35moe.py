@@ -17,9 +17,8 @@ transformers = pytest.importorskip("transformers")
 from gguf_edit import rewrite  # noqa: E402
 from hf_models import QWEN35MOE_SHAPES, make_dflash_checkpoint, make_qwen35moe_shape  # noqa: E402
 from llama_ref import llama_convert  # noqa: E402
-from near_ties import draw_is_fragile, first_difference  # noqa: E402
 from test_qwen3 import assert_greedy_matches_transformers, kl_divergence, ref_logits  # noqa: E402
-from test_qwen3moe import SAMPLING, generate  # noqa: E402
+from test_qwen3moe import assert_sampling_equals_plain, assert_speculative_equals_plain  # noqa: E402
 
 import gguf  # noqa: E402
 import pydflash  # noqa: E402
@@ -194,26 +193,9 @@ def pair(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 15), ("tree", 63), ("auto", None)])
 def test_speculative_output_equals_plain_greedy(pair, mode, budget):
-    target, draft = pair
-    for prompt in ([5, 9, 33, 100, 7], list(range(40, 90))):
-        plain = generate(target, prompt, 64)
-        spec = generate(target, prompt, 64, draft=draft, spec_mode=mode, tree_budget=budget)
-        assert spec.tokens == plain.tokens
-        assert spec.finish_reason == plain.finish_reason
-        if mode != "auto":
-            assert spec.timings["n_rounds"] > 0 and spec.timings["n_target_evals"] == spec.timings["n_rounds"]
+    assert_speculative_equals_plain(*pair, mode, budget)
 
 
 @pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 20), ("auto", None)])
 def test_speculative_sampling_equals_plain_sampling(pair, mode, budget):
-    """Same seed, same tokens: or else they part at a draw that logit noise of near_ties.TIE could change."""
-    target, draft = pair
-    prompt = [5, 9, 33, 100, 7]
-    with pydflash.Model(target, n_ctx=512, draft_model_path=draft, spec_mode=mode, tree_budget=budget) as m:
-        for seed in (1, 77):
-            plain = m.generate(prompt, max_tokens=48, seed=seed, speculative=False, **SAMPLING).tokens
-            spec = m.generate(prompt, max_tokens=48, seed=seed, **SAMPLING).tokens
-            if spec != plain:
-                k = first_difference(spec + [-1], plain + [-2])
-                assert k < min(len(spec), len(plain)) and draw_is_fragile(m, prompt, plain, k, {**SAMPLING,
-                                                                                                 "seed": seed}), k
+    assert_sampling_equals_plain(*pair, mode, budget)

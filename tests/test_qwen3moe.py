@@ -239,9 +239,9 @@ def generate(model_path, prompt, n, draft=None, **spec):
         return m.generate(prompt, max_tokens=n)
 
 
-@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 15), ("tree", 63), ("auto", None)])
-def test_speculative_output_equals_plain_greedy(pair, mode, budget):
-    target, draft = pair
+def assert_speculative_equals_plain(target, draft, mode: str, budget) -> None:
+    """Greedy: speculative decoding's tokens and finish are plain decoding's, on two prompts; every round verifies
+    once (auto may decode plainly)."""
     for prompt in ([5, 9, 33, 100, 7], list(range(40, 90))):
         plain = generate(target, prompt, 64)
         spec = generate(target, prompt, 64, draft=draft, spec_mode=mode, tree_budget=budget)
@@ -251,14 +251,17 @@ def test_speculative_output_equals_plain_greedy(pair, mode, budget):
             assert spec.timings["n_rounds"] > 0 and spec.timings["n_target_evals"] == spec.timings["n_rounds"]
 
 
+@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 15), ("tree", 63), ("auto", None)])
+def test_speculative_output_equals_plain_greedy(pair, mode, budget):
+    assert_speculative_equals_plain(*pair, mode, budget)
+
+
 SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
                 presence_penalty=0.0, frequency_penalty=0.0, repeat_last_n=64)
 
 
-@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 20), ("auto", None)])
-def test_speculative_sampling_equals_plain_sampling(pair, mode, budget):
+def assert_sampling_equals_plain(target, draft, mode: str, budget) -> None:
     """Same seed, same tokens: or else they part at a draw that logit noise of near_ties.TIE could change."""
-    target, draft = pair
     prompt = [5, 9, 33, 100, 7]
     with pydflash.Model(target, n_ctx=512, draft_model_path=draft, spec_mode=mode, tree_budget=budget) as m:
         for seed in (1, 77):
@@ -268,6 +271,11 @@ def test_speculative_sampling_equals_plain_sampling(pair, mode, budget):
                 k = first_difference(spec + [-1], plain + [-2])
                 assert k < min(len(spec), len(plain)) and draw_is_fragile(m, prompt, plain, k, {**SAMPLING,
                                                                                                  "seed": seed}), k
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 20), ("auto", None)])
+def test_speculative_sampling_equals_plain_sampling(pair, mode, budget):
+    assert_sampling_equals_plain(*pair, mode, budget)
 
 
 def test_traced_routing_is_transformers_routing(checkpoint):
