@@ -3,7 +3,7 @@
 plain decoding, DFlash chains, DDTree trees and auto make of it, against llama.cpp on the same GGUFs and machine.
 
 Pairs:
-- cost-realistic: each committed trained MoE target (tests/data/pairs/{qwen3moe,qwen35moe}-target-f32.gguf: 32
+- cost-realistic: each committed trained MoE target (tests/data/pairs/{qwen3moe,qwen35moe}-target-q8_0.gguf: 32
   experts, top-4) inflated to ~0.3B active parameters per token with exactly the same function
   (pydflash.convert.inflate: every expert and the shared expert widened, 12 MoE layers appended whose random
   routers pick experts as a real MoE's do and whose outputs are zero), q8_0 and q4mix, with the committed q8_0
@@ -68,7 +68,7 @@ def pairs_of(kinds, cache: Path) -> list[dict]:
                 target = cache / f"{arch}-inflated-{kind}.gguf"
                 if not target.exists():
                     print(f"building {target.name} (once) ...", flush=True)
-                    inflate_gguf(pair_file(arch, "target", "f32"), target, kind)
+                    inflate_gguf(pair_file(arch, "target", "q8_0"), target, kind)
                 pairs.append({"name": f"{arch} {kind} (0.3B active)", "arch": arch, "target": target,
                               "draft": pair_file(arch, "dflash", "q8_0")})
         if "tiny" in kinds:

@@ -66,10 +66,10 @@ def _source_array(t: gguf.ReaderTensor) -> np.ndarray:
         data = np.asarray(t.data, dtype=np.float32)
     elif cur in (T.F16,):
         data = np.asarray(t.data).astype(np.float32)
-    elif cur == T.BF16:
+    elif cur in (T.BF16, T.Q8_0):  # (q8_0 requantizes to the same blocks: each block's largest value sets its scale)
         data = gguf.quants.dequantize(np.asarray(t.data), cur)
     else:
-        raise ConversionError(f"{t.name}: inflation needs an f32/f16/bf16 source, got {cur.name}")
+        raise ConversionError(f"{t.name}: inflation needs an f32/f16/bf16/q8_0 source, got {cur.name}")
     return data.reshape(tuple(int(n) for n in reversed(t.shape)))
 
 
@@ -82,7 +82,7 @@ def _matrix_type(qtype: str, trained: bool) -> T:
 def inflate_gguf(infile: str | Path, outfile: str | Path, qtype: str = "q8_0", *, n_ff: int = 32768,
                  n_ff_exp: int = 8192, n_ff_shexp: int = 8192, extra_layers: int = 12, seed: int = 0,
                  progress: bool = True) -> Path:
-    """Write `outfile`: `infile` (an f32/f16/bf16 qwen3, qwen35, qwen3moe or qwen35moe GGUF) with dense FFNs of
+    """Write `outfile`: `infile` (an f32/f16/bf16/q8_0 qwen3, qwen35, qwen3moe or qwen35moe GGUF) with dense FFNs of
     `n_ff` units (MoE: experts of `n_ff_exp`, shared experts of `n_ff_shexp`) and `extra_layers` appended layers,
     every new unit and layer with zero output projections; see the module text."""
     infile, outfile = Path(infile), Path(outfile)
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pydflash.convert.inflate",
                                 description="Widen a small qwen3/qwen35/qwen3moe/qwen35moe GGUF to a larger model's "
                                             "cost, same function")
-    p.add_argument("infile", type=Path, help="input GGUF (f32, f16 or bf16)")
+    p.add_argument("infile", type=Path, help="input GGUF (f32, f16, bf16 or q8_0)")
     p.add_argument("outfile", type=Path)
     p.add_argument("type", choices=TYPES)
     p.add_argument("--n-ff", type=int, default=32768, help="FFN units per layer (default 32768)")

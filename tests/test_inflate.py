@@ -94,8 +94,22 @@ def test_inflated_pair_drafts_and_decodes_the_same(tmp_path, kind):
 def test_inflate_refuses_what_it_cannot_keep(tmp_path):
     with pytest.raises(ConversionError, match="n_ff = 16 is smaller than the model's 512"):
         inflate_gguf(pair_file("qwen3", "target", "f32"), tmp_path / "x.gguf", "q8_0", n_ff=16, progress=False)
-    with pytest.raises(ConversionError, match="inflation needs an f32/f16/bf16 source, got Q8_0"):
-        inflate_gguf(pair_file("qwen3", "target", "q8_0"), tmp_path / "x.gguf", "q8_0", n_ff=1024, progress=False)
-    with pytest.raises(ConversionError, match="expected qwen3 or qwen35"):
+    from pydflash.convert.quantize import quantize_gguf
+
+    q4 = quantize_gguf(pair_file("qwen3", "target", "f32"), tmp_path / "q4_0.gguf", "q4_0", progress=False)
+    with pytest.raises(ConversionError, match="inflation needs an f32/f16/bf16/q8_0 source, got Q4_0"):
+        inflate_gguf(q4, tmp_path / "x.gguf", "q8_0", n_ff=1024, progress=False)
+    with pytest.raises(ConversionError, match="expected one of qwen3, qwen35, qwen3moe, qwen35moe"):
         inflate_gguf(pair_file("qwen3", "dflash", "f32"), tmp_path / "x.gguf", "q8_0", progress=False)
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.partial").exists()
+
+
+def test_a_q8_0_source_keeps_its_blocks(tmp_path):
+    """A q8_0 target (the committed MoE pairs are q8_0 only) inflates to q8_0 with its trained tensors' blocks
+    unchanged: dequantized and quantized again, each block's largest value gives back the same scale."""
+    small = pair_file("qwen3", "target", "q8_0")
+    big = inflate_gguf(small, tmp_path / "big.gguf", "q8_0", n_ff=1024, extra_layers=1, progress=False)
+    theirs = {t.name: t for t in gguf.GGUFReader(big).tensors}
+    for t in gguf.GGUFReader(small).tensors:
+        if gguf.GGMLQuantizationType(t.tensor_type).name == "Q8_0" and "ffn_" not in t.name:
+            assert np.array_equal(np.asarray(theirs[t.name].data), np.asarray(t.data)), t.name

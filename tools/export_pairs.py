@@ -3,14 +3,18 @@
 
     python tools/train_pairs.py --out build/pairs          # ~1 h on 2 cores
     python tools/export_pairs.py build/pairs               # -> tests/data/pairs/, pydflash/data/
+    python tools/train_pairs.py --out build/pairs-moe --pairs qwen3moe,qwen35moe
+    python tools/export_pairs.py build/pairs-moe --types q8_0   # adds the MoE pairs (q8_0 only: 32 experts
+                                                                # make f32 files of ~25 MB)
 
 Writes, with pydflash's own converter (the same path real z-lab drafts take):
-    tests/data/pairs/{qwen3,qwen35}-{target,dflash}-{f32,f16,q8_0}.gguf
+    tests/data/pairs/{kind}-{target,dflash}-{type}.gguf   (qwen3, qwen35: f32, f16, q8_0; qwen3moe, qwen35moe: q8_0)
         except the qwen3 f16 pair, which ships inside the package as the `pydflash demo` default:
     pydflash/data/demo-qwen3-{target,dflash}-f16.gguf
     tests/data/pairs/prompts_{code,prose}.jsonl        held-out prompts (never seen in training): id, source, text
     tests/data/pairs/reference.json                    the reference loop's results per prompt (tools/dflash_ref.py
-                                                       on the f32 PyTorch weights: tau, accept lengths, greedy tokens)
+                                                       on the f32 PyTorch weights: tau, accept lengths, greedy tokens;
+                                                       the pairs exported are replaced, the others kept)
     pydflash/data/demo-prompts.json                    the first held-out code prompts, for the demo
 """
 
@@ -50,6 +54,7 @@ def prompt_rows(genre: str, pairs_dir: Path = PAIRS_DIR) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("pairs", type=Path, help="train_pairs.py output folder")
+    ap.add_argument("--types", default=",".join(TYPES), help="GGUF types to write (comma-separated)")
     args = ap.parse_args(argv)
 
     from pydflash.convert import convert_hf_to_gguf
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
     results = json.loads((args.pairs / "results.json").read_text())
     for kind in results["results"]:
         target_dir, draft_dir = args.pairs / kind / "target", args.pairs / kind / "draft"
-        for outtype in TYPES:
+        for outtype in args.types.split(","):
             t = pair_file(kind, "target", outtype)
             d = pair_file(kind, "dflash", outtype)
             t.parent.mkdir(parents=True, exist_ok=True)
@@ -76,9 +81,11 @@ def main(argv=None) -> int:
 
             demo = [r["text"] for r in rows[:N_DEMO_PROMPTS]]
             (DEMO_DIR / DEMO_PROMPTS).write_text(json.dumps(demo, indent=1))
+    reference = PAIRS_DIR / "reference.json"
+    kept = json.loads(reference.read_text())["results"] if reference.exists() else {}
     (PAIRS_DIR / "reference.json").write_text(json.dumps(
-        {"block_size": results["block_size"], "eval_tokens": results["eval_tokens"], "results": results["results"]},
-        indent=1))
+        {"block_size": results["block_size"], "eval_tokens": results["eval_tokens"],
+         "results": {**kept, **results["results"]}}, indent=1))
     return 0
 
 
