@@ -21,8 +21,23 @@ from near_ties import TIE, first_difference, tie_gap
 REFERENCE = json.loads((PAIRS_DIR / "reference.json").read_text())
 KINDS = sorted(REFERENCE["results"])
 GENRES = ("code", "prose")
-# issue 3: mean acceptance length of the reference loop on held-out code, greedy, block 16
-TAU_CODE_MIN = {"qwen3": 4.0, "qwen35": 3.0}
+# issue 3: mean acceptance length of the reference loop on held-out code, greedy, block 16 (the MoE pairs of issue
+# 24: what their training reached, 2.74 and 5.95, with a margin)
+TAU_CODE_MIN = {"qwen3": 4.0, "qwen35": 3.0, "qwen3moe": 2.5, "qwen35moe": 4.5}
+# the MoE pairs are committed in q8_0 only (32 experts make an f32 target of ~25 MB)
+COMMITTED = {kind: [t for t in ("f32", "f16", "q8_0") if pair_file(kind, "target", t).exists()] for kind in KINDS}
+
+
+def pair_of(kind: str, outtype: str) -> tuple:
+    """(target, drafter) of `kind` in `outtype`, or in the pair's finest committed type where that one is not."""
+    if outtype not in COMMITTED[kind]:
+        outtype = COMMITTED[kind][0]
+    return pair_file(kind, "target", outtype), pair_file(kind, "dflash", outtype)
+
+
+def pair_model(kind: str, outtype: str, **options) -> pydflash.Model:
+    target, draft = pair_of(kind, outtype)
+    return pydflash.Model(target, draft_model_path=draft, **options)
 
 
 def prompts(genre: str) -> dict[str, str]:
@@ -50,6 +65,8 @@ def test_reference_fixtures_clear_the_thresholds(kind):
 def test_tau_equals_the_reference_loop(kind, genre):
     """f32 pair, block 16, the reference's prompts and length: same greedy tokens as transformers, and the same
     acceptance length per prompt (rounds end the same way), so the same tau."""
+    if "f32" not in COMMITTED[kind]:
+        pytest.skip(f"{kind} is committed in q8_0 only: test_q8_0_tau_is_the_reference_loop_s")
     res = REFERENCE["results"][kind][genre]
     texts = prompts(genre)
     n_tokens = REFERENCE["eval_tokens"]
@@ -85,6 +102,29 @@ def test_tau_equals_the_reference_loop(kind, genre):
     assert sum(ours_lengths) == sum(ref_lengths)
 
 
+@pytest.mark.parametrize("genre", GENRES)
+def test_q8_0_tau_is_the_reference_loop_s(kind, genre):
+    """The q8_0-only pairs (MoE): q8_0 weights move greedy tokens off the f32 reference's now and then, so the
+    acceptance is compared in all (the reference's prompts and length, block 16): within 15% of the reference
+    loop's tau on the f32 PyTorch weights. Measured on code: qwen3moe 2.63 against 2.74, qwen35moe 5.43 against
+    5.95 (6 prompts; llama.cpp's DFlash on the same files: 2.58 and 5.61)."""
+    if "f32" in COMMITTED[kind]:
+        pytest.skip("compared token for token in test_tau_equals_the_reference_loop")
+    res = REFERENCE["results"][kind][genre]
+    texts = prompts(genre)
+    committed = rounds = 0
+    with pair_model(kind, "q8_0", n_ctx=1024, spec_mode="chain") as m:
+        (eot,) = m.tokenize("<|endoftext|>", add_special=False, parse_special=True)
+        for row in res["per_prompt"]:
+            ids = m.tokenize(texts[row["id"]], add_special=False)
+            c = _timings(m._session.generate(ids, max_tokens=REFERENCE["eval_tokens"], stop_tokens=[eot],
+                                             draft=m._draft, spec_mode="chain")["timings"])
+            committed += c["draft_n_accepted"] + c["n_rounds"]
+            rounds += c["n_rounds"]
+    print(f"{kind} {genre}: tau ours (q8_0) {committed / rounds:.3f}, reference (f32) {res['tau_dflash']:.3f}")
+    assert committed / rounds == pytest.approx(res["tau_dflash"], rel=0.15)
+
+
 # (spec_mode, tree_budget): the published chain, DDTree's largest tree, and auto's per-round choice
 SPEC_MODES = [("chain", None), ("tree", 63), ("auto", None)]
 
@@ -92,9 +132,10 @@ SPEC_MODES = [("chain", None), ("tree", 63), ("auto", None)]
 @pytest.mark.parametrize("mode,budget", SPEC_MODES)
 @pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
 def test_speculative_equals_plain_on_committed_pairs(kind, outtype, mode, budget):
+    if outtype not in COMMITTED[kind]:
+        pytest.skip(f"{kind} is not committed in {outtype}")
     texts = list(prompts("code").values())[:6] + list(prompts("prose").values())[:6]
-    with pydflash.Model(pair_file(kind, "target", outtype), draft_model_path=pair_file(kind, "dflash", outtype),
-                        n_ctx=1024, spec_mode=mode, tree_budget=budget) as m:
+    with pair_model(kind, outtype, n_ctx=1024, spec_mode=mode, tree_budget=budget) as m:
         taus = []
         ties = 0
         for text in texts:
@@ -120,20 +161,23 @@ def test_speculative_equals_plain_on_committed_pairs(kind, outtype, mode, budget
 
 def test_tree_accepts_more_per_round_than_the_chain(kind):
     """DDTree's point: verifying a tree of 63 drafts commits more tokens per round than the chain of 15 (the
-    issue's goals: >= 1.2x on the qwen3 pair, >= 1.1x on qwen35), with the same output."""
+    issues' goals: >= 1.2x on the qwen3 pair, >= 1.1x on qwen35 and qwen35moe; qwen3moe held to 1.1x too), with
+    the same output (f32 pairs; on the q8_0-only MoE pairs the outputs may part at near-ties, checked by
+    test_speculative_equals_plain_on_committed_pairs). Measured on the MoE pairs: qwen3moe 2.60 -> 4.01 (1.54x),
+    qwen35moe 5.14 -> 6.83 (1.33x)."""
     texts = list(prompts("code").values())[:12]
     tau = {}
     outputs = {}
     for mode, budget in (("chain", None), ("tree", 63)):
-        with pydflash.Model(pair_file(kind, "target", "f32"), draft_model_path=pair_file(kind, "dflash", "f32"),
-                            n_ctx=1024, spec_mode=mode, tree_budget=budget) as m:
+        with pair_model(kind, "f32", n_ctx=1024, spec_mode=mode, tree_budget=budget) as m:
             runs = [m.generate(text, max_tokens=96) for text in texts]
         outputs[mode] = [r.tokens for r in runs]
         committed = sum(r.timings["draft_n_accepted"] + r.timings["n_rounds"] for r in runs)
         tau[mode] = committed / sum(r.timings["n_rounds"] for r in runs)
     print(f"{kind}: tau chain {tau['chain']:.2f}, tree(63) {tau['tree']:.2f}: {tau['tree'] / tau['chain']:.2f}x")
-    assert outputs["tree"] == outputs["chain"]
-    assert tau["tree"] >= {"qwen3": 1.2, "qwen35": 1.1}[kind] * tau["chain"]
+    if "f32" in COMMITTED[kind]:
+        assert outputs["tree"] == outputs["chain"]
+    assert tau["tree"] >= {"qwen3": 1.2, "qwen35": 1.1, "qwen3moe": 1.1, "qwen35moe": 1.1}[kind] * tau["chain"]
 
 
 @pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 40)])
@@ -141,7 +185,7 @@ def test_stop_token_and_max_tokens_inside_accepted_blocks(kind, mode, budget):
     """Stop tokens and max_tokens spread over a generation whose drafts are mostly accepted, so that most of
     them fall inside accepted blocks (chains) or paths (trees): the speculative loop must end exactly where plain
     decoding does."""
-    target, draft = pair_file(kind, "target", "f16"), pair_file(kind, "dflash", "f16")
+    target, draft = pair_of(kind, "f16")
     spec_args = dict(draft=None, spec_mode=mode, tree_budget=budget or 0)
     with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, spec_mode=mode, tree_budget=budget) as m:
         spec_args["draft"] = m._draft
@@ -170,7 +214,7 @@ def test_stop_token_and_max_tokens_inside_accepted_blocks(kind, mode, budget):
 @pytest.mark.parametrize("mode,budget", SPEC_MODES)
 def test_small_draft_window_stays_lossless_and_keeps_drafting(kind, mode, budget):
     """A 32-position draft window over a 300-token generation: lossless, and the drafter still works."""
-    target, draft = pair_file(kind, "target", "f16"), pair_file(kind, "dflash", "f16")
+    target, draft = pair_of(kind, "f16")
     text = list(prompts("code").values())[1]
     with pydflash.Model(target, n_ctx=1024) as m:
         plain = m.generate(text, max_tokens=300)
@@ -179,10 +223,12 @@ def test_small_draft_window_stays_lossless_and_keeps_drafting(kind, mode, budget
         spec = m.generate(text, max_tokens=300)
         if spec.tokens != plain.tokens:
             # auto's rounds depend on measured times, so which tokens a batched verify decides varies from run to
-            # run: a parting is allowed at a near-tie only (seen: qwen35 at token 149, a gap of 4e-5)
+            # run, and q8_0 weights (the MoE pairs) round batched and single-token matmuls apart in any mode: a
+            # parting is allowed at a near-tie only (seen: qwen35 auto at token 149, a gap of 4e-5; qwen3moe q8_0
+            # chain at token 40, 5.9e-3)
             k = first_difference(spec.tokens, plain.tokens)
             assert tie_gap(m, m.tokenize(text), spec.tokens, plain.tokens, k) < TIE, k
-    if mode != "auto":
+    if mode != "auto" and "f16" in COMMITTED[kind]:
         assert spec.tokens == plain.tokens
         assert spec.timings["tau"] > 1.5
 
@@ -196,7 +242,7 @@ def test_acceptance_holds_past_the_draft_window(kind, mode, budget):
     4.17 (81%); qwen35 chain 4.20 / 4.23 (99%), tree 5.11 / 5.38 (94%); a window of 1 leaves qwen3's chain at
     1.37. The fixed share is what `collapse` means here: a window that broke the drafter's positions or features
     would leave tau near 1."""
-    target, draft = pair_file(kind, "target", "f16"), pair_file(kind, "dflash", "f16")
+    target, draft = pair_of(kind, "f16")
     texts = list(prompts("code").values())[:4]
     tau = {}
     for window in (32, 1024):  # 1024 = n_ctx: the whole context
