@@ -60,11 +60,11 @@ ENGINES = [("plain", None),
 WIDTHS = (1, 2, 4, 8, 16)
 
 
-def pairs_of(kinds, cache: Path) -> list[dict]:
+def pairs_of(kinds, types, cache: Path) -> list[dict]:
     pairs = []
     for arch in ARCHS:
         if "realistic" in kinds:
-            for kind in ("q8_0", "q4mix"):
+            for kind in types:
                 target = cache / f"{arch}-inflated-{kind}.gguf"
                 if not target.exists():
                     print(f"building {target.name} (once) ...", flush=True)
@@ -136,6 +136,7 @@ def random_shape_rows(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", default="realistic,tiny", help="realistic, tiny or both (comma-separated)")
+    ap.add_argument("--types", default="q8_0,q4mix", help="the cost-realistic pairs' types")
     ap.add_argument("--tables", default="1,2,3")
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -152,7 +153,7 @@ def main() -> None:
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens, greedy, {args.threads} threads")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for pair in pairs_of(args.pairs.split(","), args.cache_dir) if tables & {"1", "2"} else []:
+        for pair in pairs_of(args.pairs.split(","), args.types.split(","), args.cache_dir) if tables & {"1", "2"} else []:
             out = results.setdefault(pair["name"], {})
             if "1" in tables:
                 out["experts"] = experts_per_width(pair["target"], prompts, args.max_tokens)
