@@ -242,8 +242,8 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
 
 
 def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str = "f16", n_gpu_layers: int = 0,
-         n_cpu_moe: int = 0, rpc_servers=None, n_ubatch: int | str = "auto", spec_mode: str = "auto", block_size: int | None = None,
-         tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
+         n_cpu_moe: int = 0, rpc_servers=None, n_ubatch: int | str = "auto", spec_mode: str = "auto",
+         block_size: int | None = None, tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
          suggest: bool = True, sweep: bool = True, delta_net: str = "auto") -> MemoryPlan:
     """The memory plan of `Model(model_path, draft_model_path=..., ...)` with these arguments (the same names and
     defaults). vram / ram: the budgets to check against (bytes or '24GiB'); by default the GPU's free memory when
@@ -255,8 +255,7 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
     paths = checked_paths(model_path, draft_model_path)
     rpc.add_servers(rpc_servers)  # the device its layers are placed on and whose memory is the budget
     args = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
-                          n_ubatch=n_ubatch,
-                          spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,
+                          n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,
                           draft_window=draft_window, delta_net=delta_net)
     return plan_checked(paths, args, device_budget(vram, ram), suggest=suggest, sweep=sweep)
 

@@ -255,9 +255,8 @@ class Model:
         # an RPC server's device is offloaded to as a GPU: registered before the plan places the layers
         rpc.add_servers(rpc_servers)
         options = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
-                                 n_ubatch=n_ubatch,
-                                 spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,
-                                 draft_window=draft_window, delta_net=delta_net)
+                                 n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
+                                 tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)
         n_threads = optional_int_arg("n_threads", n_threads, 1)
         self.seed = _seed_arg(seed)  # the default of sampled calls (None: a fresh seed per call)
         self.tree_seed = choice_arg("tree_seed", tree_seed, ("chain", "best_first"))
@@ -296,8 +295,7 @@ class Model:
         self._model, draft_model = planned
         with _LoadBar(self.model_path, progress) as bar:
             self._model.load_weights(n_gpu_layers=options["n_gpu_layers"], n_cpu_moe=options["n_cpu_moe"],
-                                     n_threads=n_threads or 0,
-                                     progress=bar.update, delta_net=options["delta_net"])
+                                     n_threads=n_threads or 0, progress=bar.update, delta_net=options["delta_net"])
         if self.tokenizer.n_vocab > self._model.n_vocab:
             raise ModelLoadError(
                 f"{self.model_path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
@@ -320,8 +318,8 @@ class Model:
         self._ubatch_sizes = self._engine.ubatch_candidates or None
         self._ubatch_key = None
         # where the layers and experts are: what a measured cost depends on
-        placement = f"ngl={options['n_gpu_layers']}" + (f",ncmoe={self._model.n_cpu_moe}" if self._model.n_cpu_moe
-                                                          else "")
+        ncmoe = self._model.n_cpu_moe
+        placement = f"ngl={options['n_gpu_layers']}" + (f",ncmoe={ncmoe}" if ncmoe else "")
         if self._ubatch_sizes is not None:
             self._ubatch_key = ubatch.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
                                                 placement, self._ubatch_sizes)
