@@ -38,7 +38,7 @@ static void on_ggml_abort(const char * message) {
         fprintf(stderr, "pydflash: lost the RPC server at %s (it stopped or the connection broke); exiting\n",
                 names.c_str());
         fflush(stderr);
-        _exit(EXIT_FAILURE);
+        std::_Exit(EXIT_FAILURE);  // (no atexit handlers: the process is mid-compute)
     }
     fprintf(stderr, "%s\n", message);
 }
