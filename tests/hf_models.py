@@ -75,6 +75,17 @@ def _scale_weights(model, *, seed: int, weight_std: float, embed_std: float) -> 
                 p.copy_(weight_std * torch.randn(p.shape, generator=gen))
 
 
+def _tokenizer_and_rows(path: Path, tokenizer_vocab: int, vocab_size: int | None,
+                        split_regex: str | None = None) -> tuple[dict[str, int], int]:
+    """The checkpoint's tokenizer files (write_qwen_tokenizer's ids) and its embedding rows: `vocab_size`, or the
+    tokenizer's size when None (a ValueError when fewer)."""
+    tok = write_qwen_tokenizer(path, vocab_size=tokenizer_vocab, split_regex=split_regex)
+    n_vocab = vocab_size if vocab_size is not None else tok["n_tokens"]
+    if n_vocab < tok["n_tokens"]:
+        raise ValueError(f"vocab_size {n_vocab} < tokenizer size {tok['n_tokens']}")
+    return tok, n_vocab
+
+
 def make_qwen3_checkpoint(
     path: str | Path,
     *,
@@ -98,6 +109,12 @@ def make_qwen3_checkpoint(
     rms_norm_eps: float = 1e-6,
     generation: dict | None = None,
     model_card: str | None = None,
+    n_experts: int = 0,
+    top_k: int = 2,
+    expert_ff: int = 64,
+    norm_topk_prob: bool = True,
+    experts: str = "per_expert",
+    router_std: float = 0.5,
 ) -> Path:
     """Write a tiny random `Qwen3ForCausalLM` checkpoint + tokenizer into `path` and return it.
 
@@ -107,20 +124,33 @@ def make_qwen3_checkpoint(
     checkpoint with model.safetensors.index.json. `generation` adds generation_config.json fields
     (e.g. temperature, top_k); `model_card` is written as README.md. `rope_scaling` joins the config's
     rope_parameters (e.g. {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}).
+
+    `n_experts > 0` makes it `Qwen3MoeForCausalLM`: every layer's FFN is `n_experts` experts of width `expert_ff`,
+    `top_k` of them per token. The routers are drawn with `router_std` (larger than the other weights: clear gaps
+    between a token's k-th and (k+1)-th expert, so f32 rounding does not change which experts a token takes).
+    `experts="per_expert"` keeps what `save_pretrained` writes; `"fused"` rewrites the experts as
+    `mlp.experts.gate_up_proj` / `down_proj` (the layout transformers 5 holds in memory).
     """
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
+
+    moe = n_experts > 0
+    family = "Qwen3Moe" if moe else "Qwen3"
+    config_class, model_class = (getattr(transformers, family + kind) for kind in ("Config", "ForCausalLM"))
+    moe_fields = dict(num_experts=n_experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ff,
+                      norm_topk_prob=norm_topk_prob) if moe else {}
+    if experts not in ("per_expert", "fused"):
+        raise ValueError(f"experts {experts!r}")
 
     path = Path(path)
-    tok = write_qwen_tokenizer(path, vocab_size=tokenizer_vocab)
-    n_vocab = vocab_size if vocab_size is not None else tok["n_tokens"]
-    if n_vocab < tok["n_tokens"]:
-        raise ValueError(f"vocab_size {n_vocab} < tokenizer size {tok['n_tokens']}")
+    tok, n_vocab = _tokenizer_and_rows(path, tokenizer_vocab, vocab_size)
 
-    config = Qwen3Config(
+    config = config_class(
         vocab_size=n_vocab,
         hidden_size=hidden,
         intermediate_size=intermediate if intermediate is not None else 3 * hidden,
+        **moe_fields,
         num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads,
@@ -133,11 +163,13 @@ def make_qwen3_checkpoint(
         attention_bias=False,
         bos_token_id=tok["endoftext"],
         eos_token_id=tok["im_end"],
-        architectures=["Qwen3ForCausalLM"],
+        architectures=[family + "ForCausalLM"],
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = model_class(config)
     _scale_weights(model, seed=seed, weight_std=weight_std, embed_std=embed_std)
+    if moe:
+        _draw_routers(model, seed=seed, router_std=router_std)
     model = model.to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=tok["endoftext"], eos_token_id=[tok["im_end"], tok["endoftext"]], pad_token_id=tok["endoftext"],
@@ -147,6 +179,8 @@ def make_qwen3_checkpoint(
     model.save_pretrained(path, **kwargs)
     if model_card is not None:
         (path / "README.md").write_text(model_card, encoding="utf-8")
+    if experts == "fused":
+        _fuse_experts(path)
     return path
 
 
@@ -402,10 +436,7 @@ def make_qwen35_checkpoint(
         raise ValueError(f"experts {experts!r}")
 
     path = Path(path)
-    tok = write_qwen_tokenizer(path, vocab_size=tokenizer_vocab, split_regex=QWEN35_SPLIT_REGEX)
-    n_vocab = vocab_size if vocab_size is not None else tok["n_tokens"]
-    if n_vocab < tok["n_tokens"]:
-        raise ValueError(f"vocab_size {n_vocab} < tokenizer size {tok['n_tokens']}")
+    tok, n_vocab = _tokenizer_and_rows(path, tokenizer_vocab, vocab_size, QWEN35_SPLIT_REGEX)
     if layout not in ("causal", "conditional"):
         raise ValueError(f"layout {layout!r}")
 
@@ -709,90 +740,9 @@ def _fuse_experts(path: Path) -> None:
               metadata={"format": "pt"})
 
 
-def make_qwen3moe_checkpoint(
-    path: str | Path,
-    *,
-    hidden: int = 64,
-    n_layers: int = 2,
-    n_heads: int = 4,
-    n_kv_heads: int = 2,
-    head_dim: int = 32,
-    n_experts: int = 4,
-    top_k: int = 2,
-    expert_ff: int = 64,
-    intermediate: int | None = None,
-    tie: bool = False,
-    norm_topk_prob: bool = True,
-    experts: str = "per_expert",
-    seed: int = 0,
-    dtype: str = "float32",
-    tokenizer_vocab: int = 768,
-    vocab_size: int | None = None,
-    max_shard_size: str | int | None = None,
-    weight_std: float = 0.2,
-    router_std: float = 0.5,
-    embed_std: float = 1.0,
-    rope_theta: float = 1_000_000.0,
-    max_position_embeddings: int = 4096,
-    rms_norm_eps: float = 1e-6,
-) -> Path:
-    """Write a tiny random `Qwen3MoeForCausalLM` checkpoint + tokenizer into `path` and return it.
-
-    `n_experts` experts per layer of width `expert_ff`, `top_k` of them per token. The routers are drawn with
-    `router_std` (larger than the other weights: clear gaps between a token's k-th and (k+1)-th expert, so f32
-    rounding does not change which experts a token takes). `experts="per_expert"` keeps what `save_pretrained`
-    writes; `"fused"` rewrites the experts as `mlp.experts.gate_up_proj` / `down_proj` (the layout transformers 5
-    holds in memory). Other arguments as `make_qwen3_checkpoint`.
-    """
-    import torch
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    path = Path(path)
-    tok = write_qwen_tokenizer(path, vocab_size=tokenizer_vocab)
-    n_vocab = vocab_size if vocab_size is not None else tok["n_tokens"]
-    if n_vocab < tok["n_tokens"]:
-        raise ValueError(f"vocab_size {n_vocab} < tokenizer size {tok['n_tokens']}")
-    if experts not in ("per_expert", "fused"):
-        raise ValueError(f"experts {experts!r}")
-
-    config = Qwen3MoeConfig(
-        vocab_size=n_vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate if intermediate is not None else 3 * hidden,
-        moe_intermediate_size=expert_ff,
-        num_experts=n_experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=norm_topk_prob,
-        num_hidden_layers=n_layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv_heads,
-        head_dim=head_dim,
-        hidden_act="silu",
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        tie_word_embeddings=tie,
-        attention_bias=False,
-        bos_token_id=tok["endoftext"],
-        eos_token_id=tok["im_end"],
-        architectures=["Qwen3MoeForCausalLM"],
-    )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    _scale_weights(model, seed=seed, weight_std=weight_std, embed_std=embed_std)
-    _draw_routers(model, seed=seed, router_std=router_std)
-    model = model.to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=tok["endoftext"], eos_token_id=[tok["im_end"], tok["endoftext"]], pad_token_id=tok["endoftext"])
-    model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
-    if experts == "fused":
-        _fuse_experts(path)
-    return path
-
-
 def make_qwen3moe_shape(path: str | Path, shape: str, **overrides) -> Path:
-    """`make_qwen3moe_checkpoint` with one of the named `QWEN3MOE_SHAPES`."""
-    return make_qwen3moe_checkpoint(path, **{**QWEN3MOE_SHAPES[shape], **overrides})
+    """`make_qwen3_checkpoint` (Qwen3-MoE) with one of the named `QWEN3MOE_SHAPES`."""
+    return make_qwen3_checkpoint(path, **{**QWEN3MOE_SHAPES[shape], **overrides})
 
 
 # --------------------------------------------------------------------------------------------------

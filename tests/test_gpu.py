@@ -147,19 +147,11 @@ MOE_SHAPES = {"qwen3moe": "x5k2_tied", "qwen35moe": "x8k4"}  # 3 and 5 layers
 def moe_pairs(tmp_path_factory):
     """{arch: (f32 target, f32 random DFlash drafter)}: tiny random MoE targets (tests/hf_models.py)."""
     pytest.importorskip("torch")
-    from hf_models import make_dflash_checkpoint, make_qwen3moe_shape, make_qwen35moe_shape
+    from hf_models import make_qwen3moe_shape, make_qwen35moe_shape
+    from test_qwen3moe import random_pair
 
-    from pydflash.convert import convert_hf_to_gguf
-
-    out = {}
-    for arch, make in (("qwen3moe", make_qwen3moe_shape), ("qwen35moe", make_qwen35moe_shape)):
-        root = tmp_path_factory.mktemp(arch)
-        hf = make(root / "target", MOE_SHAPES[arch], seed=5)
-        draft_hf = make_dflash_checkpoint(root / "draft", hf, target_layer_ids=[0, 1], seed=1)
-        out[arch] = (convert_hf_to_gguf(hf, root / "target.gguf", outtype="f32", progress=False),
-                     convert_hf_to_gguf(draft_hf, root / "draft.gguf", outtype="f32", target_model_dir=hf,
-                                        progress=False))
-    return out
+    return {arch: random_pair(tmp_path_factory.mktemp(arch), make, MOE_SHAPES[arch], [0, 1])
+            for arch, make in (("qwen3moe", make_qwen3moe_shape), ("qwen35moe", make_qwen35moe_shape))}
 
 
 @pytest.mark.parametrize("n_cpu_moe", [0, 2, -1])

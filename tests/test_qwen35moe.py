@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from gguf_edit import rewrite  # noqa: E402
-from hf_models import QWEN35MOE_SHAPES, make_dflash_checkpoint, make_qwen35moe_shape  # noqa: E402
+from hf_models import QWEN35MOE_SHAPES, make_qwen35moe_shape  # noqa: E402
 from llama_ref import llama_convert  # noqa: E402
 from test_qwen3 import assert_greedy_matches_transformers, kl_divergence, ref_logits  # noqa: E402
-from test_qwen3moe import assert_sampling_equals_plain, assert_speculative_equals_plain  # noqa: E402
+from test_qwen3moe import assert_sampling_equals_plain, assert_speculative_equals_plain, random_pair  # noqa: E402
 
 import gguf  # noqa: E402
 import pydflash  # noqa: E402
@@ -182,13 +182,8 @@ PAIRS = {"x4k1": [0, 2], "x8k4": [1]}
 
 @pytest.fixture(scope="module", params=sorted(PAIRS))
 def pair(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair-" + request.param)
-    target_dir = make_qwen35moe_shape(root / "target", request.param, seed=5)
-    target = convert_hf_to_gguf(target_dir, root / "target.gguf", outtype="f32", progress=False)
-    draft_dir = make_dflash_checkpoint(root / "draft", target_dir, target_layer_ids=PAIRS[request.param], seed=1)
-    draft = convert_hf_to_gguf(draft_dir, root / "draft.gguf", outtype="f32", target_model_dir=target_dir,
-                               progress=False)
-    return target, draft
+    return random_pair(tmp_path_factory.mktemp("pair-" + request.param), make_qwen35moe_shape, request.param,
+                       PAIRS[request.param])
 
 
 @pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 15), ("tree", 63), ("auto", None)])

@@ -223,15 +223,21 @@ def test_expert_width_from_feed_forward_length(small_gguf, tmp_path):
 PAIRS = {"x5k2_tied": [0, 1], "x8k4": [0]}
 
 
-@pytest.fixture(scope="module", params=sorted(PAIRS))
-def pair(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair-" + request.param)
-    target_dir = make_qwen3moe_shape(root / "target", request.param, seed=5)
+def random_pair(root, make_shape, shape: str, target_layer_ids: list[int]) -> tuple:
+    """(f32 target GGUF, f32 GGUF of a random DFlash drafter over it) in `root`: the tiny MoE `shape` made by
+    `make_shape` (hf_models)."""
+    target_dir = make_shape(root / "target", shape, seed=5)
     target = convert_hf_to_gguf(target_dir, root / "target.gguf", outtype="f32", progress=False)
-    draft_dir = make_dflash_checkpoint(root / "draft", target_dir, target_layer_ids=PAIRS[request.param], seed=1)
+    draft_dir = make_dflash_checkpoint(root / "draft", target_dir, target_layer_ids=target_layer_ids, seed=1)
     draft = convert_hf_to_gguf(draft_dir, root / "draft.gguf", outtype="f32", target_model_dir=target_dir,
                                progress=False)
     return target, draft
+
+
+@pytest.fixture(scope="module", params=sorted(PAIRS))
+def pair(request, tmp_path_factory):
+    return random_pair(tmp_path_factory.mktemp("pair-" + request.param), make_qwen3moe_shape, request.param,
+                       PAIRS[request.param])
 
 
 def generate(model_path, prompt, n, draft=None, **spec):
