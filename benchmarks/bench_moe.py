@@ -47,7 +47,6 @@ from random_gguf import write_random_qwen3moe  # noqa: E402
 
 import pydflash  # noqa: E402
 from pydflash import _core  # noqa: E402
-from pydflash.convert.inflate import inflate_gguf  # noqa: E402
 
 ARCHS = ("qwen3moe", "qwen35moe")
 ENGINES = [("plain", None),
@@ -61,16 +60,12 @@ WIDTHS = (1, 2, 4, 8, 16)
 
 
 def pairs_of(kinds, types, cache: Path) -> list[dict]:
+    """The cost-realistic MoE pairs (inflated from the committed q8_0 targets: the MoE pairs are committed in q8_0
+    only) and the tiny ones, as bench_tree's pairs."""
     pairs = []
     for arch in ARCHS:
         if "realistic" in kinds:
-            for kind in types:
-                target = cache / f"{arch}-inflated-{kind}.gguf"
-                if not target.exists():
-                    print(f"building {target.name} (once) ...", flush=True)
-                    inflate_gguf(pair_file(arch, "target", "q8_0"), target, kind)
-                pairs.append({"name": f"{arch} {kind} (0.3B active)", "arch": arch, "target": target,
-                              "draft": pair_file(arch, "dflash", "q8_0")})
+            pairs += bench_tree.cost_realistic_pairs(cache, [arch], types, source="q8_0", label="0.3B active")
         if "tiny" in kinds:
             pairs.append({"name": f"{arch} q8_0 (tiny)", "arch": arch, "target": pair_file(arch, "target", "q8_0"),
                           "draft": pair_file(arch, "dflash", "q8_0")})

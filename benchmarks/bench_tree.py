@@ -56,15 +56,18 @@ OURS = [("plain", None),
 LLAMA_DRAFT = (3, 7, 15)
 
 
-def cost_realistic_pairs(cache: Path, archs) -> list[dict]:
+def cost_realistic_pairs(cache: Path, archs, kinds=("q8_0", "q4mix"), source: str = "f32",
+                         label: str = "0.3B cost") -> list[dict]:
+    """Each arch's committed target (in `source`) inflated into each of `kinds` (built once into `cache`), with the
+    committed q8_0 drafter."""
     pairs = []
     for arch in archs:
-        for kind in ("q8_0", "q4mix"):
+        for kind in kinds:
             target = cache / f"{arch}-inflated-{kind}.gguf"
             if not target.exists():
                 print(f"building {target.name} (once) ...", flush=True)
-                inflate_gguf(pair_file(arch, "target", "f32"), target, kind)
-            pairs.append({"name": f"{arch} {kind} (0.3B cost)", "arch": arch, "target": target,
+                inflate_gguf(pair_file(arch, "target", source), target, kind)
+            pairs.append({"name": f"{arch} {kind} ({label})", "arch": arch, "target": target,
                           "draft": pair_file(arch, "dflash", "q8_0")})
     return pairs
 

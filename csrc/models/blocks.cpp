@@ -35,10 +35,9 @@ ggml_tensor * build_mixer_residual(ggml_context * ctx, ggml_tensor * x, ggml_ten
     return x;
 }
 
-ggml_tensor * build_swiglu_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, ggml_tensor * gate,
-                                    ggml_tensor * up, ggml_tensor * down, float eps, int il) {
-    ggml_tensor * cur = build_swiglu_ffn(ctx, build_rms_norm(ctx, x, norm, eps), gate, up, down);
-    x                 = ggml_add(ctx, cur, x);
+ggml_tensor * build_ffn_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, float eps,
+                                 const std::function<ggml_tensor *(ggml_tensor *)> & ffn, int il) {
+    x = ggml_add(ctx, ffn(build_rms_norm(ctx, x, norm, eps)), x);
     ggml_format_name(x, "l_out-%d", il);
     return x;
 }

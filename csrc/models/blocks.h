@@ -31,9 +31,10 @@ ggml_tensor * build_mixer_residual(ggml_context * ctx, ggml_tensor * x, ggml_ten
                                    bool last_token_only, const std::function<ggml_tensor *(ggml_tensor *)> & mixer,
                                    const char * name, int il);
 
-// the feed-forward half of a pre-norm layer il: x [n_embd, n] -> x + SwiGLU(rms_norm(x) * norm), named l_out-il
-ggml_tensor * build_swiglu_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, ggml_tensor * gate,
-                                    ggml_tensor * up, ggml_tensor * down, float eps, int il);
+// the feed-forward half of a pre-norm layer il: x [n_embd, n] -> x + ffn(rms_norm(x) * norm), named l_out-il (the
+// ffn: a SwiGLU, a mixture of experts; [n_embd, n] -> [n_embd, n])
+ggml_tensor * build_ffn_residual(ggml_context * ctx, ggml_tensor * x, ggml_tensor * norm, float eps,
+                                 const std::function<ggml_tensor *(ggml_tensor *)> & ffn, int il);
 
 // An evaluation that returns only the last token's hidden state needs, past the last layer's K/V (and recurrent
 // state) writes, only that token: its query, residual and FFN (llama.cpp's inp_out_ids). Not when the final

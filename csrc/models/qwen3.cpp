@@ -57,10 +57,8 @@ ggml_tensor * qwen3_layers::build_layer(ggml_context * ctx, ggml_cgraph * gf, co
         return build_self_attention(ctx, gf, in, st, l, il, cur, last_token_only);
     };
     x = build_mixer_residual(ctx, x, l.attn_norm, eps, last_token_only, attention, "ffn_inp", il);
-    ggml_tensor * cur = build_ffn(ctx, gf, il, build_rms_norm(ctx, x, l.ffn_norm, eps));
-    x                 = ggml_add(ctx, cur, x);
-    ggml_format_name(x, "l_out-%d", il);
-    return x;
+    return build_ffn_residual(ctx, x, l.ffn_norm, eps, [&](ggml_tensor * cur) { return build_ffn(ctx, gf, il, cur); },
+                              il);
 }
 
 // cur: the normed x [E, n] -> [E, n], or [E, 1] for the last token only (K/V still written for all n)

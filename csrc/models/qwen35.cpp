@@ -154,10 +154,8 @@ ggml_tensor * qwen35_layers::build_layer(ggml_context * ctx, ggml_cgraph * gf, c
                                  : build_attention_layer(ctx, gf, in, st, l, il, cur, last_token_only);
     };
     x = build_mixer_residual(ctx, x, l.attn_norm, eps, last_token_only, mixer, "attn_residual", il);
-    ggml_tensor * cur = build_ffn(ctx, gf, il, build_rms_norm(ctx, x, l.post_attention_norm, eps));
-    x                 = ggml_add(ctx, cur, x);
-    ggml_format_name(x, "l_out-%d", il);
-    return x;
+    return build_ffn_residual(ctx, x, l.post_attention_norm, eps,
+                              [&](ggml_tensor * cur) { return build_ffn(ctx, gf, il, cur); }, il);
 }
 
 // x: [E, n] -> [E, n], or [E, 1] for the last token only (the state still takes all n). A tree evaluation
