@@ -53,6 +53,15 @@ def float_arg(name: str, value: Any, lo: float, hi: float = math.inf) -> float:
     return value
 
 
+def proportions_arg(name: str, value: Any) -> list[float]:
+    """A sequence of finite proportions >= 0 (None: empty), e.g. llama.cpp's tensor split."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of numbers, got {type(value).__name__} {value!r}")
+    return [float_arg(f"{name}[{i}]", v, 0.0) for i, v in enumerate(value)]
+
+
 def choice_arg(name: str, value: Any, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import statistics
 import sys
@@ -32,8 +33,8 @@ def _open_model(args: argparse.Namespace):
     from .model import Model
 
     return Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
-                 n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe, rpc_servers=args.rpc,
-                 draft_model_path=args.draft, block_size=args.block_size,
+                 n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split,
+                 rpc_servers=args.rpc, draft_model_path=args.draft, block_size=args.block_size,
                  spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose, progress=True)
 
 
@@ -198,7 +199,7 @@ def _plan(args: argparse.Namespace) -> int:
     from .memory_plan import plan
 
     memory = plan(args.model, args.draft, n_ctx=args.n_ctx, kv_type=args.kv_type, n_gpu_layers=args.n_gpu_layers,
-                  n_cpu_moe=args.n_cpu_moe, rpc_servers=args.rpc,
+                  n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split, rpc_servers=args.rpc,
                   n_ubatch=args.n_ubatch, spec_mode=args.spec_mode, block_size=args.block_size,
                   tree_budget=args.tree_budget, draft_window=args.draft_window, vram=args.vram, ram=args.ram)
     if args.json:
@@ -238,13 +239,25 @@ def _int_or_auto(text: str):
     return text if text == "auto" else int(text)
 
 
-def _cpu_moe_arguments(p: argparse.ArgumentParser) -> None:
-    """llama.cpp's flags for a MoE target's experts in system memory (the rest of each layer where -ngl puts it)."""
+def _proportions(text: str) -> list[float]:
+    """llama.cpp's --tensor-split value: proportions separated by ',' or '/', e.g. 3,1"""
+    try:
+        return [float(v) for v in re.split(r"[,/]+", text.strip()) if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected proportions such as 3,1, got {text!r}") from None
+
+
+def _placement_arguments(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's flags for where the layers go beyond -ngl: a MoE target's experts in system memory (the rest
+    of each layer where -ngl puts it), the split over GPU devices, RPC servers as devices."""
     moe = p.add_mutually_exclusive_group()
     moe.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0, metavar="N",
                      help="keep the experts of the first N layers in system memory (MoE targets)")
     moe.add_argument("-cmoe", "--cpu-moe", dest="n_cpu_moe", action="store_const", const=-1,
                      help="keep every layer's experts in system memory (MoE targets)")
+    p.add_argument("-ts", "--tensor-split", type=_proportions, default=None, metavar="N0,N1,...",
+                   help="proportions of the -ngl layers for each GPU device in order (local GPUs, then --rpc "
+                        "servers), e.g. 3,1 (default: by free memory)")
     p.add_argument("--rpc", default=None, metavar="SERVERS",
                    help="comma-separated host:port of pydflash rpc-servers to offload -ngl layers to")
 
@@ -256,7 +269,7 @@ def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> N
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--kv-type", default="f16")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
-    _cpu_moe_arguments(p)
+    _placement_arguments(p)
     p.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF for speculative decoding")
     p.add_argument("-b", "--block-size", type=int, default=None)
     p.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto",
@@ -328,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("-c", "--n-ctx", type=int, default=4096)
     plan_cmd.add_argument("--kv-type", default="f16")
     plan_cmd.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="-1: all layers and the head")
-    _cpu_moe_arguments(plan_cmd)
+    _placement_arguments(plan_cmd)
     plan_cmd.add_argument("-ub", "--n-ubatch", type=_int_or_auto, default="auto",
                           help="prefill micro-batch (default auto: the largest Model may choose)")
     plan_cmd.add_argument("-b", "--block-size", type=int, default=None)

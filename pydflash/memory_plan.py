@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import _core, rpc
-from ._arguments import choice_arg, int_arg, optional_int_arg
+from ._arguments import choice_arg, int_arg, optional_int_arg, proportions_arg
 from .errors import ModelLoadError
 
 __all__ = ["plan", "MemoryPlan", "parse_bytes", "engine_options", "engine_config", "by_category"]
@@ -39,12 +39,13 @@ CATEGORIES = ("weights", "kv", "recurrent", "ring", "draft", "compute")
 
 
 def engine_options(*, n_ctx, kv_type, n_gpu_layers, n_cpu_moe, n_ubatch, spec_mode, block_size, tree_budget,
-                   draft_window, delta_net) -> dict:
+                   draft_window, delta_net, tensor_split=None) -> dict:
     """The engine's options as `Model(...)` and `plan(...)` take them, each checked once, here (a TypeError or
     ValueError naming it); n_ubatch "auto" is 0 (the engine sizes for the largest micro-batch it may choose)."""
     return dict(n_ctx=int_arg("n_ctx", n_ctx, 1, MAX_CTX), kv_type=choice_arg("kv_type", kv_type, KV_TYPES),
                 n_gpu_layers=int_arg("n_gpu_layers", n_gpu_layers, -1),
                 n_cpu_moe=int_arg("n_cpu_moe", n_cpu_moe, -1),
+                tensor_split=proportions_arg("tensor_split", tensor_split),
                 n_ubatch=0 if n_ubatch == "auto" else int_arg("n_ubatch", n_ubatch, 1, MAX_CTX),
                 spec_mode=choice_arg("spec_mode", spec_mode, SPEC_MODES),
                 block_size=optional_int_arg("block_size", block_size, 2, MAX_BLOCK_SIZE),
@@ -242,7 +243,7 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
 
 
 def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str = "f16", n_gpu_layers: int = 0,
-         n_cpu_moe: int = 0, rpc_servers=None, n_ubatch: int | str = "auto", spec_mode: str = "auto",
+         n_cpu_moe: int = 0, tensor_split=None, rpc_servers=None, n_ubatch: int | str = "auto", spec_mode: str = "auto",
          block_size: int | None = None, tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
          suggest: bool = True, sweep: bool = True, delta_net: str = "auto") -> MemoryPlan:
     """The memory plan of `Model(model_path, draft_model_path=..., ...)` with these arguments (the same names and
@@ -255,8 +256,8 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
     paths = checked_paths(model_path, draft_model_path)
     rpc.add_servers(rpc_servers)  # the device its layers are placed on and whose memory is the budget
     args = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
-                          n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,
-                          draft_window=draft_window, delta_net=delta_net)
+                          tensor_split=tensor_split, n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
+                          tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)
     return plan_checked(paths, args, device_budget(vram, ram), suggest=suggest, sweep=sweep)
 
 
@@ -299,8 +300,9 @@ def plan_for_load(paths: tuple[str, str | None], options: dict, budget: dict) ->
 
 
 def _planned_models(paths, args: dict) -> tuple:
-    core_model = _core.Model(paths[0], n_gpu_layers=args["n_gpu_layers"], n_cpu_moe=args["n_cpu_moe"], n_threads=1,
-                             plan_only=True, delta_net=args["delta_net"])
+    core_model = _core.Model(paths[0], n_gpu_layers=args["n_gpu_layers"], n_cpu_moe=args["n_cpu_moe"],
+                             tensor_split=args["tensor_split"], n_threads=1, plan_only=True,
+                             delta_net=args["delta_net"])
     return core_model, None if paths[1] is None else _core.DraftModel(core_model, paths[1])
 
 

@@ -227,7 +227,9 @@ class Model:
     n_cpu_moe (MoE targets): the experts of the first N layers (-1: all) stay in system memory, the rest of each
     layer where n_gpu_layers puts it (llama.cpp's --n-cpu-moe). rpc_servers: "host:port" (a list, or one
     comma-separated string as llama-cpp-python takes it) of `pydflash rpc-server`s whose device n_gpu_layers then
-    offloads to, as to a GPU (pydflash.rpc; unauthenticated: trusted networks only).
+    offloads to, as to a GPU (pydflash.rpc; unauthenticated: trusted networks only). tensor_split: each GPU
+    device's proportion of the offloaded layers, in device order (local GPUs, then rpc_servers), e.g. [3, 1]
+    (llama.cpp's --tensor-split; None or all zero: in proportion to each device's free memory).
     """
 
     def __init__(
@@ -237,6 +239,7 @@ class Model:
         n_ctx: int = 4096,
         n_gpu_layers: int = 0,
         n_cpu_moe: int = 0,
+        tensor_split: Sequence[float] | None = None,
         rpc_servers: str | Sequence[str] | None = None,
         n_threads: int | None = None,
         kv_type: str = "f16",
@@ -255,7 +258,7 @@ class Model:
         # an RPC server's device is offloaded to as a GPU: registered before the plan places the layers
         rpc.add_servers(rpc_servers)
         options = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
-                                 n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
+                                 tensor_split=tensor_split, n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
                                  tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)
         n_threads = optional_int_arg("n_threads", n_threads, 1)
         self.seed = _seed_arg(seed)  # the default of sampled calls (None: a fresh seed per call)
@@ -295,7 +298,7 @@ class Model:
         self._model, draft_model = planned
         with _LoadBar(self.model_path, progress) as bar:
             self._model.load_weights(n_gpu_layers=options["n_gpu_layers"], n_cpu_moe=options["n_cpu_moe"],
-                                     n_threads=n_threads or 0, progress=bar.update, delta_net=options["delta_net"])
+                                     tensor_split=options["tensor_split"], n_threads=n_threads or 0, progress=bar.update, delta_net=options["delta_net"])
         if self.tokenizer.n_vocab > self._model.n_vocab:
             raise ModelLoadError(
                 f"{self.model_path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
@@ -318,8 +321,9 @@ class Model:
         self._ubatch_sizes = self._engine.ubatch_candidates or None
         self._ubatch_key = None
         # where the layers and experts are: what a measured cost depends on
-        ncmoe = self._model.n_cpu_moe
-        placement = f"ngl={options['n_gpu_layers']}" + (f",ncmoe={ncmoe}" if ncmoe else "")
+        ncmoe, split = self._model.n_cpu_moe, self._model.tensor_split
+        placement = (f"ngl={options['n_gpu_layers']}" + (f",ncmoe={ncmoe}" if ncmoe else "")
+                     + (f",ts={'/'.join(f'{v:g}' for v in split)}" if split else ""))
         if self._ubatch_sizes is not None:
             self._ubatch_key = ubatch.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
                                                 placement, self._ubatch_sizes)

@@ -237,6 +237,9 @@ def test_plan_cli(shapes, capsys):
     assert "recurrent" in table and "does NOT fit" in table and "GPU short by" in table and "would fit" in table
     assert main(["plan", str(shapes["8b"]), "--vram", "a lot"]) == 1
     assert "vram" in capsys.readouterr().err
+    # llama.cpp's -ts, either separator; what the plan was made with (no GPU here: the split is the plan's)
+    main(["plan", str(shapes["8b"]), "-ngl", "-1", "-ts", "3/1", "--json"])
+    assert json.loads(capsys.readouterr().out)["config"]["tensor_split"] == [3.0, 1.0]
 
 
 def test_bad_plan_arguments(shapes, tmp_path):

@@ -244,3 +244,72 @@ def test_layers_split_over_two_rpc_servers(tmp_path):
     assert runs[0][-1] + 1 == runs[1][0] and runs[0][0] == 0 and abs(len(runs[0]) - len(runs[1])) <= 1, runs
     assert float(lines[1].split(":")[1]) <= 2e-3
     assert lines[2] == "speculative == plain: True"
+
+
+SPLIT = r'''
+import sys
+sys.path.insert(0, "../tools")
+import pydflash
+from export_pairs import pair_file
+target = str(pair_file("qwen35", "target", "f32"))
+for split in ([3, 1], [0, 1], [1, 0, 0]):
+    try:
+        with pydflash.Model(target, n_ctx=256, n_gpu_layers=-1, rpc_servers=sys.argv[1:], tensor_split=split) as m:
+            devices = {}
+            for name, device, buft in m._model.placement:
+                if name.startswith("blk.") or name == "output.weight":  # the head as layer n_layer
+                    il = int(name.split(".")[1]) if name.startswith("blk.") else m._model.n_layer
+                    devices.setdefault(buft, set()).add(il)
+            print(split, m._model.n_layer, m._model.tensor_split,
+                  sorted(sorted(v) for v in devices.values()), flush=True)
+    except ValueError as e:
+        print(split, "ValueError:", e, flush=True)
+'''
+
+
+def test_tensor_split_over_two_rpc_servers(tmp_path):
+    """tensor_split (llama.cpp's --tensor-split) puts each device's proportion of the offloaded layers on it in
+    device order, with llama.cpp's rounding: layer j of n to the first device whose cumulative share exceeds j/n.
+    A device with 0 gets none; more entries than devices is refused, naming them."""
+    (a, server_a, _), (b, server_b, _) = _start_rpc_server(tmp_path), _start_rpc_server(tmp_path)
+    try:
+        res = _run_client(SPLIT, a, b)
+    finally:
+        for s in (server_a, server_b):
+            s.kill()
+            s.wait()
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    n_layer = int(lines[0].split("] ", 1)[1].split()[0])
+    placed = n_layer + 1  # the layers and the head
+    # [3, 1]: cumulative shares 0.75, 1.0: layers j with j/placed < 0.75 go to the first server
+    first = sum(1 for j in range(placed) if j / placed < 0.75)
+    assert lines[0] == f"[3, 1] {n_layer} [3.0, 1.0] {[list(range(first)), list(range(first, placed))]}", lines[0]
+    assert lines[1] == f"[0, 1] {n_layer} [0.0, 1.0] {[list(range(placed))]}", lines[1]
+    assert lines[2].startswith("[1, 0, 0] ValueError: tensor_split has 3 entries, expected at most one per GPU "
+                               "device (2: RPC"), lines[2]
+
+
+@pytest.mark.parametrize("split,error,match", [
+    ([1, -1], ValueError, r"tensor_split\[1\] = -1"),
+    ([1, float("nan")], ValueError, r"tensor_split\[1\]"),
+    ("3,1", TypeError, "tensor_split must be a sequence"),
+    ([1, "a"], TypeError, r"tensor_split\[1\] must be a number")])
+def test_tensor_split_checked(split, error, match):
+    import pydflash
+    from export_pairs import pair_file
+
+    with pytest.raises(error, match=match):
+        pydflash.Model(pair_file("qwen3", "target", "q8_0"), tensor_split=split)
+
+
+def test_tensor_split_of_a_plan_is_the_loads():
+    """A plan's Model loads with the split it was planned with, or says which differs."""
+    from pydflash import _core
+    from export_pairs import pair_file
+
+    planned = _core.Model(str(pair_file("qwen3", "target", "q8_0")), tensor_split=[1, 1], plan_only=True)
+    with pytest.raises(ValueError, match=r"tensor_split = \[3, 1\], but the plan split the layers by \[1, 1\]"):
+        planned.load_weights(tensor_split=[3, 1])
+    planned.load_weights(tensor_split=[1, 1])
+    assert planned.tensor_split == [1.0, 1.0]

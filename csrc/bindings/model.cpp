@@ -41,9 +41,10 @@ static delta_net_form parse_delta_net(const std::string & name) {
     throw std::invalid_argument(format("delta_net = '%s', expected 'auto', 'fused' or 'chunked'", name.c_str()));
 }
 
-static model_params load_params(int64_t n_gpu_layers, int64_t n_cpu_moe, int64_t n_threads,
-                                const py::object & progress, const std::string & delta_net) {
+static model_params load_params(int64_t n_gpu_layers, int64_t n_cpu_moe, const std::vector<float> & tensor_split,
+                                int64_t n_threads, const py::object & progress, const std::string & delta_net) {
     model_params p;
+    p.tensor_split = tensor_split;
     p.n_gpu_layers = (int) checked("n_gpu_layers", n_gpu_layers, -1, INT32_MAX);
     p.n_cpu_moe    = (int) checked("n_cpu_moe", n_cpu_moe, -1, INT32_MAX);
     p.n_threads    = (int) checked("n_threads", n_threads, 0, INT32_MAX);
@@ -52,9 +53,10 @@ static model_params load_params(int64_t n_gpu_layers, int64_t n_cpu_moe, int64_t
     return p;
 }
 
-static py_model load_model(const std::string & path, int64_t n_gpu_layers, int64_t n_cpu_moe, int64_t n_threads,
-                           py::object progress, bool plan_only, const std::string & delta_net) {
-    model_params p = load_params(n_gpu_layers, n_cpu_moe, n_threads, progress, delta_net);
+static py_model load_model(const std::string & path, int64_t n_gpu_layers, int64_t n_cpu_moe,
+                           const std::vector<float> & tensor_split, int64_t n_threads, py::object progress,
+                           bool plan_only, const std::string & delta_net) {
+    model_params p = load_params(n_gpu_layers, n_cpu_moe, tensor_split, n_threads, progress, delta_net);
     p.plan_only    = plan_only;
     std::shared_ptr<target_model> loaded;
     {
@@ -65,13 +67,14 @@ static py_model load_model(const std::string & path, int64_t n_gpu_layers, int64
 }
 
 // a plan's Model (plan_only) becomes a load's: the one model object, built once (target_model::realize)
-static void load_planned_weights(py_model & m, int64_t n_gpu_layers, int64_t n_cpu_moe, int64_t n_threads,
-                                 py::object progress, const std::string & delta_net) {
+static void load_planned_weights(py_model & m, int64_t n_gpu_layers, int64_t n_cpu_moe,
+                                 const std::vector<float> & tensor_split, int64_t n_threads, py::object progress,
+                                 const std::string & delta_net) {
     if (!m.planned) {
         throw std::invalid_argument(format("%s: the weights are loaded already (load_weights is for a Model made "
                                            "with plan_only=True)", m.model->info().path.c_str()));
     }
-    const model_params p = load_params(n_gpu_layers, n_cpu_moe, n_threads, progress, delta_net);
+    const model_params p = load_params(n_gpu_layers, n_cpu_moe, tensor_split, n_threads, progress, delta_net);
     {
         py::gil_scoped_release nogil;
         m.planned->realize(p);
@@ -108,24 +111,29 @@ static py::dict device_memory() {
 static void register_target(py::module_ & m) {
     py::class_<py_model>(m, "Model")
         .def(py::init(&load_model),
-             py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("n_cpu_moe") = 0, py::arg("n_threads") = 0,
+             py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("n_cpu_moe") = 0,
+             py::arg("tensor_split") = std::vector<float>(), py::arg("n_threads") = 0,
              py::arg("progress") = py::none(), py::arg("plan_only") = false, py::arg("delta_net") = "auto",
              "n_cpu_moe: the experts of the first n layers (-1: all) stay in system memory and are computed by the "
-             "CPU, wherever n_gpu_layers puts their layer (llama.cpp's --n-cpu-moe). progress: called as progress(bytes read, bytes in all) while the weights load. plan_only: for a memory "
+             "CPU, wherever n_gpu_layers puts their layer (llama.cpp's --n-cpu-moe). tensor_split: each GPU "
+             "device's proportion of the offloaded layers, in device order (llama.cpp's --tensor-split; empty or all "
+             "zero: in proportion to free memory). progress: called as progress(bytes read, bytes in all) while the weights load. plan_only: for a memory "
              "plan (pydflash.plan): the GGUF's metadata only, buffers that reserve address space only, layers "
              "placeable on a GPU this machine lacks; sessions over it measure graphs and cannot run them. delta_net "
              "(hybrid targets): how prefill micro-batches run the delta rule: 'fused' (ggml_gated_delta_net), "
              "'chunked' (stock ops, models/delta_net.h) or 'auto' (fused where the backend has the op).")
         .def("load_weights", &load_planned_weights, py::arg("n_gpu_layers") = 0, py::arg("n_cpu_moe") = 0,
-             py::arg("n_threads") = 0, py::arg("progress") = py::none(), py::arg("delta_net") = "auto",
+             py::arg("tensor_split") = std::vector<float>(), py::arg("n_threads") = 0, py::arg("progress") = py::none(), py::arg("delta_net") = "auto",
              "A plan's Model (plan_only=True) becomes a loaded one, its layers where the plan placed them (an error "
-             "when n_gpu_layers or n_cpu_moe places them elsewhere here): the weights move into real buffers and are read. "
+             "when n_gpu_layers, n_cpu_moe or tensor_split places them elsewhere here): the weights move into real buffers and are read. "
              "Sessions opened over the plan must be gone; a DraftModel over it loads its own after this.")
         .def_property_readonly("plan_only", [](const py_model & m) { return m.model->devices().plan_only(); })
         .def_property_readonly("n_gpu_layers", [](const py_model & m) { return m.model->devices().n_gpu_layers(); },
                                "Layers of [0 .. n_layer] on the GPU (the output head counts as layer n_layer).")
         .def_property_readonly("n_cpu_moe", [](const py_model & m) { return m.model->devices().n_cpu_moe(); },
                                "Layers (the first ones) whose experts stay in system memory.")
+        .def_property_readonly("tensor_split", [](const py_model & m) { return m.model->devices().tensor_split(); },
+                               "The offloaded layers' proportions per GPU device, as given (empty: by free memory).")
         .def_property_readonly("weight_memory", [](const py_model & m) { return as_pair(m.model->weight_memory()); },
                                "(CPU bytes, GPU bytes) of the weight buffers.")
         .def_property_readonly("expert_memory", [](const py_model & m) { return as_pair(m.model->expert_memory()); },

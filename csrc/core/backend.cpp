@@ -59,8 +59,10 @@ static int thread_count(int n_threads) {
     return n_threads > 0 ? std::min(n_threads, cores) : cores;
 }
 
-backends::backends(int n_threads, int n_gpu_layers, int n_cpu_moe, int n_layer, bool plan_only)
-    : n_layer_(n_layer), n_cpu_moe_(n_cpu_moe < 0 ? n_layer : std::min(n_cpu_moe, n_layer)), plan_only_(plan_only) {
+backends::backends(int n_threads, int n_gpu_layers, int n_cpu_moe, const std::vector<float> & tensor_split,
+                   int n_layer, bool plan_only)
+    : tensor_split_(tensor_split), n_layer_(n_layer), n_cpu_moe_(n_cpu_moe < 0 ? n_layer : std::min(n_cpu_moe, n_layer)),
+      plan_only_(plan_only) {
     n_threads_ = thread_count(n_threads);
     cpu_dev_   = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     if (!cpu_dev_) {
@@ -86,8 +88,27 @@ backends::backends(int n_threads, int n_gpu_layers, int n_cpu_moe, int n_layer, 
             gpu_devs_.push_back(ggml_backend_dev_get(i));
         }
     }
+    check_tensor_split();
     n_gpu_layers_ = layers_placed(plan_only ? n_gpu_layers : loadable_gpu_layers(n_gpu_layers));
     split_layers();
+}
+
+void backends::check_tensor_split() const {
+    for (size_t d = 0; d < tensor_split_.size(); ++d) {
+        if (!std::isfinite(tensor_split_[d]) || tensor_split_[d] < 0.0f) {
+            throw std::invalid_argument(format("tensor_split[%zu] = %g, expected a finite proportion >= 0", d,
+                                               (double) tensor_split_[d]));
+        }
+    }
+    // a plan on a machine without the GPUs places its layers on one absent device: any split is the plan's
+    if (!gpu_devs_.empty() && tensor_split_.size() > gpu_devs_.size()) {
+        std::string names;
+        for (ggml_backend_dev_t dev : gpu_devs_) {
+            names += (names.empty() ? "" : ", ") + std::string(ggml_backend_dev_name(dev));
+        }
+        throw std::invalid_argument(format("tensor_split has %zu entries, expected at most one per GPU device (%zu: %s)",
+                                           tensor_split_.size(), gpu_devs_.size(), names.c_str()));
+    }
 }
 
 void backends::split_layers() {
@@ -96,27 +117,30 @@ void backends::split_layers() {
     if (n_gpu_layers_ == 0) {
         return;
     }
-    std::vector<double> share;
-    double              sum = 0;
-    for (ggml_backend_dev_t dev : gpu_devs_) {
-        size_t free = 0, total = 0;
-        ggml_backend_dev_memory(dev, &free, &total);
-        share.push_back((double) free);
-        sum += (double) free;
-    }
-    if (share.empty()) {  // a plan's absent GPU
+    if (gpu_devs_.empty()) {  // a plan's absent GPU
         std::fill(layer_device_.begin() + 1 + first, layer_device_.end(), 0);
         return;
     }
-    // layer `first + j` goes to the first device whose cumulative share of the n_gpu_layers_ covers j
-    double cum = 0;
-    int    j   = 0;
-    for (size_t d = 0; d < share.size(); ++d) {
-        cum += sum > 0 ? share[d] / sum : 1.0 / (double) share.size();
-        const int end = d + 1 == share.size() ? n_gpu_layers_ : (int) std::lround(cum * n_gpu_layers_);
-        for (; j < end; ++j) {
-            layer_device_[1 + first + j] = (int) d;
+    const size_t n_dev = gpu_devs_.size();
+    // each device's share: tensor_split when it has a non-zero entry, else the device's free memory
+    std::vector<float> cum(n_dev, 0.0f);
+    const bool given = std::any_of(tensor_split_.begin(), tensor_split_.end(), [](float v) { return v > 0.0f; });
+    for (size_t d = 0; d < n_dev; ++d) {
+        size_t free = 0, total = 0;
+        if (!given) {
+            ggml_backend_dev_memory(gpu_devs_[d], &free, &total);
         }
+        const float share = given ? (d < tensor_split_.size() ? tensor_split_[d] : 0.0f) : (float) free;
+        cum[d]            = share + (d > 0 ? cum[d - 1] : 0.0f);
+    }
+    for (float & c : cum) {
+        c = cum.back() > 0.0f ? c / cum.back() : 1.0f;
+    }
+    // offloaded layer j goes to the first device whose cumulative share exceeds j / n_gpu_layers, in float as
+    // llama.cpp computes it, so that both engines put the same layers on each device
+    for (int j = 0; j < n_gpu_layers_; ++j) {
+        const size_t d = std::upper_bound(cum.begin(), cum.end(), float(j) / float(n_gpu_layers_)) - cum.begin();
+        layer_device_[1 + first + j] = (int) std::min(d, n_dev - 1);
     }
 }
 
@@ -162,7 +186,7 @@ int backends::loadable_gpu_layers(int n_gpu_layers) const {
     return n_gpu_layers;
 }
 
-void backends::realize(int n_threads, int n_gpu_layers, int n_cpu_moe) {
+void backends::realize(int n_threads, int n_gpu_layers, int n_cpu_moe, const std::vector<float> & tensor_split) {
     if (!plan_only_) {
         throw std::logic_error("backends::realize: these backends are a load's already");
     }
@@ -175,6 +199,17 @@ void backends::realize(int n_threads, int n_gpu_layers, int n_cpu_moe) {
     if (cpu_moe != n_cpu_moe_) {
         throw std::invalid_argument(format("n_cpu_moe = %d keeps the experts of %d layers on the CPU, but the plan "
                                            "kept %d", n_cpu_moe, cpu_moe, n_cpu_moe_));
+    }
+    if (tensor_split != tensor_split_) {
+        auto listed = [](const std::vector<float> & v) {
+            std::string out;
+            for (float x : v) {
+                out += (out.empty() ? "" : ", ") + format("%g", (double) x);
+            }
+            return "[" + out + "]";
+        };
+        throw std::invalid_argument(format("tensor_split = %s, but the plan split the layers by %s",
+                                           listed(tensor_split).c_str(), listed(tensor_split_).c_str()));
     }
     n_threads_ = thread_count(n_threads);
     plan_only_ = false;

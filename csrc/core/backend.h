@@ -87,7 +87,10 @@ class backends {
     // on a GPU this machine lacks, and only the CPU computes (graphs are measured, never run)
     // n_cpu_moe: the stacked experts (WEIGHT_USE_MATMUL_ID) of the first n_cpu_moe layers (-1: all) stay in system
     // memory, computed by the CPU, wherever their layer is placed (llama.cpp's --n-cpu-moe)
-    backends(int n_threads, int n_gpu_layers, int n_cpu_moe, int n_layer, bool plan_only = false);
+    // tensor_split: each GPU device's proportion of the offloaded layers, in device order (llama.cpp's
+    // --tensor-split; devices past its end get none); empty or all zero: in proportion to free memory
+    backends(int n_threads, int n_gpu_layers, int n_cpu_moe, const std::vector<float> & tensor_split, int n_layer,
+             bool plan_only = false);
     ~backends();
     backends(const backends &)             = delete;
     backends & operator=(const backends &) = delete;
@@ -95,9 +98,10 @@ class backends {
     // GPU backend found no usable device or driver); a plan places layers as asked
     static int usable_gpu_layers(int n_gpu_layers);
     // a plan's backends become a load's, placing the layers where the plan did (refused, naming both, when
-    // n_gpu_layers or n_cpu_moe places them elsewhere on this machine) and computing with n_threads; the weights
-    // placed by them are then moved into real buffers (weights::realize). Only before any session computes over them.
-    void       realize(int n_threads, int n_gpu_layers, int n_cpu_moe);
+    // n_gpu_layers, n_cpu_moe or tensor_split places them elsewhere on this machine) and computing with
+    // n_threads; the weights placed by them are then moved into real buffers (weights::realize). Only before any
+    // session computes over them.
+    void realize(int n_threads, int n_gpu_layers, int n_cpu_moe, const std::vector<float> & tensor_split);
 
     ggml_backend_dev_t cpu_device() const { return cpu_dev_; }
     // the GPU devices sessions compute on (those holding offloaded layers; none in a plan)
@@ -109,6 +113,7 @@ class backends {
     bool               plan_only() const { return plan_only_; }
     int                n_gpu_layers() const { return n_gpu_layers_; }  // of [0 .. n_layer], the head counted
     int                n_cpu_moe() const { return n_cpu_moe_; }        // of [0 .. n_layer]: layers whose experts stay on the CPU
+    const std::vector<float> & tensor_split() const { return tensor_split_; }
 
     // true when layer `il` (-1 = input embeddings, n_layer = output head) runs on the GPU
     bool on_gpu(int il) const;
@@ -128,9 +133,12 @@ class backends {
   private:
     // n_gpu_layers as placed: the layers and head on the GPU, counted from the output end
     int layers_placed(int n_gpu_layers) const;
-    // the offloaded layers over the GPU devices: consecutive runs in device order, in proportion to each
-    // device's free memory (llama.cpp's default split), the output head on the last
+    // the offloaded layers over the GPU devices: consecutive runs in device order, in proportion to
+    // tensor_split_ or else to each device's free memory (llama.cpp's split, its rounding too), the output head
+    // on the last
     void split_layers();
+    // tensor_split_ checked against the devices: finite, non-negative, at most one entry per GPU device
+    void check_tensor_split() const;
     // n_gpu_layers a load honours on this machine (usable_gpu_layers, said in the log), its GPU started once
     int loadable_gpu_layers(int n_gpu_layers) const;
 
@@ -139,6 +147,7 @@ class backends {
     // without one places its layers on one absent GPU (nullptr)
     std::vector<ggml_backend_dev_t>         gpu_devs_;
     std::vector<int>                        layer_device_;  // il + 1 -> index in gpu_devs_, or -1 (the CPU)
+    std::vector<float>                      tensor_split_;  // as given (empty: by free memory)
     std::vector<ggml_backend_buffer_type_t> cpu_extra_bufts_;
     int                                     n_threads_;
     int                                     n_layer_;

@@ -27,7 +27,7 @@ void target_model::realize(const model_params & params) {
                                            "model)", file_->path().c_str()));
     }
     file_->require_data();  // before anything changes: a truncated file leaves the plan as it was
-    devices_->realize(params.n_threads, params.n_gpu_layers, params.n_cpu_moe);
+    devices_->realize(params.n_threads, params.n_gpu_layers, params.n_cpu_moe, params.tensor_split);
     realize_weights(params.progress);
     loaded(params);
 }
@@ -48,8 +48,8 @@ void target_model::describe(const std::string & arch, int64_t n_embd, int n_laye
 }
 
 void target_model::load(const model_params & params) {
-    read_weights(std::make_shared<backends>(params.n_threads, params.n_gpu_layers, params.n_cpu_moe, info_.n_layer,
-                                            params.plan_only),
+    read_weights(std::make_shared<backends>(params.n_threads, params.n_gpu_layers, params.n_cpu_moe,
+                                            params.tensor_split, info_.n_layer, params.plan_only),
                  params.progress);
     loaded(params);
 }

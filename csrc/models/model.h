@@ -26,6 +26,7 @@ struct model_params {
     int n_gpu_layers = 0;   // layers (counted from the output end) placed on the GPU; -1 = all
     int n_cpu_moe    = 0;   // the experts of the first n layers stay in system memory (llama.cpp's --n-cpu-moe); -1 = all
     int n_threads    = 0;   // 0 = hardware concurrency
+    std::vector<float> tensor_split;  // the offloaded layers' split over GPU devices (core/backend.h)
     load_progress progress;  // called as the weights are read (may be empty)
     bool plan_only = false;  // a memory plan: metadata only, planned buffers (core/planned_buffer.h)
     delta_net_form delta_net = delta_net_form::automatic;
