@@ -131,18 +131,36 @@ def llama_ar(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: i
 
 
 def llama_dflash(target: Path, draft: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int,
-                 n_draft: int, temp: float = 0.0, seed: int = 0, n_batch: int | None = None) -> dict:
+                 n_draft: int, temp: float = 0.0, seed: int = 0, n_batch: int | None = None,
+                 per_round: bool = False) -> dict:
     """llama-speculative-simple --spec-type draft-dflash (greedy unless temp > 0), -lv 4 for its statistics line;
     "output" holds what it printed (the prompt and the continuation among the log lines). It evaluates the
-    prompt in one batch: n_batch (-b) must hold it (its default is 2048)."""
+    prompt in one batch: n_batch (-b) must hold it (its default is 2048). per_round: -lv 5 for its debug lines,
+    and "accepted_per_round", the drafts each verify accepted, in order.
+
+    Its counts are not ours round for round: it evaluates the prompt less its last token and anchors its first
+    block there (the first generated token is that round's first draft; ours comes from the prompt's pass), and
+    it verifies whole blocks to the end, stopping once n_predict exceeds max_tokens (n_predict is then up to
+    n_draft + 1 past it). Compare verify passes over the same tokens: rounds_to()."""
     cmd = [str(_exe("llama-speculative-simple")), "-m", str(target), "-md", str(draft), "--spec-type",
            "draft-dflash", "--spec-draft-n-max", str(n_draft), "-f", str(prompt), "-n", str(max_tokens),
-           *sampling_flags(temp, seed), "-t", str(threads), "-td", str(threads), "-c", str(n_ctx), "-lv", "4",
-           *(["-b", str(n_batch)] if n_batch else [])]
-    return _run_and_parse(cmd, _parse_dflash)
+           *sampling_flags(temp, seed), "-t", str(threads), "-td", str(threads), "-c", str(n_ctx),
+           "-lv", "5" if per_round else "4", *(["-b", str(n_batch)] if n_batch else [])]
+    return _run_and_parse(cmd, lambda out: _parse_dflash(out, per_round))
 
 
-def _parse_dflash(out: str) -> dict:
+def rounds_to(n_tokens: int, tokens_per_round) -> int:
+    """The verify passes a loop took to have produced n_tokens, given what each round committed in order (drafts
+    accepted + 1); the whole list's length when they fall short."""
+    total = 0
+    for i, n in enumerate(tokens_per_round):
+        total += n
+        if total >= n_tokens:
+            return i + 1
+    return len(tokens_per_round)
+
+
+def _parse_dflash(out: str, per_round: bool = False) -> dict:
     dec = _search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out, "'decoded N tokens in S seconds'")
     n_predict = int(_search(r"n_predict\s*=\s*(\d+)", out, "n_predict")[1])
     n_drafted = int(_search(r"n_drafted\s*=\s*(\d+)", out, "n_drafted")[1])
@@ -151,10 +169,17 @@ def _parse_dflash(out: str) -> dict:
     dur = _search(r"dur\(b,g,a\)\s*=\s*([\d.]+),\s*([\d.]+),\s*([\d.]+) ms", out, "the 'dur(b,g,a)' statistics")
     pev = _search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out, "the target's 'prompt eval time'")
     rounds = n_predict - n_accept
-    return {"ms": 1000.0 * float(dec[2]), "tokens": int(dec[1]), "n_predict": n_predict, "n_drafted": n_drafted,
-            "n_accept": n_accept, "rounds": rounds, "passes": rounds, "draft_calls": int(calls[2]),
-            "draft_ms": float(dur[2]), "target_multi_ms": float(pev[1]), "target_multi_tokens": int(pev[2]),
-            "checkpoints": "will use checkpoints" in out, "output": out}
+    r = {"ms": 1000.0 * float(dec[2]), "tokens": int(dec[1]), "n_predict": n_predict, "n_drafted": n_drafted,
+         "n_accept": n_accept, "rounds": rounds, "passes": rounds, "draft_calls": int(calls[2]),
+         "draft_ms": float(dur[2]), "target_multi_ms": float(pev[1]), "target_multi_tokens": int(pev[2]),
+         "checkpoints": "will use checkpoints" in out, "output": out}
+    if per_round:
+        accepted = [int(a) for a in re.findall(r"accepted (\d+)/\d+ draft tokens", out)]
+        if sum(a + 1 for a in accepted) != n_predict:  # (a line the asynchronous logger lost)
+            raise PeerError(f"could not find every round's 'accepted N/M draft tokens' line: {len(accepted)} found, "
+                            f"{sum(a + 1 for a in accepted)} of the {n_predict} tokens")
+        r["accepted_per_round"] = accepted
+    return r
 
 
 def llama_bench(target: Path, threads: int, n_prompt: int, n_gen: int, depth: int = 0, reps: int = 1) -> dict:
