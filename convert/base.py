@@ -479,12 +479,16 @@ class ModelConverter:
             md.name = self.dir_model.name
         if md.size_label is None and total > 0:
             md.size_label = gguf.size_label(total, shared, expert, n_expert)
+        self.adjust_metadata(md)
         self.metadata = md
         self.writer.add_type(gguf.GGUFType.MODEL)
         md.set_gguf_meta_model(self.writer)
         self.set_gguf_parameters()
         self.writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         self.set_vocab()
+
+    def adjust_metadata(self, md: gguf.Metadata) -> None:
+        """What a converter adds to the general.* keys it read (none by default)."""
 
     def default_outfile(self, vocab_only: bool) -> str:
         assert self.metadata is not None

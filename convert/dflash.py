@@ -26,6 +26,7 @@ import logging
 import re
 from typing import Any, Iterable
 
+import gguf
 import numpy as np
 
 from pydflash.errors import ConversionError
@@ -258,6 +259,17 @@ class DFlashConverter(ModelConverter):
         if self.target_uses_mrope():
             # the draft ropes on the temporal section only: degenerate M-RoPE sections
             w.add_array(key(KEY_ROPE_DIMENSION_SECTIONS), [head_dim // 2, 0, 0, 0])
+
+    def adjust_metadata(self, md: gguf.Metadata) -> None:
+        """general.base_model.0.name: the target the drafter is for, as the target's own conversion names it
+        (general.name), unless the drafter's model card names its base models already. Loading the drafter onto
+        another target then warns (pydflash/drafter_target.py); llama.cpp's converter writes these keys from the
+        model card only."""
+        if md.base_models:
+            return
+        assert self.target_model_dir is not None
+        target = gguf.Metadata.load(None, self.target_model_dir, None, 0)
+        md.base_models = [{"name": target.name or self.target_model_dir.name}]
 
     def set_vocab(self) -> None:
         """The target's tokenizer, written by the target's converter (llama.cpp calls the target

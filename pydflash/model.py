@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from . import _core, cost_cache, rpc, ubatch
+from . import _core, cost_cache, drafter_target, rpc, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
 from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
@@ -308,9 +308,15 @@ class Model:
                     self._model.arch, self._model.n_layer, self._model.weight_bytes / 2**20, options["n_ctx"],
                     self.kv_type, kv_bytes / 2**20)
         self._draft_model = draft_model
+        # a drafter that names another model than this target: said now, and its acceptance after the first
+        # generation that drafts (_report_drafter_acceptance)
+        self._drafter_mismatch = None
         if draft_model is not None:
             with _LoadBar(self.draft_model_path, progress) as bar:
                 draft_model.load_weights(progress=bar.update)
+            self._drafter_mismatch = drafter_target.mismatch(self.model_path, self.draft_model_path)
+            if self._drafter_mismatch:
+                logger.warning("%s", self._drafter_mismatch)
 
     def _resolve_engine(self, options: dict) -> None:
         """The session's and the drafter's parameters (decode/engine_params.h), as the plan resolved them; with
@@ -685,11 +691,20 @@ class Model:
             cost_cache.remember(self._draft if speculative else None, self._cost_key)
         finally:
             self._lock.release()
+        self._report_drafter_acceptance(result["timings"])
         if stops.stopped:
             result["finish_reason"] = "stop"
         else:
             emit(stops.flush(), None)
         return result
+
+    def _report_drafter_acceptance(self, timings: dict) -> None:
+        """Once, after the first generation that drafted: the mismatched drafter's measured acceptance."""
+        if self._drafter_mismatch and timings.get("draft_n", 0) > 0:
+            accepted, drafted = timings["draft_n_accepted"], timings["draft_n"]
+            logger.warning("%s: %d of its %d drafts were accepted (%.0f%%) in its first generation here",
+                           self.draft_model_path, accepted, drafted, 100.0 * accepted / drafted)
+            self._drafter_mismatch = None
 
     def abort(self) -> None:
         """Stop the generation in progress on this Model (callable from any thread): it ends within one round

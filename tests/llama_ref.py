@@ -95,12 +95,18 @@ def read_gguf(path: Path):
     return kv, tensors
 
 
-def assert_same_gguf(ours: Path, ref: Path, *, ulp_tolerant: tuple[str, ...] = (), ignore_keys: tuple[str, ...] = ()):
+def assert_same_gguf(ours: Path, ref: Path, *, ulp_tolerant: tuple[str, ...] = (), ignore_keys: tuple[str, ...] = (),
+                     only_ours: tuple[str, ...] = ()):
     """Same keys (name, type, value, order) and tensors (name, shape, type, bytes). Tensors whose name
     ends with one of `ulp_tolerant` (F32 only) may differ by one unit in the last place; keys in
-    `ignore_keys` may differ in value (not in presence, type or position)."""
+    `ignore_keys` may differ in value (not in presence, type or position); keys starting with one of
+    `only_ours` are ours alone (at least one of them present, none in llama.cpp's)."""
     kv_a, t_a = read_gguf(ours)
     kv_b, t_b = read_gguf(ref)
+    if only_ours:
+        extra = [k for k in kv_a if k.startswith(only_ours)]
+        assert extra and not any(k.startswith(only_ours) for k in kv_b), (extra, list(kv_b))
+        kv_a = {k: v for k, v in kv_a.items() if k not in extra}
     diff = {k: (kv_a.get(k), kv_b.get(k)) for k in kv_a.keys() | kv_b.keys()
             if kv_a.get(k) != kv_b.get(k) and not (k in ignore_keys and k in kv_a and k in kv_b
                                                      and kv_a[k][0] == kv_b[k][0])}
