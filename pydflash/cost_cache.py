@@ -4,7 +4,10 @@ auto chooses each round how much to verify from the measured time of a target ev
 times are learnt in the rounds that use them, from plain decoding up, so a fresh process answers at once; this
 module saves what was measured, per model file, drafter, machine, thread count and offload (as ubatch.py keys
 the prefill micro-batch), and gives it to the next load, which then chooses as well from its first round and
-goes on refining the times as it decodes. A table is written when it holds a width the saved one lacks.
+goes on refining the times as it decodes. A table is written when it holds a width the saved one lacks. With the
+times goes auto's cool-down length, so that where speculation had stopped paying (a target too small for its
+drafter) the next process decodes plainly from its first round instead of probing its way there again (a few
+percent of a short benchmark's time on the tiny pairs). Both are rewritten when either changes.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from . import cache_paths, ubatch
 
 __all__ = ["cache_key", "restore", "remember"]
 
-# the widths each key's saved table holds, as this process last wrote or read it
-_saved: dict[str, frozenset] = {}
+# (the widths each key's saved table holds, auto's cool-down length), as this process last wrote or read them
+_saved: dict[str, tuple[frozenset, int]] = {}
 CACHE_FILE = "verify_costs.json"
 
 
@@ -38,20 +41,25 @@ def restore(draft, key: str | None) -> None:
     try:
         chain = {int(w): float(ms) for w, ms in saved.get("verify_ms", {}).items()}
         tree = {int(w): float(ms) for w, ms in saved.get("tree_verify_ms", {}).items()}
+        cool_len = min(max(int(saved.get("cool_len", 0)), 0), 1 << 20)
     except (AttributeError, TypeError, ValueError):
         return  # not a table this version wrote: measured again
-    draft.restore_costs(chain, tree)
-    _saved[key] = _widths(chain, tree)
+    draft.restore_costs(chain, tree, cool_len=cool_len)
+    _saved[key] = (_widths(chain, tree), cool_len)
 
 
 def remember(draft, key: str | None) -> None:
-    """After a generation: save the verify times `draft` has measured when they cover a width not saved yet."""
+    """After a generation: save the verify times `draft` has measured when they cover a width not saved yet, or
+    auto's cool-down length when it changed."""
     if draft is None or key is None:
         return
-    chain, tree = draft.costs()["measured"]
-    widths = _widths(chain, tree)
-    if widths <= _saved.get(key, frozenset()):
+    costs = draft.costs()
+    chain, tree = costs["measured"]
+    widths, cool_len = _widths(chain, tree), costs["cool_len"]
+    saved_widths, saved_cool_len = _saved.get(key, (frozenset(), 0))
+    if widths <= saved_widths and cool_len == saved_cool_len:
         return
-    _saved[key] = widths
+    _saved[key] = (widths | saved_widths, cool_len)
     cache_paths.write_entry(CACHE_FILE, key, {"verify_ms": {str(w): ms for w, ms in chain.items()},
-                 "tree_verify_ms": {str(w): ms for w, ms in tree.items()}})
+                                              "tree_verify_ms": {str(w): ms for w, ms in tree.items()},
+                                              "cool_len": cool_len})

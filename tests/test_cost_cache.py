@@ -41,3 +41,29 @@ def test_no_table_is_kept_for_other_threads_or_without_a_drafter():
     with pydflash.Model(TARGET, n_ctx=512, n_threads=2) as plain:
         plain.generate(PROMPT, max_tokens=8)
     assert len(json.loads((cache_paths.cache_dir() / cost_cache.CACHE_FILE).read_text())) == 1
+
+
+def _drafting_rounds(timings: dict) -> int:
+    return timings["auto_plain"] + timings["auto_chain"] + timings["auto_tree"]
+
+
+def test_auto_resumes_its_cool_down():
+    """auto's cool-down length (speculation had stopped paying) is kept with the costs: the next load decodes
+    plainly from its first round for that long instead of probing its way there again."""
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as fresh:
+        # control: with nothing learnt, auto drafts once it knows a plain step (its second round)
+        assert _drafting_rounds(fresh.generate(PROMPT, max_tokens=32).timings) > 0
+    (cache_paths.cache_dir() / cost_cache.CACHE_FILE).unlink()
+    cost_cache._saved.clear()
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as m:
+        m._draft.restore_costs({}, {}, cool_len=64)  # as a load after speculation stopped paying
+        c = m.generate(PROMPT, max_tokens=32)
+        assert _drafting_rounds(c.timings) == 0 and c.timings["auto_skipped"] > 0
+        assert m._draft.costs()["cool_len"] == 64
+    (saved,) = cache_paths.read_table(cost_cache.CACHE_FILE).values()
+    assert saved["cool_len"] == 64
+
+    cost_cache._saved.clear()  # as a new process
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
+        assert again._draft.costs()["cool_len"] == 64
+        assert _drafting_rounds(again.generate(PROMPT, max_tokens=32).timings) == 0

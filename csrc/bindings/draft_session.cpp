@@ -91,10 +91,12 @@ static py::dict costs(const py_draft & d) {
         (x.tree ? measured_tree : measured)[py::int_(x.width)] = x.ms;
     }
     out["measured"] = py::make_tuple(measured, measured_tree);
+    out["cool_len"] = d.state->cool_len;
     return out;
 }
 
-static void restore_costs(py_draft & d, const std::map<int, double> & chain, const std::map<int, double> & tree) {
+static void restore_costs(py_draft & d, const std::map<int, double> & chain, const std::map<int, double> & tree,
+                          int64_t cool_len) {
     std::vector<cost_model::measurement> table;
     for (const auto & [w, ms] : chain) {
         table.push_back({w, false, ms});
@@ -103,6 +105,10 @@ static void restore_costs(py_draft & d, const std::map<int, double> & chain, con
         table.push_back({w, true, ms});
     }
     d.state->costs.restore(table);
+    // auto resumes where the last process left off: when speculation had stopped paying, it decodes plainly for
+    // the cool-down it had reached before it probes again (decode/proposer.cpp)
+    d.state->cool_len = (int) checked("cool_len", cool_len, 0, INT32_MAX);
+    d.state->cooldown = d.state->cool_len;
 }
 
 static void register_memory(py::class_<py_draft> & cls) {
@@ -151,7 +157,10 @@ void register_draft_session(py::module_ & m) {
              "The speculation cost model: measured verify times per width, draft time, rates (tokens/ms), and the "
              "acceptance of the drafter's first choice by depth when it gives it probability 0.5-0.6.")
         .def("restore_costs", &restore_costs, py::arg("verify_ms"), py::arg("tree_verify_ms"),
-             "Verify times (ms by grid width) measured earlier, as costs()['measured'] gave them.");
+             py::arg("cool_len") = 0,
+             "Verify times (ms by grid width) measured earlier, as costs()['measured'] gave them, and auto's "
+             "cool-down length then (costs()['cool_len']; speculation not paying): it decodes plainly that many "
+             "rounds before it next drafts.");
     register_memory(cls);
 }
 
