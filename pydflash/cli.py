@@ -34,8 +34,9 @@ def _open_model(args: argparse.Namespace):
 
     return Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
                  n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split,
-                 rpc_servers=args.rpc, draft_model_path=args.draft, block_size=args.block_size,
-                 spec_mode=args.spec_mode, tree_budget=args.tree_budget, verbose=args.verbose, progress=True)
+                 rpc_servers=args.rpc, proposers=args.proposers, draft_model_path=args.draft,
+                 block_size=args.block_size, spec_mode=args.spec_mode, tree_budget=args.tree_budget,
+                 verbose=args.verbose, progress=True)
 
 
 def _sampling(args: argparse.Namespace) -> dict:
@@ -139,9 +140,9 @@ def _bench(args: argparse.Namespace) -> int:
     prompts = demo_prompts()[: args.n_prompts]
     with _open_model(args) as model:
         model.generate(prompts[0], max_tokens=8, speculative=False)  # warm-up: pages, graphs
-        if args.draft:
-            model.generate(prompts[0], max_tokens=8)  # and the drafter's (auto's calibration)
-        modes = [("plain", False)] + ([("speculative", True)] if args.draft else [])
+        if model.proposers:
+            model.generate(prompts[0], max_tokens=8)  # and the proposer's (auto's calibration)
+        modes = [("plain", False)] + ([("speculative", True)] if model.proposers else [])
         rows = {name: {"tokens": 0, "ms": 0.0, "tau": []} for name, _ in modes}
         for prompt in prompts:
             for name, speculative in modes:  # interleaved
@@ -200,7 +201,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     memory = plan(args.model, args.draft, n_ctx=args.n_ctx, kv_type=args.kv_type, n_gpu_layers=args.n_gpu_layers,
                   n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split, rpc_servers=args.rpc,
-                  n_ubatch=args.n_ubatch, spec_mode=args.spec_mode, block_size=args.block_size,
+                  proposers=args.proposers, n_ubatch=args.n_ubatch, spec_mode=args.spec_mode, block_size=args.block_size,
                   tree_budget=args.tree_budget, draft_window=args.draft_window, vram=args.vram, ram=args.ram)
     if args.json:
         print(json.dumps(memory.as_dict(), indent=2))
@@ -209,8 +210,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"{c['model_path']}" + (f" + {c['draft_model_path']}" if c["draft_model_path"] else "") +
               f": n_ctx {c['n_ctx']}, kv {c['kv_type']}, n_gpu_layers {c['n_gpu_layers']}"
               + (f", n_cpu_moe {c['n_cpu_moe']}" if c["n_cpu_moe"] else "") + f", n_ubatch {c['n_ubatch']}"
-              + (f", {c['spec_mode']} (block {c['block_size']}, tree budget {c['tree_budget']})"
-                 if c["draft_model_path"] else ""))
+              + (f", {'/'.join(c['proposers'])} {c['spec_mode']} (block {c['block_size']}, tree budget "
+                 f"{c['tree_budget']})" if c["proposers"] else ""))
         print(memory.table())
     return 0 if memory.fits is not False else 2
 
@@ -262,6 +263,13 @@ def _placement_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated host:port of pydflash rpc-servers to offload -ngl layers to")
 
 
+def _proposers_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--proposers", type=lambda text: tuple(x.strip() for x in text.split(",") if x.strip()),
+                   default=None, metavar="NAMES",
+                   help="what drafts each round: dflash (the default with --draft) or ngram (prompt lookup: what "
+                        "followed earlier occurrences of the last tokens; no draft model)")
+
+
 def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
     p.add_argument("model", help="path to a qwen3 / qwen35 / qwen3moe / qwen35moe GGUF")
     p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
@@ -271,6 +279,7 @@ def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> N
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     _placement_arguments(p)
     p.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF for speculative decoding")
+    _proposers_argument(p)
     p.add_argument("-b", "--block-size", type=int, default=None)
     p.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto",
                    help="with a draft: choose per round (auto), DDTree trees, or DFlash chains")
@@ -338,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "(the GGUFs' metadata only: tensor data may be absent)")
     plan_cmd.add_argument("model", help="path to a qwen3 / qwen35 / qwen3moe / qwen35moe GGUF")
     plan_cmd.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF")
+    _proposers_argument(plan_cmd)
     plan_cmd.add_argument("-c", "--n-ctx", type=int, default=4096)
     plan_cmd.add_argument("--kv-type", default="f16")
     plan_cmd.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="-1: all layers and the head")

@@ -38,8 +38,32 @@ MAX_CTX, MAX_BLOCK_SIZE, MAX_TREE_BUDGET = _core.MAX_CTX, _core.MAX_BLOCK_SIZE, 
 CATEGORIES = ("weights", "kv", "recurrent", "ring", "draft", "compute")
 
 
+PROPOSERS = ("dflash", "ngram")
+
+
+def proposers_arg(proposers, draft_model_path) -> tuple[str, ...]:
+    """What drafts each round: `proposers` (None: the DFlash drafter when draft_model_path is given, else none),
+    checked. One proposer at a time: merging several into one tree is not built yet."""
+    if proposers is None:
+        return ("dflash",) if draft_model_path is not None else ()
+    if isinstance(proposers, str) or not isinstance(proposers, (list, tuple)):
+        raise TypeError(f"proposers must be a tuple of names such as ('ngram',), got {type(proposers).__name__} "
+                        f"{proposers!r}")
+    for name in proposers:
+        choice_arg("proposers entry", name, PROPOSERS)
+    chosen = tuple(dict.fromkeys(proposers))
+    if len(chosen) > 1:
+        raise ValueError(f"proposers={chosen!r}: one proposer at a time (a tree merging several is not built yet)")
+    if chosen == ("dflash",) and draft_model_path is None:
+        raise ValueError("proposers=('dflash',) needs a DFlash drafter: draft_model_path")
+    if chosen == ("ngram",) and draft_model_path is not None:
+        raise ValueError(f"proposers=('ngram',) drafts by n-gram lookup, without the drafter {draft_model_path}: "
+                         f"give one or the other")
+    return chosen
+
+
 def engine_options(*, n_ctx, kv_type, n_gpu_layers, n_cpu_moe, n_ubatch, spec_mode, block_size, tree_budget,
-                   draft_window, delta_net, tensor_split=None) -> dict:
+                   draft_window, delta_net, tensor_split=None, proposers=()) -> dict:
     """The engine's options as `Model(...)` and `plan(...)` take them, each checked once, here (a TypeError or
     ValueError naming it); n_ubatch "auto" is 0 (the engine sizes for the largest micro-batch it may choose)."""
     return dict(n_ctx=int_arg("n_ctx", n_ctx, 1, MAX_CTX), kv_type=choice_arg("kv_type", kv_type, KV_TYPES),
@@ -51,7 +75,7 @@ def engine_options(*, n_ctx, kv_type, n_gpu_layers, n_cpu_moe, n_ubatch, spec_mo
                 block_size=optional_int_arg("block_size", block_size, 2, MAX_BLOCK_SIZE),
                 tree_budget=optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET),
                 draft_window=int_arg("draft_window", draft_window, 1),
-                delta_net=choice_arg("delta_net", delta_net, DELTA_NET_FORMS))
+                delta_net=choice_arg("delta_net", delta_net, DELTA_NET_FORMS), proposers=tuple(proposers))
 
 
 @dataclass(frozen=True)
@@ -65,6 +89,7 @@ class EngineConfig:
     tree_budget: int | None
     block: int | None
     ubatch_candidates: tuple[int, ...] = ()
+    ngram: dict | None = None  # NgramDrafter's arguments (proposers=('ngram',))
 
 
 def engine_config(core_model, core_draft, options: dict) -> EngineConfig:
@@ -73,8 +98,9 @@ def engine_config(core_model, core_draft, options: dict) -> EngineConfig:
     p = _core.engine_params(core_model, core_draft, n_ctx=options["n_ctx"], kv_type=options["kv_type"],
                             n_ubatch=options["n_ubatch"], block_size=options["block_size"] or 0,
                             tree_budget=options["tree_budget"] or 0, draft_window=options["draft_window"],
-                            spec_mode=options["spec_mode"])
-    return EngineConfig(p["session"], p["draft"], p["tree_budget"], p["block"], tuple(p["ubatch_candidates"]))
+                            spec_mode=options["spec_mode"], ngram="ngram" in options["proposers"])
+    return EngineConfig(p["session"], p["draft"], p["tree_budget"], p["block"], tuple(p["ubatch_candidates"]),
+                        p["ngram"])
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -222,17 +248,21 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
     graphs = {}
     n_ubatch = cfg.session["n_ubatch"]
     graphs[f"prefill {n_ubatch}"] = target(n_ubatch, whole=True, all_rows=False)
-    if draft_session is None:
+    if draft_session is None and cfg.ngram is None:
         graphs["decode 1"] = target(1)
         return graphs
     width = cfg.block if spec_mode == "chain" else 1 + cfg.tree_budget
     # a verify never holds more than the ring's rows, the context, or (hybrid) the states kept
-    width = min(width, draft_session.ring_capacity, n_ctx, session.n_rollback if core_model.is_recurrent else width)
+    ring_rows = draft_session.ring_capacity if draft_session is not None else width
+    width = min(width, ring_rows, n_ctx, session.n_rollback if core_model.is_recurrent else width)
     graphs[f"verify {width}"] = target(width)
     if spec_mode != "chain" and core_model.is_recurrent and width >= 3:
         # a hybrid target runs trees depth by depth: the deepest tree and the widest (all nodes at depth 1)
-        for levels in (_tree_levels(width, draft_session.block_size), [1, width - 1]):
+        for levels in (_tree_levels(width, cfg.block), [1, width - 1]):
             graphs[f"tree {width} over {len(levels)} depths"] = target(width, tree_levels=levels)
+    if draft_session is None:
+        graphs["decode 1"] = target(1)
+        return graphs
     # the drafter: rows appended alone, or before a block drafted over its window
     block, n_slots = draft_session.block_size, draft_session.n_slots
     graphs["draft round"] = max(
@@ -245,7 +275,7 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
 def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str = "f16", n_gpu_layers: int = 0,
          n_cpu_moe: int = 0, tensor_split=None, rpc_servers=None, n_ubatch: int | str = "auto", spec_mode: str = "auto",
          block_size: int | None = None, tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
-         suggest: bool = True, sweep: bool = True, delta_net: str = "auto") -> MemoryPlan:
+         suggest: bool = True, sweep: bool = True, delta_net: str = "auto", proposers=None) -> MemoryPlan:
     """The memory plan of `Model(model_path, draft_model_path=..., ...)` with these arguments (the same names and
     defaults). vram / ram: the budgets to check against (bytes or '24GiB'); by default the GPU's free memory when
     this machine has the GPU, and the system's available memory. suggest: when it does not fit, also find the
@@ -257,7 +287,8 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
     rpc.add_servers(rpc_servers)  # the device its layers are placed on and whose memory is the budget
     args = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
                           tensor_split=tensor_split, n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
-                          tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)
+                          tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net,
+                          proposers=proposers_arg(proposers, draft_model_path))
     return plan_checked(paths, args, device_budget(vram, ram), suggest=suggest, sweep=sweep)
 
 

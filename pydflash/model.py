@@ -21,8 +21,8 @@ from . import _core, cost_cache, drafter_target, rpc, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
 from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
-from .memory_plan import (by_category, checked_paths, device_budget, engine_config, engine_options,
-                          plan_for_load)
+from .memory_plan import (by_category, checked_paths, device_budget, engine_config, engine_options, plan_for_load,
+                          proposers_arg)
 from .tokenizer import Tokenizer
 
 __all__ = ["Model", "Completion"]
@@ -229,7 +229,10 @@ class Model:
     comma-separated string as llama-cpp-python takes it) of `pydflash rpc-server`s whose device n_gpu_layers then
     offloads to, as to a GPU (pydflash.rpc; unauthenticated: trusted networks only). tensor_split: each GPU
     device's proportion of the offloaded layers, in device order (local GPUs, then rpc_servers), e.g. [3, 1]
-    (llama.cpp's --tensor-split; None or all zero: in proportion to each device's free memory).
+    (llama.cpp's --tensor-split; None or all zero: in proportion to each device's free memory). proposers: what
+    drafts each round, ("dflash",) (the default with a draft_model_path) or ("ngram",): n-gram (prompt lookup)
+    drafting, with no drafter file, which proposes what followed earlier occurrences of the context's last tokens
+    (block_size 8 unless given; spec_mode and tree_budget as for a drafter). One proposer at a time.
     """
 
     def __init__(
@@ -240,6 +243,7 @@ class Model:
         n_gpu_layers: int = 0,
         n_cpu_moe: int = 0,
         tensor_split: Sequence[float] | None = None,
+        proposers: Sequence[str] | None = None,
         rpc_servers: str | Sequence[str] | None = None,
         n_threads: int | None = None,
         kv_type: str = "f16",
@@ -258,7 +262,8 @@ class Model:
         # an RPC server's device is offloaded to as a GPU: registered before the plan places the layers
         rpc.add_servers(rpc_servers)
         options = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
-                                 tensor_split=tensor_split, n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
+                                 tensor_split=tensor_split, proposers=proposers_arg(proposers, draft_model_path),
+                                 n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
                                  tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)
         n_threads = optional_int_arg("n_threads", n_threads, 1)
         self.seed = _seed_arg(seed)  # the default of sampled calls (None: a fresh seed per call)
@@ -347,6 +352,8 @@ class Model:
                         "%.2f MiB each (a verify of up to %d tokens or tree nodes)", self.model_path,
                         self._session.recurrent_bytes / 2**20, n_rollback, per_node / 2**20, n_rollback)
         self._draft = None
+        # n-gram lookup (proposers=('ngram',)): its index of this session's tokens and what auto learns of it
+        self._ngram = None if self._engine.ngram is None else _core.NgramDrafter(**self._engine.ngram)
         if self._draft_model is not None:
             # over the target session: the drafter computes in the session's steps, on its CPU threads
             self._draft = _core.DraftSession(self._session, self._draft_model, **self._draft_config)
@@ -381,7 +388,7 @@ class Model:
         self._check_open()
         other = object.__new__(type(self))
         other.__dict__.update({k: v for k, v in self.__dict__.items()
-                               if k not in ("_session", "_draft", "_lock", "_cancelled")})
+                               if k not in ("_session", "_draft", "_ngram", "_lock", "_cancelled")})
         other._open_session()
         return other
 
@@ -444,8 +451,15 @@ class Model:
 
     @property
     def block_size(self) -> int | None:
-        """Tokens per draft/verify round when a draft model is loaded, else None."""
+        """Tokens per draft/verify round when a draft model or n-gram lookup drafts, else None."""
+        if self._ngram is not None:
+            return self._ngram.block_size
         return self._draft.block_size if self._draft is not None else None
+
+    @property
+    def proposers(self) -> tuple[str, ...]:
+        """What drafts each round: ("dflash",), ("ngram",) or () (plain decoding)."""
+        return ("ngram",) if self._ngram is not None else ("dflash",) if self._draft is not None else ()
 
     # ---- text ----
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -687,7 +701,8 @@ class Model:
                 return _nothing_generated("abort", sampling)
             result = self._session.generate(tokens, max_tokens=max_tokens,
                                             stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
-                                            draft=self._draft if speculative else None, sampling=sampling)
+                                            draft=self._draft if speculative else None,
+                                            ngram=self._ngram if speculative else None, sampling=sampling)
             cost_cache.remember(self._draft if speculative else None, self._cost_key)
         finally:
             self._lock.release()
@@ -721,6 +736,7 @@ class Model:
     def close(self) -> None:
         self._session = None
         self._draft = None
+        self._ngram = None
         self._model = None
 
     def __enter__(self) -> "Model":

@@ -163,9 +163,9 @@ def test_block_size_beyond_training(pair):
     target, draft, _ = pair
     with pytest.raises(ValueError, match=r"block_size = 17 must be in \[2, 16\]"):
         pydflash.Model(target, draft_model_path=draft, block_size=17)
-    with pytest.raises(ValueError, match="need a draft model"):
+    with pytest.raises(ValueError, match="need a proposer: a draft model"):
         pydflash.Model(target, block_size=4)
-    with pytest.raises(ValueError, match="need a draft model"):
+    with pytest.raises(ValueError, match="need a proposer: a draft model"):
         pydflash.Model(target, tree_budget=4)
     with pytest.raises(ValueError, match=r"tree_budget = 64, expected a value in \[1, 63\]"):
         pydflash.Model(target, draft_model_path=draft, tree_budget=64)

@@ -99,6 +99,25 @@ def test_tree_plans_bound_what_runs(mode):
     assert 0 < real["compute"]["cpu"] <= plan.bytes["compute"]["cpu"]
 
 
+def test_ngram_tree_plan_bounds_what_runs():
+    """n-gram lookup (no drafter) on the hybrid target: its trees' states and graphs are planned; static buffers
+    exact, the compute buffer within the plan, no ring and no drafter."""
+    path = pair_file("qwen35", "target", "q8_0")
+    config = dict(n_ctx=1024, spec_mode="tree", proposers=("ngram",))
+    plan = pydflash.plan(path, **config)
+    assert plan.config["proposers"] == ("ngram",) and plan.config["tree_budget"] == 28
+    assert "verify 29" in plan.graphs and any(k.endswith("over 2 depths") for k in plan.graphs)
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    with pydflash.Model(path, **config) as model:
+        c = model.generate(text * 3, max_tokens=64)
+        real = model.memory()
+    assert c.timings["draft_n"] > 0
+    for cat in STATIC:
+        assert plan.bytes[cat] == real[cat], cat
+    assert plan.bytes["ring"] == plan.bytes["draft"] == {"cpu": 0, "gpu": 0}
+    assert 0 < real["compute"]["cpu"] <= plan.bytes["compute"]["cpu"]
+
+
 def test_metadata_only_files_are_small_and_refuse_a_real_load(shapes):
     for p in shapes.values():
         assert p.stat().st_size < 64 * 1024

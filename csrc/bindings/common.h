@@ -53,6 +53,17 @@ struct py_draft {
     speculation with(const spec_params & p) const { return {*session, *state, p}; }
 };
 
+// n-gram lookup for one target session, with what the decode loop learns about it (costs, acceptance by match
+// length) kept across generate calls, and how it speculates
+struct py_ngram {
+    std::unique_ptr<ngram_index>       index;
+    std::unique_ptr<speculation_state> state;
+    spec_params                        spec;
+    int                                block = 0;
+
+    ngram_speculation with(const spec_params & p) const { return {*index, *state, p, block}; }
+};
+
 // Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked
 // here, naming the parameter, before they are narrowed.
 int64_t checked(const char * name, int64_t v, int64_t lo, int64_t hi);
@@ -86,6 +97,7 @@ void register_rpc(py::module_ & m);
 void register_model(py::module_ & m);
 void register_engine_params(py::module_ & m);
 void register_draft_session(py::module_ & m);
+void register_ngram(py::module_ & m);
 void register_session(py::module_ & m);
 void register_generate(py::module_ & m);
 void register_test_hooks(py::module_ & m);

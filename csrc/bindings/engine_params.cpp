@@ -17,7 +17,14 @@ static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
     session["n_ubatch"]   = p.n_ubatch;
     session["n_rollback"] = p.n_rollback;
     py::object draft      = py::none();
-    if (p.speculative) {
+    py::object ngram      = py::none();
+    if (p.proposer == proposer_kind::ngram) {
+        py::dict g;
+        g["block_size"]  = p.block;
+        g["spec_mode"]   = spec_mode_name(p.mode);
+        g["tree_budget"] = p.tree_budget;
+        ngram            = g;
+    } else if (p.speculative) {
         py::dict d;
         d["n_ctx"]         = p.n_ctx;
         d["block_size"]    = p.block_request;
@@ -33,6 +40,7 @@ static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
     py::dict out;
     out["session"]           = session;
     out["draft"]             = draft;
+    out["ngram"]             = ngram;
     out["tree_budget"]       = p.speculative ? py::object(py::int_(p.tree_budget)) : py::none();
     out["block"]             = p.speculative ? py::object(py::int_(p.block)) : py::none();
     out["ubatch_candidates"] = p.ubatch_candidates;
@@ -41,7 +49,7 @@ static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
 
 static py::dict resolve(const py_model & target, const py::object & draft, int64_t n_ctx, const std::string & kv_type,
                         int64_t n_ubatch, int64_t block_size, int64_t tree_budget, int64_t draft_window,
-                        const std::string & mode) {
+                        const std::string & mode, bool ngram) {
     engine_options o;
     o.n_ctx        = (int) checked("n_ctx", n_ctx, 1, MAX_CTX);
     o.n_ubatch     = (int) checked("n_ubatch", n_ubatch, 0, MAX_CTX);
@@ -49,6 +57,7 @@ static py::dict resolve(const py_model & target, const py::object & draft, int64
     o.tree_budget  = tree_budget_arg(tree_budget);
     o.draft_window = (int) checked("draft_window", draft_window, 1, INT32_MAX);
     o.mode         = parse_spec_mode(mode);
+    o.ngram        = ngram;
     parse_kv_type(kv_type);
     const dflash_draft * d = draft.is_none() ? nullptr : draft.cast<const py_draft_model &>().model.get();
     return as_dict(resolve_engine_params(*target.model, d, o), kv_type);
@@ -61,10 +70,11 @@ void register_engine_params(py::module_ & m) {
     m.attr("MAX_TREE_BUDGET") = MAX_TREE_BUDGET;
     m.def("engine_params", &resolve, py::arg("model"), py::arg("draft"), py::arg("n_ctx"), py::arg("kv_type"),
           py::arg("n_ubatch") = 0, py::arg("block_size") = 0, py::arg("tree_budget") = 0,
-          py::arg("draft_window") = 4096, py::arg("spec_mode") = "auto",
+          py::arg("draft_window") = 4096, py::arg("spec_mode") = "auto", py::arg("ngram") = false,
           "Every argument of the Session and DraftSession a load opens (decode/engine_params.h), from a Model, a "
           "DraftModel (or None) and the options checked by pydflash.Model (0: the default; n_ubatch 0: 'auto', "
-          "sized for the largest of ubatch_candidates).");
+          "sized for the largest of ubatch_candidates; ngram: n-gram lookup drafts, whose NgramDrafter arguments "
+          "come back as 'ngram').");
 }
 
 }  // namespace pdf::bindings

@@ -151,10 +151,10 @@ static token_callback python_callback(const py::object & callback) {
     };
 }
 
-// the drafter's own way of speculating, with what this call overrides
-static spec_params spec_for(const py_draft & draft, const std::optional<std::string> & mode,
+// a proposer's own way of speculating, with what this call overrides
+static spec_params spec_for(const spec_params & own, const std::optional<std::string> & mode,
                             std::optional<int64_t> tree_budget, const std::optional<std::string> & seed) {
-    spec_params sp = draft.spec;
+    spec_params sp = own;
     if (mode) {
         sp.mode = parse_spec_mode(*mode);
     }
@@ -168,23 +168,27 @@ static spec_params spec_for(const py_draft & draft, const std::optional<std::str
 }
 
 static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, py::object stop_tokens_in,
-                         py::object callback, py_draft * draft, std::optional<std::string> mode,
+                         py::object callback, py_draft * draft, py_ngram * ngram, std::optional<std::string> mode,
                          std::optional<int64_t> tree_budget, std::optional<std::string> seed, py::object sampling) {
     const std::vector<int32_t> prompt = int32_array("prompt", prompt_in);
     generate_params            p;
     p.max_tokens  = (int) checked("max_tokens", max_tokens, 0, INT32_MAX);
     p.stop_tokens = int32_array("stop_tokens", stop_tokens_in);
     p.sampling    = parse_sampling(sampling);  // (validated by generate before any work)
-    std::optional<speculation> spec;
+    std::optional<speculation>       spec;
+    std::optional<ngram_speculation> lookup;
     if (draft) {
-        spec.emplace(draft->with(spec_for(*draft, mode, tree_budget, seed)));
+        spec.emplace(draft->with(spec_for(draft->spec, mode, tree_budget, seed)));
+    }
+    if (ngram) {
+        lookup.emplace(ngram->with(spec_for(ngram->spec, mode, tree_budget, seed)));
     }
     const token_callback cb = python_callback(callback);
     generate_result      r;
     auto_stats           stats;
     {
         py::gil_scoped_release nogil;
-        r = generate_with(s, spec ? &*spec : nullptr, prompt, p, cb, stats);
+        r = generate_with(s, spec ? &*spec : nullptr, lookup ? &*lookup : nullptr, prompt, p, cb, stats);
     }
     py::dict d;
     d["tokens"]        = r.tokens;
@@ -192,18 +196,21 @@ static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, 
     if (p.sampling.n_logprobs >= 0) {
         d["logprobs"] = logprobs_dict(r.logprobs);
     }
-    const bool automatic = spec && spec->params.mode == spec_mode::automatic;
-    d["timings"]         = timings_dict(r.timings, spec.has_value(), automatic ? &stats : nullptr);
+    const spec_params * used      = spec ? &spec->params : lookup ? &lookup->params : nullptr;
+    const bool          automatic = used && used->mode == spec_mode::automatic;
+    d["timings"]                  = timings_dict(r.timings, used != nullptr, automatic ? &stats : nullptr);
     return d;
 }
 
 void register_generate(py::module_ & m) {
     auto cls = py::reinterpret_borrow<py::class_<session>>(m.attr("Session"));
     cls.def("generate", &generate, py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = py::list(),
-            py::arg("callback") = py::none(), py::arg("draft") = nullptr, py::arg("spec_mode") = py::none(),
+            py::arg("callback") = py::none(), py::arg("draft") = nullptr, py::arg("ngram") = nullptr,
+            py::arg("spec_mode") = py::none(),
             py::arg("tree_budget") = py::none(), py::arg("tree_seed") = py::none(), py::arg("sampling") = py::none(),
             "Generation, greedy or sampled (sampling: a dict of llama-cpp-python's sampling parameters and seed), "
-            "speculative with a DraftSession (as it was created to speculate; spec_mode 'chain', 'tree' or 'auto', "
+            "speculative with a DraftSession or an NgramDrafter (one of them; as it was created to speculate; spec_mode "
+            "'chain', 'tree' or 'auto', "
             "tree_budget and tree_seed given here override it for this call); callback(list[int]) -> bool is "
             "called (with the GIL) per batch of committed tokens. With sampling['logprobs'] = n the result has "
             "'logprobs': token_logprobs and top_logprobs ([(id, logprob)] * n) per token, and the callback gets the "

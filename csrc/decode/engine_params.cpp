@@ -1,4 +1,5 @@
 #include "decode/engine_params.h"
+#include "decode/ngram_index.h"
 #include "state/recurrent_state.h"
 
 #include <algorithm>
@@ -40,6 +41,7 @@ static void resolve_drafter(const target_model & target, const dflash_draft & dr
                             engine_params & p) {
     const bool chain = o.mode == spec_mode::chain;
     p.speculative    = true;
+    p.proposer       = proposer_kind::dflash;
     p.mode           = o.mode;
     p.block_request  = o.block_size;
     p.block          = o.block_size > 0 ? o.block_size : draft.block_size();
@@ -55,6 +57,20 @@ static void resolve_drafter(const target_model & target, const dflash_draft & dr
     p.n_rollback     = std::max({p.n_rollback, p.block, chain ? 0 : 1 + p.tree_budget});
 }
 
+// n-gram lookup: block and tree budget as a drafter's (no feature ring, no drafter of its own); a hybrid target
+// keeps the state of every token or node of a verify
+static void resolve_ngram(const target_model & target, const engine_options & o, engine_params & p) {
+    p.speculative = true;
+    p.proposer    = proposer_kind::ngram;
+    p.mode        = o.mode;
+    p.block       = o.block_size > 0 ? o.block_size : NGRAM_DEFAULT_BLOCK;
+    // (a tree of the default ngram_params' candidates holds at most max_candidates * (block - 1) nodes)
+    p.tree_budget = o.tree_budget > 0 ? o.tree_budget
+                                      : std::min(default_tree_budget(target, o.mode, p.block),
+                                                 ngram_params{}.max_candidates * (p.block - 1));
+    p.n_rollback  = std::max({p.n_rollback, p.block, o.mode == spec_mode::chain ? 0 : 1 + p.tree_budget});
+}
+
 engine_params resolve_engine_params(const target_model & target, const dflash_draft * draft,
                                     const engine_options & o) {
     engine_params p;
@@ -66,10 +82,17 @@ engine_params resolve_engine_params(const target_model & target, const dflash_dr
         // a micro-batch never holds more than the context (nor sizes the feature ring beyond it)
         p.n_ubatch = std::min(o.n_ubatch, o.n_ctx);
     }
+    if (draft && o.ngram) {
+        throw std::invalid_argument("n-gram lookup and a DFlash drafter were both asked for: one proposer at a time "
+                                    "(proposers=('ngram',) takes no draft_model_path)");
+    }
     if (draft) {
         resolve_drafter(target, *draft, o, p);
+    } else if (o.ngram) {
+        resolve_ngram(target, o, p);
     } else if (o.block_size > 0 || o.tree_budget > 0) {
-        throw std::invalid_argument("block_size and tree_budget need a draft model (draft_model_path)");
+        throw std::invalid_argument("block_size and tree_budget need a proposer: a draft model (draft_model_path) "
+                                    "or proposers=('ngram',)");
     }
     return p;
 }

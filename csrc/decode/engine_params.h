@@ -26,6 +26,11 @@ inline constexpr double TREE_STATE_MIN_BYTES = 512.0 * (1 << 20);
 inline constexpr int UBATCH_CANDIDATES[] = {64, 128, 256, 512};
 // per-token recurrent states a session keeps without a drafter (and at least with one)
 inline constexpr int DEFAULT_ROLLBACK = 16;
+// n-gram lookup's block when none is asked for: matches rarely run longer, and it stays within DEFAULT_ROLLBACK
+inline constexpr int NGRAM_DEFAULT_BLOCK = 8;
+
+// what drafts a session's rounds (pydflash.Model's proposers)
+enum class proposer_kind { none, dflash, ngram };
 
 // what the user chose (already checked at the boundary: pydflash.Model / pydflash.plan); 0: the default
 struct engine_options {
@@ -35,6 +40,7 @@ struct engine_options {
     int       tree_budget  = 0;  // 0: by spec_mode (default_tree_budget)
     int       draft_window = 4096;
     spec_mode mode         = spec_mode::automatic;
+    bool      ngram        = false;  // n-gram lookup drafts (no drafter may be given with it)
 };
 
 struct engine_params {
@@ -43,8 +49,9 @@ struct engine_params {
     int              n_ubatch   = 0;
     std::vector<int> ubatch_candidates;  // n_ubatch "auto": the sizes to time (else empty)
     int              n_rollback = DEFAULT_ROLLBACK;
-    // the drafter (speculative only)
-    bool      speculative   = false;
+    // the proposer (speculative only): DFlash's drafter, or n-gram lookup (block, tree_budget, mode only)
+    bool          speculative   = false;
+    proposer_kind proposer      = proposer_kind::none;
     int       block         = 0;  // tokens per drafted block (the drafter's trained one unless asked)
     int       block_request = 0;  // what the draft session is asked for (0: the trained block)
     int       tree_budget   = 0;  // draft nodes per verify (chain: block - 1)
@@ -56,7 +63,8 @@ struct engine_params {
     spec_mode mode          = spec_mode::automatic;
 };
 
-// throws std::invalid_argument for a drafter's option given without a drafter
+// throws std::invalid_argument for a drafter's option given without a proposer, or for n-gram lookup asked for
+// with a drafter
 engine_params resolve_engine_params(const target_model & target, const dflash_draft * draft,
                                     const engine_options & options);
 

@@ -2,8 +2,19 @@
 
 namespace pdf {
 
-generate_result generate_with(session & s, const speculation * spec, const std::vector<int32_t> & prompt,
-                              const generate_params & params, const token_callback & on_tokens, auto_stats & stats) {
+generate_result generate_with(session & s, const speculation * spec, const ngram_speculation * ngram,
+                              const std::vector<int32_t> & prompt, const generate_params & params,
+                              const token_callback & on_tokens, auto_stats & stats) {
+    if (spec && ngram) {
+        throw std::invalid_argument("generate: a DFlash drafter and n-gram lookup were both given; one proposer per "
+                                    "call");
+    }
+    if (ngram) {
+        ngram_proposer lookup(s, ngram->index, ngram->state, ngram->params, ngram->block);
+        generate_result r = generate(s, lookup, prompt, params, on_tokens);
+        stats             = lookup.stats();
+        return r;
+    }
     if (!spec) {
         plain_proposer plain;
         return generate(s, plain, prompt, params, on_tokens);

@@ -1,8 +1,10 @@
 // Which proposer a generation runs (decode/proposer.h): DFlash's, in the mode its spec_params say, when a
-// drafter is given; plain decoding otherwise. The bindings only say whether there is a drafter.
+// drafter is given; n-grams' (decode/ngram_proposer.h) when a lookup index is; plain decoding otherwise. The
+// bindings only say which of them a call has.
 #pragma once
 
 #include "decode/driver.h"
+#include "decode/ngram_proposer.h"
 #include "decode/proposer.h"
 #include "state/draft_session.h"
 #include "state/session.h"
@@ -18,9 +20,19 @@ struct speculation {
     spec_params         params;
 };
 
-// generate() with the proposer `spec` calls for (nullptr: plain decoding); `stats`: what auto decided
-generate_result generate_with(session & s, const speculation * spec, const std::vector<int32_t> & prompt,
-                              const generate_params & params, const token_callback & on_tokens, auto_stats & stats);
+// n-gram lookup for one target session, with what the decode loop has learnt about it and how it speculates
+struct ngram_speculation {
+    ngram_index &       index;
+    speculation_state & state;
+    spec_params         params;
+    int                 block;  // the deepest draft: block - 1 tokens
+};
+
+// generate() with the proposer `spec` or `ngram` calls for (at most one of them; neither: plain decoding);
+// `stats`: what auto decided
+generate_result generate_with(session & s, const speculation * spec, const ngram_speculation * ngram,
+                              const std::vector<int32_t> & prompt, const generate_params & params,
+                              const token_callback & on_tokens, auto_stats & stats);
 
 // time_prefill_microbatches() with the drafter capturing as its prefill would (nullptr: none)
 std::vector<double> time_prefill_with(session & s, const speculation * spec, const std::vector<int32_t> & tokens,

@@ -1,0 +1,84 @@
+"""n-gram (prompt lookup) drafting (decode/ngram_index.h, decode/ngram_proposer.h): the continuations it proposes on
+hand-made contexts, and generation with it that commits exactly what plain decoding does."""
+
+from __future__ import annotations
+
+import pytest
+
+import pydflash
+from export_pairs import pair_file, prompt_rows
+from pydflash import _core
+
+
+@pytest.mark.parametrize("tokens,anchor,depth,kw,expected", [
+    # the longest suffix that occurred before wins: "1 2 3" was followed by "4", then the suffix itself, which
+    # repeats with the period the match implies
+    ([1, 2, 3, 4, 1, 2], 3, 6, {}, [([4, 1, 2, 3, 4, 1], 3)]),
+    # a run of one token: a match overlapping the suffix, period 1
+    ([9, 1, 1, 1], 1, 5, {}, [([1, 1, 1, 1, 1], 3)]),
+    # most recent occurrence first; distinct continuations of the same suffix
+    ([1, 2, 1, 3], 1, 4, dict(n_max=1), [([3, 1, 3, 1], 1), ([2, 1, 3, 1], 1)]),
+    # longer matches before shorter ones; a shorter one that repeats a longer one's continuation is dropped
+    ([1, 2, 7, 5, 2, 8, 1], 2, 4, {}, [([7, 5, 2, 8], 2), ([8, 1, 2, 8], 1)]),
+    # only suffixes of at least n_min tokens
+    ([1, 2, 7, 5, 2, 8, 1], 2, 4, dict(n_min=2), [([7, 5, 2, 8], 2)]),
+    # at most max_candidates
+    ([1, 2, 1, 3, 1, 4], 1, 2, dict(n_max=1, max_candidates=2), [([4, 1], 1), ([3, 1], 1)]),
+    # nothing occurred before: no draft
+    ([1, 2, 3], 9, 4, {}, []),
+    ([], 5, 4, {}, []),
+])
+def test_candidates_on_hand_made_contexts(tokens, anchor, depth, kw, expected):
+    assert [(list(t), n) for t, n in _core.ngram_candidates(tokens, anchor, depth, **kw)] == expected
+
+
+def test_bad_lookup_parameters():
+    with pytest.raises(ValueError, match="n_min = 3, n_max = 2"):
+        _core.ngram_candidates([1, 2], 1, 4, n_min=3, n_max=2)
+    with pytest.raises(ValueError, match="block_size"):
+        _core.NgramDrafter(block_size=1)
+
+
+def _repetitive_prompt() -> str:
+    text = prompt_rows("code")[0]["text"]
+    return text + text[:300]  # the continuation repeats what the prompt holds
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
+def test_ngram_speculation_is_lossless(kind, mode):
+    """Greedy and sampled (one seed) output equal to plain decoding's; and the lookup drafts and is accepted on a
+    prompt that repeats itself (a test that would pass with no drafting at all proves nothing)."""
+    target = pair_file(kind, "target", "q8_0")
+    text = _repetitive_prompt()
+    with pydflash.Model(target, n_ctx=2048) as plain:
+        greedy = plain.generate(text, max_tokens=64).tokens
+        sampled = plain.generate(text, max_tokens=64, temperature=0.8, seed=7).tokens
+    with pydflash.Model(target, n_ctx=2048, proposers=("ngram",), spec_mode=mode) as m:
+        assert m.proposers == ("ngram",) and m.block_size == 8
+        c = m.generate(text, max_tokens=64)
+        assert c.tokens == greedy
+        assert m.generate(text, max_tokens=64, temperature=0.8, seed=7).tokens == sampled
+        assert m.generate(text, max_tokens=64, speculative=False).tokens == greedy
+    if mode != "auto":  # (auto may find drafting does not pay on a model this small)
+        assert c.timings["draft_n_accepted"] > 0, c.timings
+
+
+def test_proposers_checked():
+    target, draft = pair_file("qwen3", "target", "q8_0"), pair_file("qwen3", "dflash", "q8_0")
+    with pytest.raises(ValueError, match=r"proposers=\('ngram',\) drafts by n-gram lookup, without the drafter"):
+        pydflash.Model(target, draft_model_path=draft, proposers=("ngram",))
+    with pytest.raises(ValueError, match=r"needs a DFlash drafter: draft_model_path"):
+        pydflash.Model(target, proposers=("dflash",))
+    with pytest.raises(ValueError, match="one proposer at a time"):
+        pydflash.Model(target, draft_model_path=draft, proposers=("dflash", "ngram"))
+    with pytest.raises(ValueError, match="'mtp' is not one of dflash, ngram"):
+        pydflash.Model(target, proposers=("mtp",))
+    with pytest.raises(TypeError, match="proposers must be a tuple"):
+        pydflash.Model(target, proposers="ngram")
+    with pydflash.Model(target, proposers=("ngram",), block_size=4, spec_mode="chain") as m:
+        assert m.block_size == 4 and m.tree_budget == 3
+    with pydflash.Model(target, draft_model_path=draft) as m:
+        assert m.proposers == ("dflash",)
+    with pydflash.Model(target) as m:
+        assert m.proposers == () and m.block_size is None
