@@ -78,12 +78,13 @@ def tiny_pairs(archs) -> list[dict]:
 
 
 def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs=lambda i: {}) -> dict:
-    """Each engine (label, Model keyword arguments; the first: plain) over the prompts, interleaved;
-    generate_kwargs(i): what prompt i's generate() takes besides the prompt and max_tokens."""
+    """Each engine (label, Model keyword arguments, with the pair's drafter unless they say draft_model_path; the
+    first: plain) over the prompts, interleaved; generate_kwargs(i): what prompt i's generate() takes besides the
+    prompt and max_tokens."""
     models = {}
     for label, kw in engines:
-        models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads,
-                                       draft_model_path=None if kw is None else pair["draft"], **(kw or {}))
+        kw = {"draft_model_path": None if kw is None else pair["draft"], **(kw or {})}
+        models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads, **kw)
         # warm-up: pages, graphs, auto's calibration
         models[label].generate(prompts[0], max_tokens=8, **generate_kwargs(0))
     totals = {label: {"tokens": 0, "ms": 0.0, "committed": 0, "rounds": 0, "verified": 0, "outputs": []}
@@ -99,7 +100,7 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
                 acc["committed"] += t["draft_n_accepted"] + t["n_rounds"]
                 acc["rounds"] += t["n_rounds"]
                 acc["verified"] += t["verify_n"]
-            if label == "auto":
+            if label.endswith("auto"):
                 acc.setdefault("auto", {})
                 for k in ("auto_skipped", "auto_plain", "auto_chain", "auto_tree"):
                     acc["auto"][k] = acc["auto"].get(k, 0) + t[k]

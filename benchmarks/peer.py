@@ -149,6 +149,16 @@ def llama_dflash(target: Path, draft: Path, prompt: Path, max_tokens: int, threa
     return _run_and_parse(cmd, lambda out: _parse_dflash(out, per_round))
 
 
+def llama_ngram(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int, spec_type: str,
+                spec_flags: tuple[str, ...] = (), temp: float = 0.0, seed: int = 0) -> dict:
+    """llama-speculative-simple --spec-type ngram-* (no draft model; spec_flags: its --spec-ngram-* options), parsed
+    as llama_dflash's (the same statistics lines)."""
+    cmd = [str(_exe("llama-speculative-simple")), "-m", str(target), "--spec-type", spec_type, *spec_flags,
+           "-f", str(prompt), "-n", str(max_tokens), *sampling_flags(temp, seed), "-t", str(threads),
+           "-c", str(n_ctx), "-lv", "4"]
+    return _run_and_parse(cmd, _parse_dflash)
+
+
 def rounds_to(n_tokens: int, tokens_per_round) -> int:
     """The verify passes a loop took to have produced n_tokens, given what each round committed in order (drafts
     accepted + 1); the whole list's length when they fall short."""

@@ -104,8 +104,10 @@ py::dict logprobs_dict(const std::vector<token_logprobs> & lps) {
     return d;
 }
 
-static py::dict timings_dict(const generate_timings & t, bool speculative, const auto_stats * a) {
-    py::dict d;
+// proposer: what drafted ("dflash", "ngram"; nullptr: plain decoding, no speculative counts)
+static py::dict timings_dict(const generate_timings & t, const char * proposer, const auto_stats * a) {
+    const bool speculative = proposer != nullptr;
+    py::dict   d;
     d["prompt_n"]       = t.prompt_n;
     d["cached_n"]       = t.cached_n;
     d["prompt_ms"]      = t.prompt_ms;
@@ -114,6 +116,7 @@ static py::dict timings_dict(const generate_timings & t, bool speculative, const
     d["n_target_evals"] = t.n_target_evals;
     d["sample_ms"]      = t.sample_ms;
     if (speculative) {
+        d["proposer"]         = proposer;
         d["draft_n"]          = t.draft_n;
         d["draft_n_accepted"] = t.draft_n_accepted;
         d["n_rounds"]         = t.n_rounds;
@@ -198,7 +201,8 @@ static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, 
     }
     const spec_params * used      = spec ? &spec->params : lookup ? &lookup->params : nullptr;
     const bool          automatic = used && used->mode == spec_mode::automatic;
-    d["timings"]                  = timings_dict(r.timings, used != nullptr, automatic ? &stats : nullptr);
+    const char *        proposer  = spec ? "dflash" : lookup ? "ngram" : nullptr;
+    d["timings"]                  = timings_dict(r.timings, proposer, automatic ? &stats : nullptr);
     return d;
 }
 

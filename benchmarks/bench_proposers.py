@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Proposers against each other and against llama.cpp's: plain decoding, a DFlash drafter (auto) and n-gram lookup
+(no drafter; chain and auto), on the same GGUFs, machine and prompts.
+
+Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix,
+with the committed q8_0 drafter) and, with --pairs tiny, the committed q8_0 pairs. Workloads:
+- code: the held-out code prompts, continued;
+- repeat: each of them followed by its first 40% again, so that the continuation repeats the context (what a
+  code edit or a quoting answer does; where prompt lookup is meant to pay).
+
+llama.cpp, each in the same run: plain (`llama-completion`), `draft-dflash` at draft lengths 3/7/15 and
+`ngram-simple` (its defaults, lookup 12 / draft 48, and a short lookup 3 / draft 7) and `ngram-mod` (its
+defaults). Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workload (any method).
+
+    python benchmarks/bench_proposers.py                          # cost-realistic pairs, 6 prompts x 96 tokens
+    python benchmarks/bench_proposers.py --pairs tiny --skip-peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import bench_tree
+import peer
+from export_pairs import PAIRS_DIR, pair_file, prompt_rows
+
+OURS = [("plain", None),
+        ("dflash auto", dict(spec_mode="auto")),
+        ("ngram chain", dict(draft_model_path=None, proposers=("ngram",), spec_mode="chain")),
+        ("ngram auto", dict(draft_model_path=None, proposers=("ngram",), spec_mode="auto"))]
+LLAMA_NGRAM = [("ngram-simple 12/48", "ngram-simple", ()),
+               ("ngram-simple 3/7", "ngram-simple", ("--spec-ngram-simple-size-n", "3",
+                                                      "--spec-ngram-simple-size-m", "7")),
+               ("ngram-mod", "ngram-mod", ())]
+
+
+def workloads(n_prompts: int) -> dict[str, list[str]]:
+    code = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:n_prompts]]
+    return {"code": code, "repeat": [t + t[: len(t) * 2 // 5] for t in code]}
+
+
+def run_llama_ngram(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
+    files = [peer.prompt_file(tmp / f"n{i}.txt", t) for i, t in enumerate(prompts)]
+    rows = {}
+    for label, spec_type, flags in LLAMA_NGRAM:
+        try:
+            rs = [peer.llama_ngram(pair["target"], f, args.max_tokens, args.threads, 2048, spec_type, flags)
+                  for f in files]
+        except peer.PeerError as e:
+            rows[f"llama.cpp {label}"] = {"error": str(e)}
+            continue
+        n_predict, rounds = sum(r["n_predict"] for r in rs), sum(r["rounds"] for r in rs)
+        rows[f"llama.cpp {label}"] = {"tok_s": 1000.0 * sum(r["tokens"] for r in rs) / sum(r["ms"] for r in rs),
+                                      "tau": n_predict / rounds if rounds else 1.0}
+    return rows
+
+
+def print_rows(name: str, rows: dict) -> None:
+    plain = rows["plain"]["tok_s"]
+    llama = [r["tok_s"] for k, r in rows.items() if k.startswith("llama.cpp") and "tok_s" in r]
+    best = max(llama) if llama else 0.0
+    print(f"\n{name}")
+    print(f"  {'engine':<28} {'tok/s':>8} {'tau':>6} {'/ plain':>8} {'/ llama best':>13}  notes")
+    for label, r in rows.items():
+        if "error" in r:
+            print(f"  {label:<28} {'-':>8}  ({r['error']})")
+            continue
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        notes = []
+        if "same_as_plain" in r and label != "plain":
+            notes.append(f"same output {r['same_as_plain']}/{rows['plain']['same_as_plain']}")
+        if "auto" in r:
+            notes.append(" ".join(f"{k[5:]} {v}" for k, v in r["auto"].items()))
+        print(f"  {label:<28} {r['tok_s']:8.1f} {tau:>6} {r['tok_s'] / plain:8.2f} "
+              f"{r['tok_s'] / best if best else 0.0:13.2f}  {'; '.join(notes)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", default="realistic", help="realistic, tiny or both (comma-separated)")
+    ap.add_argument("--archs", default="qwen3,qwen35")
+    ap.add_argument("--n-prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache-dir", type=Path, default=bench_tree.ROOT / "build" / "inflated")
+    ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
+    args = ap.parse_args()
+    archs, kinds = args.archs.split(","), args.pairs.split(",")
+    pairs = (bench_tree.cost_realistic_pairs(args.cache_dir, archs, kinds=("q4mix",)) if "realistic" in kinds
+             else []) + ([{"name": f"{a} q8_0 (tiny)", "arch": a, "target": pair_file(a, "target", "q8_0"),
+                           "draft": pair_file(a, "dflash", "q8_0")} for a in archs] if "tiny" in kinds else [])
+    print(f"{args.n_prompts} held-out code prompts x {args.max_tokens} tokens per workload, greedy, "
+          f"{args.threads} threads")
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in pairs:
+            for workload, prompts in workloads(args.n_prompts).items():
+                rows = bench_tree.run_ours(pair, prompts, args, engines=OURS)
+                if not args.skip_peer:
+                    rows.update(bench_tree.run_llama(pair, prompts, args, Path(tmp)))
+                    rows.update(run_llama_ngram(pair, prompts, args, Path(tmp)))
+                print_rows(f"{pair['name']}, {workload}", rows)
+
+
+if __name__ == "__main__":
+    main()
