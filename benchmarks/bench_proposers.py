@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Proposers against each other and against llama.cpp's: plain decoding, a DFlash drafter (auto) and n-gram lookup
-(no drafter; chain and auto), on the same GGUFs, machine and prompts.
+"""Proposers against each other and against llama.cpp's: plain decoding, a DFlash drafter (auto), n-gram lookup
+(no drafter; chain and auto) and both merged in one tree (auto), on the same GGUFs, machine and prompts.
 
 Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix,
 with the committed q8_0 drafter) and, with --pairs tiny, the committed q8_0 pairs. Workloads:
@@ -29,7 +29,8 @@ from export_pairs import PAIRS_DIR, pair_file, prompt_rows
 OURS = [("plain", None),
         ("dflash auto", dict(spec_mode="auto")),
         ("ngram chain", dict(draft_model_path=None, proposers=("ngram",), spec_mode="chain")),
-        ("ngram auto", dict(draft_model_path=None, proposers=("ngram",), spec_mode="auto"))]
+        ("ngram auto", dict(draft_model_path=None, proposers=("ngram",), spec_mode="auto")),
+        ("dflash+ngram auto", dict(proposers=("dflash", "ngram"), spec_mode="auto"))]
 LLAMA_NGRAM = [("ngram-simple 12/48", "ngram-simple", ()),
                ("ngram-simple 3/7", "ngram-simple", ("--spec-ngram-simple-size-n", "3",
                                                       "--spec-ngram-simple-size-m", "7")),

@@ -266,8 +266,9 @@ def _placement_arguments(p: argparse.ArgumentParser) -> None:
 def _proposers_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposers", type=lambda text: tuple(x.strip() for x in text.split(",") if x.strip()),
                    default=None, metavar="NAMES",
-                   help="what drafts each round: dflash (the default with --draft) or ngram (prompt lookup: what "
-                        "followed earlier occurrences of the last tokens; no draft model)")
+                   help="what drafts each round: dflash (the default with --draft), ngram (prompt lookup: what "
+                        "followed earlier occurrences of the last tokens; no draft model needed) or dflash,ngram "
+                        "(both in one tree; --spec-mode auto)")
 
 
 def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:

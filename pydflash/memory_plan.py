@@ -43,7 +43,7 @@ PROPOSERS = ("dflash", "ngram")
 
 def proposers_arg(proposers, draft_model_path) -> tuple[str, ...]:
     """What drafts each round: `proposers` (None: the DFlash drafter when draft_model_path is given, else none),
-    checked. One proposer at a time: merging several into one tree is not built yet."""
+    checked: ("dflash",), ("ngram",) or both (their candidates merged into one tree; auto mode)."""
     if proposers is None:
         return ("dflash",) if draft_model_path is not None else ()
     if isinstance(proposers, str) or not isinstance(proposers, (list, tuple)):
@@ -51,11 +51,9 @@ def proposers_arg(proposers, draft_model_path) -> tuple[str, ...]:
                         f"{proposers!r}")
     for name in proposers:
         choice_arg("proposers entry", name, PROPOSERS)
-    chosen = tuple(dict.fromkeys(proposers))
-    if len(chosen) > 1:
-        raise ValueError(f"proposers={chosen!r}: one proposer at a time (a tree merging several is not built yet)")
-    if chosen == ("dflash",) and draft_model_path is None:
-        raise ValueError("proposers=('dflash',) needs a DFlash drafter: draft_model_path")
+    chosen = tuple(p for p in PROPOSERS if p in proposers)
+    if "dflash" in chosen and draft_model_path is None:
+        raise ValueError(f"proposers={chosen!r} needs a DFlash drafter: draft_model_path")
     if chosen == ("ngram",) and draft_model_path is not None:
         raise ValueError(f"proposers=('ngram',) drafts by n-gram lookup, without the drafter {draft_model_path}: "
                          f"give one or the other")

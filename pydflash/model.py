@@ -232,7 +232,8 @@ class Model:
     (llama.cpp's --tensor-split; None or all zero: in proportion to each device's free memory). proposers: what
     drafts each round, ("dflash",) (the default with a draft_model_path) or ("ngram",): n-gram (prompt lookup)
     drafting, with no drafter file, which proposes what followed earlier occurrences of the context's last tokens
-    (block_size 8 unless given; spec_mode and tree_budget as for a drafter). One proposer at a time.
+    (block_size 8 unless given; spec_mode and tree_budget as for a drafter), or ("dflash", "ngram"): both, their
+    candidates merged into one tree that spec_mode="auto" cuts each round.
     """
 
     def __init__(
@@ -452,14 +453,15 @@ class Model:
     @property
     def block_size(self) -> int | None:
         """Tokens per draft/verify round when a draft model or n-gram lookup drafts, else None."""
-        if self._ngram is not None:
-            return self._ngram.block_size
-        return self._draft.block_size if self._draft is not None else None
+        if self._draft is not None:
+            return self._draft.block_size
+        return self._ngram.block_size if self._ngram is not None else None
 
     @property
     def proposers(self) -> tuple[str, ...]:
-        """What drafts each round: ("dflash",), ("ngram",) or () (plain decoding)."""
-        return ("ngram",) if self._ngram is not None else ("dflash",) if self._draft is not None else ()
+        """What drafts each round: ("dflash",), ("ngram",), both (one tree of their candidates, auto) or () (plain
+        decoding)."""
+        return (("dflash",) if self._draft is not None else ()) + (("ngram",) if self._ngram is not None else ())
 
     # ---- text ----
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:

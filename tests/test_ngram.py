@@ -70,8 +70,10 @@ def test_proposers_checked():
         pydflash.Model(target, draft_model_path=draft, proposers=("ngram",))
     with pytest.raises(ValueError, match=r"needs a DFlash drafter: draft_model_path"):
         pydflash.Model(target, proposers=("dflash",))
-    with pytest.raises(ValueError, match="one proposer at a time"):
-        pydflash.Model(target, draft_model_path=draft, proposers=("dflash", "ngram"))
+    with pytest.raises(ValueError, match=r"needs a DFlash drafter: draft_model_path"):
+        pydflash.Model(target, proposers=("ngram", "dflash"))
+    with pytest.raises(ValueError, match="merges both into one tree, which spec_mode='auto' cuts"):
+        pydflash.Model(target, draft_model_path=draft, proposers=("dflash", "ngram"), spec_mode="chain")
     with pytest.raises(ValueError, match="'mtp' is not one of dflash, ngram"):
         pydflash.Model(target, proposers=("mtp",))
     with pytest.raises(TypeError, match="proposers must be a tuple"):
@@ -80,5 +82,28 @@ def test_proposers_checked():
         assert m.block_size == 4 and m.tree_budget == 3
     with pydflash.Model(target, draft_model_path=draft) as m:
         assert m.proposers == ("dflash",)
+    with pydflash.Model(target, draft_model_path=draft, proposers=("ngram", "dflash")) as m:
+        assert m.proposers == ("dflash", "ngram") and m.block_size == 16
     with pydflash.Model(target) as m:
         assert m.proposers == () and m.block_size is None
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+def test_drafter_and_lookup_in_one_tree_is_lossless(kind):
+    """auto over the DFlash drafter's candidates and the lookup's merged in one tree (decode/union_proposer.h):
+    greedy and sampled output equal to plain decoding's, on a prompt that repeats itself and on one that does
+    not; the lookup's nodes are verified and accepted."""
+    target, draft = pair_file(kind, "target", "q8_0"), pair_file(kind, "dflash", "q8_0")
+    prompts = [_repetitive_prompt(), prompt_rows("code")[3]["text"]]
+    with pydflash.Model(target, n_ctx=2048) as plain:
+        greedy = [plain.generate(p, max_tokens=64).tokens for p in prompts]
+        sampled = [plain.generate(p, max_tokens=64, temperature=0.8, seed=3).tokens for p in prompts]
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=2048, proposers=("dflash", "ngram")) as m:
+        for p, g, smp in zip(prompts, greedy, sampled):
+            c = m.generate(p, max_tokens=64)
+            assert c.tokens == g and c.timings["proposer"] == "dflash+ngram"
+            assert m.generate(p, max_tokens=64, temperature=0.8, seed=3).tokens == smp
+        # the lookup alone, through the same session's index: its drafts are accepted on the repeating prompt
+        lookup = m._session.generate(m.tokenize(prompts[0]), max_tokens=64, stop_tokens=[], ngram=m._ngram,
+                                     spec_mode="chain")
+        assert lookup["tokens"] == greedy[0] and lookup["timings"]["draft_n_accepted"] > 0

@@ -18,13 +18,14 @@ static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
     session["n_rollback"] = p.n_rollback;
     py::object draft      = py::none();
     py::object ngram      = py::none();
-    if (p.proposer == proposer_kind::ngram) {
+    if (p.ngram) {
         py::dict g;
         g["block_size"]  = p.block;
         g["spec_mode"]   = spec_mode_name(p.mode);
         g["tree_budget"] = p.tree_budget;
         ngram            = g;
-    } else if (p.speculative) {
+    }
+    if (p.drafter) {
         py::dict d;
         d["n_ctx"]         = p.n_ctx;
         d["block_size"]    = p.block_request;

@@ -104,7 +104,7 @@ py::dict logprobs_dict(const std::vector<token_logprobs> & lps) {
     return d;
 }
 
-// proposer: what drafted ("dflash", "ngram"; nullptr: plain decoding, no speculative counts)
+// proposer: what drafted ("dflash", "ngram", "dflash+ngram"; nullptr: plain decoding, no speculative counts)
 static py::dict timings_dict(const generate_timings & t, const char * proposer, const auto_stats * a) {
     const bool speculative = proposer != nullptr;
     py::dict   d;
@@ -201,7 +201,7 @@ static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, 
     }
     const spec_params * used      = spec ? &spec->params : lookup ? &lookup->params : nullptr;
     const bool          automatic = used && used->mode == spec_mode::automatic;
-    const char *        proposer  = spec ? "dflash" : lookup ? "ngram" : nullptr;
+    const char *        proposer  = spec && lookup ? "dflash+ngram" : spec ? "dflash" : lookup ? "ngram" : nullptr;
     d["timings"]                  = timings_dict(r.timings, proposer, automatic ? &stats : nullptr);
     return d;
 }

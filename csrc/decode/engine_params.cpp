@@ -41,7 +41,7 @@ static void resolve_drafter(const target_model & target, const dflash_draft & dr
                             engine_params & p) {
     const bool chain = o.mode == spec_mode::chain;
     p.speculative    = true;
-    p.proposer       = proposer_kind::dflash;
+    p.drafter        = true;
     p.mode           = o.mode;
     p.block_request  = o.block_size;
     p.block          = o.block_size > 0 ? o.block_size : draft.block_size();
@@ -61,7 +61,7 @@ static void resolve_drafter(const target_model & target, const dflash_draft & dr
 // keeps the state of every token or node of a verify
 static void resolve_ngram(const target_model & target, const engine_options & o, engine_params & p) {
     p.speculative = true;
-    p.proposer    = proposer_kind::ngram;
+    p.ngram       = true;
     p.mode        = o.mode;
     p.block       = o.block_size > 0 ? o.block_size : NGRAM_DEFAULT_BLOCK;
     // (a tree of the default ngram_params' candidates holds at most max_candidates * (block - 1) nodes)
@@ -82,12 +82,13 @@ engine_params resolve_engine_params(const target_model & target, const dflash_dr
         // a micro-batch never holds more than the context (nor sizes the feature ring beyond it)
         p.n_ubatch = std::min(o.n_ubatch, o.n_ctx);
     }
-    if (draft && o.ngram) {
-        throw std::invalid_argument("n-gram lookup and a DFlash drafter were both asked for: one proposer at a time "
-                                    "(proposers=('ngram',) takes no draft_model_path)");
+    if (draft && o.ngram && o.mode != spec_mode::automatic) {
+        throw std::invalid_argument("proposers=('dflash', 'ngram') merges both into one tree, which spec_mode='auto' "
+                                    "cuts each round: chain and tree modes take one proposer");
     }
     if (draft) {
         resolve_drafter(target, *draft, o, p);
+        p.ngram = o.ngram;  // its candidates merged into the drafter's tree, within the drafter's block and budget
     } else if (o.ngram) {
         resolve_ngram(target, o, p);
     } else if (o.block_size > 0 || o.tree_budget > 0) {

@@ -29,8 +29,6 @@ inline constexpr int DEFAULT_ROLLBACK = 16;
 // n-gram lookup's block when none is asked for: matches rarely run longer, and it stays within DEFAULT_ROLLBACK
 inline constexpr int NGRAM_DEFAULT_BLOCK = 8;
 
-// what drafts a session's rounds (pydflash.Model's proposers)
-enum class proposer_kind { none, dflash, ngram };
 
 // what the user chose (already checked at the boundary: pydflash.Model / pydflash.plan); 0: the default
 struct engine_options {
@@ -40,7 +38,7 @@ struct engine_options {
     int       tree_budget  = 0;  // 0: by spec_mode (default_tree_budget)
     int       draft_window = 4096;
     spec_mode mode         = spec_mode::automatic;
-    bool      ngram        = false;  // n-gram lookup drafts (no drafter may be given with it)
+    bool      ngram        = false;  // n-gram lookup drafts, alone or (auto) merged with the drafter's
 };
 
 struct engine_params {
@@ -49,9 +47,10 @@ struct engine_params {
     int              n_ubatch   = 0;
     std::vector<int> ubatch_candidates;  // n_ubatch "auto": the sizes to time (else empty)
     int              n_rollback = DEFAULT_ROLLBACK;
-    // the proposer (speculative only): DFlash's drafter, or n-gram lookup (block, tree_budget, mode only)
-    bool          speculative   = false;
-    proposer_kind proposer      = proposer_kind::none;
+    // the proposers (speculative: either): DFlash's drafter and / or n-gram lookup (block, tree_budget, mode)
+    bool      speculative   = false;
+    bool      drafter       = false;
+    bool      ngram         = false;
     int       block         = 0;  // tokens per drafted block (the drafter's trained one unless asked)
     int       block_request = 0;  // what the draft session is asked for (0: the trained block)
     int       tree_budget   = 0;  // draft nodes per verify (chain: block - 1)
@@ -63,8 +62,8 @@ struct engine_params {
     spec_mode mode          = spec_mode::automatic;
 };
 
-// throws std::invalid_argument for a drafter's option given without a proposer, or for n-gram lookup asked for
-// with a drafter
+// throws std::invalid_argument for a drafter's option given without a proposer, or for n-gram lookup merged with a
+// drafter's candidates outside auto mode
 engine_params resolve_engine_params(const target_model & target, const dflash_draft * draft,
                                     const engine_options & options);
 

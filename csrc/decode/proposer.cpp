@@ -36,62 +36,89 @@ void dflash_proposer::after_prefill_chunk(int first, int n) {
     d_.queue_positions(first, n);  // appended by the next draft, or before an evaluation overwrites them
 }
 
+bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
+    drafted_ = false;
+    out.reset(anchor);
+    max_depth = std::min({max_depth, d_.block() - 1, max_nodes - 1});
+    if (max_depth <= 0) {
+        return false;
+    }
+    // auto decodes plainly through a cool-down, and until it knows what a plain step costs (a fresh process:
+    // the first round)
+    if (state_.cooldown > 0 || !costs_.knows_plain_step()) {
+        state_.cooldown = std::max(0, state_.cooldown - 1);
+        stats_.n_skipped++;
+        return false;
+    }
+    const draft_proposals & p = d_.draft(anchor, start, max_depth + 1);
+    drafted_                  = true;
+    const int limit = node_limit(max_nodes);
+    // best first by the probability that the target accepts each path (learnt), not by the drafter's
+    scores_.resize((size_t) p.n_positions * p.top_k);
+    for (int pos = 0; pos < p.n_positions; ++pos) {
+        for (int r = 0; r < p.top_k; ++r) {
+            const double a  = acceptance_.p_accept(pos + 1, r, std::exp((double) p.logprob(pos, r)));
+            float &      sc = scores_[(size_t) pos * p.top_k + r];
+            sc              = (float) std::log(std::max(a, 1e-9));
+            if (r > 0) {
+                sc = std::min(sc, scores_[(size_t) pos * p.top_k + r - 1]);  // non-increasing in rank
+            }
+        }
+    }
+    build_draft_tree(p, anchor, limit, max_depth, tree_seed::best_first, out, &scores_);
+    return true;
+}
+
+double dflash_proposer::p_accept(const draft_tree & t, int b) const {
+    return acceptance_.p_accept(t.depth[b], t.rank[b], std::exp((double) t.logp[b]));
+}
+
 void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
-    drafted_     = false;
     speculative_ = params_.mode != spec_mode::automatic;
+    if (params_.mode == spec_mode::automatic) {
+        if (draft_candidates(anchor, start, max_depth, max_nodes, full_)) {
+            const int b = choose_verify_budget(full_, costs_, acceptance_, recurrent_);
+            full_.truncate(1 + b);
+            speculative_ = b > 0;
+            (b == 0 ? stats_.n_plain : full_.is_chain() ? stats_.n_chain : stats_.n_tree)++;
+        }
+        out = full_;
+        return;
+    }
+    drafted_ = false;
     out.reset(anchor);
     max_depth = std::min({max_depth, d_.block() - 1, max_nodes - 1});
     if (max_depth <= 0) {
         return;
     }
-    const bool automatic = params_.mode == spec_mode::automatic;
-    // auto decodes plainly through a cool-down, and until it knows what a plain step costs (a fresh process:
-    // the first round)
-    if (automatic && (state_.cooldown > 0 || !costs_.knows_plain_step())) {
-        state_.cooldown = std::max(0, state_.cooldown - 1);
-        stats_.n_skipped++;
-        return;
-    }
     const draft_proposals & p = d_.draft(anchor, start, max_depth + 1);
     drafted_                  = true;
+    if (params_.mode == spec_mode::chain) {
+        build_draft_chain(p, anchor, max_depth, out);
+    } else {
+        build_draft_tree(p, anchor, node_limit(max_nodes), max_depth, params_.seed, out);
+    }
+}
+
+int dflash_proposer::node_limit(int max_nodes) {
     // nodes below the root: the budget, within what the session, the feature ring and the measured widths take
     int limit = std::min({max_nodes, d_.ring().capacity(), costs_.max_width()}) - 1;
     if (params_.tree_budget > 0) {
         limit = std::min(limit, params_.tree_budget);
     }
-    switch (params_.mode) {
-        case spec_mode::chain:
-            build_draft_chain(p, anchor, max_depth, out);
-            break;
-        case spec_mode::tree:
-            build_draft_tree(p, anchor, limit, max_depth, params_.seed, out);
-            break;
-        case spec_mode::automatic: {
-            // best first by the probability that the target accepts each path (learnt), not by the drafter's
-            scores_.resize((size_t) p.n_positions * p.top_k);
-            for (int pos = 0; pos < p.n_positions; ++pos) {
-                for (int r = 0; r < p.top_k; ++r) {
-                    const double a = acceptance_.p_accept(pos + 1, r, std::exp((double) p.logprob(pos, r)));
-                    float &      sc = scores_[(size_t) pos * p.top_k + r];
-                    sc = (float) std::log(std::max(a, 1e-9));
-                    if (r > 0) {
-                        sc = std::min(sc, scores_[(size_t) pos * p.top_k + r - 1]);  // non-increasing in rank
-                    }
-                }
-            }
-            build_draft_tree(p, anchor, limit, max_depth, tree_seed::best_first, full_, &scores_);
-            const int b = choose_verify_budget(full_, costs_, acceptance_, recurrent_);
-            out         = full_;
-            out.truncate(1 + b);
-            speculative_ = b > 0;
-            auto & n = b == 0 ? stats_.n_plain : out.is_chain() ? stats_.n_chain : stats_.n_tree;
-            n++;
-            break;
-        }
-    }
+    return limit;
 }
 
 int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
+                         bool recurrent_target) {
+    std::vector<double> p(full.size(), 1.0);
+    for (int b = 1; b < full.size(); ++b) {
+        p[b] = acceptance.p_accept(full.depth[b], full.rank[b], std::exp((double) full.logp[b]));
+    }
+    return choose_verify_budget(full, p, costs, recurrent_target);
+}
+
+int choose_verify_budget(const draft_tree & full, const std::vector<double> & p_accept, const cost_model & costs,
                          bool recurrent_target) {
     // widths not measured yet cost, optimistically, what the widest measured one does (decode/cost_model.h): a
     // round that chooses one measures it
@@ -103,8 +130,7 @@ int choose_verify_budget(const draft_tree & full, const cost_model & costs, cons
     double              expected = 0.0;
     bool                chain    = true;
     for (int b = 1; b < n_max; ++b) {
-        reach[b] = reach[full.parents[b]] *
-                   acceptance.p_accept(full.depth[b], full.rank[b], std::exp((double) full.logp[b]));
+        reach[b] = reach[full.parents[b]] * p_accept[b];
         expected += reach[b];
         chain             = chain && full.parents[b] == b - 1;
         const double gain = 1.0 + expected - rate * costs.verify_ms(1 + b, recurrent_target && !chain);
@@ -116,8 +142,7 @@ int choose_verify_budget(const draft_tree & full, const cost_model & costs, cons
     return best_b;
 }
 
-void dflash_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
-                                   const std::vector<float> & accept_prob) {
+void dflash_proposer::queue_context(const session & s, int start, const std::vector<int> & rows) {
     // the accepted nodes' features (written by the verify at their evaluation slots) become context rows
     const int m = (int) rows.size();
     ring_rows_.resize(m);
@@ -127,7 +152,31 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
         positions_[i] = start + i;
     }
     d_.queue(ring_rows_.data(), positions_.data(), m);
+}
 
+void dflash_proposer::learn(int depth, int rank, float logp, double accepted) {
+    acceptance_.observe(depth, rank, std::exp((double) logp), accepted);
+}
+
+void dflash_proposer::judge_round() {
+    // judged on the round's whole time (decode/driver.cpp), host work (tree building, the choice, the walk)
+    // included: on a small model it is a fair part of a step
+    if (params_.mode != spec_mode::automatic || !costs_.rated_last_round()) {
+        return;
+    }
+    if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
+        // the next cool-down doubles, or grows 8x when speculation runs far behind (a model too small for it)
+        const int growth = costs_.spec_rate() < FAR_BEHIND * costs_.plain_rate() ? 8 : 2;
+        state_.cooldown  = std::max(state_.cool_len, COOLDOWN_MIN);
+        state_.cool_len  = std::min(growth * state_.cooldown, COOLDOWN_MAX);
+    } else if (costs_.spec_rate() > (1.0 + CLEARLY_FASTER) * costs_.plain_rate()) {
+        state_.cool_len = COOLDOWN_MIN;  // only a clear win forgets the failures before it
+    }
+}
+
+void dflash_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
+                                   const std::vector<float> & accept_prob) {
+    queue_context(s, start, rows);
     if (!drafted_) {
         return;
     }
@@ -135,21 +184,10 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
     // chose it there (greedy: 0 or 1; sampling: the sampler's probability, which the draw only estimates)
     for (int b = 1; b < t.size(); ++b) {
         if (accept_prob[b] >= 0.0f) {
-            acceptance_.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), accept_prob[b]);
+            learn(t.depth[b], t.rank[b], t.logp[b], accept_prob[b]);
         }
     }
-    // judged on the round's whole time (decode/driver.cpp), host work (tree building, the choice, the walk)
-    // included: on a small model it is a fair part of a step
-    if (params_.mode == spec_mode::automatic && costs_.rated_last_round()) {
-        if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
-            // the next cool-down doubles, or grows 8x when speculation runs far behind (a model too small for it)
-            const int growth = costs_.spec_rate() < FAR_BEHIND * costs_.plain_rate() ? 8 : 2;
-            state_.cooldown  = std::max(state_.cool_len, COOLDOWN_MIN);
-            state_.cool_len  = std::min(growth * state_.cooldown, COOLDOWN_MAX);
-        } else if (costs_.spec_rate() > (1.0 + CLEARLY_FASTER) * costs_.plain_rate()) {
-            state_.cool_len = COOLDOWN_MIN;  // only a clear win forgets the failures before it
-        }
-    }
+    judge_round();
 }
 
 }  // namespace pdf

@@ -27,6 +27,9 @@ namespace pdf {
 // when what it is expected to add exceeds what its share of the verify would have produced elsewhere.
 int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
                          bool recurrent_target);
+// the same with each node's P(accepted | parent accepted) given (p_accept[b] for node b; the root's unused)
+int choose_verify_budget(const draft_tree & full, const std::vector<double> & p_accept, const cost_model & costs,
+                         bool recurrent_target);
 
 class proposer {
   public:
@@ -127,7 +130,25 @@ class dflash_proposer : public proposer {
 
     const auto_stats & stats() const { return stats_; }
 
+    // The parts a proposer that merges other candidates with the drafter's (decode/union_proposer.h) runs:
+    // auto's candidate tree of this round, best first by learnt acceptance, at most max_nodes nodes (false, and
+    // only the root: a cool-down round, or no room to draft)
+    bool   draft_candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
+    // P(accepted | parent accepted) of node b of a tree draft_candidates built, as learnt
+    double p_accept(const draft_tree & t, int b) const;
+    // after a verify: the accepted nodes' features become the drafter's context rows
+    void   queue_context(const session & s, int start, const std::vector<int> & rows);
+    // after a verify: what the target made of one of the drafter's nodes (its depth, rank and log-probability;
+    // `accepted`: the probability that the target chose it after its parent)
+    void   learn(int depth, int rank, float logp, double accepted);
+    // after a round that drafted: a cool-down when speculation runs behind plain decoding (auto)
+    void   judge_round();
+
+    // tree nodes below the root a round may verify: the budget, within the session, feature ring and cost model
+    int    node_limit(int max_nodes);
+
   private:
+
     draft_session &                       d_;
     speculation_state &                   state_;
     cost_model &                          costs_;

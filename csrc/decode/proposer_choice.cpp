@@ -1,4 +1,5 @@
 #include "decode/proposer_choice.h"
+#include "decode/union_proposer.h"
 
 namespace pdf {
 
@@ -6,8 +7,15 @@ generate_result generate_with(session & s, const speculation * spec, const ngram
                               const std::vector<int32_t> & prompt, const generate_params & params,
                               const token_callback & on_tokens, auto_stats & stats) {
     if (spec && ngram) {
-        throw std::invalid_argument("generate: a DFlash drafter and n-gram lookup were both given; one proposer per "
-                                    "call");
+        if (spec->params.mode != spec_mode::automatic) {
+            throw std::invalid_argument("generate: a DFlash drafter and n-gram lookup together need spec_mode 'auto' "
+                                        "(it chooses each round what of their merged tree to verify)");
+        }
+        dflash_proposer dflash(spec->drafter, spec->state, spec->params, s.is_recurrent());
+        union_proposer  both(s, dflash, ngram->index, ngram->state.acceptance);
+        generate_result r = generate(s, both, prompt, params, on_tokens);
+        stats             = both.stats();
+        return r;
     }
     if (ngram) {
         ngram_proposer lookup(s, ngram->index, ngram->state, ngram->params, ngram->block);

@@ -1,0 +1,128 @@
+#include "decode/union_proposer.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace pdf {
+
+union_proposer::union_proposer(const session & s, dflash_proposer & dflash, ngram_index & index,
+                               acceptance_model & ngram_acceptance)
+    : s_(s), dflash_(dflash), index_(index), ngram_acceptance_(ngram_acceptance) {}
+
+int union_proposer::before_prefill(int reusable) {
+    synced_ = false;  // a new prompt: the lookup's index is checked against it at the first round
+    return dflash_.before_prefill(reusable);
+}
+
+void union_proposer::merge(int32_t anchor, int max_depth) {
+    merged_ = drafter_tree_;
+    origins_.assign(merged_.size(), origin{});
+    p_.assign(merged_.size(), 1.0);
+    for (int b = 1; b < merged_.size(); ++b) {
+        origins_[b].drafter_rank = merged_.rank[b];
+        origins_[b].drafter_logp = merged_.logp[b];
+        p_[b]                    = dflash_.p_accept(merged_, b);
+    }
+    build_ngram_tree(lookup_, anchor, max_depth * (int) lookup_.size(), lookup_tree_);
+    std::vector<int> at(lookup_tree_.size(), 0);  // lookup node -> merged node
+    for (int j = 1; j < lookup_tree_.size(); ++j) {
+        const int parent = at[lookup_tree_.parents[j]];
+        int       node   = -1;
+        for (int b = parent + 1; b < merged_.size() && node < 0; ++b) {
+            node = merged_.parents[b] == parent && merged_.tokens[b] == lookup_tree_.tokens[j] ? b : -1;
+        }
+        if (node < 0) {
+            node = merged_.add(lookup_tree_.tokens[j], parent, lookup_tree_.rank[j], lookup_tree_.logp[j]);
+            origins_.push_back(origin{});
+            p_.push_back(0.0);
+        }
+        at[j]                      = node;
+        origins_[node].lookup_rank = lookup_tree_.rank[j];
+        origins_[node].lookup_logp = lookup_tree_.logp[j];
+        const double q = ngram_acceptance_.p_accept(lookup_tree_.depth[j], lookup_tree_.rank[j],
+                                                    std::exp((double) lookup_tree_.logp[j]));
+        p_[node] = std::max(p_[node], q);
+    }
+}
+
+void union_proposer::order_best_first(int limit, draft_tree & out) {
+    // best first by P(the accepted path reaches the node): a frontier of the taken nodes' children
+    out.reset(merged_.tokens[0]);
+    ordered_origins_.assign(1, origin{});
+    ordered_p_.assign(1, 1.0);
+    std::vector<double> reach(merged_.size(), 0.0);
+    std::vector<int>    placed(merged_.size(), -1);  // merged node -> node of out
+    std::vector<bool>   taken(merged_.size(), false);
+    reach[0] = 1.0, placed[0] = 0, taken[0] = true;
+    while (out.size() - 1 < limit) {
+        int    best   = -1;
+        double best_r = -1.0;
+        for (int b = 1; b < merged_.size(); ++b) {
+            if (!taken[b] && taken[merged_.parents[b]] && reach[merged_.parents[b]] * p_[b] > best_r) {
+                best   = b;  // (ties: the earlier node, the drafter's order first)
+                best_r = reach[merged_.parents[b]] * p_[b];
+            }
+        }
+        if (best < 0) {
+            break;
+        }
+        taken[best]  = true;
+        reach[best]  = best_r;
+        placed[best] = out.add(merged_.tokens[best], placed[merged_.parents[best]], merged_.rank[best],
+                               merged_.logp[best]);
+        ordered_origins_.push_back(origins_[best]);
+        ordered_p_.push_back(p_[best]);
+    }
+}
+
+void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
+    speculative_ = false;
+    lookup_.clear();
+    drafter_drafted_ = dflash_.draft_candidates(anchor, start, max_depth, max_nodes, drafter_tree_);
+    const int depth  = std::min({max_depth, dflash_.max_depth(), max_nodes - 1});
+    if (depth > 0 && dflash_.costs()->knows_plain_step()) {
+        if (synced_) {
+            index_.extend(s_.tokens());
+        } else {
+            index_.sync(s_.tokens());
+            synced_ = true;
+        }
+        lookup_ = index_.candidates(anchor, depth);
+    }
+    if (!drafter_drafted_ && lookup_.empty()) {
+        stats_.n_skipped++;
+        out.reset(anchor);
+        return;
+    }
+    merge(anchor, depth);
+    order_best_first(dflash_.node_limit(max_nodes), ordered_);
+    const int b = choose_verify_budget(ordered_, ordered_p_, *dflash_.costs(), s_.is_recurrent());
+    out         = ordered_;
+    out.truncate(1 + b);
+    speculative_ = b > 0;
+    (b == 0 ? stats_.n_plain : out.is_chain() ? stats_.n_chain : stats_.n_tree)++;
+}
+
+void union_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
+                                  const std::vector<float> & accept_prob) {
+    dflash_.queue_context(s, start, rows);
+    if (t.size() > 1) {
+        for (int b = 1; b < t.size(); ++b) {
+            if (accept_prob[b] < 0.0f) {
+                continue;
+            }
+            const origin & o = ordered_origins_[b];
+            if (o.drafter_rank >= 0) {
+                dflash_.learn(t.depth[b], o.drafter_rank, o.drafter_logp, accept_prob[b]);
+            }
+            if (o.lookup_rank >= 0) {
+                ngram_acceptance_.observe(t.depth[b], o.lookup_rank, std::exp((double) o.lookup_logp), accept_prob[b]);
+            }
+        }
+    }
+    if (drafter_drafted_) {
+        dflash_.judge_round();
+    }
+}
+
+}  // namespace pdf
