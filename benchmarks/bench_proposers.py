@@ -87,7 +87,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", type=Path, default=bench_tree.ROOT / "build" / "inflated")
     ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
+    ap.add_argument("--engines", default=None, help="comma-separated labels of ours to run (default: all; plain "
+                                                      "always)")
     args = ap.parse_args()
+    engines = [e for e in OURS if e[0] == "plain" or args.engines is None or e[0] in args.engines.split(",")]
     archs, kinds = args.archs.split(","), args.pairs.split(",")
     pairs = (bench_tree.cost_realistic_pairs(args.cache_dir, archs, kinds=("q4mix",)) if "realistic" in kinds
              else []) + ([{"name": f"{a} q8_0 (tiny)", "arch": a, "target": pair_file(a, "target", "q8_0"),
@@ -97,7 +100,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for pair in pairs:
             for workload, prompts in workloads(args.n_prompts).items():
-                rows = bench_tree.run_ours(pair, prompts, args, engines=OURS)
+                rows = bench_tree.run_ours(pair, prompts, args, engines=engines)
                 if not args.skip_peer:
                     rows.update(bench_tree.run_llama(pair, prompts, args, Path(tmp)))
                     rows.update(run_llama_ngram(pair, prompts, args, Path(tmp)))

@@ -43,6 +43,29 @@ void union_proposer::merge(int32_t anchor, int max_depth) {
                                                     std::exp((double) lookup_tree_.logp[j]));
         p_[node] = std::max(p_[node], q);
     }
+    exclusive_siblings();
+}
+
+void union_proposer::exclusive_siblings() {
+    // the target picks one token after a node: its children's acceptances are exclusive events. Each proposer's
+    // own are (the drafter's ranks, the lookup's distinct continuations), but a drafter's node and a lookup's
+    // sibling were each learnt without the other, and together may claim more than certainty. Capped in
+    // decreasing order so that they never do, the better one keeping its estimate.
+    std::vector<int> children;
+    for (int parent = 0; parent < merged_.size(); ++parent) {
+        children.clear();
+        for (int b = parent + 1; b < merged_.size(); ++b) {
+            if (merged_.parents[b] == parent) {
+                children.push_back(b);
+            }
+        }
+        std::sort(children.begin(), children.end(), [&](int a, int b) { return p_[a] > p_[b]; });
+        double left = 1.0;
+        for (int c : children) {
+            p_[c] = std::min(p_[c], left);
+            left -= p_[c];
+        }
+    }
 }
 
 void union_proposer::order_best_first(int limit, draft_tree & out) {
