@@ -58,26 +58,6 @@ def run_llama_ngram(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
     return rows
 
 
-def print_rows(name: str, rows: dict) -> None:
-    plain = rows["plain"]["tok_s"]
-    llama = [r["tok_s"] for k, r in rows.items() if k.startswith("llama.cpp") and "tok_s" in r]
-    best = max(llama) if llama else 0.0
-    print(f"\n{name}")
-    print(f"  {'engine':<28} {'tok/s':>8} {'tau':>6} {'/ plain':>8} {'/ llama best':>13}  notes")
-    for label, r in rows.items():
-        if "error" in r:
-            print(f"  {label:<28} {'-':>8}  ({r['error']})")
-            continue
-        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
-        notes = []
-        if "same_as_plain" in r and label != "plain":
-            notes.append(f"same output {r['same_as_plain']}/{rows['plain']['same_as_plain']}")
-        if "auto" in r:
-            notes.append(" ".join(f"{k[5:]} {v}" for k, v in r["auto"].items()))
-        print(f"  {label:<28} {r['tok_s']:8.1f} {tau:>6} {r['tok_s'] / plain:8.2f} "
-              f"{r['tok_s'] / best if best else 0.0:13.2f}  {'; '.join(notes)}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", default="realistic", help="realistic, tiny or both (comma-separated)")
@@ -104,7 +84,7 @@ def main() -> None:
                 if not args.skip_peer:
                     rows.update(bench_tree.run_llama(pair, prompts, args, Path(tmp)))
                     rows.update(run_llama_ngram(pair, prompts, args, Path(tmp)))
-                print_rows(f"{pair['name']}, {workload}", rows)
+                bench_tree.print_pair(f"{pair['name']}, {workload}", rows, best_of="llama.cpp")
 
 
 if __name__ == "__main__":

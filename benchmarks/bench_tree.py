@@ -144,15 +144,18 @@ def run_llama(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
     return rows
 
 
-def print_pair(name: str, rows: dict) -> None:
+def print_pair(name: str, rows: dict, best_of: str = "llama.cpp dflash") -> None:
+    """The rows of one pair, with the ratio to our plain decoding and to the best llama.cpp row whose label starts
+    with `best_of`."""
     plain = rows["plain"]["tok_s"]
-    llama = [r["tok_s"] for k, r in rows.items() if k.startswith("llama.cpp dflash") and "tok_s" in r]
+    llama = [r["tok_s"] for k, r in rows.items() if k.startswith(best_of) and "tok_s" in r]
     best_llama = max(llama) if llama else 0.0
+    w = max(22, *(len(label) for label in rows))
     print(f"\n{name}")
-    print(f"  {'engine':<22} {'tok/s':>8} {'tau':>6} {'verif/tok':>10} {'/ plain':>8} {'/ llama best':>13}  notes")
+    print(f"  {'engine':<{w}} {'tok/s':>8} {'tau':>6} {'verif/tok':>10} {'/ plain':>8} {'/ llama best':>13}  notes")
     for label, r in rows.items():
         if "error" in r:
-            print(f"  {label:<22} {'-':>8}  ({r['error']})")
+            print(f"  {label:<{w}} {'-':>8}  ({r['error']})")
             continue
         tau = f"{r['tau']:.2f}" if "tau" in r else "-"
         vpt = f"{r['verified_per_token']:.2f}" if "verified_per_token" in r else "-"
@@ -162,7 +165,7 @@ def print_pair(name: str, rows: dict) -> None:
             notes.append(f"same output {r['same_as_plain']}/{rows['plain']['same_as_plain']}")
         if "auto" in r:
             notes.append(" ".join(f"{k[5:]} {v}" for k, v in r["auto"].items()))
-        print(f"  {label:<22} {r['tok_s']:8.1f} {tau:>6} {vpt:>10} {r['tok_s'] / plain:8.2f} {vs_llama:>13}  "
+        print(f"  {label:<{w}} {r['tok_s']:8.1f} {tau:>6} {vpt:>10} {r['tok_s'] / plain:8.2f} {vs_llama:>13}  "
               f"{'; '.join(notes)}")
 
 

@@ -225,17 +225,22 @@ with pydflash.Model(target, draft_model_path=draft, n_ctx=512, n_gpu_layers=-1, 
 '''
 
 
-def test_layers_split_over_two_rpc_servers(tmp_path):
-    """Two servers: the offloaded layers and head go to both, consecutive runs in order (an equal split: the same
-    free memory; the head with the last), the hybrid's KV rows and recurrent state on each; the CPU's logits, and
-    speculative (tree) output equal to plain."""
+def _run_with_two_servers(tmp_path, script: str) -> subprocess.CompletedProcess:
+    """`script` run as a client of two rpc-servers of its own (argv: their endpoints); the servers are ended after."""
     (a, server_a, _), (b, server_b, _) = _start_rpc_server(tmp_path), _start_rpc_server(tmp_path)
     try:
-        res = _run_client(TWO_DEVICES, a, b)
+        return _run_client(script, a, b)
     finally:
         for s in (server_a, server_b):
             s.kill()
             s.wait()
+
+
+def test_layers_split_over_two_rpc_servers(tmp_path):
+    """Two servers: the offloaded layers and head go to both, consecutive runs in order (an equal split: the same
+    free memory; the head with the last), the hybrid's KV rows and recurrent state on each; the CPU's logits, and
+    speculative (tree) output equal to plain."""
+    res = _run_with_two_servers(tmp_path, TWO_DEVICES)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.splitlines()
     layers = eval(lines[0].split(":", 1)[1])  # {buffer type: [layers]}
@@ -271,13 +276,7 @@ def test_tensor_split_over_two_rpc_servers(tmp_path):
     """tensor_split (llama.cpp's --tensor-split) puts each device's proportion of the offloaded layers on it in
     device order, with llama.cpp's rounding: layer j of n to the first device whose cumulative share exceeds j/n.
     A device with 0 gets none; more entries than devices is refused, naming them."""
-    (a, server_a, _), (b, server_b, _) = _start_rpc_server(tmp_path), _start_rpc_server(tmp_path)
-    try:
-        res = _run_client(SPLIT, a, b)
-    finally:
-        for s in (server_a, server_b):
-            s.kill()
-            s.wait()
+    res = _run_with_two_servers(tmp_path, SPLIT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.splitlines()
     n_layer = int(lines[0].split("] ", 1)[1].split()[0])
