@@ -87,7 +87,7 @@ class EngineConfig:
     tree_budget: int | None
     block: int | None
     ubatch_candidates: tuple[int, ...] = ()
-    ngram: dict | None = None  # NgramDrafter's arguments (proposers=('ngram',))
+    ngram: dict | None = None  # NgramDrafter's arguments ("ngram" among the proposers)
 
 
 def engine_config(core_model, core_draft, options: dict) -> EngineConfig:
