@@ -32,6 +32,18 @@ def test_run_streams_what_generate_gives(capsys):
     assert "no prompt" in capsys.readouterr().err
 
 
+def test_run_with_ngram_lookup(capsys):
+    """--proposers reaches the Model: n-gram lookup with no draft model prints plain decoding's text; a drafter's
+    proposer without -md is refused, naming what is missing."""
+    text = "def f(x):\n    return x + 1\n\ndef f(x):\n"
+    assert main(["run", TARGET, "-p", text, "-n", "24", "--proposers", "ngram", "--spec-mode", "chain"]) == 0
+    printed = capsys.readouterr().out
+    with pydflash.Model(TARGET, n_ctx=4096) as m:
+        assert printed == m.generate(text, max_tokens=24).text + "\n"
+    assert main(["run", TARGET, "-p", "x", "--proposers", "ngram,dflash"]) == 1
+    assert "needs a DFlash drafter: draft_model_path" in capsys.readouterr().err
+
+
 def test_run_warns_when_the_context_is_full(capsys):
     assert main(["run", TARGET, "-p", "def f(x):", "-c", "24"]) == 0
     assert "stopped at the end of the context (n_ctx = 24)" in capsys.readouterr().err
