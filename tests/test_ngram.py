@@ -103,6 +103,12 @@ def test_drafter_and_lookup_in_one_tree_is_lossless(kind):
             c = m.generate(p, max_tokens=64)
             assert c.tokens == g and c.timings["proposer"] == "dflash+ngram"
             assert m.generate(p, max_tokens=64, temperature=0.8, seed=3).tokens == smp
+            # what each proposer put in the verified trees and got accepted (a node both proposed counts for both)
+            by = c.timings["by_proposer"]
+            assert sum(v["drafted"] for v in by.values()) >= c.timings["draft_n"] >= max(v["drafted"]
+                                                                                          for v in by.values())
+            assert sum(v["accepted"] for v in by.values()) >= c.timings["draft_n_accepted"]
+            assert all(v["accepted"] <= v["drafted"] and v["rounds"] <= c.timings["n_rounds"] for v in by.values())
         # the lookup alone, through the same session's index: its drafts are accepted on the repeating prompt
         lookup = m._session.generate(m.tokenize(prompts[0]), max_tokens=64, stop_tokens=[], ngram=m._ngram,
                                      spec_mode="chain")

@@ -131,6 +131,17 @@ static py::dict timings_dict(const generate_timings & t, const char * proposer, 
             d["auto_chain"]   = a->n_chain;
             d["auto_tree"]    = a->n_tree;
         }
+        if (a && std::string(proposer) == "dflash+ngram") {
+            py::dict by;
+            for (int k : {0, 1}) {
+                py::dict one;
+                one["rounds"]   = a->rounds_by[k];
+                one["drafted"]  = a->drafted_by[k];
+                one["accepted"] = a->accepted_by[k];
+                by[k == 0 ? "dflash" : "ngram"] = one;
+            }
+            d["by_proposer"] = by;
+        }
     }
     return d;
 }

@@ -109,6 +109,11 @@ struct auto_stats {
     int n_plain   = 0;  // rounds that drafted but verified nothing (the drafter was not sure enough)
     int n_chain   = 0;  // rounds that verified a chain
     int n_tree    = 0;  // rounds that verified a branching tree
+    // merged proposers (decode/union_proposer.h), by proposer (0: the drafter, 1: n-gram lookup; a node both
+    // proposed counts for both): verified rounds with a node of it, its nodes verified, its nodes accepted
+    int rounds_by[2]   = {0, 0};
+    int drafted_by[2]  = {0, 0};
+    int accepted_by[2] = {0, 0};
 };
 
 class dflash_proposer : public proposer {

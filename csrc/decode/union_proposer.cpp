@@ -126,9 +126,27 @@ void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_n
     (b == 0 ? stats_.n_plain : out.is_chain() ? stats_.n_chain : stats_.n_tree)++;
 }
 
+void union_proposer::count(const draft_tree & t, const std::vector<int> & rows) {
+    bool in_round[2] = {false, false};
+    for (int b = 1; b < t.size(); ++b) {
+        const bool by[2] = {ordered_origins_[b].drafter_rank >= 0, ordered_origins_[b].lookup_rank >= 0};
+        for (int k : {0, 1}) {
+            stats_.drafted_by[k] += by[k];
+            in_round[k] = in_round[k] || by[k];
+        }
+    }
+    for (size_t i = 1; i < rows.size(); ++i) {
+        stats_.accepted_by[0] += ordered_origins_[rows[i]].drafter_rank >= 0;
+        stats_.accepted_by[1] += ordered_origins_[rows[i]].lookup_rank >= 0;
+    }
+    stats_.rounds_by[0] += in_round[0];
+    stats_.rounds_by[1] += in_round[1];
+}
+
 void union_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
                                   const std::vector<float> & accept_prob) {
     dflash_.queue_context(s, start, rows);
+    count(t, rows);
     if (t.size() > 1) {
         for (int b = 1; b < t.size(); ++b) {
             if (accept_prob[b] < 0.0f) {

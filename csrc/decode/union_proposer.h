@@ -46,6 +46,8 @@ class union_proposer : public proposer {
     // the drafter's tree and the lookup's candidates (each at most max_depth deep) merged into merged_ (origins_,
     // p_ per node)
     void merge(int32_t anchor, int max_depth);
+    // a verified round's nodes and accepted nodes by proposer (stats_)
+    void count(const draft_tree & t, const std::vector<int> & rows);
     // each node's children's acceptances capped to sum to at most 1 (the target picks one token)
     void exclusive_siblings();
     // merged_ reordered best first by path probability into out (origins and probabilities with it), at most
