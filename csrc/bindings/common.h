@@ -58,10 +58,11 @@ struct py_draft {
 struct py_ngram {
     std::unique_ptr<ngram_index>       index;
     std::unique_ptr<speculation_state> state;
+    std::unique_ptr<acceptance_model>  against_drafter;  // (merged with a drafter: decode/union_proposer.h)
     spec_params                        spec;
     int                                block = 0;
 
-    ngram_speculation with(const spec_params & p) const { return {*index, *state, p, block}; }
+    ngram_speculation with(const spec_params & p) const { return {*index, *state, p, block, *against_drafter}; }
 };
 
 // Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked

@@ -20,6 +20,7 @@ static py_ngram make_ngram(int64_t block_size, const std::string & mode, int64_t
     g.spec.mode        = parse_spec_mode(mode);
     g.spec.tree_budget = tree_budget_arg(tree_budget);
     g.state            = std::make_unique<speculation_state>(MAX_TREE_BUDGET + 1);
+    g.against_drafter  = std::make_unique<acceptance_model>();
     return g;
 }
 

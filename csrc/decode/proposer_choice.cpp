@@ -12,7 +12,7 @@ generate_result generate_with(session & s, const speculation * spec, const ngram
                                         "(it chooses each round what of their merged tree to verify)");
         }
         dflash_proposer dflash(spec->drafter, spec->state, spec->params, s.is_recurrent());
-        union_proposer  both(s, dflash, ngram->index, ngram->state.acceptance);
+        union_proposer  both(s, dflash, ngram->index, ngram->state.acceptance, ngram->against_drafter);
         generate_result r = generate(s, both, prompt, params, on_tokens);
         stats             = both.stats();
         return r;

@@ -25,7 +25,8 @@ struct ngram_speculation {
     ngram_index &       index;
     speculation_state & state;
     spec_params         params;
-    int                 block;  // the deepest draft: block - 1 tokens
+    int                 block;            // the deepest draft: block - 1 tokens
+    acceptance_model &  against_drafter;  // merged with a drafter: its nodes where the drafter proposed another
 };
 
 // generate() with the proposer `spec` or `ngram` calls for (at most one of them; neither: plain decoding);

@@ -6,8 +6,8 @@
 namespace pdf {
 
 union_proposer::union_proposer(const session & s, dflash_proposer & dflash, ngram_index & index,
-                               acceptance_model & ngram_acceptance)
-    : s_(s), dflash_(dflash), index_(index), ngram_acceptance_(ngram_acceptance) {}
+                               acceptance_model & ngram_acceptance, acceptance_model & against_drafter)
+    : s_(s), dflash_(dflash), index_(index), ngram_acceptance_(ngram_acceptance), against_drafter_(against_drafter) {}
 
 int union_proposer::before_prefill(int reusable) {
     synced_ = false;  // a new prompt: the lookup's index is checked against it at the first round
@@ -37,10 +37,14 @@ void union_proposer::merge(int32_t anchor, int max_depth) {
             p_.push_back(0.0);
         }
         at[j]                      = node;
-        origins_[node].lookup_rank = lookup_tree_.rank[j];
-        origins_[node].lookup_logp = lookup_tree_.logp[j];
-        const double q = ngram_acceptance_.p_accept(lookup_tree_.depth[j], lookup_tree_.rank[j],
-                                                    std::exp((double) lookup_tree_.logp[j]));
+        origin & o                 = origins_[node];
+        o.lookup_rank              = lookup_tree_.rank[j];
+        o.lookup_logp              = lookup_tree_.logp[j];
+        // the drafter drafted here but another token: the lookup's node stands against the drafter's
+        o.against = o.drafter_rank < 0 && drafter_drafted_ && lookup_tree_.depth[j] <= drafter_tree_.max_depth();
+        const acceptance_model & learnt = o.against ? against_drafter_ : ngram_acceptance_;
+        const double q = learnt.p_accept(lookup_tree_.depth[j], lookup_tree_.rank[j],
+                                         std::exp((double) lookup_tree_.logp[j]));
         p_[node] = std::max(p_[node], q);
     }
     exclusive_siblings();
@@ -157,7 +161,8 @@ void union_proposer::after_verify(const session & s, const draft_tree & t, int s
                 dflash_.learn(t.depth[b], o.drafter_rank, o.drafter_logp, accept_prob[b]);
             }
             if (o.lookup_rank >= 0) {
-                ngram_acceptance_.observe(t.depth[b], o.lookup_rank, std::exp((double) o.lookup_logp), accept_prob[b]);
+                (o.against ? against_drafter_ : ngram_acceptance_)
+                    .observe(t.depth[b], o.lookup_rank, std::exp((double) o.lookup_logp), accept_prob[b]);
             }
         }
     }
