@@ -201,8 +201,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     memory = plan(args.model, args.draft, n_ctx=args.n_ctx, kv_type=args.kv_type, n_gpu_layers=args.n_gpu_layers,
                   n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split, rpc_servers=args.rpc,
-                  proposers=args.proposers, n_ubatch=args.n_ubatch, spec_mode=args.spec_mode, block_size=args.block_size,
-                  tree_budget=args.tree_budget, draft_window=args.draft_window, vram=args.vram, ram=args.ram)
+                  proposers=args.proposers, n_ubatch=args.n_ubatch, spec_mode=args.spec_mode,
+                  block_size=args.block_size, tree_budget=args.tree_budget, draft_window=args.draft_window,
+                  vram=args.vram, ram=args.ram)
     if args.json:
         print(json.dumps(memory.as_dict(), indent=2))
     else:

@@ -304,7 +304,8 @@ class Model:
         self._model, draft_model = planned
         with _LoadBar(self.model_path, progress) as bar:
             self._model.load_weights(n_gpu_layers=options["n_gpu_layers"], n_cpu_moe=options["n_cpu_moe"],
-                                     tensor_split=options["tensor_split"], n_threads=n_threads or 0, progress=bar.update, delta_net=options["delta_net"])
+                                     tensor_split=options["tensor_split"], n_threads=n_threads or 0,
+                                     progress=bar.update, delta_net=options["delta_net"])
         if self.tokenizer.n_vocab > self._model.n_vocab:
             raise ModelLoadError(
                 f"{self.model_path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
@@ -353,7 +354,7 @@ class Model:
                         "%.2f MiB each (a verify of up to %d tokens or tree nodes)", self.model_path,
                         self._session.recurrent_bytes / 2**20, n_rollback, per_node / 2**20, n_rollback)
         self._draft = None
-        # n-gram lookup (proposers=('ngram',)): its index of this session's tokens and what auto learns of it
+        # n-gram lookup ("ngram" among the proposers): its index of this session's tokens and what auto learns of it
         self._ngram = None if self._engine.ngram is None else _core.NgramDrafter(**self._engine.ngram)
         if self._draft_model is not None:
             # over the target session: the drafter computes in the session's steps, on its CPU threads

@@ -80,8 +80,10 @@ std::vector<ngram_candidate> ngram_index::candidates(int32_t anchor, int max_dep
             for (int k = 0; k < max_depth; ++k) {
                 c.tokens.push_back(at((size_t) *e + 1 + (size_t) k % period));
             }
+            // (a continuation that is the start of one already found adds nothing)
             const bool seen = std::any_of(out.begin(), out.end(), [&](const ngram_candidate & o) {
-                return o.tokens.size() >= c.tokens.size() && std::equal(c.tokens.begin(), c.tokens.end(), o.tokens.begin());
+                return o.tokens.size() >= c.tokens.size() &&
+                       std::equal(c.tokens.begin(), c.tokens.end(), o.tokens.begin());
             });
             if (!seen) {
                 out.push_back(std::move(c));
