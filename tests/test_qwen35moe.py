@@ -18,7 +18,8 @@ from gguf_edit import rewrite  # noqa: E402
 from hf_models import QWEN35MOE_SHAPES, make_qwen35moe_shape  # noqa: E402
 from llama_ref import llama_convert  # noqa: E402
 from test_qwen3 import assert_greedy_matches_transformers, kl_divergence, ref_logits  # noqa: E402
-from test_qwen3moe import assert_sampling_equals_plain, assert_speculative_equals_plain, random_pair  # noqa: E402
+from test_qwen3moe import (assert_sampling_equals_plain, assert_speculative_equals_plain,  # noqa: E402
+                           converted_checkpoint, random_pair)
 
 import gguf  # noqa: E402
 import pydflash  # noqa: E402
@@ -43,10 +44,7 @@ def relative_error(ours, theirs):
 @pytest.fixture(scope="module", params=sorted(QWEN35MOE_SHAPES))
 def checkpoint(request, tmp_path_factory):
     """(HF folder, f32 GGUF path, transformers model) for one tiny random Qwen3.5 MoE shape."""
-    d = make_qwen35moe_shape(tmp_path_factory.mktemp(request.param) / "hf", request.param, seed=7)
-    gguf_path = convert_hf_to_gguf(d, d.parent / "model-f32.gguf", outtype="f32", progress=False)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    return d, gguf_path, ref
+    return converted_checkpoint(tmp_path_factory.mktemp(request.param), make_qwen35moe_shape, request.param)
 
 
 def test_logits_match_transformers(checkpoint):

@@ -25,13 +25,18 @@ from pydflash.errors import GGUFFormatError  # noqa: E402
 PROMPT = [3, 17, 200, 45, 9, 311, 77, 5, 128, 64, 400, 12]
 
 
-@pytest.fixture(scope="module", params=sorted(QWEN3MOE_SHAPES))
-def checkpoint(request, tmp_path_factory):
-    """(HF folder, f32 GGUF path, transformers model) for one tiny random Qwen3 MoE shape."""
-    d = make_qwen3moe_shape(tmp_path_factory.mktemp(request.param) / "hf", request.param, seed=7)
+def converted_checkpoint(root, make_shape, shape: str) -> tuple:
+    """(HF folder, f32 GGUF path, transformers model) for one tiny random checkpoint of make_shape's family."""
+    d = make_shape(root / "hf", shape, seed=7)
     gguf_path = convert_hf_to_gguf(d, d.parent / "model-f32.gguf", outtype="f32", progress=False)
     ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return d, gguf_path, ref
+
+
+@pytest.fixture(scope="module", params=sorted(QWEN3MOE_SHAPES))
+def checkpoint(request, tmp_path_factory):
+    """(HF folder, f32 GGUF path, transformers model) for one tiny random Qwen3 MoE shape."""
+    return converted_checkpoint(tmp_path_factory.mktemp(request.param), make_qwen3moe_shape, request.param)
 
 
 def test_logits_match_transformers(checkpoint):
