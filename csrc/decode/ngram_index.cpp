@@ -50,6 +50,15 @@ void ngram_index::extend(const std::vector<int32_t> & tokens) {
     }
 }
 
+void ngram_index::follow(const std::vector<int32_t> & tokens, bool & checked) {
+    if (checked) {
+        extend(tokens);
+    } else {
+        sync(tokens);
+        checked = true;
+    }
+}
+
 std::vector<ngram_candidate> ngram_index::candidates(int32_t anchor, int max_depth) const {
     std::vector<ngram_candidate> out;
     if (max_depth <= 0) {

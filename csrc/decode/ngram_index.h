@@ -31,6 +31,8 @@ class ngram_index {
     // cover `tokens`, known to continue what is covered (the committed tokens of one generation): only the new
     // ones are indexed
     void extend(const std::vector<int32_t> & tokens);
+    // a proposer's round: sync at the first round of a generation (`checked` false; then set), extend after
+    void follow(const std::vector<int32_t> & tokens, bool & checked);
     // Up to max_candidates distinct continuations of (covered tokens + anchor), each up to max_depth tokens: what
     // followed the most recent earlier occurrences of its last n tokens, n from n_max down to n_min. A
     // continuation that runs into the suffix itself repeats with the period the match implies ("a b a b" + "a":

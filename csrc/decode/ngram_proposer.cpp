@@ -41,8 +41,7 @@ int ngram_proposer::before_prefill(int reusable) {
     return reusable;
 }
 
-void ngram_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
-    (void) start;
+void ngram_proposer::propose(int32_t anchor, int, int max_depth, int max_nodes, draft_tree & out) {
     drafted_     = false;
     speculative_ = false;
     out.reset(anchor);
@@ -50,12 +49,7 @@ void ngram_proposer::propose(int32_t anchor, int start, int max_depth, int max_n
     if (max_depth <= 0) {
         return;
     }
-    if (synced_) {
-        index_.extend(s_.tokens());
-    } else {
-        index_.sync(s_.tokens());
-        synced_ = true;
-    }
+    index_.follow(s_.tokens(), synced_);
     const bool automatic = params_.mode == spec_mode::automatic;
     if (automatic && !state_.costs.knows_plain_step()) {
         stats_.n_skipped++;  // (a fresh process: the first round measures a plain step)

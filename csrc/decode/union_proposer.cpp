@@ -25,6 +25,7 @@ void union_proposer::merge(int32_t anchor, int max_depth) {
     }
     build_ngram_tree(lookup_, anchor, max_depth * (int) lookup_.size(), lookup_tree_);
     std::vector<int> at(lookup_tree_.size(), 0);  // lookup node -> merged node
+    const int        drafted_depth = drafter_drafted_ ? drafter_tree_.max_depth() : 0;
     for (int j = 1; j < lookup_tree_.size(); ++j) {
         const int parent = at[lookup_tree_.parents[j]];
         int       node   = -1;
@@ -41,7 +42,7 @@ void union_proposer::merge(int32_t anchor, int max_depth) {
         o.lookup_rank              = lookup_tree_.rank[j];
         o.lookup_logp              = lookup_tree_.logp[j];
         // the drafter drafted here but another token: the lookup's node stands against the drafter's
-        o.against = o.drafter_rank < 0 && drafter_drafted_ && lookup_tree_.depth[j] <= drafter_tree_.max_depth();
+        o.against = o.drafter_rank < 0 && lookup_tree_.depth[j] <= drafted_depth;
         const acceptance_model & learnt = o.against ? against_drafter_ : ngram_acceptance_;
         const double q = learnt.p_accept(lookup_tree_.depth[j], lookup_tree_.rank[j],
                                          std::exp((double) lookup_tree_.logp[j]));
@@ -108,12 +109,7 @@ void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_n
     drafter_drafted_ = dflash_.draft_candidates(anchor, start, max_depth, max_nodes, drafter_tree_);
     const int depth  = std::min({max_depth, dflash_.max_depth(), max_nodes - 1});
     if (depth > 0 && dflash_.costs()->knows_plain_step()) {
-        if (synced_) {
-            index_.extend(s_.tokens());
-        } else {
-            index_.sync(s_.tokens());
-            synced_ = true;
-        }
+        index_.follow(s_.tokens(), synced_);
         lookup_ = index_.candidates(anchor, depth);
     }
     if (!drafter_drafted_ && lookup_.empty()) {
