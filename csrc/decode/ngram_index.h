@@ -38,7 +38,6 @@ class ngram_index {
     // continuation that runs into the suffix itself repeats with the period the match implies ("a b a b" + "a":
     // "b a b a ...")
     std::vector<ngram_candidate> candidates(int32_t anchor, int max_depth) const;
-    const ngram_params & params() const { return p_; }
 
   private:
     void add_ends_at(size_t end);  // index the n-grams ending at seq_[end]
