@@ -10,6 +10,7 @@
 #include "models/dflash.h"
 #include "models/model.h"
 #include "state/draft_session.h"
+#include "state/mtp_session.h"
 #include "state/session.h"
 
 #include <pybind11/functional.h>
@@ -65,6 +66,16 @@ struct py_ngram {
     ngram_speculation with(const spec_params & p) const { return {*index, *state, p, block, *against_drafter}; }
 };
 
+// The target's own MTP head for one target session (its cache and the trunk-state ring), with what the decode loop
+// learns about it kept across generate calls, and how it speculates
+struct py_mtp {
+    std::unique_ptr<mtp_session>       head;
+    std::unique_ptr<speculation_state> state;
+    spec_params                        spec;
+
+    mtp_speculation with(const spec_params & p) const { return {*head, *state, p}; }
+};
+
 // Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked
 // here, naming the parameter, before they are narrowed.
 int64_t checked(const char * name, int64_t v, int64_t lo, int64_t hi);
@@ -99,6 +110,7 @@ void register_model(py::module_ & m);
 void register_engine_params(py::module_ & m);
 void register_draft_session(py::module_ & m);
 void register_ngram(py::module_ & m);
+void register_mtp(py::module_ & m);
 void register_session(py::module_ & m);
 void register_generate(py::module_ & m);
 void register_test_hooks(py::module_ & m);

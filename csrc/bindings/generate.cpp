@@ -182,7 +182,8 @@ static spec_params spec_for(const spec_params & own, const std::optional<std::st
 }
 
 static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, py::object stop_tokens_in,
-                         py::object callback, py_draft * draft, py_ngram * ngram, std::optional<std::string> mode,
+                         py::object callback, py_draft * draft, py_ngram * ngram, py_mtp * mtp,
+                         std::optional<std::string> mode,
                          std::optional<int64_t> tree_budget, std::optional<std::string> seed, py::object sampling) {
     const std::vector<int32_t> prompt = int32_array("prompt", prompt_in);
     generate_params            p;
@@ -197,12 +198,17 @@ static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, 
     if (ngram) {
         lookup.emplace(ngram->with(spec_for(ngram->spec, mode, tree_budget, seed)));
     }
+    std::optional<mtp_speculation> head;
+    if (mtp) {
+        head.emplace(mtp->with(spec_for(mtp->spec, mode, tree_budget, seed)));
+    }
     const token_callback cb = python_callback(callback);
     generate_result      r;
     auto_stats           stats;
     {
         py::gil_scoped_release nogil;
-        r = generate_with(s, spec ? &*spec : nullptr, lookup ? &*lookup : nullptr, prompt, p, cb, stats);
+        r = generate_with(s, {spec ? &*spec : nullptr, lookup ? &*lookup : nullptr, head ? &*head : nullptr}, prompt,
+                          p, cb, stats);
     }
     py::dict d;
     d["tokens"]        = r.tokens;
@@ -210,9 +216,10 @@ static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, 
     if (p.sampling.n_logprobs >= 0) {
         d["logprobs"] = logprobs_dict(r.logprobs);
     }
-    const spec_params * used      = spec ? &spec->params : lookup ? &lookup->params : nullptr;
+    const spec_params * used      = spec ? &spec->params : lookup ? &lookup->params : head ? &head->params : nullptr;
     const bool          automatic = used && used->mode == spec_mode::automatic;
-    const char *        proposer  = spec && lookup ? "dflash+ngram" : spec ? "dflash" : lookup ? "ngram" : nullptr;
+    const char *        proposer  = spec && lookup ? "dflash+ngram" : spec ? "dflash" : lookup ? "ngram"
+                                                                                        : head ? "mtp" : nullptr;
     d["timings"]                  = timings_dict(r.timings, proposer, automatic ? &stats : nullptr);
     return d;
 }
@@ -221,10 +228,10 @@ void register_generate(py::module_ & m) {
     auto cls = py::reinterpret_borrow<py::class_<session>>(m.attr("Session"));
     cls.def("generate", &generate, py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("stop_tokens") = py::list(),
             py::arg("callback") = py::none(), py::arg("draft") = nullptr, py::arg("ngram") = nullptr,
-            py::arg("spec_mode") = py::none(),
+            py::arg("mtp") = nullptr, py::arg("spec_mode") = py::none(),
             py::arg("tree_budget") = py::none(), py::arg("tree_seed") = py::none(), py::arg("sampling") = py::none(),
             "Generation, greedy or sampled (sampling: a dict of llama-cpp-python's sampling parameters and seed), "
-            "speculative with a DraftSession, an NgramDrafter, or both (spec_mode 'auto' only: one tree of their "
+            "speculative with a DraftSession, an NgramDrafter, an MtpDrafter (alone), or the first two together (spec_mode 'auto' only: one tree of their "
             "candidates, decode/union_proposer.h), each as it was created to speculate (spec_mode 'chain', 'tree' or "
             "'auto', tree_budget and tree_seed given here override it for this call); callback(list[int]) -> bool is "
             "called (with the GIL) per batch of committed tokens. With sampling['logprobs'] = n the result has "

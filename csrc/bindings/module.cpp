@@ -16,6 +16,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
     register_engine_params(m);
     register_draft_session(m);
     register_ngram(m);
+    register_mtp(m);
     register_session(m);
     register_generate(m);
     register_test_hooks(m);

@@ -159,18 +159,25 @@ void dflash_proposer::learn(int depth, int rank, float logp, double accepted) {
 }
 
 void dflash_proposer::judge_round() {
+    if (params_.mode == spec_mode::automatic) {
+        judge_speculation(state_);
+    }
+}
+
+void judge_speculation(speculation_state & state) {
     // judged on the round's whole time (decode/driver.cpp), host work (tree building, the choice, the walk)
     // included: on a small model it is a fair part of a step
-    if (params_.mode != spec_mode::automatic || !costs_.rated_last_round()) {
+    const cost_model & costs = state.costs;
+    if (!costs.rated_last_round()) {
         return;
     }
-    if (costs_.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs_.plain_rate()) {
+    if (costs.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs.plain_rate()) {
         // the next cool-down doubles, or grows 8x when speculation runs far behind (a model too small for it)
-        const int growth = costs_.spec_rate() < FAR_BEHIND * costs_.plain_rate() ? 8 : 2;
-        state_.cooldown  = std::max(state_.cool_len, COOLDOWN_MIN);
-        state_.cool_len  = std::min(growth * state_.cooldown, COOLDOWN_MAX);
-    } else if (costs_.spec_rate() > (1.0 + CLEARLY_FASTER) * costs_.plain_rate()) {
-        state_.cool_len = COOLDOWN_MIN;  // only a clear win forgets the failures before it
+        const int growth = costs.spec_rate() < FAR_BEHIND * costs.plain_rate() ? 8 : 2;
+        state.cooldown   = std::max(state.cool_len, COOLDOWN_MIN);
+        state.cool_len   = std::min(growth * state.cooldown, COOLDOWN_MAX);
+    } else if (costs.spec_rate() > (1.0 + CLEARLY_FASTER) * costs.plain_rate()) {
+        state.cool_len = COOLDOWN_MIN;  // only a clear win forgets the failures before it
     }
 }
 

@@ -103,6 +103,10 @@ struct speculation_state {
     int              cool_len = 0;  // the next cool-down's length (0: the shortest)
 };
 
+// auto, after a round that drafted: a cool-down of plain rounds when speculation runs behind plain decoding, the
+// next one longer each time it fails again
+void judge_speculation(speculation_state & state);
+
 // what auto decided, for the timings
 struct auto_stats {
     int n_skipped = 0;  // rounds that decoded plainly without drafting (speculation was not paying)

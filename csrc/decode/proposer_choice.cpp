@@ -3,9 +3,19 @@
 
 namespace pdf {
 
-generate_result generate_with(session & s, const speculation * spec, const ngram_speculation * ngram,
-                              const std::vector<int32_t> & prompt, const generate_params & params,
-                              const token_callback & on_tokens, auto_stats & stats) {
+generate_result generate_with(session & s, const call_proposers & with, const std::vector<int32_t> & prompt,
+                              const generate_params & params, const token_callback & on_tokens, auto_stats & stats) {
+    const speculation *       spec  = with.dflash;
+    const ngram_speculation * ngram = with.ngram;
+    if (with.mtp && (spec || ngram)) {
+        throw std::invalid_argument("generate: the MTP head drafts alone (not with a DFlash drafter or n-gram lookup)");
+    }
+    if (with.mtp) {
+        mtp_proposer    head(s, with.mtp->head, with.mtp->state, with.mtp->params);
+        generate_result r = generate(s, head, prompt, params, on_tokens);
+        stats             = head.stats();
+        return r;
+    }
     if (spec && ngram) {
         if (spec->params.mode != spec_mode::automatic) {
             throw std::invalid_argument("generate: a DFlash drafter and n-gram lookup together need spec_mode 'auto' "

@@ -1,9 +1,11 @@
 // Which proposer a generation runs (decode/proposer.h): DFlash's, in the mode its spec_params say, when a
-// drafter is given; n-grams' (decode/ngram_proposer.h) when a lookup index is; plain decoding otherwise. The
-// bindings only say which of them a call has.
+// drafter is given; n-grams' (decode/ngram_proposer.h) when a lookup index is; the target's MTP head's
+// (decode/mtp_proposer.h) when its session is; plain decoding otherwise. The bindings only say which of them a
+// call has.
 #pragma once
 
 #include "decode/driver.h"
+#include "decode/mtp_proposer.h"
 #include "decode/ngram_proposer.h"
 #include "decode/proposer.h"
 #include "state/draft_session.h"
@@ -29,11 +31,24 @@ struct ngram_speculation {
     acceptance_model &  against_drafter;  // merged with a drafter: its nodes where the drafter proposed another
 };
 
-// generate() with the proposer `spec` or `ngram` calls for (at most one of them; neither: plain decoding);
-// `stats`: what auto decided
-generate_result generate_with(session & s, const speculation * spec, const ngram_speculation * ngram,
-                              const std::vector<int32_t> & prompt, const generate_params & params,
-                              const token_callback & on_tokens, auto_stats & stats);
+// the target's MTP head for one target session, with what the decode loop has learnt about it and how it speculates
+struct mtp_speculation {
+    mtp_session &       head;
+    speculation_state & state;
+    spec_params         params;
+};
+
+// the proposers one generate call may run (nullptr: not that one)
+struct call_proposers {
+    const speculation *       dflash = nullptr;
+    const ngram_speculation * ngram  = nullptr;
+    const mtp_speculation *   mtp    = nullptr;
+};
+
+// generate() with the proposer `with` calls for: one of them, or the drafter and n-gram lookup merged (auto);
+// none: plain decoding. `stats`: what auto decided
+generate_result generate_with(session & s, const call_proposers & with, const std::vector<int32_t> & prompt,
+                              const generate_params & params, const token_callback & on_tokens, auto_stats & stats);
 
 // time_prefill_microbatches() with the drafter capturing as its prefill would (nullptr: none)
 std::vector<double> time_prefill_with(session & s, const speculation * spec, const std::vector<int32_t> & tokens,

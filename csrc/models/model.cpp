@@ -72,6 +72,21 @@ void target_model::declare_weights(weights & w) {
     for (int il = 0; il < info_.n_layer; ++il) {
         declare_layer(w, il);
     }
+    declare_extra(w);
+}
+
+std::string target_model::mtp_missing() const {
+    return format("%s: architecture '%s' has no multi-token-prediction head", file_->path().c_str(),
+                  info_.arch.c_str());
+}
+
+ggml_tensor * target_model::build_mtp(ggml_context *, ggml_cgraph *, const eval_inputs &, const state_tensors &,
+                                      ggml_tensor *) const {
+    throw unsupported_error(mtp_missing());
+}
+
+ggml_tensor * target_model::build_output_norm(ggml_context * ctx, ggml_tensor * x) const {
+    return build_rms_norm(ctx, x, output_norm_, norm_eps_);
 }
 
 // tokens [n] -> x [E, n] -> layer 0 .. n_layer-1 -> [E, n_outputs] after the final norm; captured: [E, n] each
@@ -97,7 +112,7 @@ eval_outputs target_model::build_eval(ggml_context * ctx, ggml_cgraph * gf, cons
     if (!in.all_outputs && x->ne[1] > 1) {
         x = last_token(ctx, x);  // the final hidden state was captured for every token
     }
-    out.hidden = build_rms_norm(ctx, x, output_norm_, norm_eps_);
+    out.hidden = build_output_norm(ctx, x);
     return out;
 }
 

@@ -104,6 +104,23 @@ class target_model : public loaded_model {
         return 96 + 64 * (size_t) info_.n_layer;
     }
 
+    // The target's own multi-token-prediction head (MTP: Qwen3.5's nextn block, GGUF blk.{n_layer}.nextn.*), when
+    // the file ships one: its K/V rows (layer index kv.il; a session of its own keeps them, state/mtp_session.h).
+    // has_mtp() false: none (mtp_missing() says why, naming the file and what it lacks).
+    virtual bool          has_mtp() const { return false; }
+    virtual std::string   mtp_missing() const;
+    virtual kv_layer_desc mtp_kv_layer() const { return {}; }
+    // One MTP step for n tokens: tokens [n] at in.positions, each with h [E, n], the trunk's final normed hidden
+    // state at the position before (or the head's own h' of the step before) -> h' [E, n], normed, which
+    // mtp_output_head() turns into the token after. Its attention writes and reads st.k/v[mtp_kv_layer().il]
+    // through in.kv.
+    virtual ggml_tensor * build_mtp(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                    const state_tensors & st, ggml_tensor * h) const;
+    virtual ggml_tensor * mtp_output_head() const { return output_; }
+    virtual size_t        mtp_graph_nodes() const { return 0; }
+    // x [E, n] (a last layer's output) -> the final norm's output, as build_eval computes it
+    ggml_tensor *         build_output_norm(ggml_context * ctx, ggml_tensor * x) const;
+
   protected:
     using loaded_model::loaded_model;
     // what every architecture describes alike; the vocabulary is token_embd's rows. norm_eps: the final norm's
@@ -112,6 +129,8 @@ class target_model : public loaded_model {
     virtual void          declare_layer(weights & w, int il) = 0;
     // after the weights are read: choices that depend on where the layers went
     virtual void          loaded(const model_params & params) {}
+    // after every layer: weights beyond the layer stack (an MTP head), when the file has them
+    virtual void          declare_extra(weights & w) {}
     // layer il: x [E, n] -> [E, n], or [E, 1] with last_token_only (its K/V and state still written for all n)
     virtual ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                       const state_tensors & st, int il, ggml_tensor * x,

@@ -43,7 +43,25 @@ qwen35_layers::qwen35_layers(std::unique_ptr<gguf_file> file, const std::string 
             info_.kv_layers.push_back(kv_layer_of(hp_.att, il));
         }
     }
-    layers_.resize(hp_.n_layer);
+    read_mtp_presence(f, n_mtp);
+    layers_.resize(n_ffn_layers());
+}
+
+// the first MTP block is loaded when the file has any tensor of it (then all it needs, shapes checked); a file
+// whose MTP blocks were left out has no head, and says so to whoever asks for one
+void qwen35_layers::read_mtp_presence(const gguf_file & f, uint32_t n_mtp) {
+    const std::string eh_proj = format("blk.%d.nextn.eh_proj.weight", hp_.n_layer);
+    if (n_mtp == 0) {
+        mtp_missing_ = format("%s: the file has no multi-token-prediction head (%snextn_predict_layers is 0 or "
+                              "absent)", f.path().c_str(), prefix_.c_str());
+    } else if (f.n_blocks_present() <= hp_.n_layer) {
+        mtp_missing_ = format("%s: %snextn_predict_layers = %u but the file has no tensor of MTP block %d (missing "
+                              "'%s'; converted without its MTP weights?)", f.path().c_str(), prefix_.c_str(), n_mtp,
+                              hp_.n_layer, eh_proj.c_str());
+    } else {
+        mtp_il_ = hp_.n_layer;
+        hp_.recurrent.push_back(false);  // an MTP block is a full-attention layer
+    }
 }
 
 size_t qwen35_layers::max_graph_nodes(int n_tree_levels, int n_tokens) const {
@@ -141,6 +159,37 @@ void qwen35_layers::declare_layer(weights & w, int il) {
                                   name("ssm_conv1d.weight").c_str(), ggml_type_name(l.ssm_conv1d->type)));
     }
     l.ssm_conv1d_t = w.transposed_copy(name("ssm_conv1d.weight"), il, WEIGHT_USE_OTHER);
+}
+
+void qwen35_layers::declare_extra(weights & w) {
+    if (mtp_il_ < 0) {
+        return;
+    }
+    declare_layer(w, mtp_il_);
+    const int64_t E = hp_.n_embd, V = info_.n_vocab;
+    const int     il = mtp_il_;
+    auto          name = [il](const char * s) { return format("blk.%d.nextn.%s", il, s); };
+    mtp_.eh_proj   = w.require(name("eh_proj.weight"), {2 * E, E}, il, WEIGHT_USE_MATMUL);
+    mtp_.enorm     = w.require(name("enorm.weight"), {E}, il, WEIGHT_USE_OTHER);
+    mtp_.hnorm     = w.require(name("hnorm.weight"), {E}, il, WEIGHT_USE_OTHER);
+    mtp_.embed     = w.optional(name("embed_tokens.weight"), {E, V}, -1, WEIGHT_USE_GET_ROWS);
+    mtp_.head      = w.optional(name("shared_head_head.weight"), {E, V}, il, WEIGHT_USE_MATMUL);
+    mtp_.head_norm = w.optional(name("shared_head_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
+}
+
+// tokens [n], h [E, n] -> h' [E, n]: eh_proj [rms(embed) * enorm ‖ rms(h) * hnorm] -> the MTP block's layer ->
+// its norm (shared_head_norm, else the final norm), as speculators' MTPLayerMixin and llama.cpp's qwen35 MTP graph
+ggml_tensor * qwen35_layers::build_mtp(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                       const state_tensors & st, ggml_tensor * h) const {
+    if (mtp_il_ < 0) {
+        throw unsupported_error(mtp_missing_);
+    }
+    const float   eps = hp_.att.norm_eps;
+    ggml_tensor * e   = ggml_get_rows(ctx, mtp_.embed ? mtp_.embed : token_embedding(), in.tokens);  // [E, n]
+    ggml_tensor * x   = ggml_concat(ctx, build_rms_norm(ctx, e, mtp_.enorm, eps), build_rms_norm(ctx, h, mtp_.hnorm, eps),
+                                    0);  // [2E, n]
+    x = build_layer(ctx, gf, in, st, mtp_il_, ggml_mul_mat(ctx, mtp_.eh_proj, x), false);
+    return mtp_.head_norm ? build_rms_norm(ctx, x, mtp_.head_norm, eps) : build_output_norm(ctx, x);
 }
 
 // x: [E, n] -> [E, n], or [E, 1] for the last token only
@@ -257,7 +306,7 @@ class qwen35_model : public qwen35_layers {
   public:
     explicit qwen35_model(std::unique_ptr<gguf_file> file) : qwen35_layers(std::move(file), "qwen35") {
         n_ff_ = file_->u32_in(key_prefix() + "feed_forward_length", 1, 1 << 24);
-        ffn_.resize(info_.n_layer);
+        ffn_.resize(n_ffn_layers());
     }
 
   private:

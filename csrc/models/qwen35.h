@@ -5,7 +5,9 @@
 // Per layer: x -> attn_norm -> (GDN | attention) -> +x -> post_attention_norm -> FFN -> +.
 // Legend: n = tokens, E = n_embd, hd = attention head dim, H / Hkv = query / KV heads,
 //         S = GDN head dim (k = v), Hk / Hv = GDN key / value heads, C = conv channels = 2*S*Hk + S*Hv.
-// MTP blocks (indices >= n_layer) are not run and not loaded.
+// MTP: the first MTP block (index n_layer), when the file has it, is loaded as the target's own draft head
+// (target_model::build_mtp): a full-attention layer with this stack's FFN, behind nextn.eh_proj. Further MTP
+// blocks are not loaded (the head is applied repeatedly, as llama.cpp's draft-mtp does).
 #pragma once
 
 #include "models/attention.h"
@@ -52,9 +54,27 @@ struct qwen35_layer {
     ggml_tensor * q_norm, * k_norm;  // [hd]
 };
 
+// the MTP block's own tensors (blk.{n_layer}.nextn.*), besides its layer's
+struct qwen35_mtp {
+    ggml_tensor * eh_proj   = nullptr;  // [2E, E]: [normed embedding ‖ normed hidden state] -> the layer's input
+    ggml_tensor * enorm     = nullptr;  // [E]
+    ggml_tensor * hnorm     = nullptr;  // [E]
+    ggml_tensor * embed     = nullptr;  // [E, V] or nullptr: the target's token embedding
+    ggml_tensor * head      = nullptr;  // [E, V] or nullptr: the target's output head
+    ggml_tensor * head_norm = nullptr;  // [E] or nullptr: the target's final norm
+};
+
 class qwen35_layers : public target_model {
   public:
     size_t max_graph_nodes(int n_tree_levels, int n_tokens) const override;
+
+    bool          has_mtp() const override { return mtp_il_ >= 0; }
+    std::string   mtp_missing() const override { return mtp_missing_; }
+    kv_layer_desc mtp_kv_layer() const override { return kv_layer_of(hp_.att, hp_.n_layer); }
+    ggml_tensor * build_mtp(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const state_tensors & st,
+                            ggml_tensor * h) const override;
+    ggml_tensor * mtp_output_head() const override { return mtp_.head ? mtp_.head : output_head(); }
+    size_t        mtp_graph_nodes() const override { return 256; }
 
   protected:
     // reads `{arch}.` embedding_length, block_count (less nextn_predict_layers), context_length, the attention,
@@ -66,6 +86,8 @@ class qwen35_layers : public target_model {
     const std::string & key_prefix() const { return prefix_; }
     const qwen35_hparams & hparams() const { return hp_; }
 
+    // layers with an FFN: the main pass's and the loaded MTP block (index n_layer)
+    int n_ffn_layers() const { return hp_.n_layer + (mtp_il_ >= 0 ? 1 : 0); }
     // layer il's FFN weights, declared after its norms and before its mixer's
     virtual void          declare_ffn(weights & w, int il) = 0;
     // layer il's FFN: cur, the normed FFN input [E, n] -> [E, n]
@@ -75,7 +97,9 @@ class qwen35_layers : public target_model {
     void read_mrope_sections(const gguf_file & f, const std::string & a);
     void read_delta_net_hparams(const gguf_file & f, const std::string & a);
     void read_recurrent_layers(const gguf_file & f, const std::string & a, int n_layer_all);
+    void read_mtp_presence(const gguf_file & f, uint32_t n_mtp);
     void declare_layer(weights & w, int il) final;
+    void declare_extra(weights & w) final;
     void loaded(const model_params & params) final { choose_delta_net_form(params.delta_net); }
     ggml_tensor * build_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const state_tensors & st,
                               int il, ggml_tensor * x, bool last_token_only) const final;
@@ -90,6 +114,9 @@ class qwen35_layers : public target_model {
     std::string               prefix_;
     qwen35_hparams            hp_{};
     std::vector<qwen35_layer> layers_;
+    int                       mtp_il_ = -1;  // the loaded MTP block's layer index (n_layer), -1: none
+    qwen35_mtp                mtp_;
+    std::string               mtp_missing_;
     std::vector<bool>         chunked_;
     bool                      any_chunked_ = false;
 };

@@ -13,12 +13,13 @@ class qwen35moe_model : public qwen35_layers {
         moe_ = load_moe_hparams(*file_, key_prefix(), hparams().n_layer_all, /*shared_expert=*/true);
         // llama.cpp's qwen35moe always renormalises the top-k probabilities, as Qwen3.5-MoE does
         moe_.renormalise = true;
-        ffn_.resize(info_.n_layer);
+        ffn_.resize(n_ffn_layers());
     }
 
     size_t max_graph_nodes(int n_tree_levels, int n_tokens) const override {
         return qwen35_layers::max_graph_nodes(n_tree_levels, n_tokens) + moe_graph_nodes(moe_) * info_.n_layer;
     }
+    size_t mtp_graph_nodes() const override { return qwen35_layers::mtp_graph_nodes() + moe_graph_nodes(moe_); }
 
   private:
     void declare_ffn(weights & w, int il) override { ffn_[il] = declare_moe_layer(w, moe_, hparams().n_embd, il); }

@@ -1,0 +1,77 @@
+// MtpDrafter: the target's own multi-token-prediction head drafting for one target session
+// (decode/mtp_proposer.h), what the decode loop learns about it kept across generate calls
+#include "bindings/common.h"
+
+namespace pdf::bindings {
+
+static py_mtp make_mtp(session & s, int64_t block_size, const std::string & mode, int64_t tree_budget, int64_t top_k,
+                       int64_t max_verify) {
+    py_mtp m;
+    mtp_params params;
+    params.block  = (int) checked("block_size", block_size, 2, 64);
+    params.top_k  = (int) checked("top_k", top_k, 1, INT32_MAX);
+    max_verify    = checked("max_verify", max_verify, 0, MAX_TREE_BUDGET + 1);
+    // the ring holds one target evaluation's rows (a prefill micro-batch, a verify) and the state before them
+    const int widest     = std::max<int>(params.block, (int) max_verify);
+    params.ring_capacity = std::max<int>((int) s.n_ubatch(), widest) + 1;
+    m.spec.mode        = parse_spec_mode(mode);
+    m.spec.tree_budget = tree_budget_arg(tree_budget);
+    if (m.spec.mode == spec_mode::tree) {
+        throw std::invalid_argument("spec_mode = 'tree': the MTP head drafts a chain ('chain' or 'auto')");
+    }
+    m.head  = std::make_unique<mtp_session>(s.shared_model(), s.n_ctx(), params, s.compute());
+    m.state = std::make_unique<speculation_state>(max_verify > 0 ? (int) max_verify : params.block);
+    return m;
+}
+
+// the head's drafts after `prompt` (a fresh prefill of the session): the target's next token and, for each of
+// n_steps positions after it, the head's top_k candidates with their log-probabilities
+static py::tuple draft_after(py_mtp & m, session & s, py::object prompt_in, int64_t n_steps) {
+    const std::vector<int32_t> prompt = int32_array("prompt", prompt_in);
+    checked("n_steps", n_steps, 1, m.head->block() - 1);
+    if (prompt.empty() || prompt.size() + n_steps >= s.n_ctx()) {
+        throw std::invalid_argument(format("draft_after: a prompt of 1 .. %lld tokens", (long long) (s.n_ctx() - 1 - n_steps)));
+    }
+    py::gil_scoped_release nogil;
+    s.truncate(0);
+    m.head->truncate(0);
+    batch_layout whole;
+    whole.whole = true;
+    s.eval(prompt.data(), (int) prompt.size(), whole, read_argmax_last, m.head->capture_layers(), &m.head->ring());
+    s.commit((int) prompt.size());
+    feature_ring & ring = m.head->ring();
+    for (int p = 1; p < (int) prompt.size(); ++p) {
+        m.head->queue(prompt[p], p, ring.slot(p - 1));
+    }
+    const int32_t           anchor = s.argmax().back();
+    const int               L      = (int) prompt.size();
+    const draft_proposals & d      = m.head->draft(anchor, L, ring.slot(L - 1), (int) n_steps);
+    py::gil_scoped_acquire  gil;
+    py::array_t<int32_t>    ids({d.n_positions, d.top_k});
+    py::array_t<float>      lps({d.n_positions, d.top_k});
+    std::copy(d.ids.begin(), d.ids.end(), ids.mutable_data());
+    std::copy(d.logprobs.begin(), d.logprobs.end(), lps.mutable_data());
+    return py::make_tuple(anchor, ids, lps);
+}
+
+void register_mtp(py::module_ & m) {
+    py::class_<py_mtp>(m, "MtpDrafter")
+        .def(py::init(&make_mtp), py::arg("session"), py::arg("block_size") = 4, py::arg("spec_mode") = "auto",
+             py::arg("tree_budget") = 0, py::arg("top_k") = 1, py::arg("max_verify") = 0,
+             "The target's own multi-token-prediction head (a GGUF with nextn blocks) drafting for `session`: a "
+             "chain of at most block_size - 1 tokens per round (spec_mode 'chain'), or that chain cut by auto's cost "
+             "model ('auto'). Give it to Session.generate(mtp=...); one per session. A file without a head raises "
+             "UnsupportedModelError naming what it lacks.")
+        .def_property_readonly("block_size", [](const py_mtp & g) { return g.head->block(); })
+        .def_property_readonly("spec_mode", [](const py_mtp & g) {
+            return g.spec.mode == spec_mode::chain ? "chain" : "auto";
+        })
+        .def_property_readonly("kv_memory", [](const py_mtp & g) { return as_pair(g.head->kv_memory()); })
+        .def_property_readonly("ring_memory", [](const py_mtp & g) { return as_pair(g.head->ring_memory()); })
+        .def_property_readonly("compute_memory", [](const py_mtp & g) { return as_pair(g.head->compute_memory()); })
+        .def("draft_after", &draft_after, py::arg("session"), py::arg("prompt"), py::arg("n_steps"),
+             "(target's next token, ids [n_steps, top_k], log-probabilities [n_steps, top_k]): the head's drafts after "
+             "a fresh prefill of prompt (for tests against a reference).");
+}
+
+}  // namespace pdf::bindings

@@ -1,0 +1,100 @@
+#include "decode/mtp_proposer.h"
+#include "core/error.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace pdf {
+
+mtp_proposer::mtp_proposer(const session & s, mtp_session & head, speculation_state & state,
+                           const spec_params & params)
+    : s_(s), head_(head), state_(state), params_(params) {
+    if (params_.mode == spec_mode::tree) {
+        throw std::invalid_argument("the MTP head drafts a chain: spec_mode 'chain' or 'auto' (not 'tree')");
+    }
+}
+
+int mtp_proposer::before_prefill(int reusable) {
+    // a reused prefix continues from the head's rows before it and the trunk's state at its last position
+    head_.truncate(reusable);
+    if (reusable > 0 && head_.n_valid() == std::max(reusable, 1) && head_.restore_state(reusable - 1)) {
+        h_row_ = head_.ring().slot(reusable - 1);
+        return reusable;
+    }
+    head_.truncate(0);
+    h_row_ = -1;
+    return 0;
+}
+
+void mtp_proposer::after_prefill_chunk(int first, int n) {
+    // row p takes the token at p and the trunk's state at p - 1: this chunk's, or for p = first the one before
+    const std::vector<int32_t> & toks = s_.tokens();
+    for (int p = std::max(first, 1); p < first + n; ++p) {
+        if (p == first && h_row_ < 0) {
+            throw std::logic_error(format("MTP: no trunk state before position %d", p));
+        }
+        head_.queue(toks[p], p, p == first ? h_row_ : head_.ring().slot(p - 1));
+    }
+    h_row_ = head_.ring().slot(first + n - 1);
+    head_.save_state(first + n - 1);
+}
+
+void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
+    drafted_     = false;
+    speculative_ = params_.mode != spec_mode::automatic;
+    out.reset(anchor);
+    max_depth = std::min({max_depth, head_.block() - 1, max_nodes - 1, state_.costs.max_width() - 1});
+    if (params_.tree_budget > 0) {
+        max_depth = std::min(max_depth, params_.tree_budget);
+    }
+    if (max_depth <= 0) {
+        return;
+    }
+    const bool automatic = params_.mode == spec_mode::automatic;
+    if (automatic && (state_.cooldown > 0 || !state_.costs.knows_plain_step())) {
+        // a cool-down, or a fresh process's first round (it measures a plain step)
+        state_.cooldown = std::max(0, state_.cooldown - 1);
+        stats_.n_skipped++;
+        return;
+    }
+    const draft_proposals & p = head_.draft(anchor, start, h_row_, max_depth);
+    drafted_                  = true;
+    draft_tree & chain        = automatic ? full_ : out;
+    chain.reset(anchor);
+    for (int i = 0; i < p.n_positions; ++i) {
+        chain.add(p.id(i, 0), i, 0, p.logprob(i, 0));
+    }
+    if (automatic) {
+        const int b = choose_verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
+        out         = full_;
+        out.truncate(1 + b);
+        speculative_ = b > 0;
+        (b == 0 ? stats_.n_plain : stats_.n_chain)++;
+    }
+}
+
+void mtp_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
+                                const std::vector<float> & accept_prob) {
+    // the committed path's rows: its token at start + i with the target's state at the node before it
+    const feature_ring & ring = head_.ring();
+    if (head_.n_valid() == start) {  // a round that did not draft: the root's row too
+        head_.queue(t.tokens[0], start, h_row_);
+    }
+    for (size_t i = 1; i < rows.size(); ++i) {
+        head_.queue(t.tokens[rows[i]], start + (int) i, ring.slot(start + s.eval_slot(rows[i - 1])));
+    }
+    h_row_ = ring.slot(start + s.eval_slot(rows.back()));
+    if (!drafted_) {
+        return;
+    }
+    for (int b = 1; b < t.size(); ++b) {
+        if (accept_prob[b] >= 0.0f) {
+            state_.acceptance.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), accept_prob[b]);
+        }
+    }
+    if (params_.mode == spec_mode::automatic) {
+        judge_speculation(state_);
+    }
+}
+
+}  // namespace pdf

@@ -1,0 +1,47 @@
+// The MTP proposer: the target's own multi-token-prediction head (state/mtp_session.h) drafts each round, with no
+// drafter model. Its modes are DFlash's (decode/proposer.h):
+//   chain  the head's greedy chain of block - 1 tokens (llama.cpp's draft-mtp)
+//   auto   that chain cut where verifying more would cost more than it is expected to commit: each depth's
+//          acceptance learnt against the head's probability, each verify width's time measured; plain rounds
+//          (a cool-down) where speculation runs behind plain decoding
+// Tree mode is not offered: a tree of the head's top-k per step would need the head run once per branch.
+#pragma once
+
+#include "decode/proposer.h"
+#include "state/mtp_session.h"
+
+namespace pdf {
+
+class mtp_proposer : public proposer {
+  public:
+    // s: the target session whose committed tokens and trunk states the head continues from
+    mtp_proposer(const session & s, mtp_session & head, speculation_state & state, const spec_params & params);
+
+    const std::vector<int> & capture() const override { return head_.capture_layers(); }
+    feature_ring *           ring() override { return &head_.ring(); }
+    int    before_prefill(int reusable) override;
+    void   before_eval(int first, int n) override { head_.protect(first, n); }
+    void   after_prefill_chunk(int first, int n) override;
+    void   propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) override;
+    void   after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
+                        const std::vector<float> & accept_prob) override;
+    bool         drafted() const override { return drafted_; }
+    cost_model * costs() override { return &state_.costs; }
+    int          max_depth() const override { return head_.block() - 1; }
+    bool         speculative_round() const override { return speculative_; }
+
+    const auto_stats & stats() const { return stats_; }
+
+  private:
+    const session &     s_;
+    mtp_session &       head_;
+    speculation_state & state_;
+    spec_params         params_;
+    int                 h_row_       = -1;  // the ring row of the trunk state before the next anchor
+    bool                drafted_     = false;
+    bool                speculative_ = false;
+    draft_tree          full_;
+    auto_stats          stats_;
+};
+
+}  // namespace pdf
