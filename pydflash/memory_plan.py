@@ -38,25 +38,28 @@ MAX_CTX, MAX_BLOCK_SIZE, MAX_TREE_BUDGET = _core.MAX_CTX, _core.MAX_BLOCK_SIZE, 
 CATEGORIES = ("weights", "kv", "recurrent", "ring", "draft", "compute")
 
 
-PROPOSERS = ("dflash", "ngram")
+PROPOSERS = ("dflash", "ngram", "mtp")
 
 
-def proposers_arg(proposers, draft_model_path) -> tuple[str, ...]:
-    """What drafts each round: `proposers` (None: the DFlash drafter when draft_model_path is given, else none),
-    checked: ("dflash",), ("ngram",) or both (their candidates merged into one tree; auto mode)."""
+def proposers_arg(proposers, draft_model_path) -> tuple[str, ...] | None:
+    """What drafts each round: `proposers` checked: ("dflash",), ("ngram",), both (their candidates merged into one
+    tree; auto mode) or ("mtp",) (the target's own MTP head). None: the DFlash drafter when draft_model_path is
+    given, else None (the engine's default: the MTP head where the target file has one, else plain decoding)."""
     if proposers is None:
-        return ("dflash",) if draft_model_path is not None else ()
+        return ("dflash",) if draft_model_path is not None else None
     if isinstance(proposers, str) or not isinstance(proposers, (list, tuple)):
         raise TypeError(f"proposers must be a tuple of names such as ('ngram',), got {type(proposers).__name__} "
                         f"{proposers!r}")
     for name in proposers:
         choice_arg("proposers entry", name, PROPOSERS)
     chosen = tuple(p for p in PROPOSERS if p in proposers)
+    if "mtp" in chosen and len(chosen) > 1:
+        raise ValueError(f"proposers={chosen!r}: the MTP head drafts alone, not with a drafter or n-gram lookup")
     if "dflash" in chosen and draft_model_path is None:
         raise ValueError(f"proposers={chosen!r} needs a DFlash drafter: draft_model_path")
-    if chosen == ("ngram",) and draft_model_path is not None:
-        raise ValueError(f"proposers=('ngram',) drafts by n-gram lookup, without the drafter {draft_model_path}: "
-                         f"give one or the other")
+    if chosen in (("ngram",), ("mtp",)) and draft_model_path is not None:
+        raise ValueError(f"proposers={chosen!r} drafts without the drafter {draft_model_path}: give one or the "
+                         f"other")
     return chosen
 
 
@@ -73,7 +76,8 @@ def engine_options(*, n_ctx, kv_type, n_gpu_layers, n_cpu_moe, n_ubatch, spec_mo
                 block_size=optional_int_arg("block_size", block_size, 2, MAX_BLOCK_SIZE),
                 tree_budget=optional_int_arg("tree_budget", tree_budget, 1, MAX_TREE_BUDGET),
                 draft_window=int_arg("draft_window", draft_window, 1),
-                delta_net=choice_arg("delta_net", delta_net, DELTA_NET_FORMS), proposers=tuple(proposers))
+                delta_net=choice_arg("delta_net", delta_net, DELTA_NET_FORMS),
+                proposers=None if proposers is None else tuple(proposers))
 
 
 @dataclass(frozen=True)
@@ -88,17 +92,20 @@ class EngineConfig:
     block: int | None
     ubatch_candidates: tuple[int, ...] = ()
     ngram: dict | None = None  # NgramDrafter's arguments ("ngram" among the proposers)
+    mtp: dict | None = None  # MtpDrafter's arguments (the target's MTP head drafts)
 
 
 def engine_config(core_model, core_draft, options: dict) -> EngineConfig:
     """The engine's parameters for a target (`_core.Model`) and drafter (`_core.DraftModel` or None) from the
     options engine_options checked."""
+    proposers = options["proposers"]
     p = _core.engine_params(core_model, core_draft, n_ctx=options["n_ctx"], kv_type=options["kv_type"],
                             n_ubatch=options["n_ubatch"], block_size=options["block_size"] or 0,
                             tree_budget=options["tree_budget"] or 0, draft_window=options["draft_window"],
-                            spec_mode=options["spec_mode"], ngram="ngram" in options["proposers"])
+                            spec_mode=options["spec_mode"], ngram="ngram" in (proposers or ()),
+                            mtp="if_present" if proposers is None else "on" if "mtp" in proposers else "off")
     return EngineConfig(p["session"], p["draft"], p["tree_budget"], p["block"], tuple(p["ubatch_candidates"]),
-                        p["ngram"])
+                        p["ngram"], p["mtp"])
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -197,19 +204,20 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def by_category(core_model, session, core_draft, draft_session, compute: dict) -> dict:
+def by_category(core_model, session, core_draft, draft_session, compute: dict, mtp=None) -> dict:
     """{category: {"cpu": bytes, "gpu": bytes}} from the buffers of a target (`_core.Model`), its `_core.Session`,
-    and the drafter (`_core.DraftModel`, `_core.DraftSession`, or None); `compute` as given (a plan measures it,
-    a load reports what it allocated). What `MemoryPlan.bytes` and `Model.memory()` hold."""
+    the drafter (`_core.DraftModel`, `_core.DraftSession`, or None) and the target's MTP head (`_core.MtpDrafter`
+    or None: its cache counts as the draft's, its trunk-state ring as the ring); `compute` as given (a plan
+    measures it, a load reports what it allocated). What `MemoryPlan.bytes` and `Model.memory()` hold."""
 
     def add(*pairs) -> dict:
         return {"cpu": sum(p[0] for p in pairs), "gpu": sum(p[1] for p in pairs)}
 
-    drafter = draft_session is not None
+    ring = ([draft_session.ring_memory] if draft_session is not None else []) + ([mtp.ring_memory] if mtp else [])
+    draft = ([core_draft.weight_memory, draft_session.kv_memory] if draft_session is not None else []) + \
+        ([mtp.kv_memory] if mtp else [])
     return {"weights": add(core_model.weight_memory), "kv": add(session.kv_memory),
-            "recurrent": add(session.recurrent_memory),
-            "ring": add(draft_session.ring_memory) if drafter else add(),
-            "draft": add(core_draft.weight_memory, draft_session.kv_memory) if drafter else add(),
+            "recurrent": add(session.recurrent_memory), "ring": add(*ring), "draft": add(*draft),
             "compute": compute}
 
 
@@ -246,7 +254,7 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
     graphs = {}
     n_ubatch = cfg.session["n_ubatch"]
     graphs[f"prefill {n_ubatch}"] = target(n_ubatch, whole=True, all_rows=False)
-    if draft_session is None and cfg.ngram is None:
+    if draft_session is None and cfg.ngram is None and cfg.mtp is None:
         graphs["decode 1"] = target(1)
         return graphs
     width = cfg.block if spec_mode == "chain" else 1 + cfg.tree_budget
@@ -345,6 +353,7 @@ def _plan_of(core_model, core_draft, paths, args: dict, budget: dict, sweep: boo
     cfg = engine_config(core_model, core_draft, args)
     session = _core.Session(core_model, **cfg.session)
     draft_session = None if core_draft is None else _core.DraftSession(session, core_draft, **cfg.draft)
+    mtp = None if cfg.mtp is None else _core.MtpDrafter(session, **cfg.mtp)
     graphs = _measure(core_model, session, draft_session, cfg, args["spec_mode"], sweep)
     # the target's graphs share one compute buffer, the drafter's another: each the size of its largest graph
     target_compute = max(v for k, v in graphs.items() if k != "draft round")
@@ -354,9 +363,10 @@ def _plan_of(core_model, core_draft, paths, args: dict, budget: dict, sweep: boo
     compute_bytes = {"cpu": 0 if on_gpu else compute, "gpu": compute if on_gpu else 0}
     config = dict(args, model_path=paths[0], draft_model_path=paths[1], n_ubatch=cfg.session["n_ubatch"],
                   n_rollback=cfg.session["n_rollback"], tree_budget=cfg.tree_budget, block_size=cfg.block,
-                  n_layer=core_model.n_layer)
+                  n_layer=core_model.n_layer, proposers=("mtp",) if mtp else args["proposers"] or ())
     cpu_experts, gpu_experts = core_model.expert_memory
-    return MemoryPlan(config=config, bytes=by_category(core_model, session, core_draft, draft_session, compute_bytes),
+    return MemoryPlan(config=config,
+                      bytes=by_category(core_model, session, core_draft, draft_session, compute_bytes, mtp),
                       budget=dict(budget), graphs=graphs, experts={"cpu": cpu_experts, "gpu": gpu_experts})
 
 

@@ -233,7 +233,10 @@ class Model:
     drafts each round, ("dflash",) (the default with a draft_model_path) or ("ngram",): n-gram (prompt lookup)
     drafting, with no drafter file, which proposes what followed earlier occurrences of the context's last tokens
     (block_size 8 unless given; spec_mode and tree_budget as for a drafter), or ("dflash", "ngram"): both, their
-    candidates merged into one tree that spec_mode="auto" cuts each round.
+    candidates merged into one tree that spec_mode="auto" cuts each round, or ("mtp",): the target's own
+    multi-token-prediction head (Qwen3.5's nextn block, kept by llama.cpp's converter), a chain of block_size - 1
+    drafts (4 unless given) that spec_mode="auto" cuts each round ("tree" is not offered). With no proposers and no
+    draft_model_path, a file that ships an MTP head speculates with it (speculative=False decodes plainly).
     """
 
     def __init__(
@@ -356,6 +359,11 @@ class Model:
         self._draft = None
         # n-gram lookup ("ngram" among the proposers): its index of this session's tokens and what auto learns of it
         self._ngram = None if self._engine.ngram is None else _core.NgramDrafter(**self._engine.ngram)
+        # the target's own MTP head (by default where the file has one and no drafter is given)
+        self._mtp = None if self._engine.mtp is None else _core.MtpDrafter(self._session, **self._engine.mtp)
+        if log and self._mtp is not None:
+            logger.info("%s: the model's MTP head drafts (block %d, %s)", self.model_path, self._mtp.block_size,
+                        self._mtp.spec_mode)
         if self._draft_model is not None:
             # over the target session: the drafter computes in the session's steps, on its CPU threads
             self._draft = _core.DraftSession(self._session, self._draft_model, **self._draft_config)
@@ -390,7 +398,7 @@ class Model:
         self._check_open()
         other = object.__new__(type(self))
         other.__dict__.update({k: v for k, v in self.__dict__.items()
-                               if k not in ("_session", "_draft", "_ngram", "_lock", "_cancelled")})
+                               if k not in ("_session", "_draft", "_ngram", "_mtp", "_lock", "_cancelled")})
         other._open_session()
         return other
 
@@ -409,9 +417,10 @@ class Model:
         {"weights" | "kv" | "recurrent" | "ring" | "draft" | "compute": {"cpu": n, "gpu": n}}. Compute buffers
         grow to the largest graph run so far (the plan's figure is the largest this configuration can run)."""
         self._check_open()
-        computes = [self._session.compute_memory] + ([self._draft.compute_memory] if self._draft else [])
+        computes = [self._session.compute_memory] + ([self._draft.compute_memory] if self._draft else []) + \
+            ([self._mtp.compute_memory] if self._mtp else [])
         compute = {"cpu": sum(c[0] for c in computes), "gpu": sum(c[1] for c in computes)}
-        return by_category(self._model, self._session, self._draft_model, self._draft, compute)
+        return by_category(self._model, self._session, self._draft_model, self._draft, compute, self._mtp)
 
     # ---- properties ----
     @property
@@ -456,13 +465,16 @@ class Model:
         """Tokens per draft/verify round when a draft model or n-gram lookup drafts, else None."""
         if self._draft is not None:
             return self._draft.block_size
+        if self._mtp is not None:
+            return self._mtp.block_size
         return self._ngram.block_size if self._ngram is not None else None
 
     @property
     def proposers(self) -> tuple[str, ...]:
-        """What drafts each round: ("dflash",), ("ngram",), both (one tree of their candidates, auto) or () (plain
-        decoding)."""
-        return (("dflash",) if self._draft is not None else ()) + (("ngram",) if self._ngram is not None else ())
+        """What drafts each round: ("dflash",), ("ngram",), both (one tree of their candidates, auto), ("mtp",) (the
+        target's own MTP head) or () (plain decoding)."""
+        return (("dflash",) if self._draft is not None else ()) + (("ngram",) if self._ngram is not None else ()) + \
+            (("mtp",) if self._mtp is not None else ())
 
     # ---- text ----
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
@@ -705,7 +717,8 @@ class Model:
             result = self._session.generate(tokens, max_tokens=max_tokens,
                                             stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
                                             draft=self._draft if speculative else None,
-                                            ngram=self._ngram if speculative else None, sampling=sampling)
+                                            ngram=self._ngram if speculative else None,
+                                            mtp=self._mtp if speculative else None, sampling=sampling)
             cost_cache.remember(self._draft if speculative else None, self._cost_key)
         finally:
             self._lock.release()
@@ -740,6 +753,7 @@ class Model:
         self._session = None
         self._draft = None
         self._ngram = None
+        self._mtp = None
         self._model = None
 
     def __enter__(self) -> "Model":

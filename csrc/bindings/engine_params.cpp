@@ -18,6 +18,14 @@ static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
     session["n_rollback"] = p.n_rollback;
     py::object draft      = py::none();
     py::object ngram      = py::none();
+    py::object mtp        = py::none();
+    if (p.mtp) {
+        py::dict g;
+        g["block_size"]  = p.block;
+        g["spec_mode"]   = spec_mode_name(p.mode);
+        g["max_verify"]  = p.max_verify;
+        mtp              = g;
+    }
     if (p.ngram) {
         py::dict g;
         g["block_size"]  = p.block;
@@ -42,6 +50,7 @@ static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
     out["session"]           = session;
     out["draft"]             = draft;
     out["ngram"]             = ngram;
+    out["mtp"]               = mtp;
     out["tree_budget"]       = p.speculative ? py::object(py::int_(p.tree_budget)) : py::none();
     out["block"]             = p.speculative ? py::object(py::int_(p.block)) : py::none();
     out["ubatch_candidates"] = p.ubatch_candidates;
@@ -50,7 +59,7 @@ static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
 
 static py::dict resolve(const py_model & target, const py::object & draft, int64_t n_ctx, const std::string & kv_type,
                         int64_t n_ubatch, int64_t block_size, int64_t tree_budget, int64_t draft_window,
-                        const std::string & mode, bool ngram) {
+                        const std::string & mode, bool ngram, const std::string & mtp) {
     engine_options o;
     o.n_ctx        = (int) checked("n_ctx", n_ctx, 1, MAX_CTX);
     o.n_ubatch     = (int) checked("n_ubatch", n_ubatch, 0, MAX_CTX);
@@ -59,6 +68,10 @@ static py::dict resolve(const py_model & target, const py::object & draft, int64
     o.draft_window = (int) checked("draft_window", draft_window, 1, INT32_MAX);
     o.mode         = parse_spec_mode(mode);
     o.ngram        = ngram;
+    if (mtp != "off" && mtp != "on" && mtp != "if_present") {
+        throw std::invalid_argument(format("mtp = '%s', expected 'off', 'on' or 'if_present'", mtp.c_str()));
+    }
+    o.mtp = mtp == "on" ? mtp_use::on : mtp == "if_present" ? mtp_use::if_present : mtp_use::off;
     parse_kv_type(kv_type);
     const dflash_draft * d = draft.is_none() ? nullptr : draft.cast<const py_draft_model &>().model.get();
     return as_dict(resolve_engine_params(*target.model, d, o), kv_type);
@@ -72,10 +85,12 @@ void register_engine_params(py::module_ & m) {
     m.def("engine_params", &resolve, py::arg("model"), py::arg("draft"), py::arg("n_ctx"), py::arg("kv_type"),
           py::arg("n_ubatch") = 0, py::arg("block_size") = 0, py::arg("tree_budget") = 0,
           py::arg("draft_window") = 4096, py::arg("spec_mode") = "auto", py::arg("ngram") = false,
+          py::arg("mtp") = "off",
           "Every argument of the Session and DraftSession a load opens (decode/engine_params.h), from a Model, a "
           "DraftModel (or None) and the options checked by pydflash.Model (0: the default; n_ubatch 0: 'auto', "
           "sized for the largest of ubatch_candidates; ngram: n-gram lookup drafts, whose NgramDrafter arguments "
-          "come back as 'ngram').");
+          "come back as 'ngram'; mtp: 'on', 'if_present' (the target's own MTP head drafts where the file has one "
+          "and nothing else was asked for) or 'off', its MtpDrafter arguments as 'mtp').");
 }
 
 }  // namespace pdf::bindings

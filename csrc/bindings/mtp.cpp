@@ -10,6 +10,9 @@ static py_mtp make_mtp(session & s, int64_t block_size, const std::string & mode
     mtp_params params;
     params.block  = (int) checked("block_size", block_size, 2, 64);
     params.top_k  = (int) checked("top_k", top_k, 1, INT32_MAX);
+    const int kv_il = s.model().info().kv_layers.at(0).il;  // (a Qwen3.5 target always has attention layers)
+    params.type_k = s.kv().k(kv_il)->type;
+    params.type_v = s.kv().v(kv_il)->type;
     max_verify    = checked("max_verify", max_verify, 0, MAX_TREE_BUDGET + 1);
     // the ring holds one target evaluation's rows (a prefill micro-batch, a verify) and the state before them
     const int widest     = std::max<int>(params.block, (int) max_verify);

@@ -1,4 +1,5 @@
 #include "decode/engine_params.h"
+#include "core/error.h"
 #include "decode/ngram_index.h"
 #include "state/recurrent_state.h"
 
@@ -71,6 +72,24 @@ static void resolve_ngram(const target_model & target, const engine_options & o,
     p.n_rollback  = std::max({p.n_rollback, p.block, o.mode == spec_mode::chain ? 0 : 1 + p.tree_budget});
 }
 
+// the MTP head: a chain of block - 1 drafts (auto cuts it); a hybrid target keeps the state of each of its tokens
+static void resolve_mtp(const engine_options & o, engine_params & p) {
+    if (o.mode == spec_mode::tree) {
+        throw std::invalid_argument("proposers=('mtp',) drafts a chain: spec_mode 'chain' or 'auto' (not 'tree')");
+    }
+    p.speculative = true;
+    p.mtp         = true;
+    p.mode        = o.mode;
+    p.block       = o.block_size > 0 ? o.block_size : MTP_DEFAULT_BLOCK;
+    if (o.tree_budget > 0 && o.tree_budget > p.block - 1) {
+        throw std::invalid_argument(format("tree_budget = %d: the MTP head drafts at most block_size - 1 = %d tokens",
+                                           o.tree_budget, p.block - 1));
+    }
+    p.tree_budget = o.tree_budget > 0 ? o.tree_budget : p.block - 1;
+    p.max_verify  = p.block;
+    p.n_rollback  = std::max(p.n_rollback, p.block);
+}
+
 engine_params resolve_engine_params(const target_model & target, const dflash_draft * draft,
                                     const engine_options & o) {
     engine_params p;
@@ -86,14 +105,26 @@ engine_params resolve_engine_params(const target_model & target, const dflash_dr
         throw std::invalid_argument("proposers=('dflash', 'ngram') merges both into one tree, which spec_mode='auto' "
                                     "cuts each round: chain and tree modes take one proposer");
     }
-    if (draft) {
+    const bool others = draft || o.ngram;
+    if (o.mtp == mtp_use::on && others) {
+        throw std::invalid_argument("proposers=('mtp', ...): the MTP head drafts alone, not with a DFlash drafter or "
+                                    "n-gram lookup");
+    }
+    if (o.mtp == mtp_use::on && !target.has_mtp()) {
+        throw unsupported_error(target.mtp_missing() + "; proposers=('mtp',) needs one");
+    }
+    // (by default only where it can: a tree asked for is not the head's)
+    if (o.mtp != mtp_use::off && !others && target.has_mtp() &&
+        (o.mtp == mtp_use::on || o.mode != spec_mode::tree)) {
+        resolve_mtp(o, p);
+    } else if (draft) {
         resolve_drafter(target, *draft, o, p);
         p.ngram = o.ngram;  // its candidates merged into the drafter's tree, within the drafter's block and budget
     } else if (o.ngram) {
         resolve_ngram(target, o, p);
     } else if (o.block_size > 0 || o.tree_budget > 0) {
-        throw std::invalid_argument("block_size and tree_budget need a proposer: a draft model (draft_model_path) "
-                                    "or proposers=('ngram',)");
+        throw std::invalid_argument("block_size and tree_budget need a proposer: a draft model (draft_model_path), "
+                                    "proposers=('ngram',) or a target with an MTP head");
     }
     return p;
 }

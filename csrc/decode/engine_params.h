@@ -28,6 +28,13 @@ inline constexpr int UBATCH_CANDIDATES[] = {64, 128, 256, 512};
 inline constexpr int DEFAULT_ROLLBACK = 16;
 // n-gram lookup's block when none is asked for: matches rarely run longer, and it stays within DEFAULT_ROLLBACK
 inline constexpr int NGRAM_DEFAULT_BLOCK = 8;
+// the MTP head's block when none is asked for: 3 drafts, llama.cpp's usual --spec-draft-n-max for draft-mtp (one
+// head applied repeatedly is rarely accepted further)
+inline constexpr int MTP_DEFAULT_BLOCK = 4;
+
+// whether the target's own MTP head drafts: never, when asked (an error where the file has none), or by default
+// where the file has one and nothing else was asked for
+enum class mtp_use { off, on, if_present };
 
 
 // what the user chose (already checked at the boundary: pydflash.Model / pydflash.plan); 0: the default
@@ -39,6 +46,7 @@ struct engine_options {
     int       draft_window = 4096;
     spec_mode mode         = spec_mode::automatic;
     bool      ngram        = false;  // n-gram lookup drafts, alone or (auto) merged with the drafter's
+    mtp_use   mtp          = mtp_use::off;
 };
 
 struct engine_params {
@@ -51,6 +59,7 @@ struct engine_params {
     bool      speculative   = false;
     bool      drafter       = false;
     bool      ngram         = false;
+    bool      mtp           = false;
     int       block         = 0;  // tokens per drafted block (the drafter's trained one unless asked)
     int       block_request = 0;  // what the draft session is asked for (0: the trained block)
     int       tree_budget   = 0;  // draft nodes per verify (chain: block - 1)
@@ -62,8 +71,9 @@ struct engine_params {
     spec_mode mode          = spec_mode::automatic;
 };
 
-// throws std::invalid_argument for a drafter's option given without a proposer, or for n-gram lookup merged with a
-// drafter's candidates outside auto mode
+// throws std::invalid_argument for a drafter's option given without a proposer, for n-gram lookup merged with a
+// drafter's candidates outside auto mode, or for the MTP head with another proposer or in tree mode;
+// unsupported_error when the MTP head is asked for and the file has none
 engine_params resolve_engine_params(const target_model & target, const dflash_draft * draft,
                                     const engine_options & options);
 

@@ -39,7 +39,7 @@ mtp_session::mtp_session(std::shared_ptr<const target_model> target, uint32_t n_
     capture_       = {info.n_layer};
     model_info head_info = info;  // the head's one attention layer, placed with the target's last layer
     head_info.kv_layers  = {target_->mtp_kv_layer()};
-    const size_t kv_bytes   = kv_cache::n_bytes_for(head_info, n_ctx, GGML_TYPE_F32, GGML_TYPE_F32);
+    const size_t kv_bytes   = kv_cache::n_bytes_for(head_info, n_ctx, params.type_k, params.type_v);
     const size_t ring_bytes = (size_t) params.ring_capacity * info.n_embd * sizeof(float);
     const size_t have       = target_->devices().free_memory(info.n_layer - 1);
     if (kv_bytes + ring_bytes > have) {
@@ -50,8 +50,8 @@ mtp_session::mtp_session(std::shared_ptr<const target_model> target, uint32_t n_
     }
     ring_ = std::make_unique<feature_ring>(target_->devices(), info.n_layer - 1, 1, info.n_embd,
                                            params.ring_capacity);
-    // f32 like a drafter's cache: drafts are argmaxes over small margins
-    kv_    = std::make_unique<kv_cache>(head_info, target_->devices(), n_ctx, GGML_TYPE_F32, GGML_TYPE_F32,
+    // the target session's types: at n_ctx the head's one layer is as large as one of the target's
+    kv_    = std::make_unique<kv_cache>(head_info, target_->devices(), n_ctx, params.type_k, params.type_v,
                                         info.n_layer - 1);
     carry_ = carry_buf_.add(GGML_TYPE_F32, info.n_embd, 1, "mtp_carry", target_->devices().state_buft(info.n_layer - 1));
     if (carry_buf_.allocate()) {

@@ -28,6 +28,8 @@ struct mtp_params {
     int  ring_capacity = 512;  // trunk-state rows: > a prefill micro-batch and > a verify's rows
     int  top_k         = 1;    // candidates per drafted position (1: the greedy chain)
     bool with_logprobs = true;
+    ggml_type type_k   = GGML_TYPE_F16;  // the head's cache (its target session's types)
+    ggml_type type_v   = GGML_TYPE_F16;
 };
 
 class mtp_session {
