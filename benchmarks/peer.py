@@ -159,6 +159,18 @@ def llama_ngram(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx
     return _run_and_parse(cmd, _parse_dflash)
 
 
+def llama_mtp(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int, n_draft: int,
+              temp: float = 0.0, seed: int = 0, per_round: bool = False) -> dict:
+    """llama-speculative-simple --spec-type draft-mtp: the target's own MTP head (its GGUF's nextn block) drafts
+    n_draft tokens a round (--spec-draft-p-min 0: never fewer), parsed as llama_dflash's; its first round anchors
+    on the prompt's last token as draft-dflash's does (compare with rounds_to())."""
+    cmd = [str(_exe("llama-speculative-simple")), "-m", str(target), "--spec-type", "draft-mtp",
+           "--spec-draft-n-max", str(n_draft), "--spec-draft-p-min", "0", "-f", str(prompt), "-n", str(max_tokens),
+           *sampling_flags(temp, seed), "-t", str(threads), "-td", str(threads), "-c", str(n_ctx),
+           "-lv", "5" if per_round else "4"]
+    return _run_and_parse(cmd, lambda out: _parse_dflash(out, per_round))
+
+
 def rounds_to(n_tokens: int, tokens_per_round) -> int:
     """The verify passes a loop took to have produced n_tokens, given what each round committed in order (drafts
     accepted + 1); the whole list's length when they fall short."""

@@ -36,16 +36,11 @@ static py::tuple draft_after(py_mtp & m, session & s, py::object prompt_in, int6
         throw std::invalid_argument(format("draft_after: a prompt of 1 .. %lld tokens", (long long) (s.n_ctx() - 1 - n_steps)));
     }
     py::gil_scoped_release nogil;
-    s.truncate(0);
-    m.head->truncate(0);
-    batch_layout whole;
-    whole.whole = true;
-    s.eval(prompt.data(), (int) prompt.size(), whole, read_argmax_last, m.head->capture_layers(), &m.head->ring());
-    s.commit((int) prompt.size());
+    s.truncate(0);  // (a fresh prefill: the prompt cache is not reused)
+    mtp_proposer     prop(s, *m.head, *m.state, m.spec);
+    generate_timings t;
+    prefill(s, prop, prompt, t);  // in micro-batches, the head's rows queued as a generation's are
     feature_ring & ring = m.head->ring();
-    for (int p = 1; p < (int) prompt.size(); ++p) {
-        m.head->queue(prompt[p], p, ring.slot(p - 1));
-    }
     const int32_t           anchor = s.argmax().back();
     const int               L      = (int) prompt.size();
     const draft_proposals & d      = m.head->draft(anchor, L, ring.slot(L - 1), (int) n_steps);
