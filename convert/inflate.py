@@ -12,6 +12,8 @@ per token).
   passes its input through unchanged, after computing everything (attention over a growing KV cache, the
   gated delta net's state; MoE: its random router picks each token's experts, so a verify of N rows reads the
   union of their experts as a real MoE's does, and the experts output zero).
+- MTP: a Qwen3.5 model's multi-token-prediction block(s) (`nextn_predict_layers`) stay last, after the appended
+  layers (renumbered), their FFN widened as every other; the head drafts as it did.
 - Types: `f32`, `f16`, `q8_0` (every matrix), or `q4mix`: q4_0 for the appended layers and q8_0 for the
   trained ones (q4_0 would change the trained model's function; zeros stay exactly zero in any type).
 
@@ -100,9 +102,12 @@ def inflate_gguf(infile: str | Path, outfile: str | Path, qtype: str = "q8_0", *
             arg = {"ffn": "n_ff", "exp": "n_ff_exp", "shexp": "n_ff_shexp"}[k]
             raise ConversionError(f"{arg} = {w} is smaller than the model's {source.widths[k]} ({_WIDTH_KEYS[k]})")
     recurrent = source.recurrent_layers(n_layer + extra_layers)
-    writer = _start_writer(source, n_layer + extra_layers, widths, recurrent, qtype)
+    if recurrent is not None:
+        recurrent += [False] * source.n_mtp  # (MTP blocks are full attention)
+    writer = _start_writer(source, n_layer + extra_layers + source.n_mtp, widths, recurrent, qtype)
     out = _Inflation(writer, qtype, seed, widths, source.widths, _core)
-    out.add_trained(source.tensors)
+    # the MTP blocks follow the appended layers
+    out.add_trained(source.tensors, lambda il: il + extra_layers if il >= n_layer else il)
     out.add_appended(source.tensors, n_layer, extra_layers, recurrent)
     outfile.parent.mkdir(parents=True, exist_ok=True)
     write_gguf_file(writer, outfile, progress=progress)
@@ -118,9 +123,8 @@ class _Source:
         self.arch = self.reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
         if self.arch not in ARCHS:
             raise ConversionError(f"{path}: general.architecture = {self.arch!r}, expected one of {', '.join(ARCHS)}")
-        self.n_layer = int(self.key("block_count"))
-        if self.key("nextn_predict_layers"):
-            raise ConversionError(f"{path}: MTP layers are not inflated (nextn_predict_layers > 0)")
+        self.n_mtp = int(self.key("nextn_predict_layers") or 0)
+        self.n_layer = int(self.key("block_count")) - self.n_mtp  # the trunk's
         self.tensors = {t.name: t for t in self.reader.tensors}
         if "blk.0.ffn_gate_up_exps.weight" in self.tensors:
             raise ConversionError(f"{path}: merged ffn_gate_up_exps are not inflated (convert without "
@@ -208,13 +212,14 @@ class _Inflation:
         width, axis, _ = _WIDENED[suffix]
         return shape[:axis] + (self.widths[width],) + shape[axis + 1:]
 
-    def add_trained(self, tensors: dict[str, gguf.ReaderTensor]) -> None:
+    def add_trained(self, tensors: dict[str, gguf.ReaderTensor], block_of=lambda il: il) -> None:
         """The source's tensors: FFNs widened (new input units random, new output columns zero), everything else as
-        it is."""
+        it is; layer il's as layer block_of(il)."""
         for name, t in tensors.items():
             src = _source_array(t)
             m = _LAYER_RE.match(name)
             suffix = m[2] if m else ""
+            name = f"blk.{block_of(int(m[1]))}.{suffix}" if m else name
             self.salt += 1
             if suffix not in _WIDENED:
                 self.add(name, lambda src=src: src, src.shape, True)

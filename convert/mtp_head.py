@@ -55,7 +55,8 @@ def append_mtp_head(target: str | Path, out: str | Path, head: dict[str, np.ndar
         raise ConversionError(f"{target}: has an MTP head already (nextn_predict_layers = {key('nextn_predict_layers')})")
     n_layer = int(key("block_count"))
     writer = gguf.GGUFWriter(path=None, arch=arch)
-    _copy_kv(reader, writer, target, also_skip=frozenset({f"{arch}.block_count", f"{arch}.attention.recurrent_layers"}))
+    _copy_kv(reader, writer, target, also_skip=frozenset({f"{arch}.block_count", f"{arch}.attention.recurrent_layers",
+                                                          gguf.Keys.General.SIZE_LABEL}))
     writer.add_uint32(f"{arch}.block_count", n_layer + 1)
     writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
     if key("attention.recurrent_layers") is not None:
@@ -68,6 +69,8 @@ def append_mtp_head(target: str | Path, out: str | Path, head: dict[str, np.ndar
         gguf_name, is_norm = mtp_tensor_name(name, n_layer)
         a = np.asarray(head[name], dtype=np.float32)
         writer.add_tensor(gguf_name, a + np.float32(1) if is_norm else a)
+    if gguf.Keys.General.SIZE_LABEL in reader.fields:  # (it counts every parameter, the head's too)
+        writer.add_size_label(gguf.size_label(*writer.get_total_parameter_count()))
     out.parent.mkdir(parents=True, exist_ok=True)
     write_gguf_file(writer, out, progress=progress)
     return out

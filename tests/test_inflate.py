@@ -113,3 +113,27 @@ def test_a_q8_0_source_keeps_its_blocks(tmp_path):
     for t in gguf.GGUFReader(small).tensors:
         if gguf.GGMLQuantizationType(t.tensor_type).name == "Q8_0" and "ffn_" not in t.name:
             assert np.array_equal(np.asarray(theirs[t.name].data), np.asarray(t.data)), t.name
+
+
+@pytest.mark.parametrize("maker,shape", [(make_qwen35_shape, "k1v3_tied_mtp"), (make_qwen35moe_shape, "vl_x5k2_mtp")],
+                         ids=["qwen35", "qwen35moe"])
+def test_mtp_blocks_stay_last_and_draft_the_same(tmp_path, maker, shape):
+    """A model with an MTP head: the appended layers go before it (renumbered last, its FFN widened), and the head
+    drafts the same tokens with the same log-probabilities as in the original."""
+    d = maker(tmp_path / "hf", shape, seed=2)
+    small = convert_hf_to_gguf(d, tmp_path / "small.gguf", outtype="f32", progress=False)
+    big = inflate_gguf(small, tmp_path / "big.gguf", "f32", n_ff=1024, n_ff_exp=256, n_ff_shexp=192, extra_layers=2,
+                       progress=False)
+    r = gguf.GGUFReader(big)
+    arch = r.fields["general.architecture"].contents()
+    n = int(r.fields[f"{arch}.block_count"].contents())
+    assert int(r.fields[f"{arch}.nextn_predict_layers"].contents()) == 1 and n == 4 + 2 + 1
+    assert [bool(x) for x in r.fields[f"{arch}.attention.recurrent_layers"].contents()][-3:] == [True, True, False]
+    assert {t.name for t in r.tensors if t.name.startswith(f"blk.{n - 1}.nextn.")} == {
+        f"blk.{n - 1}.nextn.{s}.weight" for s in ("eh_proj", "enorm", "hnorm", "shared_head_norm")}
+    drafts = []
+    for path in (small, big):
+        session = _core.Session(_core.Model(str(path)), n_ctx=128, type_k="f32", type_v="f32")
+        drafts.append(_core.MtpDrafter(session, block_size=4, top_k=4).draft_after(session, np.array(PROMPT), 3))
+    (a0, i0, l0), (a1, i1, l1) = drafts
+    assert a0 == a1 and (i0 == i1).all() and np.abs(l0 - l1).max() <= 1e-4
