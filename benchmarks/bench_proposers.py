@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """Proposers against each other and against llama.cpp's: plain decoding, a DFlash drafter (auto), n-gram lookup
-(no drafter; chain and auto) and both merged in one tree (auto), on the same GGUFs, machine and prompts.
+(no drafter; chain and auto), both merged in one tree (auto) and the target's own MTP head (chain and auto), on the
+same GGUFs, machine and prompts.
 
 Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix,
-with the committed q8_0 drafter) and, with --pairs tiny, the committed q8_0 pairs. Workloads:
+with the committed q8_0 drafter), with --pairs mtp the committed qwen35 target with its trained MTP head inflated the
+same way (the head kept last; the qwen35 drafter drafts for it too), and with --pairs tiny the committed q8_0 pairs.
+Workloads:
 - code: the held-out code prompts, continued;
 - repeat: each of them followed by its first 40% again, so that the continuation repeats the context (what a
   code edit or a quoting answer does; where prompt lookup is meant to pay).
 
-llama.cpp, each in the same run: plain (`llama-completion`), `draft-dflash` at draft lengths 3/7/15 and
-`ngram-simple` (its defaults, lookup 12 / draft 48, and a short lookup 3 / draft 7) and `ngram-mod` (its
-defaults). Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workload (any method).
+llama.cpp, each in the same run: plain (`llama-completion`), `draft-dflash` at draft lengths 3/7/15,
+`ngram-simple` (its defaults, lookup 12 / draft 48, and a short lookup 3 / draft 7), `ngram-mod` (its
+defaults) and, on the MTP pair, `draft-mtp` at draft lengths 1/2/3. Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workload (any method).
 
     python benchmarks/bench_proposers.py                          # cost-realistic pairs, 6 prompts x 96 tokens
     python benchmarks/bench_proposers.py --pairs tiny --skip-peer
+    python benchmarks/bench_proposers.py --pairs mtp --workloads code
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ OURS = [("plain", None),
         ("ngram chain", dict(draft_model_path=None, proposers=("ngram",), spec_mode="chain")),
         ("ngram auto", dict(draft_model_path=None, proposers=("ngram",), spec_mode="auto")),
         ("dflash+ngram auto", dict(proposers=("dflash", "ngram"), spec_mode="auto"))]
+# the target's own head (pairs whose target has one)
+OURS_MTP = [("mtp chain", dict(draft_model_path=None, proposers=("mtp",), spec_mode="chain")),
+            ("mtp auto", dict(draft_model_path=None, proposers=("mtp",), spec_mode="auto"))]
+LLAMA_MTP = (1, 2, 3)
 LLAMA_NGRAM = [("ngram-simple 12/48", "ngram-simple", ()),
                ("ngram-simple 3/7", "ngram-simple", ("--spec-ngram-simple-size-n", "3",
                                                       "--spec-ngram-simple-size-m", "7")),
@@ -58,6 +66,33 @@ def run_llama_ngram(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
     return rows
 
 
+def run_llama_mtp(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
+    files = [peer.prompt_file(tmp / f"m{i}.txt", t) for i, t in enumerate(prompts)]
+    rows = {}
+    for n in LLAMA_MTP:
+        try:
+            rs = [peer.llama_mtp(pair["target"], f, args.max_tokens, args.threads, 2048, n) for f in files]
+        except peer.PeerError as e:
+            rows[f"llama.cpp mtp {n}"] = {"error": str(e)}
+            continue
+        n_predict, rounds = sum(r["n_predict"] for r in rs), sum(r["rounds"] for r in rs)
+        rows[f"llama.cpp mtp {n}"] = {"tok_s": 1000.0 * sum(r["tokens"] for r in rs) / sum(r["ms"] for r in rs),
+                                      "tau": n_predict / rounds if rounds else 1.0}
+    return rows
+
+
+def mtp_pairs(cache: Path) -> list[dict]:
+    """The committed qwen35 target with its trained MTP head, inflated to q4mix (built once into `cache`)."""
+    from pydflash.convert.inflate import inflate_gguf
+
+    target = cache / "qwen35-mtp-inflated-q4mix.gguf"
+    if not target.exists():
+        print(f"building {target.name} (once) ...", flush=True)
+        inflate_gguf(PAIRS_DIR / "qwen35-target-mtp-q8_0.gguf", target, "q4mix")
+    return [{"name": "qwen35+MTP q4mix (0.3B cost)", "arch": "qwen35", "target": target,
+             "draft": pair_file("qwen35", "dflash", "q8_0"), "mtp": True}]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", default="realistic", help="realistic, tiny or both (comma-separated)")
@@ -67,23 +102,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", type=Path, default=bench_tree.ROOT / "build" / "inflated")
     ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
+    ap.add_argument("--workloads", default="code,repeat")
     ap.add_argument("--engines", default=None, help="comma-separated labels of ours to run (default: all; plain "
                                                       "always)")
     args = ap.parse_args()
-    engines = [e for e in OURS if e[0] == "plain" or args.engines is None or e[0] in args.engines.split(",")]
+    chosen = lambda label: label == "plain" or args.engines is None or label in args.engines.split(",")  # noqa: E731
     archs, kinds = args.archs.split(","), args.pairs.split(",")
     pairs = (bench_tree.cost_realistic_pairs(args.cache_dir, archs, kinds=("q4mix",)) if "realistic" in kinds
              else []) + ([{"name": f"{a} q8_0 (tiny)", "arch": a, "target": pair_file(a, "target", "q8_0"),
-                           "draft": pair_file(a, "dflash", "q8_0")} for a in archs] if "tiny" in kinds else [])
+                           "draft": pair_file(a, "dflash", "q8_0")} for a in archs] if "tiny" in kinds else []) + \
+        (mtp_pairs(args.cache_dir) if "mtp" in kinds else [])
     print(f"{args.n_prompts} held-out code prompts x {args.max_tokens} tokens per workload, greedy, "
           f"{args.threads} threads")
     with tempfile.TemporaryDirectory() as tmp:
         for pair in pairs:
+            engines = [e for e in OURS + (OURS_MTP if pair.get("mtp") else []) if chosen(e[0])]
             for workload, prompts in workloads(args.n_prompts).items():
+                if workload not in args.workloads.split(","):
+                    continue
                 rows = bench_tree.run_ours(pair, prompts, args, engines=engines)
                 if not args.skip_peer:
                     rows.update(bench_tree.run_llama(pair, prompts, args, Path(tmp)))
                     rows.update(run_llama_ngram(pair, prompts, args, Path(tmp)))
+                    if pair.get("mtp"):
+                        rows.update(run_llama_mtp(pair, prompts, args, Path(tmp)))
                 bench_tree.print_pair(f"{pair['name']}, {workload}", rows, best_of="llama.cpp")
 
 

@@ -83,7 +83,8 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
     prompt and max_tokens."""
     models = {}
     for label, kw in engines:
-        kw = {"draft_model_path": None if kw is None else pair["draft"], **(kw or {})}
+        # (plain: no proposer at all, not even a target's own MTP head)
+        kw = {"draft_model_path": None, "proposers": ()} if kw is None else {"draft_model_path": pair["draft"], **kw}
         models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads, **kw)
         # warm-up: pages, graphs, auto's calibration
         models[label].generate(prompts[0], max_tokens=8, **generate_kwargs(0))

@@ -179,3 +179,29 @@ def test_dflash_chain_needs_no_more_verifies_than_llama_cpp(kind, tmp_path):
             theirs += peer.rounds_to(n, [a + 1 for a in r["accepted_per_round"]])
     print(f"{kind}: verify passes for {n} tokens x 8 prompts: ours {ours}, llama.cpp {theirs}")
     assert ours <= theirs
+
+
+@pytest.mark.slow
+def test_mtp_chain_tau_is_llama_cpps(tmp_path):
+    """The committed qwen35 target with its trained MTP head (tools/train_mtp.py): llama.cpp's draft-mtp (3 drafts a
+    round) continues 8 held-out code prompts as we do, and the verifies each loop needs for the same 96 tokens
+    (its first round anchored on the prompt's last token, counted as for DFlash: rounds_to) are within 5%."""
+    if peer.binary("llama-speculative-simple") is None:
+        pytest.skip("llama.cpp is not built (python benchmarks/peer.py build)")
+    target = pair_file("qwen35", "target-mtp", "q8_0")
+    n = 96
+    ours = theirs = 0
+    with pydflash.Model(target, n_ctx=1024, spec_mode="chain", block_size=4) as m:
+        assert m.proposers == ("mtp",)
+        for row in prompt_rows("code")[:8]:
+            committed = []  # per callback: the prompt's pass (the first token), then each round's tokens
+            r = m._session.generate(m.tokenize(row["text"]), max_tokens=n, stop_tokens=[], mtp=m._mtp,
+                                    spec_mode="chain", callback=lambda toks: committed.append(len(toks)) or True)
+            assert committed[0] == 1 and sum(committed) == n
+            prompt = peer.prompt_file(tmp_path / f"{row['id']}.txt", row["text"])
+            out = peer.llama_mtp(target, prompt, n, threads=2, n_ctx=1024, n_draft=3, per_round=True)
+            assert m.detokenize(r["tokens"][:12]) in out["output"]  # the same greedy continuation
+            ours += peer.rounds_to(n - 1, committed[1:])
+            theirs += peer.rounds_to(n, [a + 1 for a in out["accepted_per_round"]])
+    print(f"MTP: verify passes for {n} tokens x 8 prompts: ours {ours}, llama.cpp {theirs}")
+    assert abs(ours - theirs) <= 0.05 * theirs

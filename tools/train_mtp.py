@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("target", help="a qwen35 GGUF without an MTP head (f32 or f16)")
     ap.add_argument("out", help="the GGUF to write: the target with the trained head")
-    ap.add_argument("--sequences", type=int, default=768)
+    ap.add_argument("--sequences", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=192)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=16)

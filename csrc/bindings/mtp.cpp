@@ -18,6 +18,8 @@ static py_mtp make_mtp(session & s, int64_t block_size, const std::string & mode
     const int widest     = std::max<int>(params.block, (int) max_verify);
     params.ring_capacity = std::max<int>((int) s.n_ubatch(), widest) + 1;
     m.spec.mode        = parse_spec_mode(mode);
+    // a chain takes the greedy pick alone (no softmax over the vocabulary); auto weighs the head's probabilities
+    params.with_logprobs = m.spec.mode != spec_mode::chain || params.top_k > 1;
     m.spec.tree_budget = tree_budget_arg(tree_budget);
     if (m.spec.mode == spec_mode::tree) {
         throw std::invalid_argument("spec_mode = 'tree': the MTP head drafts a chain ('chain' or 'auto')");

@@ -57,20 +57,31 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
         stats_.n_skipped++;
         return;
     }
-    const draft_proposals & p = head_.draft(anchor, start, h_row_, max_depth);
-    drafted_                  = true;
-    draft_tree & chain        = automatic ? full_ : out;
-    chain.reset(anchor);
-    for (int i = 0; i < p.n_positions; ++i) {
-        chain.add(p.id(i, 0), i, 0, p.logprob(i, 0));
+    drafted_ = true;
+    if (!automatic) {
+        const draft_proposals & p = head_.draft(anchor, start, h_row_, max_depth);
+        for (int i = 0; i < p.n_positions; ++i) {
+            out.add(p.id(i, 0), i, 0, p.logprob(i, 0));
+        }
+        return;
     }
-    if (automatic) {
-        const int b = choose_verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
-        out         = full_;
-        out.truncate(1 + b);
-        speculative_ = b > 0;
-        (b == 0 ? stats_.n_plain : stats_.n_chain)++;
+    // auto drafts while the newest draft is worth verifying: a deeper one is accepted less often still, and each
+    // step costs a run of the head
+    const draft_proposals * p = &head_.begin(anchor, start, h_row_);
+    full_.reset(anchor);
+    int b = 0;
+    for (int i = 0;; ++i) {
+        full_.add(p->id(i, 0), i, 0, p->logprob(i, 0));
+        b = choose_verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
+        if (b < i + 1 || i + 1 >= max_depth) {
+            break;
+        }
+        p = &head_.next();
     }
+    out = full_;
+    out.truncate(1 + b);
+    speculative_ = b > 0;
+    (b == 0 ? stats_.n_plain : stats_.n_chain)++;
 }
 
 void mtp_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,

@@ -196,9 +196,19 @@ void mtp_session::read_step(const graph & g, int step) {
 }
 
 const draft_proposals & mtp_session::draft(int32_t anchor, int start, int h_row, int n_steps) {
-    if (n_steps < 1 || n_steps > block_ - 1 || start < 1 || start + n_steps >= n_ctx_) {
-        throw std::invalid_argument(format("MTP draft: %d steps (1..%d) at position %d (1..%d)", n_steps, block_ - 1,
-                                           start, n_ctx_ - 1 - n_steps));
+    if (n_steps < 1 || n_steps > block_ - 1) {
+        throw std::invalid_argument(format("MTP draft: %d steps, expected 1..%d", n_steps, block_ - 1));
+    }
+    begin(anchor, start, h_row);
+    while (proposals_.n_positions < n_steps) {
+        next();
+    }
+    return proposals_;
+}
+
+const draft_proposals & mtp_session::begin(int32_t anchor, int start, int h_row) {
+    if (start < 1 || start + 1 >= n_ctx_) {
+        throw std::invalid_argument(format("MTP draft at position %d, expected 1..%d", start, n_ctx_ - 2));
     }
     if (anchor < 0 || anchor >= target_->info().n_vocab || h_row < 0 || h_row >= ring_->capacity()) {
         throw std::out_of_range(format("MTP draft: anchor token %d or ring row %d out of range", anchor, h_row));
@@ -213,15 +223,24 @@ const draft_proposals & mtp_session::draft(int32_t anchor, int start, int h_row,
         throw std::invalid_argument(format("MTP draft: rows exist up to position %d, the anchor is at %d", n_valid(),
                                            start));
     }
-    proposals_.n_positions = n_steps;
+    start_                 = start;
+    proposals_.n_positions = 1;
     proposals_.top_k       = top_k_;
-    proposals_.ids.assign((size_t) n_steps * top_k_, 0);
+    proposals_.ids.assign((size_t) (block_ - 1) * top_k_, 0);
     proposals_.logprobs.assign(proposals_.ids.size(), 0.0f);
     run_rows((int) queued_pos_.size(), block_, true, anchor, start, h_row);
-    for (int i = 1; i < n_steps; ++i) {
-        run_step(proposals_.id(i - 1, 0), start + i);
-        read_step(step_graph_, i);
+    return proposals_;
+}
+
+const draft_proposals & mtp_session::next() {
+    const int i = proposals_.n_positions;
+    if (i < 1 || i >= block_ - 1 || start_ + i + 1 >= n_ctx_) {
+        throw std::invalid_argument(format("MTP draft: step %d after %d (at most %d a round, within n_ctx %d)", i + 1,
+                                           i, block_ - 1, n_ctx_));
     }
+    run_step(proposals_.id(i - 1, 0), start_ + i);
+    read_step(step_graph_, i);
+    proposals_.n_positions = i + 1;
     return proposals_;
 }
 

@@ -60,6 +60,10 @@ class mtp_session {
     // the top_k candidates of positions start + 1 .. start + n_steps, each step drafting from the previous
     // step's greedy pick
     const draft_proposals & draft(int32_t anchor, int start, int h_row, int n_steps);
+    // the same one step at a time: begin() runs step 0 (proposals of position start + 1), each next() the step
+    // after (at most block - 2 of them); the proposals grow by one position per step
+    const draft_proposals & begin(int32_t anchor, int start, int h_row);
+    const draft_proposals & next();
     // forget rows at positions >= n_past, queued ones included
     void truncate(int n_past);
 
@@ -104,6 +108,7 @@ class mtp_session {
     bool                                with_logprobs_;
     int                                 n_ctx_;
     int                                 n_valid_ = 1;  // rows appended for positions [1, n_valid_)
+    int                                 start_   = 0;  // the drafting round's anchor position
     std::vector<int32_t>                queued_tok_, queued_pos_, queued_h_;
     std::map<int, std::vector<float>>   saved_;  // trunk states by position (save_state)
 
