@@ -256,3 +256,16 @@ def test_ctrl_c_before_the_first_token_stops_the_answer():
             [(r["finish_reason"], len(r["tokens"])) for r in ended]
         m._choose_ubatch = prepare
         assert m.generate("x", max_tokens=2).tokens  # the stopped turn let go of the Model (not busy)
+
+
+def test_run_with_the_models_mtp_head(capsys):
+    """A target with an MTP head drafts with it by default (bench names it), --proposers mtp asks for it, and a file
+    without one is refused naming what it lacks."""
+    mtp_target = str(pair_file("qwen35", "target-mtp", "q8_0"))
+    assert main(["run", mtp_target, "-p", "def f(x):", "-n", "24", "--proposers", "mtp", "--spec-mode", "chain"]) == 0
+    printed = capsys.readouterr().out
+    with pydflash.Model(mtp_target, n_ctx=4096) as m:
+        assert m.proposers == ("mtp",)
+        assert printed == m.generate("def f(x):", max_tokens=24, speculative=False).text + "\n"
+    assert main(["run", TARGET, "-p", "x", "--proposers", "mtp"]) == 1
+    assert "no multi-token-prediction head" in capsys.readouterr().err

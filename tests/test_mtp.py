@@ -221,7 +221,13 @@ def test_model_speculates_with_its_head_by_default(checkpoint):
     with pydflash.Model(path, n_ctx=256, spec_mode="tree") as m:
         assert m.proposers == ()  # a tree was asked for; the head drafts chains
     plan = pydflash.plan(path, n_ctx=256)
-    assert plan.config["proposers"] == ("mtp",) and plan.bytes["draft"]["cpu"] > 0
+    assert plan.config["proposers"] == ("mtp",) and "mtp round" in plan.graphs
+    with pydflash.Model(path, n_ctx=256) as m:
+        m.create_completion("hello there", max_tokens=12, temperature=0.0)
+        used = m.memory()
+    for category in ("draft", "ring"):  # the head's cache and trunk-state ring, planned as a load allocates them
+        assert plan.bytes[category] == used[category] and used[category]["cpu"] > 0, category
+    assert plan.bytes["compute"]["cpu"] >= used["compute"]["cpu"]
 
 
 def test_engine_arguments_are_checked(checkpoint):

@@ -69,6 +69,11 @@ void register_mtp(py::module_ & m) {
         .def_property_readonly("kv_memory", [](const py_mtp & g) { return as_pair(g.head->kv_memory()); })
         .def_property_readonly("ring_memory", [](const py_mtp & g) { return as_pair(g.head->ring_memory()); })
         .def_property_readonly("compute_memory", [](const py_mtp & g) { return as_pair(g.head->compute_memory()); })
+        .def("measure_compute", [](py_mtp & g, int64_t n_kv) {
+                 return g.head->measure((int) checked("n_kv", n_kv, 1, INT32_MAX));
+             }, py::arg("n_kv"),
+             "Compute buffer bytes of its largest graph over n_kv cache slots (ggml's allocator; nothing allocated).")
+        .def_property_readonly_static("window_step", [](py::object) { return mtp_session::window_step(); })
         .def("draft_after", &draft_after, py::arg("session"), py::arg("prompt"), py::arg("n_steps"),
              "(target's next token, ids [n_steps, top_k], log-probabilities [n_steps, top_k]): the head's drafts after "
              "a fresh prefill of prompt (for tests against a reference).");

@@ -3,6 +3,7 @@
 #include "models/head.h"
 
 #include <algorithm>
+#include <tuple>
 #include <cmath>
 
 namespace pdf {
@@ -61,6 +62,23 @@ mtp_session::mtp_session(std::shared_ptr<const target_model> target, uint32_t n_
 }
 
 mtp_session::~mtp_session() = default;
+
+int mtp_session::window_step() { return KV_WINDOW_STEP; }
+
+size_t mtp_session::measure(int n_kv) {
+    if (n_kv < 1 || n_kv > n_ctx_) {
+        throw std::invalid_argument(format("measure: n_kv = %d, expected 1..%d", n_kv, n_ctx_));
+    }
+    size_t most = 0;
+    for (auto [rows, carry, head] : {std::tuple{block_, false, true}, std::tuple{1, true, true},
+                                     std::tuple{APPEND_ROWS_SMALL, false, false},
+                                     std::tuple{APPEND_ROWS_LARGE, false, false}}) {
+        graph g(arena_);
+        build(g, rows, carry, head, n_kv);
+        most = std::max(most, g.cache.measure());
+    }
+    return most;
+}
 
 int mtp_session::window_for(int last_position) const {
     return std::min(n_ctx_, (int) GGML_PAD(last_position + 1, KV_WINDOW_STEP));

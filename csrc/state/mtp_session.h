@@ -71,6 +71,11 @@ class mtp_session {
     int          n_valid() const;
     int          block() const { return block_; }
     int          top_k() const { return top_k_; }
+    // compute buffer bytes of its largest graph over a window of n_kv cache slots (a multiple of window_step(),
+    // or n_ctx): the round's (queue + anchor), a step's, the append graphs' (ggml's allocator, nothing allocated;
+    // memory plans)
+    size_t       measure(int n_kv);
+    static int   window_step();
     device_bytes kv_memory() const { return kv_->memory(); }
     device_bytes ring_memory() const { return ring_->memory(); }
     device_bytes compute_memory() const { return arena_.memory(); }
