@@ -265,9 +265,10 @@ def test_a_file_without_its_mtp_tensors_has_no_head(tmp_path):
 @pytest.mark.parametrize("edit, match", [
     (dict(drop_tensors=("blk.4.nextn.hnorm.weight",)), r"blk\.4\.nextn\.hnorm\.weight"),
     (dict(drop_tensors=("blk.4.attn_q.weight",)), r"blk\.4\.attn_q\.weight"),
-    (dict(reshape={"blk.4.nextn.eh_proj.weight": (192, 192)}),
+    # (q8_0 rows in bytes: 34 per 32 values)
+    (dict(reshape={"blk.4.nextn.eh_proj.weight": (192, 204)}),
      r"tensor 'blk\.4\.nextn\.eh_proj\.weight' has shape \{192, 192\}, expected \{384, 192\}"),
-    (dict(reshape={"blk.4.ffn_up.weight": (256, 192)}),
+    (dict(reshape={"blk.4.ffn_up.weight": (256, 204)}),
      r"tensor 'blk\.4\.ffn_up\.weight' has shape \{192, 256\}, expected \{192, 512\}"),
     (dict(set_keys={"qwen35.nextn_predict_layers": (5, U32)}), r"block_count.*5"),
 ], ids=["no-hnorm", "no-attn-q", "eh-proj-shape", "ffn-shape", "more-mtp-than-layers"])
