@@ -81,7 +81,7 @@ std::string target_model::mtp_missing() const {
 }
 
 ggml_tensor * target_model::build_mtp(ggml_context *, ggml_cgraph *, const eval_inputs &, const state_tensors &,
-                                      ggml_tensor *) const {
+                                      ggml_tensor *, bool) const {
     throw unsupported_error(mtp_missing());
 }
 

@@ -112,10 +112,11 @@ class target_model : public loaded_model {
     virtual kv_layer_desc mtp_kv_layer() const { return {}; }
     // One MTP step for n tokens: tokens [n] at in.positions, each with h [E, n], the trunk's final normed hidden
     // state at the position before (or the head's own h' of the step before) -> h' [E, n], normed, which
-    // mtp_output_head() turns into the token after. Its attention writes and reads st.k/v[mtp_kv_layer().il]
-    // through in.kv.
+    // mtp_output_head() turns into the token after; the last row's only ([E, 1]) with last_only. Its attention
+    // writes every row's K/V into st.k/v[mtp_kv_layer().il] (through in.kv, expanded into gf: a graph that needs
+    // only those leaves the result out) and reads them back.
     virtual ggml_tensor * build_mtp(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                                    const state_tensors & st, ggml_tensor * h) const;
+                                    const state_tensors & st, ggml_tensor * h, bool last_only) const;
     virtual ggml_tensor * mtp_output_head() const { return output_; }
     virtual size_t        mtp_graph_nodes() const { return 0; }
     // x [E, n] (a last layer's output) -> the final norm's output, as build_eval computes it

@@ -177,10 +177,11 @@ void qwen35_layers::declare_extra(weights & w) {
     mtp_.head_norm = w.optional(name("shared_head_norm.weight"), {E}, il, WEIGHT_USE_OTHER);
 }
 
-// tokens [n], h [E, n] -> h' [E, n]: eh_proj [rms(embed) * enorm ‖ rms(h) * hnorm] -> the MTP block's layer ->
-// its norm (shared_head_norm, else the final norm), as speculators' MTPLayerMixin and llama.cpp's qwen35 MTP graph
+// tokens [n], h [E, n] -> h' [E, n] ([E, 1]: last_only): eh_proj [rms(embed) * enorm ‖ rms(h) * hnorm] -> the MTP
+// block's layer -> its norm (shared_head_norm, else the final norm), as speculators' MTPLayerMixin and llama.cpp's
+// qwen35 MTP graph
 ggml_tensor * qwen35_layers::build_mtp(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
-                                       const state_tensors & st, ggml_tensor * h) const {
+                                       const state_tensors & st, ggml_tensor * h, bool last_only) const {
     if (mtp_il_ < 0) {
         throw unsupported_error(mtp_missing_);
     }
@@ -188,7 +189,7 @@ ggml_tensor * qwen35_layers::build_mtp(ggml_context * ctx, ggml_cgraph * gf, con
     ggml_tensor * e   = ggml_get_rows(ctx, mtp_.embed ? mtp_.embed : token_embedding(), in.tokens);  // [E, n]
     ggml_tensor * x   = ggml_concat(ctx, build_rms_norm(ctx, e, mtp_.enorm, eps), build_rms_norm(ctx, h, mtp_.hnorm, eps),
                                     0);  // [2E, n]
-    x = build_layer(ctx, gf, in, st, mtp_il_, ggml_mul_mat(ctx, mtp_.eh_proj, x), false);
+    x = build_layer(ctx, gf, in, st, mtp_il_, ggml_mul_mat(ctx, mtp_.eh_proj, x), last_only);
     return mtp_.head_norm ? build_rms_norm(ctx, x, mtp_.head_norm, eps) : build_output_norm(ctx, x);
 }
 

@@ -72,7 +72,7 @@ class qwen35_layers : public target_model {
     std::string   mtp_missing() const override { return mtp_missing_; }
     kv_layer_desc mtp_kv_layer() const override { return kv_layer_of(hp_.att, hp_.n_layer); }
     ggml_tensor * build_mtp(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in, const state_tensors & st,
-                            ggml_tensor * h) const override;
+                            ggml_tensor * h, bool last_only) const override;
     ggml_tensor * mtp_output_head() const override { return mtp_.head ? mtp_.head : output_head(); }
     size_t        mtp_graph_nodes() const override { return 256; }
 

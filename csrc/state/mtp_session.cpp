@@ -87,7 +87,6 @@ int mtp_session::window_for(int last_position) const {
 void mtp_session::build(graph & g, int n_rows, bool from_carry, bool with_head, int n_kv) {
     ggml_context * ctx = g.cache.begin(target_->mtp_graph_nodes());
     ggml_cgraph *  gf  = g.cache.graph();
-    const int64_t  E   = target_->info().n_embd;
     g.in               = eval_inputs{};
     g.in.n_tokens      = n_rows;
     g.in.tokens        = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_rows);
@@ -107,10 +106,10 @@ void mtp_session::build(graph & g, int n_rows, bool from_carry, bool with_head, 
     }
     state_tensors st;
     kv_->fill(st, target_->mtp_kv_layer().il + 1);
-    ggml_tensor * out = target_->build_mtp(ctx, gf, g.in, st, h);  // [E, n_rows]
+    // [E, 1]: the last row's h' (the other rows' K/V written); without the head only those writes are computed
+    ggml_tensor * last = target_->build_mtp(ctx, gf, g.in, st, h, n_rows > 1);
     g.top_ids = g.top_logprobs = nullptr;
     if (with_head) {
-        ggml_tensor * last = ggml_view_2d(ctx, out, E, 1, out->nb[1], out->nb[1] * (n_rows - 1));
         ggml_build_forward_expand(gf, ggml_cpy(ctx, last, carry_));
         const head_outputs head = build_head(ctx, target_->mtp_output_head(), last, target_->head_on_host(), top_k_,
                                              with_logprobs_);
@@ -122,8 +121,6 @@ void mtp_session::build(graph & g, int n_rows, bool from_carry, bool with_head, 
                 ggml_build_forward_expand(gf, t);
             }
         }
-    } else {
-        ggml_build_forward_expand(gf, out);  // its K/V writes are what counts
     }
     g.key_rows  = n_rows;
     g.key_carry = from_carry;
@@ -131,27 +128,30 @@ void mtp_session::build(graph & g, int n_rows, bool from_carry, bool with_head, 
     g.key_kv    = n_kv;
 }
 
-// tokens, positions (M-RoPE: the text sections all take the position), their slots and the causal mask: row i
-// sees the rows of positions [1, pos[i]]; a padding row (slot 0) only itself
+// tokens, positions (M-RoPE: the text sections all take the position), their slots and, with the head, the last
+// row's mask: it sees the rows of positions [1, its own] (the other rows only write their K/V; padding rows go to
+// slot 0, which no real row sees)
 void mtp_session::set_common(graph & g, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos) {
     const int n = (int) tokens.size(), n_pos = target_->info().n_pos_per_token, n_kv = g.key_kv;
     std::vector<int32_t>     pos_host((size_t) n * n_pos, 0);
     std::vector<int64_t>     slots(n);
-    std::vector<ggml_fp16_t> mask((size_t) n * n_kv, ggml_fp32_to_fp16(-INFINITY));
-    const ggml_fp16_t        zero = ggml_fp32_to_fp16(0.0f);
     for (int i = 0; i < n; ++i) {
         for (int j = 0; j < std::min(n_pos, 3); ++j) {
             pos_host[(size_t) j * n + i] = pos[i];
         }
         slots[i] = pos[i];
-        for (int j = pos[i] == 0 ? 0 : 1; j <= pos[i]; ++j) {
-            mask[(size_t) i * n_kv + j] = zero;
-        }
     }
     ggml_backend_tensor_set(g.in.tokens, tokens.data(), 0, sizeof(int32_t) * n);
     ggml_backend_tensor_set(g.in.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
     ggml_backend_tensor_set(g.in.kv.slots, slots.data(), 0, sizeof(int64_t) * n);
-    ggml_backend_tensor_set(g.in.kv.kq_mask, mask.data(), 0, sizeof(ggml_fp16_t) * mask.size());
+    if (!g.key_head) {
+        return;  // a graph that only appends reads no attention
+    }
+    // the last row alone queries (build_mtp's last_only)
+    std::vector<ggml_fp16_t> mask(n_kv, ggml_fp32_to_fp16(-INFINITY));
+    std::fill(mask.begin() + (pos[n - 1] == 0 ? 0 : 1), mask.begin() + pos[n - 1] + 1, ggml_fp32_to_fp16(0.0f));
+    ggml_backend_tensor_set(g.in.kv.kq_mask, mask.data(), (size_t) (n - 1) * n_kv * sizeof(ggml_fp16_t),
+                            sizeof(ggml_fp16_t) * mask.size());
 }
 
 // the first m queued rows (padded to n_rows), then with_head the anchor's row at `start` (its state: ring row h_row)
