@@ -13,7 +13,7 @@ Workloads:
 
 llama.cpp, each in the same run: plain (`llama-completion`), `draft-dflash` at draft lengths 3/7/15,
 `ngram-simple` (its defaults, lookup 12 / draft 48, and a short lookup 3 / draft 7), `ngram-mod` (its
-defaults) and, on the MTP pair, `draft-mtp` at draft lengths 1/2/3. Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workload (any method).
+defaults) and, on the MTP pair, `draft-mtp` at draft lengths 2/3/5/7. Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workload (any method).
 
     python benchmarks/bench_proposers.py                          # cost-realistic pairs, 6 prompts x 96 tokens
     python benchmarks/bench_proposers.py --pairs tiny --skip-peer
@@ -37,8 +37,10 @@ OURS = [("plain", None),
         ("dflash+ngram auto", dict(proposers=("dflash", "ngram"), spec_mode="auto"))]
 # the target's own head (pairs whose target has one)
 OURS_MTP = [("mtp chain", dict(draft_model_path=None, proposers=("mtp",), spec_mode="chain")),
+            ("mtp chain 8", dict(draft_model_path=None, proposers=("mtp",), spec_mode="chain", block_size=8)),
+            ("mtp tree", dict(draft_model_path=None, proposers=("mtp",), spec_mode="tree")),
             ("mtp auto", dict(draft_model_path=None, proposers=("mtp",), spec_mode="auto"))]
-LLAMA_MTP = (1, 2, 3)
+LLAMA_MTP = (2, 3, 5, 7)
 LLAMA_NGRAM = [("ngram-simple 12/48", "ngram-simple", ()),
                ("ngram-simple 3/7", "ngram-simple", ("--spec-ngram-simple-size-n", "3",
                                                       "--spec-ngram-simple-size-m", "7")),

@@ -24,6 +24,8 @@ static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
         g["block_size"]  = p.block;
         g["spec_mode"]   = spec_mode_name(p.mode);
         g["max_verify"]  = p.max_verify;
+        g["tree_budget"] = p.tree_budget;
+        g["top_k"]       = p.top_k;
         mtp              = g;
     }
     if (p.ngram) {

@@ -6,26 +6,32 @@ namespace pdf::bindings {
 
 static py_mtp make_mtp(session & s, int64_t block_size, const std::string & mode, int64_t tree_budget, int64_t top_k,
                        int64_t max_verify) {
-    py_mtp m;
+    py_mtp     m;
     mtp_params params;
-    params.block  = (int) checked("block_size", block_size, 2, 64);
-    params.top_k  = (int) checked("top_k", top_k, 1, INT32_MAX);
-    const int kv_il = s.model().info().kv_layers.at(0).il;  // (a Qwen3.5 target always has attention layers)
-    params.type_k = s.kv().k(kv_il)->type;
-    params.type_v = s.kv().v(kv_il)->type;
-    max_verify    = checked("max_verify", max_verify, 0, MAX_TREE_BUDGET + 1);
-    // the ring holds one target evaluation's rows (a prefill micro-batch, a verify) and the state before them
-    const int widest     = std::max<int>(params.block, (int) max_verify);
-    params.ring_capacity = std::max<int>((int) s.n_ubatch(), widest) + 1;
+    params.block       = (int) checked("block_size", block_size, 2, 64);
     m.spec.mode        = parse_spec_mode(mode);
-    // a chain takes the greedy pick alone (no softmax over the vocabulary); auto weighs the head's probabilities
-    params.with_logprobs = m.spec.mode != spec_mode::chain || params.top_k > 1;
     m.spec.tree_budget = tree_budget_arg(tree_budget);
-    if (m.spec.mode == spec_mode::tree) {
-        throw std::invalid_argument("spec_mode = 'tree': the MTP head drafts a chain ('chain' or 'auto')");
+    const bool chain   = m.spec.mode == spec_mode::chain;
+    // 0: a chain's greedy pick, a tree's DRAFT_TOP_K candidates per position
+    params.top_k = top_k == 0 ? (chain ? 1 : DRAFT_TOP_K) : (int) checked("top_k", top_k, 1, INT32_MAX);
+    if (!chain && params.top_k < 2) {
+        throw std::invalid_argument(format("spec_mode = '%s' builds trees of the head's candidates: top_k >= 2",
+                                           mode.c_str()));
     }
+    // a chain takes the greedy pick alone (no softmax over the vocabulary); trees weigh the head's probabilities
+    params.with_logprobs = !chain || params.top_k > 1;
+    const int budget     = m.spec.tree_budget > 0 ? m.spec.tree_budget
+                         : chain                  ? params.block - 1
+                                                  : std::min(MAX_TREE_BUDGET, params.top_k * (params.block - 1));
+    // the widest verify auto weighs (the root and its nodes), and the ring's rows: one target evaluation's (a
+    // prefill micro-batch, a verify) and the state before them
+    const int widest     = max_verify > 0 ? (int) checked("max_verify", max_verify, 1, MAX_TREE_BUDGET + 1) : 1 + budget;
+    params.ring_capacity = std::max<int>((int) s.n_ubatch(), widest) + 1;
+    const int kv_il      = s.model().info().kv_layers.at(0).il;  // (a Qwen3.5 target always has attention layers)
+    params.type_k        = s.kv().k(kv_il)->type;
+    params.type_v        = s.kv().v(kv_il)->type;
     m.head  = std::make_unique<mtp_session>(s.shared_model(), s.n_ctx(), params, s.compute());
-    m.state = std::make_unique<speculation_state>(max_verify > 0 ? (int) max_verify : params.block);
+    m.state = std::make_unique<speculation_state>(widest);
     return m;
 }
 
@@ -57,15 +63,17 @@ static py::tuple draft_after(py_mtp & m, session & s, py::object prompt_in, int6
 void register_mtp(py::module_ & m) {
     py::class_<py_mtp>(m, "MtpDrafter")
         .def(py::init(&make_mtp), py::arg("session"), py::arg("block_size") = 4, py::arg("spec_mode") = "auto",
-             py::arg("tree_budget") = 0, py::arg("top_k") = 1, py::arg("max_verify") = 0,
+             py::arg("tree_budget") = 0, py::arg("top_k") = 0, py::arg("max_verify") = 0,
              "The target's own multi-token-prediction head (a GGUF with nextn blocks) drafting for `session`: a "
-             "chain of at most block_size - 1 tokens per round (spec_mode 'chain'), or that chain cut by auto's cost "
-             "model ('auto'). Give it to Session.generate(mtp=...); one per session. A file without a head raises "
-             "UnsupportedModelError naming what it lacks.")
+             "chain of at most block_size - 1 tokens per round (spec_mode 'chain'), a best-first tree of its top_k "
+             "candidates at those positions, at most tree_budget nodes ('tree'), or that tree cut by auto's cost "
+             "model ('auto'). top_k 0: 1 for a chain, 8 for trees. Give it to Session.generate(mtp=...); one per "
+             "session. A file without a head raises UnsupportedModelError naming what it lacks.")
         .def_property_readonly("block_size", [](const py_mtp & g) { return g.head->block(); })
         .def_property_readonly("spec_mode", [](const py_mtp & g) {
-            return g.spec.mode == spec_mode::chain ? "chain" : "auto";
+            return g.spec.mode == spec_mode::chain ? "chain" : g.spec.mode == spec_mode::tree ? "tree" : "auto";
         })
+        .def_property_readonly("top_k", [](const py_mtp & g) { return g.head->top_k(); })
         .def_property_readonly("kv_memory", [](const py_mtp & g) { return as_pair(g.head->kv_memory()); })
         .def_property_readonly("ring_memory", [](const py_mtp & g) { return as_pair(g.head->ring_memory()); })
         .def_property_readonly("compute_memory", [](const py_mtp & g) { return as_pair(g.head->compute_memory()); })

@@ -72,22 +72,25 @@ static void resolve_ngram(const target_model & target, const engine_options & o,
     p.n_rollback  = std::max({p.n_rollback, p.block, o.mode == spec_mode::chain ? 0 : 1 + p.tree_budget});
 }
 
-// the MTP head: a chain of block - 1 drafts (auto cuts it); a hybrid target keeps the state of each of its tokens
-static void resolve_mtp(const engine_options & o, engine_params & p) {
-    if (o.mode == spec_mode::tree) {
-        throw std::invalid_argument("proposers=('mtp',) drafts a chain: spec_mode 'chain' or 'auto' (not 'tree')");
-    }
-    p.speculative = true;
-    p.mtp         = true;
-    p.mode        = o.mode;
-    p.block       = o.block_size > 0 ? o.block_size : MTP_DEFAULT_BLOCK;
-    if (o.tree_budget > 0 && o.tree_budget > p.block - 1) {
-        throw std::invalid_argument(format("tree_budget = %d: the MTP head drafts at most block_size - 1 = %d tokens",
+// the MTP head: block - 1 drafts a round, a chain or (tree, auto) a tree of its top-k candidates at those positions;
+// a hybrid target keeps the state of each of its tokens or nodes
+static void resolve_mtp(const target_model & target, const engine_options & o, engine_params & p) {
+    const bool chain = o.mode == spec_mode::chain;
+    p.speculative    = true;
+    p.mtp            = true;
+    p.mode           = o.mode;
+    p.block          = o.block_size > 0 ? o.block_size : chain ? MTP_DEFAULT_BLOCK : MTP_DEFAULT_TREE_BLOCK;
+    if (chain && o.tree_budget > p.block - 1) {
+        throw std::invalid_argument(format("tree_budget = %d: an MTP chain drafts at most block_size - 1 = %d tokens",
                                            o.tree_budget, p.block - 1));
     }
-    p.tree_budget = o.tree_budget > 0 ? o.tree_budget : p.block - 1;
-    p.max_verify  = p.block;
-    p.n_rollback  = std::max(p.n_rollback, p.block);
+    // (a tree holds at most DRAFT_TOP_K candidates at each drafted position)
+    p.tree_budget = o.tree_budget > 0 ? o.tree_budget
+                  : chain             ? p.block - 1
+                                      : std::min(default_tree_budget(target, o.mode, p.block), DRAFT_TOP_K * (p.block - 1));
+    p.top_k       = chain ? 1 : DRAFT_TOP_K;
+    p.max_verify  = 1 + p.tree_budget;
+    p.n_rollback  = std::max({p.n_rollback, p.block, p.max_verify});
 }
 
 engine_params resolve_engine_params(const target_model & target, const dflash_draft * draft,
@@ -113,10 +116,8 @@ engine_params resolve_engine_params(const target_model & target, const dflash_dr
     if (o.mtp == mtp_use::on && !target.has_mtp()) {
         throw unsupported_error(target.mtp_missing() + "; proposers=('mtp',) needs one");
     }
-    // (by default only where it can: a tree asked for is not the head's)
-    if (o.mtp != mtp_use::off && !others && target.has_mtp() &&
-        (o.mtp == mtp_use::on || o.mode != spec_mode::tree)) {
-        resolve_mtp(o, p);
+    if (o.mtp != mtp_use::off && !others && target.has_mtp()) {
+        resolve_mtp(target, o, p);
     } else if (draft) {
         resolve_drafter(target, *draft, o, p);
         p.ngram = o.ngram;  // its candidates merged into the drafter's tree, within the drafter's block and budget

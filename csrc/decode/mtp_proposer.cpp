@@ -9,8 +9,8 @@ namespace pdf {
 mtp_proposer::mtp_proposer(const session & s, mtp_session & head, speculation_state & state,
                            const spec_params & params)
     : s_(s), head_(head), state_(state), params_(params) {
-    if (params_.mode == spec_mode::tree) {
-        throw std::invalid_argument("the MTP head drafts a chain: spec_mode 'chain' or 'auto' (not 'tree')");
+    if (params_.mode != spec_mode::chain && head_.top_k() < 2) {
+        throw std::invalid_argument("MTP: trees (spec_mode 'tree', 'auto') need the head's top_k >= 2 candidates");
     }
 }
 
@@ -43,10 +43,7 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
     drafted_     = false;
     speculative_ = params_.mode != spec_mode::automatic;
     out.reset(anchor);
-    max_depth = std::min({max_depth, head_.block() - 1, max_nodes - 1, state_.costs.max_width() - 1});
-    if (params_.tree_budget > 0) {
-        max_depth = std::min(max_depth, params_.tree_budget);
-    }
+    max_depth = std::min({max_depth, head_.block() - 1, max_nodes - 1});
     if (max_depth <= 0) {
         return;
     }
@@ -58,30 +55,52 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
         return;
     }
     drafted_ = true;
-    if (!automatic) {
-        const draft_proposals & p = head_.draft(anchor, start, h_row_, max_depth);
-        for (int i = 0; i < p.n_positions; ++i) {
-            out.add(p.id(i, 0), i, 0, p.logprob(i, 0));
-        }
-        return;
+    if (params_.mode == spec_mode::chain) {
+        build_draft_chain(head_.draft(anchor, start, h_row_, max_depth), anchor, max_depth, out);
+    } else if (params_.mode == spec_mode::tree) {
+        build_draft_tree(head_.draft(anchor, start, h_row_, max_depth), anchor, node_limit(max_nodes), max_depth,
+                         params_.seed, out);
+    } else {
+        choose_auto(anchor, start, max_depth, max_nodes, out);
     }
-    // auto drafts while the newest draft is worth verifying: a deeper one is accepted less often still, and each
-    // step costs a run of the head
+}
+
+int mtp_proposer::node_limit(int max_nodes) const {
+    int limit = std::min(max_nodes, state_.costs.max_width()) - 1;
+    return params_.tree_budget > 0 ? std::min(limit, params_.tree_budget) : limit;
+}
+
+void mtp_proposer::choose_auto(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
+    // the head runs while its newest greedy draft is worth verifying (a deeper one is accepted less often still,
+    // and each step costs a run of the head); then its candidates at those positions make a tree, best first by
+    // learnt acceptance, that the cost model cuts
     const draft_proposals * p = &head_.begin(anchor, start, h_row_);
-    full_.reset(anchor);
-    int b = 0;
+    chain_.reset(anchor);
     for (int i = 0;; ++i) {
-        full_.add(p->id(i, 0), i, 0, p->logprob(i, 0));
-        b = choose_verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
+        chain_.add(p->id(i, 0), i, 0, p->logprob(i, 0));
+        const int b = choose_verify_budget(chain_, state_.costs, state_.acceptance, s_.is_recurrent());
         if (b < i + 1 || i + 1 >= max_depth) {
             break;
         }
         p = &head_.next();
     }
-    out = full_;
+    scores_.resize((size_t) p->n_positions * p->top_k);
+    for (int pos = 0; pos < p->n_positions; ++pos) {
+        for (int r = 0; r < p->top_k; ++r) {
+            const double a  = state_.acceptance.p_accept(pos + 1, r, std::exp((double) p->logprob(pos, r)));
+            float &      sc = scores_[(size_t) pos * p->top_k + r];
+            sc              = (float) std::log(std::max(a, 1e-9));
+            if (r > 0) {
+                sc = std::min(sc, scores_[(size_t) pos * p->top_k + r - 1]);  // non-increasing in rank
+            }
+        }
+    }
+    build_draft_tree(*p, anchor, node_limit(max_nodes), p->n_positions, tree_seed::best_first, full_, &scores_);
+    const int b = choose_verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
+    out         = full_;
     out.truncate(1 + b);
     speculative_ = b > 0;
-    (b == 0 ? stats_.n_plain : stats_.n_chain)++;
+    (b == 0 ? stats_.n_plain : out.is_chain() ? stats_.n_chain : stats_.n_tree)++;
 }
 
 void mtp_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,

@@ -1,10 +1,12 @@
 // The MTP proposer: the target's own multi-token-prediction head (state/mtp_session.h) drafts each round, with no
 // drafter model. Its modes are DFlash's (decode/proposer.h):
 //   chain  the head's greedy chain of block - 1 tokens (llama.cpp's draft-mtp)
-//   auto   that chain cut where verifying more would cost more than it is expected to commit: each depth's
-//          acceptance learnt against the head's probability, each verify width's time measured; plain rounds
-//          (a cool-down) where speculation runs behind plain decoding
-// Tree mode is not offered: a tree of the head's top-k per step would need the head run once per branch.
+//   tree   the head's top-k candidates at each of those positions (each step run on the greedy draft before it)
+//          as a best-first tree of tree_budget nodes, as DDTree makes of a DFlash drafter's
+//   auto   the head run while its newest greedy draft is worth verifying, then that tree cut where verifying more
+//          would cost more than it is expected to commit: acceptance learnt by depth and rank against the head's
+//          probability, each verify width's time measured; plain rounds (a cool-down) where speculation runs
+//          behind plain decoding
 #pragma once
 
 #include "decode/proposer.h"
@@ -33,6 +35,9 @@ class mtp_proposer : public proposer {
     const auto_stats & stats() const { return stats_; }
 
   private:
+    int  node_limit(int max_nodes) const;
+    void choose_auto(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
+
     const session &     s_;
     mtp_session &       head_;
     speculation_state & state_;
@@ -40,7 +45,8 @@ class mtp_proposer : public proposer {
     int                 h_row_       = -1;  // the ring row of the trunk state before the next anchor
     bool                drafted_     = false;
     bool                speculative_ = false;
-    draft_tree          full_;
+    draft_tree          chain_, full_;  // auto: the greedy chain drafted, the candidate tree
+    std::vector<float>  scores_;        // auto: log P(accepted | parent accepted) by position, rank
     auto_stats          stats_;
 };
 
