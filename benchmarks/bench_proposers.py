@@ -52,13 +52,13 @@ def workloads(n_prompts: int) -> dict[str, list[str]]:
     return {"code": code, "repeat": [t + t[: len(t) * 2 // 5] for t in code]}
 
 
-def run_llama_ngram(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
-    files = [peer.prompt_file(tmp / f"n{i}.txt", t) for i, t in enumerate(prompts)]
+def _llama_rows(prompts: list[str], tmp: Path, runs) -> dict:
+    """One row per (label, run): run(prompt file) -> a parsed llama-speculative-simple result, over every prompt."""
+    files = [peer.prompt_file(tmp / f"s{i}.txt", t) for i, t in enumerate(prompts)]
     rows = {}
-    for label, spec_type, flags in LLAMA_NGRAM:
+    for label, run in runs:
         try:
-            rs = [peer.llama_ngram(pair["target"], f, args.max_tokens, args.threads, 2048, spec_type, flags)
-                  for f in files]
+            rs = [run(f) for f in files]
         except peer.PeerError as e:
             rows[f"llama.cpp {label}"] = {"error": str(e)}
             continue
@@ -68,19 +68,17 @@ def run_llama_ngram(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
     return rows
 
 
+def run_llama_ngram(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
+    return _llama_rows(prompts, tmp, [
+        (label, lambda f, t=spec_type, fl=flags: peer.llama_ngram(pair["target"], f, args.max_tokens, args.threads,
+                                                                   2048, t, fl))
+        for label, spec_type, flags in LLAMA_NGRAM])
+
+
 def run_llama_mtp(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
-    files = [peer.prompt_file(tmp / f"m{i}.txt", t) for i, t in enumerate(prompts)]
-    rows = {}
-    for n in LLAMA_MTP:
-        try:
-            rs = [peer.llama_mtp(pair["target"], f, args.max_tokens, args.threads, 2048, n) for f in files]
-        except peer.PeerError as e:
-            rows[f"llama.cpp mtp {n}"] = {"error": str(e)}
-            continue
-        n_predict, rounds = sum(r["n_predict"] for r in rs), sum(r["rounds"] for r in rs)
-        rows[f"llama.cpp mtp {n}"] = {"tok_s": 1000.0 * sum(r["tokens"] for r in rs) / sum(r["ms"] for r in rs),
-                                      "tau": n_predict / rounds if rounds else 1.0}
-    return rows
+    return _llama_rows(prompts, tmp, [
+        (f"mtp {n}", lambda f, n=n: peer.llama_mtp(pair["target"], f, args.max_tokens, args.threads, 2048, n))
+        for n in LLAMA_MTP])
 
 
 def mtp_pairs(cache: Path) -> list[dict]:

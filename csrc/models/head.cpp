@@ -45,4 +45,16 @@ void sort_top_k(int32_t * ids, float * logprobs, int64_t n_rows, int k) {
     }
 }
 
+head_outputs build_top_k_readout(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * head, ggml_tensor * hidden,
+                                 bool logits_on_host, int top_k, bool with_logprobs) {
+    const head_outputs out = build_head(ctx, head, hidden, logits_on_host, top_k, with_logprobs);
+    for (ggml_tensor * t : {out.top_ids, out.top_logprobs}) {
+        if (t) {
+            ggml_set_output(t);
+            ggml_build_forward_expand(gf, t);
+        }
+    }
+    return out;
+}
+
 }  // namespace pdf

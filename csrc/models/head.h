@@ -21,6 +21,10 @@ struct head_outputs {
 head_outputs build_head(ggml_context * ctx, ggml_tensor * head, ggml_tensor * hidden, bool logits_on_host,
                         int top_k = 0, bool with_logprobs = true);
 
+// build_head's top-k readout of hidden, marked as graph outputs in gf (what a drafter reads back each call)
+head_outputs build_top_k_readout(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * head, ggml_tensor * hidden,
+                                 bool logits_on_host, int top_k, bool with_logprobs);
+
 // the rows of a top-k readout read back ([n_rows, k] each), each put most likely first (ties: the lower id), as
 // ggml's top-k leaves them in no particular order
 void sort_top_k(int32_t * ids, float * logprobs, int64_t n_rows, int k);

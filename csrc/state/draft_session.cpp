@@ -129,16 +129,10 @@ void draft_session::build(graph & g, int n_rows, int n_block, int n_kv) {
     g.top_ids = g.top_logprobs = nullptr;
     if (hidden) {
         const target_model & target = draft_->target();
-        const head_outputs   head   = build_head(ctx, target.output_head(), hidden, target.head_on_host(), top_k_,
-                                                 with_logprobs_);
+        const head_outputs   head   = build_top_k_readout(ctx, gf, target.output_head(), hidden, target.head_on_host(),
+                                                          top_k_, with_logprobs_);
         g.top_ids      = head.top_ids;
         g.top_logprobs = head.top_logprobs;
-        for (ggml_tensor * t : {g.top_ids, g.top_logprobs}) {
-            if (t) {
-                ggml_set_output(t);
-                ggml_build_forward_expand(gf, t);
-            }
-        }
     }
     g.key_rows  = n_rows;
     g.key_block = n_block;
@@ -300,12 +294,8 @@ int draft_session::n_valid() const {
 }
 
 void draft_session::protect(int first, int n) {
-    const int cap = ring_->capacity();
-    for (int32_t r : queued_rows_) {
-        if (n >= cap || (r - ring_->slot(first) + cap) % cap < n) {
-            flush();
-            return;
-        }
+    if (ring_->overwrites(first, n, queued_rows_)) {
+        flush();
     }
 }
 

@@ -45,6 +45,15 @@ void feature_ring::set_inputs(ggml_tensor * ring_rows, int n_past, int n) const 
     set_graph_input(ring_rows, rows.data(), 0, sizeof(int64_t) * n);
 }
 
+bool feature_ring::overwrites(int first, int n, const std::vector<int32_t> & rows) const {
+    for (int32_t r : rows) {
+        if (n >= capacity_ || (r - slot(first) + capacity_) % capacity_ < n) {
+            return true;
+        }
+    }
+    return false;
+}
+
 size_t feature_ring::n_bytes() const {
     return memory().total();
 }

@@ -39,6 +39,8 @@ class feature_ring {
                              int n_tokens) const;
     // the rows of a batch of n tokens at positions n_past .. n_past+n-1
     void          set_inputs(ggml_tensor * ring_rows, int n_past, int n) const;
+    // whether an evaluation writing positions [first, first + n) overwrites any of `rows`
+    bool          overwrites(int first, int n, const std::vector<int32_t> & rows) const;
 
     // host path (tests, external features): rows [m, row_width] for the given positions
     void write(const float * feats, const int32_t * positions, int m);

@@ -111,16 +111,10 @@ void mtp_session::build(graph & g, int n_rows, bool from_carry, bool with_head, 
     g.top_ids = g.top_logprobs = nullptr;
     if (with_head) {
         ggml_build_forward_expand(gf, ggml_cpy(ctx, last, carry_));
-        const head_outputs head = build_head(ctx, target_->mtp_output_head(), last, target_->head_on_host(), top_k_,
-                                             with_logprobs_);
+        const head_outputs head = build_top_k_readout(ctx, gf, target_->mtp_output_head(), last,
+                                                      target_->head_on_host(), top_k_, with_logprobs_);
         g.top_ids      = head.top_ids;
         g.top_logprobs = head.top_logprobs;
-        for (ggml_tensor * t : {g.top_ids, g.top_logprobs}) {
-            if (t) {
-                ggml_set_output(t);
-                ggml_build_forward_expand(gf, t);
-            }
-        }
     }
     g.key_rows  = n_rows;
     g.key_carry = from_carry;
@@ -284,12 +278,8 @@ void mtp_session::flush() {
 }
 
 void mtp_session::protect(int first, int n) {
-    const int cap = ring_->capacity();
-    for (int32_t r : queued_h_) {
-        if (n >= cap || (r - ring_->slot(first) + cap) % cap < n) {
-            flush();
-            return;
-        }
+    if (ring_->overwrites(first, n, queued_h_)) {
+        flush();
     }
 }
 
