@@ -58,8 +58,9 @@ def proposers_arg(proposers, draft_model_path) -> tuple[str, ...] | None:
     if "dflash" in chosen and draft_model_path is None:
         raise ValueError(f"proposers={chosen!r} needs a DFlash drafter: draft_model_path")
     if chosen in (("ngram",), ("mtp",)) and draft_model_path is not None:
-        raise ValueError(f"proposers={chosen!r} drafts without the drafter {draft_model_path}: give one or the "
-                         f"other")
+        how = "by n-gram lookup" if chosen == ("ngram",) else "with the model's own MTP head"
+        raise ValueError(f"proposers={chosen!r} drafts {how}, without the drafter {draft_model_path}: give one or "
+                         f"the other")
     return chosen
 
 

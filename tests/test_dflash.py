@@ -163,10 +163,11 @@ def test_block_size_beyond_training(pair):
     target, draft, _ = pair
     with pytest.raises(ValueError, match=r"block_size = 17 must be in \[2, 16\]"):
         pydflash.Model(target, draft_model_path=draft, block_size=17)
+    # (proposers=(): no proposer at all; a target with an MTP head would draft with it, tests/test_mtp.py)
     with pytest.raises(ValueError, match="need a proposer: a draft model"):
-        pydflash.Model(target, block_size=4)
+        pydflash.Model(target, block_size=4, proposers=())
     with pytest.raises(ValueError, match="need a proposer: a draft model"):
-        pydflash.Model(target, tree_budget=4)
+        pydflash.Model(target, tree_budget=4, proposers=())
     with pytest.raises(ValueError, match=r"tree_budget = 64, expected a value in \[1, 63\]"):
         pydflash.Model(target, draft_model_path=draft, tree_budget=64)
     with pytest.raises(ValueError, match="spec_mode='beam' is not one of auto, tree, chain"):

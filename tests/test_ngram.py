@@ -74,8 +74,8 @@ def test_proposers_checked():
         pydflash.Model(target, proposers=("ngram", "dflash"))
     with pytest.raises(ValueError, match="merges both into one tree, which spec_mode='auto' cuts"):
         pydflash.Model(target, draft_model_path=draft, proposers=("dflash", "ngram"), spec_mode="chain")
-    with pytest.raises(ValueError, match="'mtp' is not one of dflash, ngram"):
-        pydflash.Model(target, proposers=("mtp",))
+    with pytest.raises(ValueError, match="'eagle' is not one of dflash, ngram, mtp"):
+        pydflash.Model(target, proposers=("eagle",))
     with pytest.raises(TypeError, match="proposers must be a tuple"):
         pydflash.Model(target, proposers="ngram")
     with pydflash.Model(target, proposers=("ngram",), block_size=4, spec_mode="chain") as m:
