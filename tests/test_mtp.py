@@ -236,6 +236,8 @@ def test_engine_arguments_are_checked(checkpoint):
         pydflash.Model(path, proposers=("mtp", "ngram"))
     with pytest.raises(ValueError, match="an MTP chain drafts at most block_size - 1 = 3"):
         pydflash.Model(path, proposers=("mtp",), spec_mode="chain", block_size=4, tree_budget=5)
+    with pytest.raises(ValueError, match=r"drafts with the model's own MTP head, without the drafter"):
+        pydflash.Model(path, proposers=("mtp",), draft_model_path=PAIRS / "qwen35-dflash-q8_0.gguf")
     with pytest.raises(ValueError, match="top_k >= 2"):
         _core.MtpDrafter(_core.Session(_core.Model(str(path)), n_ctx=64), spec_mode="tree", top_k=1)
     with pytest.raises(UnsupportedModelError, match=r"qwen3-target-q8_0\.gguf.*no multi-token-prediction head"):
