@@ -21,10 +21,12 @@ _saved: dict[str, tuple[frozenset, int]] = {}
 CACHE_FILE = "verify_costs.json"
 
 
-def cache_key(model_path: str, draft_path: str | None, n_threads: int, placement: str) -> str | None:
-    """The key of a target and drafter on this machine with these threads and placement (ubatch.cache_key; None:
-    no drafter)."""
-    return None if draft_path is None else ubatch.cache_key(model_path, draft_path, n_threads, placement, ())
+def cache_key(model_path: str, draft_path: str | None, n_threads: int, placement: str, mtp: bool = False) -> str | None:
+    """The key of a target and drafter (or, mtp, the target's own MTP head) on this machine with these threads and
+    placement (ubatch.cache_key; None: neither)."""
+    if draft_path is None and not mtp:
+        return None
+    return ubatch.cache_key(model_path, draft_path, n_threads, placement, ()) + ("|mtp" if draft_path is None else "")
 
 
 def _widths(chain: dict, tree: dict) -> frozenset:
@@ -32,7 +34,7 @@ def _widths(chain: dict, tree: dict) -> frozenset:
 
 
 def restore(draft, key: str | None) -> None:
-    """Give the DraftSession `draft` the verify times saved under `key`, if any."""
+    """Give the DraftSession (or MtpDrafter) `draft` the verify times saved under `key`, if any."""
     if draft is None or key is None:
         return
     saved = cache_paths.read_table(CACHE_FILE).get(key)

@@ -345,7 +345,7 @@ class Model:
             self._ubatch_key = ubatch.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
                                                 placement, self._ubatch_sizes)
         self._cost_key = cost_cache.cache_key(self.model_path, self.draft_model_path, self._model.n_threads,
-                                              placement)
+                                              placement, mtp=self._engine.mtp is not None)
 
     def _open_session(self, log: bool = False) -> None:
         """This Model's own session over the loaded weights: KV cache, recurrent state, the drafter's context
@@ -374,7 +374,8 @@ class Model:
                             self.draft_model_path, self._draft.block_size, self._draft.trained_block_size,
                             self._draft.capture_layers, self._draft.weight_bytes / 2**20, self._draft.window,
                             self._draft.kv_bytes / 2**20, self._draft.ring_capacity, self._draft.ring_bytes / 2**20)
-        cost_cache.restore(self._draft, self._cost_key)  # what verifying cost here before (cost_cache.py)
+        # what verifying cost here before (cost_cache.py)
+        cost_cache.restore(self._draft if self._draft is not None else self._mtp, self._cost_key)
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
         self._ubatch_pending = self._ubatch_sizes is not None
@@ -720,7 +721,8 @@ class Model:
                                             draft=self._draft if speculative else None,
                                             ngram=self._ngram if speculative else None,
                                             mtp=self._mtp if speculative else None, sampling=sampling)
-            cost_cache.remember(self._draft if speculative else None, self._cost_key)
+            cost_cache.remember((self._draft if self._draft is not None else self._mtp) if speculative else None,
+                                self._cost_key)
         finally:
             self._lock.release()
         self._report_drafter_acceptance(result["timings"])

@@ -67,3 +67,20 @@ def test_auto_resumes_its_cool_down():
     with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
         assert again._draft.costs()["cool_len"] == 64
         assert _drafting_rounds(again.generate(PROMPT, max_tokens=32).timings) == 0
+
+
+def test_the_mtp_heads_costs_are_kept_too():
+    """A target's own MTP head keeps what verifying cost under its own key (the file and "mtp"), as a drafter does."""
+    target = str(pair_file("qwen35", "target-mtp", "q8_0"))
+    with pydflash.Model(target, n_ctx=512, n_threads=2, spec_mode="chain") as m:
+        m.generate(PROMPT, max_tokens=48)
+        learnt = m._mtp.costs()["measured"]
+    assert learnt[0], "chain rounds measured no verify width"
+    (key,) = cache_paths.read_table(cost_cache.CACHE_FILE)
+    assert key.endswith("|mtp")
+    cost_cache._saved.clear()  # as a new process
+    with pydflash.Model(target, n_ctx=512, n_threads=2) as again:
+        restored = again._mtp.costs()["measured"]
+    assert restored[0].keys() == learnt[0].keys()
+    with pydflash.Model(target, n_ctx=512, n_threads=2, proposers=()) as plain:
+        assert plain._mtp is None

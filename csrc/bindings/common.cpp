@@ -75,4 +75,48 @@ std::string type_name(const py::handle & o) {
     return py::str(py::type::of(o).attr("__name__")).cast<std::string>();
 }
 
+py::dict costs_dict(const speculation_state & st, int block) {
+    const cost_model & c = st.costs;
+    py::dict           out, chain, tree;
+    for (int w : c.grid()) {
+        chain[py::int_(w)] = c.verify_ms(w, false);
+        tree[py::int_(w)]  = c.verify_ms(w, true);
+    }
+    // P(accepted | parent accepted) of the first choice by depth, for probabilities of 0.5-0.6 (the bin at 0.55)
+    std::vector<double> p_half;
+    for (int depth = 1; depth < block; ++depth) {
+        p_half.push_back(st.acceptance.p_accept(depth, 0, 0.55));
+    }
+    out["calibrated"]       = c.calibrated();
+    out["verify_ms"]        = chain;
+    out["tree_verify_ms"]   = tree;
+    out["draft_ms"]         = c.draft_ms();
+    out["plain_rate"]       = c.plain_rate();
+    out["spec_rate"]        = c.spec_rate();
+    out["p_accept_at_half"] = p_half;
+    py::dict measured, measured_tree;  // (cost_cache.py keeps these across processes)
+    for (const cost_model::measurement & x : c.measured()) {
+        (x.tree ? measured_tree : measured)[py::int_(x.width)] = x.ms;
+    }
+    out["measured"] = py::make_tuple(measured, measured_tree);
+    out["cool_len"] = st.cool_len;
+    return out;
+}
+
+void restore_costs(speculation_state & st, const std::map<int, double> & chain, const std::map<int, double> & tree,
+                   int64_t cool_len) {
+    std::vector<cost_model::measurement> table;
+    for (const auto & [w, ms] : chain) {
+        table.push_back({w, false, ms});
+    }
+    for (const auto & [w, ms] : tree) {
+        table.push_back({w, true, ms});
+    }
+    st.costs.restore(table);
+    // auto resumes where the last process left off: when speculation had stopped paying, it decodes plainly for
+    // the cool-down it had reached before it probes again (decode/proposer.cpp)
+    st.cool_len = (int) checked("cool_len", cool_len, 0, INT32_MAX);
+    st.cooldown = st.cool_len;
+}
+
 }  // namespace pdf::bindings

@@ -18,6 +18,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -75,6 +76,13 @@ struct py_mtp {
 
     mtp_speculation with(const spec_params & p) const { return {*head, *state, p}; }
 };
+
+// what the decode loop measured and learnt about a proposer (auto mode): ms per verify width, draft ms, rates, the
+// acceptance of its first choice by depth (1 .. block - 1) at probability 0.5-0.6, and what cost_cache.py keeps
+py::dict costs_dict(const speculation_state & st, int block);
+// verify times measured earlier (ms by width) and auto's cool-down length then
+void     restore_costs(speculation_state & st, const std::map<int, double> & chain, const std::map<int, double> & tree,
+                       int64_t cool_len);
 
 // Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked
 // here, naming the parameter, before they are narrowed.

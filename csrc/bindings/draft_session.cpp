@@ -65,52 +65,6 @@ static py_draft make_draft_session(const py::object & target_arg, const py::obje
     return d;
 }
 
-// what the decode loop measured and learnt (auto mode): ms per verify width, draft ms, rates
-static py::dict costs(const py_draft & d) {
-    const cost_model & c = d.state->costs;
-    py::dict           out, chain, tree;
-    for (int w : c.grid()) {
-        chain[py::int_(w)] = c.verify_ms(w, false);
-        tree[py::int_(w)]  = c.verify_ms(w, true);
-    }
-    // P(accepted | parent accepted) of the drafter's first choice by depth, for drafter probabilities of 0.5-0.6
-    // (the bin at 0.55)
-    std::vector<double> p_half;
-    for (int depth = 1; depth < d.session->block(); ++depth) {
-        p_half.push_back(d.state->acceptance.p_accept(depth, 0, 0.55));
-    }
-    out["calibrated"]       = c.calibrated();
-    out["verify_ms"]        = chain;
-    out["tree_verify_ms"]   = tree;
-    out["draft_ms"]         = c.draft_ms();
-    out["plain_rate"]       = c.plain_rate();
-    out["spec_rate"]        = c.spec_rate();
-    out["p_accept_at_half"] = p_half;
-    py::dict measured, measured_tree;  // (cost_cache.py keeps these across processes)
-    for (const cost_model::measurement & x : c.measured()) {
-        (x.tree ? measured_tree : measured)[py::int_(x.width)] = x.ms;
-    }
-    out["measured"] = py::make_tuple(measured, measured_tree);
-    out["cool_len"] = d.state->cool_len;
-    return out;
-}
-
-static void restore_costs(py_draft & d, const std::map<int, double> & chain, const std::map<int, double> & tree,
-                          int64_t cool_len) {
-    std::vector<cost_model::measurement> table;
-    for (const auto & [w, ms] : chain) {
-        table.push_back({w, false, ms});
-    }
-    for (const auto & [w, ms] : tree) {
-        table.push_back({w, true, ms});
-    }
-    d.state->costs.restore(table);
-    // auto resumes where the last process left off: when speculation had stopped paying, it decodes plainly for
-    // the cool-down it had reached before it probes again (decode/proposer.cpp)
-    d.state->cool_len = (int) checked("cool_len", cool_len, 0, INT32_MAX);
-    d.state->cooldown = d.state->cool_len;
-}
-
 static void register_memory(py::class_<py_draft> & cls) {
     cls.def_property_readonly("weight_bytes", [](const py_draft & d) { return d.session->model().weight_bytes(); })
         .def_property_readonly("kv_bytes", [](const py_draft & d) { return d.session->kv_bytes(); })
@@ -153,10 +107,12 @@ void register_draft_session(py::module_ & m) {
         .def("forget", [](py_draft & d) { d.session->truncate(0); },
              "Drop every context row: the target went on without this draft (plain decoding), so the rows no "
              "longer follow its history and a later prompt must not reuse them.")
-        .def("costs", &costs,
+        .def("costs", [](const py_draft & d) { return costs_dict(*d.state, d.session->block()); },
              "The speculation cost model: measured verify times per width, draft time, rates (tokens/ms), and the "
              "acceptance of the drafter's first choice by depth when it gives it probability 0.5-0.6.")
-        .def("restore_costs", &restore_costs, py::arg("verify_ms"), py::arg("tree_verify_ms"),
+        .def("restore_costs", [](py_draft & d, const std::map<int, double> & chain, const std::map<int, double> & tree,
+                                 int64_t cool_len) { restore_costs(*d.state, chain, tree, cool_len); },
+             py::arg("verify_ms"), py::arg("tree_verify_ms"),
              py::arg("cool_len") = 0,
              "Verify times (ms by grid width) measured earlier, as costs()['measured'] gave them, and auto's "
              "cool-down length then (costs()['cool_len']; speculation not paying): it decodes plainly that many "
