@@ -280,12 +280,16 @@ def test_a_bad_mtp_block_is_a_typed_error(tmp_path, edit, match):
         pydflash.Model(path, n_ctx=256)
 
 
-def test_appended_head_is_what_the_converter_writes(tmp_path):
+@pytest.mark.parametrize("maker, shape, extra", [(make_qwen35_shape, "k1v3_tied_mtp", {}),
+                                                 (make_qwen35moe_shape, "x4k1", {"mtp_layers": 1})],
+                         ids=["qwen35", "qwen35moe"])
+def test_appended_head_is_what_the_converter_writes(tmp_path, maker, shape, extra):
     """convert/mtp_head.py (what tools/train_mtp.py writes with) appends a checkpoint's mtp.* tensors as our
-    converter (tested against llama.cpp's) converts a checkpoint that holds them: every key and tensor alike."""
+    converter (tested against llama.cpp's) converts a checkpoint that holds them: every key and tensor alike (a MoE
+    head's experts given per expert, as saved)."""
     from pydflash.convert.mtp_head import append_mtp_head
 
-    d = make_qwen35_shape(tmp_path / "hf", "k1v3_tied_mtp", seed=4)
+    d = maker(tmp_path / "hf", shape, seed=4, **extra)
     whole = convert_hf_to_gguf(d, tmp_path / "whole.gguf", outtype="f32", progress=False)
     mtp = {k: v.float().numpy() for k, v in _mtp_state(d).items()}
     (d / "model-mtp.safetensors").unlink()
@@ -301,3 +305,20 @@ def test_appended_head_is_what_the_converter_writes(tmp_path):
     assert sorted(ta) == sorted(tb)
     for name in ta:
         assert np.array_equal(ta[name], tb[name]), name
+
+
+def test_fused_experts_are_written_as_per_expert_ones():
+    """A MoE head as transformers holds it (experts.gate_up_proj [X, 2F, E], experts.down_proj [X, E, F]: what
+    tools/train_mtp.py saves) gives the GGUF tensors the same head saved per expert gives."""
+    from pydflash.convert.mtp_head import head_tensors
+
+    rng = np.random.default_rng(0)
+    X, F, E = 3, 4, 5
+    gate, up, down = rng.standard_normal((X, F, E)), rng.standard_normal((X, F, E)), rng.standard_normal((X, E, F))
+    p = "mtp.layers.0.mlp.experts."
+    per = {f"{p}{x}.{n}.weight": a[x] for x in range(X) for n, a in (("gate_proj", gate), ("up_proj", up),
+                                                                     ("down_proj", down))}
+    fused = {p + "gate_up_proj": np.concatenate([gate, up], axis=1), p + "down_proj": down}
+    a, b = dict(head_tensors(per, 4, "qwen35moe")), dict(head_tensors(fused, 4, "qwen35moe"))
+    assert sorted(a) == ["blk.4.ffn_down_exps.weight", "blk.4.ffn_gate_exps.weight", "blk.4.ffn_up_exps.weight"]
+    assert all(np.array_equal(a[k], b[k]) for k in a)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Train a multi-token-prediction (MTP) head for a Qwen3.5 GGUF target that has none, and write the target with it
-(issue 26): the committed pair's `tests/data/pairs/qwen35-target-mtp-q8_0.gguf` is made by
+"""Train a multi-token-prediction (MTP) head for a Qwen3.5 (or Qwen3.5-MoE) GGUF target that has none, and write the
+target with it (issue 26): the committed pair's `tests/data/pairs/qwen35-target-mtp-q8_0.gguf` is made by
 
     python tools/train_mtp.py tests/data/pairs/qwen35-target-f32.gguf build/mtp/qwen35-target-mtp-f32.gguf
     pydflash-quantize build/mtp/qwen35-target-mtp-f32.gguf tests/data/pairs/qwen35-target-mtp-q8_0.gguf q8_0
@@ -55,22 +55,34 @@ def _tensor(reader, name) -> np.ndarray:
 
 
 def text_config(reader):
-    """A one-layer Qwen3_5TextConfig with the target's attention, FFN and rotary sizes (the head's layer)."""
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-
-    a = "qwen35."
+    """A one-layer Qwen3_5TextConfig (Qwen3_5MoeTextConfig for qwen35moe) with the target's attention, FFN and rotary
+    sizes (the head's layer)."""
+    arch = _field(reader, "general.architecture")
+    a = arch + "."
     n_embd, head_dim = int(_field(reader, a + "embedding_length")), int(_field(reader, a + "attention.key_length"))
     sections = [int(x) for x in _field(reader, a + "rope.dimension_sections")]
-    cfg = Qwen3_5TextConfig(
+    common = dict(
         vocab_size=int(reader.tensors[[t.name for t in reader.tensors].index("token_embd.weight")].shape[1]),
-        hidden_size=n_embd, intermediate_size=int(_field(reader, a + "feed_forward_length")), num_hidden_layers=1,
-        num_attention_heads=int(_field(reader, a + "attention.head_count")),
+        hidden_size=n_embd, num_hidden_layers=1, num_attention_heads=int(_field(reader, a + "attention.head_count")),
         num_key_value_heads=int(_field(reader, a + "attention.head_count_kv")), head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon")),
-        layer_types=["full_attention"],
+        rms_norm_eps=float(_field(reader, a + "attention.layer_norm_rms_epsilon")), layer_types=["full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": float(_field(reader, a + "rope.freq_base")),
                          "partial_rotary_factor": int(_field(reader, a + "rope.dimension_count")) / head_dim,
                          "mrope_section": sections[:3], "mrope_interleaved": True})
+    if arch == "qwen35":
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+        cfg = Qwen3_5TextConfig(intermediate_size=int(_field(reader, a + "feed_forward_length")), **common)
+    elif arch == "qwen35moe":
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        cfg = Qwen3_5MoeTextConfig(num_experts=int(_field(reader, a + "expert_count")),
+                                   num_experts_per_tok=int(_field(reader, a + "expert_used_count")),
+                                   moe_intermediate_size=int(_field(reader, a + "expert_feed_forward_length")),
+                                   shared_expert_intermediate_size=int(
+                                       _field(reader, a + "expert_shared_feed_forward_length")), **common)
+    else:
+        raise SystemExit(f"general.architecture = {arch!r}: an MTP head is trained for qwen35 or qwen35moe targets")
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -81,12 +93,18 @@ class MtpHead(torch.nn.Module):
 
     def __init__(self, cfg, embed: torch.Tensor, lm_head: torch.Tensor):
         super().__init__()
-        import transformers.models.qwen3_5.modeling_qwen3_5 as q35
+        if cfg.model_type.startswith("qwen3_5_moe"):
+            import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as m
 
-        self.layer = q35.Qwen3_5DecoderLayer(cfg, 0)
-        self.rotary = q35.Qwen3_5TextRotaryEmbedding(cfg)
+            layer, rotary, norm = m.Qwen3_5MoeDecoderLayer, m.Qwen3_5MoeTextRotaryEmbedding, m.Qwen3_5MoeRMSNorm
+        else:
+            import transformers.models.qwen3_5.modeling_qwen3_5 as m
+
+            layer, rotary, norm = m.Qwen3_5DecoderLayer, m.Qwen3_5TextRotaryEmbedding, m.Qwen3_5RMSNorm
+        self.layer = layer(cfg, 0)
+        self.rotary = rotary(cfg)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.enorm, self.hnorm, self.norm = (q35.Qwen3_5RMSNorm(h, eps=eps) for _ in range(3))
+        self.enorm, self.hnorm, self.norm = (norm(h, eps=eps) for _ in range(3))
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("lm_head", lm_head, persistent=False)
@@ -126,7 +144,8 @@ def distill(target_path: str, streams, n_seq: int, seq_len: int, seed: int):
     session = _core.Session(model, n_ctx=seq_len + 8, type_k="f32", type_v="f32")
     rng = np.random.default_rng(seed)
     reader = gguf.GGUFReader(target_path)
-    out_norm, eps = _tensor(reader, "output_norm.weight"), float(_field(reader, "qwen35.attention.layer_norm_rms_epsilon"))
+    arch = _field(reader, "general.architecture")
+    out_norm, eps = _tensor(reader, "output_norm.weight"), float(_field(reader, arch + ".attention.layer_norm_rms_epsilon"))
     toks, hs, t0 = [], [], time.time()
     for i in range(n_seq):
         s = streams[rng.integers(len(streams))]
@@ -188,7 +207,7 @@ def train(head: MtpHead, toks, h, steps: int, batch: int, lr: float, seed: int, 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("target", help="a qwen35 GGUF without an MTP head (f32 or f16)")
+    ap.add_argument("target", help="a qwen35 or qwen35moe GGUF without an MTP head (f32, f16 or q8_0)")
     ap.add_argument("out", help="the GGUF to write: the target with the trained head")
     ap.add_argument("--sequences", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=192)
