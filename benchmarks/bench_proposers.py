@@ -13,7 +13,8 @@ Workloads:
 
 llama.cpp, each in the same run: plain (`llama-completion`), `draft-dflash` at draft lengths 3/7/15,
 `ngram-simple` (its defaults, lookup 12 / draft 48, and a short lookup 3 / draft 7), `ngram-mod` (its
-defaults) and, on the MTP pair, `draft-mtp` at draft lengths 2/3/5/7. Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workload (any method).
+defaults) and, on the MTP pair, `draft-mtp` at draft lengths 2/3/5/7.
+Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workload (any method).
 
     python benchmarks/bench_proposers.py                          # cost-realistic pairs, 6 prompts x 96 tokens
     python benchmarks/bench_proposers.py --pairs tiny --skip-peer

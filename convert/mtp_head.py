@@ -1,5 +1,5 @@
-"""A multi-token-prediction head appended to a Qwen3.5 (or Qwen3.5-MoE) GGUF that has none: `append_mtp_head` writes the target's
-keys and tensors unchanged and the head's tensors as llama.cpp's converter (and ours, convert/qwen35.py) writes a
+"""A multi-token-prediction head appended to a Qwen3.5 (or Qwen3.5-MoE) GGUF that has none: `append_mtp_head`
+writes the target's keys and tensors unchanged and the head's tensors as llama.cpp's converter (and ours, convert/qwen35.py) writes a
 checkpoint's `mtp.*`: block `blk.{n_layer}` (its attention layer and FFN) with `nextn.eh_proj`, `nextn.enorm`,
 `nextn.hnorm` and `nextn.shared_head_norm`, counted in `block_count`, with `nextn_predict_layers` = 1 and the block
 marked full attention in `attention.recurrent_layers`. The head's tensors come in the Qwen3.5 checkpoints' names and
@@ -70,7 +70,8 @@ def head_tensors(head: dict[str, np.ndarray], n_layer: int, arch: str) -> list[t
     return out
 
 
-def append_mtp_head(target: str | Path, out: str | Path, head: dict[str, np.ndarray], *, progress: bool = False) -> Path:
+def append_mtp_head(target: str | Path, out: str | Path, head: dict[str, np.ndarray], *,
+                    progress: bool = False) -> Path:
     """Write `out`: the GGUF `target` (arch qwen35 or qwen35moe, no MTP head) with the head `head` ({checkpoint
     name: float32 array}) appended as its MTP block."""
     target, out = Path(target), Path(out)
@@ -80,7 +81,8 @@ def append_mtp_head(target: str | Path, out: str | Path, head: dict[str, np.ndar
         raise ConversionError(f"{target}: general.architecture = {arch!r}, expected one of {', '.join(ARCHS)}")
     key = lambda k: reader.fields[f"{arch}.{k}"].contents() if f"{arch}.{k}" in reader.fields else None  # noqa: E731
     if key("nextn_predict_layers"):
-        raise ConversionError(f"{target}: has an MTP head already (nextn_predict_layers = {key('nextn_predict_layers')})")
+        raise ConversionError(f"{target}: has an MTP head already (nextn_predict_layers = "
+                              f"{key('nextn_predict_layers')})")
     n_layer = int(key("block_count"))
     writer = gguf.GGUFWriter(path=None, arch=arch)
     _copy_kv(reader, writer, target, also_skip=frozenset({f"{arch}.block_count", f"{arch}.attention.recurrent_layers",
@@ -88,7 +90,8 @@ def append_mtp_head(target: str | Path, out: str | Path, head: dict[str, np.ndar
     writer.add_uint32(f"{arch}.block_count", n_layer + 1)
     writer.add_uint32(f"{arch}.nextn_predict_layers", 1)
     if key("attention.recurrent_layers") is not None:
-        writer.add_array(f"{arch}.attention.recurrent_layers", [bool(x) for x in key("attention.recurrent_layers")] + [False])
+        recurrent = [bool(x) for x in key("attention.recurrent_layers")]
+        writer.add_array(f"{arch}.attention.recurrent_layers", recurrent + [False])
     writer.add_file_type(int(key_or(reader, gguf.Keys.General.FILE_TYPE, 0)))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for t in reader.tensors:

@@ -235,8 +235,8 @@ class Model:
     (block_size 8 unless given; spec_mode and tree_budget as for a drafter), or ("dflash", "ngram"): both, their
     candidates merged into one tree that spec_mode="auto" cuts each round, or ("mtp",): the target's own
     multi-token-prediction head (Qwen3.5's nextn block, kept by llama.cpp's converter), block_size - 1 drafts a
-    round (block 4 for a chain, 8 for trees and auto, unless given): a chain, a tree of its top candidates, or (spec_mode="auto") what of that tree
-    pays. With no proposers and no
+    round (block 4 for a chain, 8 for trees and auto, unless given): a chain, a tree of its top candidates, or
+    (spec_mode="auto") what of that tree pays. With no proposers and no
     draft_model_path, a file that ships an MTP head speculates with it (speculative=False decodes plainly).
     """
 

@@ -28,6 +28,7 @@ from pydflash.errors import GGUFFormatError, UnsupportedModelError  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = ROOT / "tests" / "data" / "pairs"
 TRAINED = PAIRS / "qwen35-target-mtp-q8_0.gguf"
+TRAINED_MOE = PAIRS / "qwen35moe-target-mtp-q8_0.gguf"
 PROMPT = [3, 17, 200, 45, 9, 311, 77, 5, 128, 64, 400, 12]
 U32 = gguf.GGUFValueType.UINT32
 
@@ -166,11 +167,12 @@ def _code_prompts(m, n):
     return [m.tokenize(row["text"]) for row in prompt_rows("code")[:n]]
 
 
+@pytest.mark.parametrize("target", [TRAINED, TRAINED_MOE], ids=["qwen35", "qwen35moe"])
 @pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
-def test_trained_head_is_accepted_and_lossless(mode):
-    """The committed trained head (tools/train_mtp.py) on the committed qwen35 target: drafts are accepted, and
-    greedy and sampled outputs are plain decoding's."""
-    with pydflash.Model(TRAINED, n_ctx=1024, spec_mode=mode) as m:
+def test_trained_head_is_accepted_and_lossless(mode, target):
+    """The committed trained heads (tools/train_mtp.py) on the committed qwen35 and qwen35moe targets: drafts are
+    accepted, and greedy and sampled outputs are plain decoding's."""
+    with pydflash.Model(target, n_ctx=1024, spec_mode=mode) as m:
         assert m.proposers == ("mtp",)
         accepted = drafted = 0
         for tokens in _code_prompts(m, 3):

@@ -182,13 +182,15 @@ def test_dflash_chain_needs_no_more_verifies_than_llama_cpp(kind, tmp_path):
 
 
 @pytest.mark.slow
-def test_mtp_chain_tau_is_llama_cpps(tmp_path):
-    """The committed qwen35 target with its trained MTP head (tools/train_mtp.py): llama.cpp's draft-mtp (3 drafts a
-    round) continues 8 held-out code prompts as we do, and the verifies each loop needs for the same 96 tokens
-    (its first round anchored on the prompt's last token, counted as for DFlash: rounds_to) are within 5%."""
+@pytest.mark.parametrize("kind", ["qwen35", "qwen35moe"])
+def test_mtp_chain_tau_is_llama_cpps(kind, tmp_path):
+    """The committed qwen35 / qwen35moe targets with their trained MTP heads (tools/train_mtp.py): llama.cpp's
+    draft-mtp (3 drafts a round) continues 8 held-out code prompts as we do, and the verifies each loop needs for the
+    same 96 tokens (its first round anchored on the prompt's last token, counted as for DFlash: rounds_to) are
+    within 5%."""
     if peer.binary("llama-speculative-simple") is None:
         pytest.skip("llama.cpp is not built (python benchmarks/peer.py build)")
-    target = pair_file("qwen35", "target-mtp", "q8_0")
+    target = pair_file(kind, "target-mtp", "q8_0")
     n = 96
     ours = theirs = 0
     with pydflash.Model(target, n_ctx=1024, spec_mode="chain", block_size=4) as m:
@@ -203,5 +205,5 @@ def test_mtp_chain_tau_is_llama_cpps(tmp_path):
             assert m.detokenize(r["tokens"][:12]) in out["output"]  # the same greedy continuation
             ours += peer.rounds_to(n - 1, committed[1:])
             theirs += peer.rounds_to(n, [a + 1 for a in out["accepted_per_round"]])
-    print(f"MTP: verify passes for {n} tokens x 8 prompts: ours {ours}, llama.cpp {theirs}")
+    print(f"{kind} MTP: verify passes for {n} tokens x 8 prompts: ours {ours}, llama.cpp {theirs}")
     assert abs(ours - theirs) <= 0.05 * theirs

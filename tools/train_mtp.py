@@ -102,6 +102,11 @@ class MtpHead(torch.nn.Module):
 
             layer, rotary, norm = m.Qwen3_5DecoderLayer, m.Qwen3_5TextRotaryEmbedding, m.Qwen3_5RMSNorm
         self.layer = layer(cfg, 0)
+        # what PreTrainedModel._init_weights gives a MoE layer: its experts are allocated uninitialised and its
+        # router at zero (every expert tied)
+        for name, p in self.layer.named_parameters():
+            if ".experts." in name or name == "mlp.gate.weight":
+                torch.nn.init.normal_(p, mean=0.0, std=cfg.initializer_range)
         self.rotary = rotary(cfg)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm, self.hnorm, self.norm = (norm(h, eps=eps) for _ in range(3))
@@ -145,7 +150,8 @@ def distill(target_path: str, streams, n_seq: int, seq_len: int, seed: int):
     rng = np.random.default_rng(seed)
     reader = gguf.GGUFReader(target_path)
     arch = _field(reader, "general.architecture")
-    out_norm, eps = _tensor(reader, "output_norm.weight"), float(_field(reader, arch + ".attention.layer_norm_rms_epsilon"))
+    out_norm = _tensor(reader, "output_norm.weight")
+    eps = float(_field(reader, arch + ".attention.layer_norm_rms_epsilon"))
     toks, hs, t0 = [], [], time.time()
     for i in range(n_seq):
         s = streams[rng.integers(len(streams))]

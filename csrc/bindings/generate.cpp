@@ -231,7 +231,8 @@ void register_generate(py::module_ & m) {
             py::arg("mtp") = nullptr, py::arg("spec_mode") = py::none(),
             py::arg("tree_budget") = py::none(), py::arg("tree_seed") = py::none(), py::arg("sampling") = py::none(),
             "Generation, greedy or sampled (sampling: a dict of llama-cpp-python's sampling parameters and seed), "
-            "speculative with a DraftSession, an NgramDrafter, an MtpDrafter (alone), or the first two together (spec_mode 'auto' only: one tree of their "
+            "speculative with a DraftSession, an NgramDrafter, an MtpDrafter (alone), or the first two "
+            "together (spec_mode 'auto' only: one tree of their "
             "candidates, decode/union_proposer.h), each as it was created to speculate (spec_mode 'chain', 'tree' or "
             "'auto', tree_budget and tree_seed given here override it for this call); callback(list[int]) -> bool is "
             "called (with the GIL) per batch of committed tokens. With sampling['logprobs'] = n the result has "

@@ -25,7 +25,8 @@ static py_mtp make_mtp(session & s, int64_t block_size, const std::string & mode
                                                   : std::min(MAX_TREE_BUDGET, params.top_k * (params.block - 1));
     // the widest verify auto weighs (the root and its nodes), and the ring's rows: one target evaluation's (a
     // prefill micro-batch, a verify) and the state before them
-    const int widest     = max_verify > 0 ? (int) checked("max_verify", max_verify, 1, MAX_TREE_BUDGET + 1) : 1 + budget;
+    const int widest     = max_verify > 0 ? (int) checked("max_verify", max_verify, 1, MAX_TREE_BUDGET + 1)
+                                          : 1 + budget;
     params.ring_capacity = std::max<int>((int) s.n_ubatch(), widest) + 1;
     const int kv_il      = s.model().info().kv_layers.at(0).il;  // (a Qwen3.5 target always has attention layers)
     params.type_k        = s.kv().k(kv_il)->type;
@@ -41,7 +42,8 @@ static py::tuple draft_after(py_mtp & m, session & s, py::object prompt_in, int6
     const std::vector<int32_t> prompt = int32_array("prompt", prompt_in);
     checked("n_steps", n_steps, 1, m.head->block() - 1);
     if (prompt.empty() || prompt.size() + n_steps >= s.n_ctx()) {
-        throw std::invalid_argument(format("draft_after: a prompt of 1 .. %lld tokens", (long long) (s.n_ctx() - 1 - n_steps)));
+        throw std::invalid_argument(format("draft_after: a prompt of 1 .. %lld tokens",
+                                           (long long) (s.n_ctx() - 1 - n_steps)));
     }
     py::gil_scoped_release nogil;
     s.truncate(0);  // (a fresh prefill: the prompt cache is not reused)

@@ -85,9 +85,8 @@ static void resolve_mtp(const target_model & target, const engine_options & o, e
                                            o.tree_budget, p.block - 1));
     }
     // (a tree holds at most DRAFT_TOP_K candidates at each drafted position)
-    p.tree_budget = o.tree_budget > 0 ? o.tree_budget
-                  : chain             ? p.block - 1
-                                      : std::min(default_tree_budget(target, o.mode, p.block), DRAFT_TOP_K * (p.block - 1));
+    const int tree_default = std::min(default_tree_budget(target, o.mode, p.block), DRAFT_TOP_K * (p.block - 1));
+    p.tree_budget = o.tree_budget > 0 ? o.tree_budget : chain ? p.block - 1 : tree_default;
     p.top_k       = chain ? 1 : DRAFT_TOP_K;
     p.max_verify  = 1 + p.tree_budget;
     p.n_rollback  = std::max({p.n_rollback, p.block, p.max_verify});

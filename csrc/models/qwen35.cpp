@@ -187,8 +187,8 @@ ggml_tensor * qwen35_layers::build_mtp(ggml_context * ctx, ggml_cgraph * gf, con
     }
     const float   eps = hp_.att.norm_eps;
     ggml_tensor * e   = ggml_get_rows(ctx, mtp_.embed ? mtp_.embed : token_embedding(), in.tokens);  // [E, n]
-    ggml_tensor * x   = ggml_concat(ctx, build_rms_norm(ctx, e, mtp_.enorm, eps), build_rms_norm(ctx, h, mtp_.hnorm, eps),
-                                    0);  // [2E, n]
+    ggml_tensor * x   = ggml_concat(ctx, build_rms_norm(ctx, e, mtp_.enorm, eps),
+                                    build_rms_norm(ctx, h, mtp_.hnorm, eps), 0);  // [2E, n]
     x = build_layer(ctx, gf, in, st, mtp_il_, ggml_mul_mat(ctx, mtp_.eh_proj, x), last_only);
     return mtp_.head_norm ? build_rms_norm(ctx, x, mtp_.head_norm, eps) : build_output_norm(ctx, x);
 }

@@ -54,7 +54,8 @@ mtp_session::mtp_session(std::shared_ptr<const target_model> target, uint32_t n_
     // the target session's types: at n_ctx the head's one layer is as large as one of the target's
     kv_    = std::make_unique<kv_cache>(head_info, target_->devices(), n_ctx, params.type_k, params.type_v,
                                         info.n_layer - 1);
-    carry_ = carry_buf_.add(GGML_TYPE_F32, info.n_embd, 1, "mtp_carry", target_->devices().state_buft(info.n_layer - 1));
+    carry_ = carry_buf_.add(GGML_TYPE_F32, info.n_embd, 1, "mtp_carry",
+                            target_->devices().state_buft(info.n_layer - 1));
     if (carry_buf_.allocate()) {
         throw backend_error("could not allocate the MTP head's carried state");
     }
