@@ -5,6 +5,9 @@ target with it (issue 26): the committed pair's `tests/data/pairs/qwen35-target-
     python tools/train_mtp.py tests/data/pairs/qwen35-target-f32.gguf build/mtp/qwen35-target-mtp-f32.gguf
     pydflash-quantize build/mtp/qwen35-target-mtp-f32.gguf tests/data/pairs/qwen35-target-mtp-q8_0.gguf q8_0
 
+and `qwen35moe-target-mtp-q8_0.gguf` the same way from `qwen35moe-target-q8_0.gguf` (a head with the target's MoE
+FFN: 32 experts, top-4, a shared expert).
+
 The head is the Qwen3.5 releases' (speculators' MTPLayerMixin over transformers' Qwen3_5DecoderLayer, a full
 attention layer and the target's FFN kind): x = fc([pre_fc_norm_embedding(embed(t_p)) ‖ pre_fc_norm_hidden(h_{p-1})])
 -> the layer -> norm = h'_p, whose logits under the target's (frozen, shared) LM head predict t_{p+1}; h_{p-1} is the
