@@ -14,9 +14,8 @@ static py_mtp make_mtp(session & s, int64_t block_size, const std::string & mode
     const bool chain   = m.spec.mode == spec_mode::chain;
     // 0: a chain's greedy pick, a tree's DRAFT_TOP_K candidates per position
     params.top_k = top_k == 0 ? (chain ? 1 : DRAFT_TOP_K) : (int) checked("top_k", top_k, 1, INT32_MAX);
-    if (!chain && params.top_k < 2) {
-        throw std::invalid_argument(format("spec_mode = '%s' builds trees of the head's candidates: top_k >= 2",
-                                           mode.c_str()));
+    if (m.spec.mode == spec_mode::tree && params.top_k < 2) {
+        throw std::invalid_argument("spec_mode = 'tree' builds trees of the head's candidates: top_k >= 2");
     }
     // a chain takes the greedy pick alone (no softmax over the vocabulary); trees weigh the head's probabilities
     params.with_logprobs = !chain || params.top_k > 1;

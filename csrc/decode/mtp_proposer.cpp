@@ -9,8 +9,8 @@ namespace pdf {
 mtp_proposer::mtp_proposer(const session & s, mtp_session & head, speculation_state & state,
                            const spec_params & params)
     : s_(s), head_(head), state_(state), params_(params) {
-    if (params_.mode != spec_mode::chain && head_.top_k() < 2) {
-        throw std::invalid_argument("MTP: trees (spec_mode 'tree', 'auto') need the head's top_k >= 2 candidates");
+    if (params_.mode == spec_mode::tree && head_.top_k() < 2) {
+        throw std::invalid_argument("MTP: spec_mode 'tree' needs the head's top_k >= 2 candidates");
     }
 }
 
