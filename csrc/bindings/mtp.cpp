@@ -19,9 +19,9 @@ static py_mtp make_mtp(session & s, int64_t block_size, const std::string & mode
     }
     // a chain takes the greedy pick alone (no softmax over the vocabulary); trees weigh the head's probabilities
     params.with_logprobs = !chain || params.top_k > 1;
-    const int budget     = m.spec.tree_budget > 0 ? m.spec.tree_budget
-                         : chain                  ? params.block - 1
-                                                  : std::min(MAX_TREE_BUDGET, params.top_k * (params.block - 1));
+    const int budget     = m.spec.tree_budget > 0
+                               ? m.spec.tree_budget
+                               : default_mtp_tree_budget(s.model(), m.spec.mode, params.block, params.top_k);
     // the widest verify auto weighs (the root and its nodes), and the ring's rows: one target evaluation's (a
     // prefill micro-batch, a verify) and the state before them
     const int widest     = max_verify > 0 ? (int) checked("max_verify", max_verify, 1, MAX_TREE_BUDGET + 1)

@@ -72,6 +72,10 @@ static void resolve_ngram(const target_model & target, const engine_options & o,
     p.n_rollback  = std::max({p.n_rollback, p.block, o.mode == spec_mode::chain ? 0 : 1 + p.tree_budget});
 }
 
+int default_mtp_tree_budget(const target_model & target, spec_mode mode, int block, int top_k) {
+    return mode == spec_mode::chain ? block - 1 : std::min(default_tree_budget(target, mode, block), top_k * (block - 1));
+}
+
 // the MTP head: block - 1 drafts a round, a chain or (tree, auto) a tree of its top-k candidates at those positions;
 // a hybrid target keeps the state of each of its tokens or nodes
 static void resolve_mtp(const target_model & target, const engine_options & o, engine_params & p) {
@@ -84,10 +88,8 @@ static void resolve_mtp(const target_model & target, const engine_options & o, e
         throw std::invalid_argument(format("tree_budget = %d: an MTP chain drafts at most block_size - 1 = %d tokens",
                                            o.tree_budget, p.block - 1));
     }
-    // (a tree holds at most DRAFT_TOP_K candidates at each drafted position)
-    const int tree_default = std::min(default_tree_budget(target, o.mode, p.block), DRAFT_TOP_K * (p.block - 1));
-    p.tree_budget = o.tree_budget > 0 ? o.tree_budget : chain ? p.block - 1 : tree_default;
     p.top_k       = chain ? 1 : DRAFT_TOP_K;
+    p.tree_budget = o.tree_budget > 0 ? o.tree_budget : default_mtp_tree_budget(target, o.mode, p.block, p.top_k);
     p.max_verify  = 1 + p.tree_budget;
     p.n_rollback  = std::max({p.n_rollback, p.block, p.max_verify});
 }

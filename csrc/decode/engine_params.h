@@ -84,6 +84,10 @@ engine_params resolve_engine_params(const target_model & target, const dflash_dr
 // max(TREE_STATE_MIN_BYTES, TREE_STATE_SHARE of the weights)
 int default_tree_budget(const target_model & target, spec_mode mode, int block);
 
+// the MTP head's draft nodes per verify when tree_budget is not given: a chain's block - 1; a tree's as
+// default_tree_budget, within top_k candidates at each of its block - 1 positions
+int default_mtp_tree_budget(const target_model & target, spec_mode mode, int block, int top_k);
+
 // the widest verify a drafter's cost model covers: max_verify, or (0) as wide as the feature ring and a tree allow
 int verify_width_cap(int max_verify, int ring_rows);
 

@@ -48,9 +48,7 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
         return;
     }
     const bool automatic = params_.mode == spec_mode::automatic;
-    if (automatic && (state_.cooldown > 0 || !state_.costs.knows_plain_step())) {
-        // a cool-down, or a fresh process's first round (it measures a plain step)
-        state_.cooldown = std::max(0, state_.cooldown - 1);
+    if (automatic && sits_out_round(state_)) {
         stats_.n_skipped++;
         return;
     }
@@ -58,16 +56,11 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
     if (params_.mode == spec_mode::chain) {
         build_draft_chain(head_.draft(anchor, start, h_row_, max_depth), anchor, max_depth, out);
     } else if (params_.mode == spec_mode::tree) {
-        build_draft_tree(head_.draft(anchor, start, h_row_, max_depth), anchor, node_limit(max_nodes), max_depth,
-                         params_.seed, out);
+        build_draft_tree(head_.draft(anchor, start, h_row_, max_depth), anchor,
+                         tree_node_limit(max_nodes, state_.costs, params_.tree_budget), max_depth, params_.seed, out);
     } else {
         choose_auto(anchor, start, max_depth, max_nodes, out);
     }
-}
-
-int mtp_proposer::node_limit(int max_nodes) const {
-    int limit = std::min(max_nodes, state_.costs.max_width()) - 1;
-    return params_.tree_budget > 0 ? std::min(limit, params_.tree_budget) : limit;
 }
 
 void mtp_proposer::choose_auto(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
@@ -84,18 +77,9 @@ void mtp_proposer::choose_auto(int32_t anchor, int start, int max_depth, int max
         }
         p = &head_.next();
     }
-    scores_.resize((size_t) p->n_positions * p->top_k);
-    for (int pos = 0; pos < p->n_positions; ++pos) {
-        for (int r = 0; r < p->top_k; ++r) {
-            const double a  = state_.acceptance.p_accept(pos + 1, r, std::exp((double) p->logprob(pos, r)));
-            float &      sc = scores_[(size_t) pos * p->top_k + r];
-            sc              = (float) std::log(std::max(a, 1e-9));
-            if (r > 0) {
-                sc = std::min(sc, scores_[(size_t) pos * p->top_k + r - 1]);  // non-increasing in rank
-            }
-        }
-    }
-    build_draft_tree(*p, anchor, node_limit(max_nodes), p->n_positions, tree_seed::best_first, full_, &scores_);
+    learnt_scores(*p, state_.acceptance, scores_);
+    build_draft_tree(*p, anchor, tree_node_limit(max_nodes, state_.costs, params_.tree_budget), p->n_positions,
+                     tree_seed::best_first, full_, &scores_);
     const int b = choose_verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
     out         = full_;
     out.truncate(1 + b);
@@ -117,11 +101,7 @@ void mtp_proposer::after_verify(const session & s, const draft_tree & t, int sta
     if (!drafted_) {
         return;
     }
-    for (int b = 1; b < t.size(); ++b) {
-        if (accept_prob[b] >= 0.0f) {
-            state_.acceptance.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), accept_prob[b]);
-        }
-    }
+    learn_from_verify(state_.acceptance, t, accept_prob);
     if (params_.mode == spec_mode::automatic) {
         judge_speculation(state_);
     }

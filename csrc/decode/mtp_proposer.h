@@ -35,7 +35,6 @@ class mtp_proposer : public proposer {
     const auto_stats & stats() const { return stats_; }
 
   private:
-    int  node_limit(int max_nodes) const;
     void choose_auto(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
 
     const session &     s_;

@@ -61,10 +61,7 @@ void ngram_proposer::propose(int32_t anchor, int, int max_depth, int max_nodes, 
         return;
     }
     drafted_  = true;
-    int limit = std::min(max_nodes, state_.costs.max_width()) - 1;
-    if (params_.tree_budget > 0) {
-        limit = std::min(limit, params_.tree_budget);
-    }
+    const int limit = tree_node_limit(max_nodes, state_.costs, params_.tree_budget);
     switch (params_.mode) {
         case spec_mode::chain:
             found.resize(1);
@@ -88,11 +85,7 @@ void ngram_proposer::propose(int32_t anchor, int, int max_depth, int max_nodes, 
 
 void ngram_proposer::after_verify(const session &, const draft_tree & t, int, const std::vector<int> &,
                                   const std::vector<float> & accept_prob) {
-    for (int b = 1; b < t.size(); ++b) {
-        if (accept_prob[b] >= 0.0f) {
-            state_.acceptance.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), accept_prob[b]);
-        }
-    }
+    learn_from_verify(state_.acceptance, t, accept_prob);
 }
 
 }  // namespace pdf

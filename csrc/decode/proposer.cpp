@@ -43,30 +43,54 @@ bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth,
     if (max_depth <= 0) {
         return false;
     }
-    // auto decodes plainly through a cool-down, and until it knows what a plain step costs (a fresh process:
-    // the first round)
-    if (state_.cooldown > 0 || !costs_.knows_plain_step()) {
-        state_.cooldown = std::max(0, state_.cooldown - 1);
+    if (sits_out_round(state_)) {
         stats_.n_skipped++;
         return false;
     }
     const draft_proposals & p = d_.draft(anchor, start, max_depth + 1);
     drafted_                  = true;
-    const int limit = node_limit(max_nodes);
-    // best first by the probability that the target accepts each path (learnt), not by the drafter's
-    scores_.resize((size_t) p.n_positions * p.top_k);
+    learnt_scores(p, acceptance_, scores_);
+    build_draft_tree(p, anchor, node_limit(max_nodes), max_depth, tree_seed::best_first, out, &scores_);
+    return true;
+}
+
+bool sits_out_round(speculation_state & state) {
+    // auto decodes plainly through a cool-down, and until it knows what a plain step costs (a fresh process: the
+    // first round)
+    if (state.cooldown > 0 || !state.costs.knows_plain_step()) {
+        state.cooldown = std::max(0, state.cooldown - 1);
+        return true;
+    }
+    return false;
+}
+
+int tree_node_limit(int max_nodes, const cost_model & costs, int tree_budget) {
+    const int limit = std::min(max_nodes, costs.max_width()) - 1;
+    return tree_budget > 0 ? std::min(limit, tree_budget) : limit;
+}
+
+void learnt_scores(const draft_proposals & p, const acceptance_model & acceptance, std::vector<float> & scores) {
+    scores.resize((size_t) p.n_positions * p.top_k);
     for (int pos = 0; pos < p.n_positions; ++pos) {
         for (int r = 0; r < p.top_k; ++r) {
-            const double a  = acceptance_.p_accept(pos + 1, r, std::exp((double) p.logprob(pos, r)));
-            float &      sc = scores_[(size_t) pos * p.top_k + r];
+            const double a  = acceptance.p_accept(pos + 1, r, std::exp((double) p.logprob(pos, r)));
+            float &      sc = scores[(size_t) pos * p.top_k + r];
             sc              = (float) std::log(std::max(a, 1e-9));
             if (r > 0) {
-                sc = std::min(sc, scores_[(size_t) pos * p.top_k + r - 1]);  // non-increasing in rank
+                sc = std::min(sc, scores[(size_t) pos * p.top_k + r - 1]);  // non-increasing in rank
             }
         }
     }
-    build_draft_tree(p, anchor, limit, max_depth, tree_seed::best_first, out, &scores_);
-    return true;
+}
+
+void learn_from_verify(acceptance_model & acceptance, const draft_tree & t, const std::vector<float> & accept_prob) {
+    // every node whose parent the target accepted was tried; what counts is the probability that the target chose
+    // it there (greedy: 0 or 1; sampling: the sampler's probability, which the draw only estimates)
+    for (int b = 1; b < t.size(); ++b) {
+        if (accept_prob[b] >= 0.0f) {
+            acceptance.observe(t.depth[b], t.rank[b], std::exp((double) t.logp[b]), accept_prob[b]);
+        }
+    }
 }
 
 double dflash_proposer::p_accept(const draft_tree & t, int b) const {
@@ -101,12 +125,8 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
 }
 
 int dflash_proposer::node_limit(int max_nodes) {
-    // nodes below the root: the budget, within what the session, the feature ring and the measured widths take
-    int limit = std::min({max_nodes, d_.ring().capacity(), costs_.max_width()}) - 1;
-    if (params_.tree_budget > 0) {
-        limit = std::min(limit, params_.tree_budget);
-    }
-    return limit;
+    // within the feature ring's rows too
+    return tree_node_limit(std::min(max_nodes, d_.ring().capacity()), costs_, params_.tree_budget);
 }
 
 int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
@@ -187,13 +207,7 @@ void dflash_proposer::after_verify(const session & s, const draft_tree & t, int 
     if (!drafted_) {
         return;
     }
-    // every node whose parent the target accepted was tried; what counts is the probability that the target
-    // chose it there (greedy: 0 or 1; sampling: the sampler's probability, which the draw only estimates)
-    for (int b = 1; b < t.size(); ++b) {
-        if (accept_prob[b] >= 0.0f) {
-            learn(t.depth[b], t.rank[b], t.logp[b], accept_prob[b]);
-        }
-    }
+    learn_from_verify(acceptance_, t, accept_prob);
     judge_round();
 }
 

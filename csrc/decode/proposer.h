@@ -106,6 +106,17 @@ struct speculation_state {
 // auto, after a round that drafted: a cool-down of plain rounds when speculation runs behind plain decoding, the
 // next one longer each time it fails again
 void judge_speculation(speculation_state & state);
+// auto, before drafting: whether this round decodes plainly instead (a cool-down round, counted down; or a fresh
+// process's first round, which measures a plain step)
+bool sits_out_round(speculation_state & state);
+// draft nodes below the root a round may verify: max_nodes less the root, within the widths the cost model covers
+// and the tree budget (0: none)
+int  tree_node_limit(int max_nodes, const cost_model & costs, int tree_budget);
+// scores [n_positions, top_k]: log P(accepted | parent accepted) of each candidate of p, as learnt (non-increasing in
+// rank): what orders a proposer's tree best first by the target's acceptance rather than the drafter's belief
+void learnt_scores(const draft_proposals & p, const acceptance_model & acceptance, std::vector<float> & scores);
+// after a verify: what the target made of every node whose parent it reached (accept_prob[b] >= 0)
+void learn_from_verify(acceptance_model & acceptance, const draft_tree & t, const std::vector<float> & accept_prob);
 
 // what auto decided, for the timings
 struct auto_stats {
