@@ -23,6 +23,7 @@ ratio to our plain decoding and to llama.cpp's best DFlash row of the same pair.
     python benchmarks/bench_tree.py                        # all pairs, 8 prompts x 96 tokens
     python benchmarks/bench_tree.py --pairs realistic --n-prompts 4
     python benchmarks/bench_tree.py --skip-peer            # pydflash rows only
+    python benchmarks/bench_tree.py --pairs tiny --archs qwen35 --budgets 22,63,127,255 --skip-peer
 """
 
 from __future__ import annotations
@@ -180,7 +181,11 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
     ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--budgets", default=None,
+                    help="only plain and tree mode at these budgets, e.g. 22,63,127,255 (tau by budget)")
     args = ap.parse_args()
+    engines = OURS if args.budgets is None else [("plain", None)] + [
+        (f"tree {b}", dict(spec_mode="tree", tree_budget=int(b))) for b in args.budgets.split(",")]
     archs = args.archs.split(",")
     kinds = args.pairs.split(",")
     pairs = (cost_realistic_pairs(args.cache_dir, archs) if "realistic" in kinds else []) + \
@@ -190,7 +195,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for pair in pairs:
-            rows = run_ours(pair, prompts, args)
+            rows = run_ours(pair, prompts, args, engines)
             if not args.skip_peer:
                 rows.update(run_llama(pair, prompts, args, Path(tmp)))
             results[pair["name"]] = rows

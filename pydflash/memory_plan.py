@@ -359,10 +359,13 @@ def _plan_of(core_model, core_draft, paths, args: dict, budget: dict, sweep: boo
     if mtp is not None:
         graphs["mtp round"] = max(mtp.measure_compute(w) for w in _windows(1, cfg.session["n_ctx"],
                                                                            mtp.window_step, sweep))
-    # the target's graphs share one compute buffer, the drafter's (or the MTP head's) another: each the size of its
-    # largest graph
-    target_compute = max(v for k, v in graphs.items() if k not in ("draft round", "mtp round"))
-    compute = target_compute + graphs.get("draft round", 0) + graphs.get("mtp round", 0)
+    if core_model.is_recurrent:
+        graphs["state commit"] = session.measure_commit()
+    # the target's graphs share one compute buffer; the drafter's (or the MTP head's) and a hybrid's commit graphs
+    # have one each: each the size of its largest graph
+    own_buffers = ("draft round", "mtp round", "state commit")
+    target_compute = max(v for k, v in graphs.items() if k not in own_buffers)
+    compute = target_compute + sum(graphs.get(k, 0) for k in own_buffers)
     # measured with the CPU's allocator; counted where the layers are
     on_gpu = core_model.n_gpu_layers > 0
     compute_bytes = {"cpu": 0 if on_gpu else compute, "gpu": compute if on_gpu else 0}

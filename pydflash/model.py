@@ -354,8 +354,8 @@ class Model:
         if log and self._model.is_recurrent:
             n_rollback = self._session_config["n_rollback"]
             per_node = self._model.recurrent_bytes_for(2) - self._model.recurrent_bytes_for(1)
-            logger.info("%s: recurrent state %.1f MiB: the committed state and %d per-token / per-node states of "
-                        "%.2f MiB each (a verify of up to %d tokens or tree nodes)", self.model_path,
+            logger.info("%s: recurrent state %.1f MiB: the committed state and the delta-rule and conv inputs of %d "
+                        "tokens or tree nodes, %.2f MiB each (a verify of up to %d)", self.model_path,
                         self._session.recurrent_bytes / 2**20, n_rollback, per_node / 2**20, n_rollback)
         self._draft = None
         # n-gram lookup ("ngram" among the proposers): its index of this session's tokens and what auto learns of it
@@ -419,8 +419,8 @@ class Model:
         {"weights" | "kv" | "recurrent" | "ring" | "draft" | "compute": {"cpu": n, "gpu": n}}. Compute buffers
         grow to the largest graph run so far (the plan's figure is the largest this configuration can run)."""
         self._check_open()
-        computes = [self._session.compute_memory] + ([self._draft.compute_memory] if self._draft else []) + \
-            ([self._mtp.compute_memory] if self._mtp else [])
+        computes = [self._session.compute_memory, self._session.commit_compute_memory] + \
+            ([self._draft.compute_memory] if self._draft else []) + ([self._mtp.compute_memory] if self._mtp else [])
         compute = {"cpu": sum(c[0] for c in computes), "gpu": sum(c[1] for c in computes)}
         return by_category(self._model, self._session, self._draft_model, self._draft, compute, self._mtp)
 

@@ -168,8 +168,8 @@ def test_block_size_beyond_training(pair):
         pydflash.Model(target, block_size=4, proposers=())
     with pytest.raises(ValueError, match="need a proposer: a draft model"):
         pydflash.Model(target, tree_budget=4, proposers=())
-    with pytest.raises(ValueError, match=r"tree_budget = 64, expected a value in \[1, 63\]"):
-        pydflash.Model(target, draft_model_path=draft, tree_budget=64)
+    with pytest.raises(ValueError, match=r"tree_budget = 256, expected a value in \[1, 255\]"):
+        pydflash.Model(target, draft_model_path=draft, tree_budget=256)
     with pytest.raises(ValueError, match="spec_mode='beam' is not one of auto, tree, chain"):
         pydflash.Model(target, draft_model_path=draft, spec_mode="beam")
 

@@ -325,7 +325,7 @@ BAD_MODEL_ARGUMENTS = [
     (dict(n_ubatch=0), ValueError, r"n_ubatch = 0, expected a value in \[1, "),
     (dict(block_size=0), ValueError, r"block_size = 0, expected a value in \[2, 256\]"),
     (dict(block_size=-1), ValueError, r"block_size = -1, expected a value in \[2, 256\]"),
-    (dict(tree_budget=0), ValueError, r"tree_budget = 0, expected a value in \[1, 63\]"),
+    (dict(tree_budget=0), ValueError, r"tree_budget = 0, expected a value in \[1, 255\]"),
     (dict(verbose=1), TypeError, r"verbose must be True or False, got int"),
     (dict(kv_type="f8"), ValueError, r"kv_type='f8' is not one of f32, f16"),
 ]

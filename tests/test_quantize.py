@@ -241,3 +241,32 @@ def test_quantized_qwen35moe_file(tmp_path, fuse):
         x = gguf.quants.dequantize(src[n].data, T(src[n].tensor_type)).reshape(-1)
         y = gguf.quants.dequantize(dst[n].data, T.Q8_0).reshape(-1)
         assert np.abs(y - x).max() <= _TOLERANCE[T.Q8_0] * np.abs(x).max(), n
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_k"])
+def test_quantized_drafters_stay_lossless_and_keep_their_acceptance(tmp_path, qtype):
+    """pydflash-quantize on a DFlash drafter (the trained qwen35 pair's f32 one): every matrix quantized (rows of
+    192 are not a multiple of q4_k's 256, so those fall back to q5_0 as llama-quantize does), the drafter loads
+    next to its f32 target, speculation still equals plain decoding, and chain tau keeps at least 85% of the f32
+    drafter's (benchmarks/bench_quant_tau.py measures 97-100% for q4_0)."""
+    pytest.importorskip("pydflash._core")
+    import pydflash
+    from export_pairs import pair_file, prompt_rows
+
+    target, f32_draft = pair_file("qwen35", "target", "f32"), pair_file("qwen35", "dflash", "f32")
+    draft = quantize_gguf(f32_draft, tmp_path / f"dflash-{qtype}.gguf", qtype, progress=False)
+    types = {T(t.tensor_type) for t in gguf.GGUFReader(draft).tensors if len(t.shape) > 1 and t.shape[1] > 1}
+    assert types <= {T.Q4_0, T.Q4_K, T.Q5_0} and (T.Q4_0 if qtype == "q4_0" else T.Q5_0) in types, types
+    texts = [r["text"] for r in prompt_rows("code")[:4]]
+    taus = {}
+    with pydflash.Model(target, n_ctx=1024) as plain:
+        greedy = [plain.generate(t, max_tokens=64).tokens for t in texts]
+    for name, path in (("f32", f32_draft), (qtype, draft)):
+        accepted = rounds = 0
+        with pydflash.Model(target, draft_model_path=path, n_ctx=1024, spec_mode="chain") as m:
+            for text, expected in zip(texts, greedy):
+                c = m.generate(text, max_tokens=64)
+                assert c.tokens == expected
+                accepted, rounds = accepted + c.timings["draft_n_accepted"], rounds + c.timings["n_rounds"]
+        taus[name] = (accepted + rounds) / rounds
+    assert taus[qtype] >= 0.85 * taus["f32"], taus

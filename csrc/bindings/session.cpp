@@ -138,6 +138,13 @@ static void register_memory(py::class_<session> & cls) {
         .def_property_readonly("recurrent_memory", [](const session & s) { return as_pair(s.recurrent_memory()); })
         .def_property_readonly("compute_memory", [](const session & s) { return as_pair(s.compute_memory()); },
                                "(CPU bytes, GPU bytes) of the compute buffer its graphs share, as allocated so far.")
+        .def_property_readonly("commit_compute_memory",
+                               [](const session & s) { return as_pair(s.commit_compute_memory()); },
+                               "(CPU bytes, GPU bytes) of the compute buffer in which a hybrid model's commits "
+                               "recompute the kept tokens' recurrent state, as allocated so far.")
+        .def("measure_commit", &session::measure_commit,
+             "Compute buffer bytes of the largest commit graph (a hybrid model's recurrent state recomputed over "
+             "n_rollback steps): ggml's allocator over its graph, nothing allocated; 0 without recurrent layers.")
         .def("measure_eval", &measure_eval,
             py::arg("n_tokens"), py::arg("n_kv") = 0, py::arg("tree_levels") = std::vector<int>{},
             py::arg("whole") = false,

@@ -288,6 +288,10 @@ ggml_backend_buffer_type_t backends::state_buft(int il) const {
     return plan_only_ ? planned_buft(buft, on_gpu(il)) : buft;
 }
 
+ggml_backend_buffer_type_t backends::host_state_buft() const {
+    return plan_only_ ? planned_buft(ggml_backend_cpu_buffer_type(), false) : ggml_backend_cpu_buffer_type();
+}
+
 device_bytes bytes_by_device(const std::vector<ggml_backend_buffer_t> & buffers) {
     device_bytes n;
     for (ggml_backend_buffer_t b : buffers) {

@@ -123,6 +123,8 @@ class backends {
     ggml_backend_buffer_type_t weight_buft(int il, weight_use use, ggml_tensor * w) const;
     // buffer type for per-session state (KV cache, recurrent state) of layer `il`
     ggml_backend_buffer_type_t state_buft(int il) const;
+    // buffer type for per-session state kept in system memory wherever the layers are (copies read rarely)
+    ggml_backend_buffer_type_t host_state_buft() const;
     // free bytes on the device that holds layer `il`'s state (system memory for the CPU; a plan: unbounded)
     size_t free_memory(int il) const;
     // the CPU threads the model's sessions share; nullptr when every layer is on the GPU, where the CPU has next

@@ -26,6 +26,12 @@ struct recurrent_layer_desc {
     int64_t ssm_size;       // S_v * S_v * H_v floats
     int64_t conv_channels;  // 2 * key_dim + value_dim
     int64_t d_conv;         // conv kernel width
+    int64_t head_dim;       // S (keys and values)
+    int64_t n_k_heads;      // Hk
+    int64_t n_v_heads;      // Hv
+    // one token's gated-delta-net inputs as the state keeps them for a later commit: q, k (normalised), v, then
+    // g and beta, in floats
+    int64_t step_width() const { return head_dim * (2 * n_k_heads + n_v_heads); }
 };
 
 struct model_info {
@@ -43,8 +49,10 @@ struct model_info {
 // A session's memory as a graph builder reads and writes it, by layer index (nullptr where a layer has none):
 //   k, v:      [row width, n_slots] KV cache rows (slot r holds one token's K / V)
 //   ssm, conv: [ssm_size, rows] / [conv_channels, rows] recurrent state rows (see state/recurrent_state.h)
+//   step_qkv, step_g, step_beta: [2*S*Hk + S*Hv, rows], [Hv, rows], [Hv, rows]: an evaluation's per-token
+//              gated-delta-net inputs, from which a commit recomputes the state of the tokens it keeps
 struct state_tensors {
-    std::vector<ggml_tensor *> k, v, ssm, conv;
+    std::vector<ggml_tensor *> k, v, ssm, conv, step_qkv, step_g, step_beta;
 };
 
 // The graph inputs that say where a batch goes in that memory, each set by the part of state/ that owns it.
@@ -56,30 +64,34 @@ struct kv_inputs {
     int           n_kv    = 0;
 };
 
-// The recurrent state's (state/recurrent_state.h).
+// The recurrent state's (state/recurrent_state.h). The state of every token is not kept: an evaluation writes
+// one state (ssm_out_row) and, unless it is committed whole, its tokens' gated-delta-net inputs (step rows 0..),
+// from which a commit of some of them recomputes their state (state/recurrent_state.h).
 // Chain evaluation (tree_levels empty: token i follows token i-1):
-//   ssm_row: I32 [1]: the state row to start from; ssm_snapshot_rows: I64 [K]: the rows the K most recent
-//   per-token states go to (most recent first, never ssm_row); conv_rows: I32 [d_conv-1]: the conv window
-//   rows (oldest first); conv_keep_from: the first row of [window ‖ inputs] written back to the conv buffer.
+//   ssm_row: I32 [1]: the state row to start from; ssm_out_row: I64 [1]: where the state after token
+//   ssm_split_at (0: after the last token) goes, never ssm_row; keep_steps: write the inputs of tokens
+//   ssm_split_at .. n-1 to step rows 0 ..; conv_rows: I32 [d_conv-1]: the conv window rows (oldest first);
+//   conv_keep_from: the first row of [window ‖ inputs] written back to the conv buffer.
 // Tree evaluation (tree_levels = node counts per depth; rows are in level order: the nodes of depth d are rows
 // [sum of earlier levels, + tree_levels[d]), and a node's parent is in the level before):
 //   tree_root_state: I32 [tree_levels[0]]: the state row each depth-0 node starts from (all ssm_row);
 //   tree_parent: I32 [n - tree_levels[0]]: for the nodes of depth >= 1, the parent's index in its level;
-//   tree_state_rows: I64 [n]: the state row each node's state goes to; tree_out_rows: I64 [n]: 0 .. n-1;
+//   tree_out_rows: I64 [n]: 0 .. n-1; node j's inputs go to step row j, and no state is written;
 //   conv_taps: I32 [d_conv * n]: per node, the rows of [window ‖ inputs] under its conv kernel, oldest
 //   first (its d_conv-1 nearest ancestors, reaching into the window above depth 0, then itself);
 //   [window ‖ inputs] is written back to conv buffer rows 0 .. d_conv-2+n.
 struct recurrent_inputs {
-    ggml_tensor *    conv_rows         = nullptr;
-    ggml_tensor *    ssm_row           = nullptr;
-    ggml_tensor *    ssm_snapshot_rows = nullptr;
-    int              conv_keep_from    = 0;
+    ggml_tensor *    conv_rows       = nullptr;
+    ggml_tensor *    ssm_row         = nullptr;
+    ggml_tensor *    ssm_out_row     = nullptr;
+    int              ssm_split_at    = 0;
+    bool             keep_steps      = false;
+    int              conv_keep_from  = 0;
     std::vector<int> tree_levels;
-    ggml_tensor *    tree_root_state   = nullptr;
-    ggml_tensor *    tree_parent       = nullptr;
-    ggml_tensor *    tree_state_rows   = nullptr;
-    ggml_tensor *    tree_out_rows     = nullptr;
-    ggml_tensor *    conv_taps         = nullptr;
+    ggml_tensor *    tree_root_state = nullptr;
+    ggml_tensor *    tree_parent     = nullptr;
+    ggml_tensor *    tree_out_rows   = nullptr;
+    ggml_tensor *    conv_taps       = nullptr;
 };
 
 }  // namespace pdf

@@ -23,7 +23,7 @@ int default_tree_budget(const target_model & target, spec_mode mode, int block) 
     if (mode == spec_mode::chain) {
         return block - 1;
     }
-    int budget = std::min(mode == spec_mode::tree ? 4 * (block - 1) : MAX_TREE_BUDGET, MAX_TREE_BUDGET);
+    int budget = std::min(mode == spec_mode::tree ? 4 * (block - 1) : AUTO_TREE_BUDGET, AUTO_TREE_BUDGET);
     const model_info & info = target.info();
     if (!info.recurrent_layers.empty()) {
         const double per_node = (double) recurrent_state::n_bytes_for(info, 2) - recurrent_state::n_bytes_for(info, 1);
@@ -34,7 +34,7 @@ int default_tree_budget(const target_model & target, spec_mode mode, int block) 
 }
 
 int verify_width_cap(int max_verify, int ring_rows) {
-    return max_verify > 0 ? max_verify : std::min(MAX_TREE_BUDGET + 1, ring_rows);
+    return max_verify > 0 ? max_verify : std::min(AUTO_TREE_BUDGET + 1, ring_rows);
 }
 
 // the drafter's part: block, tree budget, the feature ring and what a hybrid target keeps for rollback
@@ -49,7 +49,7 @@ static void resolve_drafter(const target_model & target, const dflash_draft & dr
     p.draft_window   = o.draft_window;
     // the feature ring holds one target evaluation's rows: a prefill micro-batch or a verify (a chain's block,
     // or a tree's root and nodes)
-    p.max_verify     = chain ? 0 : 1 + (o.tree_budget > 0 ? o.tree_budget : MAX_TREE_BUDGET);
+    p.max_verify     = chain ? 0 : 1 + (o.tree_budget > 0 ? o.tree_budget : AUTO_TREE_BUDGET);
     p.ring_capacity  = std::max(p.n_ubatch, p.max_verify);
     p.top_k          = chain ? 1 : DRAFT_TOP_K;
     p.with_logprobs  = !chain;

@@ -13,11 +13,13 @@
 namespace pdf {
 
 // the most draft nodes one verify may hold (a verify of MAX_TREE_BUDGET + 1 tokens: the root and its nodes)
-inline constexpr int MAX_TREE_BUDGET = 63;
+inline constexpr int MAX_TREE_BUDGET = 255;
+// auto's budget when none is given: on the trained pairs budgets past it add ~nothing to tau (issue 27's note)
+inline constexpr int AUTO_TREE_BUDGET = 63;
 // tree / auto: candidates the drafter returns per position (DDTree's K; trees rarely take a sibling ranked lower)
 inline constexpr int DRAFT_TOP_K = 8;
-// hybrid targets keep one recurrent state per verified node: by default auto's trees stay within this share of
-// the weights' memory (or TREE_STATE_MIN_BYTES, whichever is more)
+// hybrid targets keep each verified node's delta-rule inputs and conv row (state/recurrent_state.h): by default
+// auto's trees stay within this share of the weights' memory (or TREE_STATE_MIN_BYTES, whichever is more)
 inline constexpr double TREE_STATE_SHARE     = 0.25;
 inline constexpr double TREE_STATE_MIN_BYTES = 512.0 * (1 << 20);
 // the prefill micro-batches n_ubatch "auto" chooses among (pydflash/ubatch.py), at most llama.cpp's default:
@@ -80,7 +82,7 @@ engine_params resolve_engine_params(const target_model & target, const dflash_dr
                                     const engine_options & options);
 
 // draft nodes per verify when tree_budget is not given: chain mode one block; tree mode four blocks' worth; auto
-// up to MAX_TREE_BUDGET, on hybrid targets only as far as the per-node recurrent states stay within
+// up to AUTO_TREE_BUDGET, on hybrid targets only as far as what they keep per node stays within
 // max(TREE_STATE_MIN_BYTES, TREE_STATE_SHARE of the weights)
 int default_tree_budget(const target_model & target, spec_mode mode, int block);
 

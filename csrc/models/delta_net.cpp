@@ -84,27 +84,86 @@ static ggml_tensor * as_4d(ggml_context * ctx, ggml_tensor * t) {
 struct delta_net_state {
     int64_t       S, Hv, n;
     int64_t       D;    // one token's state: S * S * Hv floats
-    ggml_tensor * buf;  // st.ssm[il]: [D, n_rollback+1]
+    ggml_tensor * buf;  // st.ssm[il]: [D, 2]
 };
 static delta_net_state state_of(const ggml_tensor * v, const state_tensors & st, int il) {
     return {v->ne[0], v->ne[1], v->ne[2], v->ne[0] * v->ne[0] * v->ne[1], st.ssm[il]};
+}
+
+// tokens [from, from+m) of a per-token tensor [a, b, n] as m one-token steps of one sequence: [a, b, m, 1]
+static ggml_tensor * steps_of(ggml_context * ctx, ggml_tensor * t, int64_t from, int64_t m) {
+    return ggml_view_4d(ctx, t, t->ne[0], t->ne[1], m, 1, t->nb[1], t->nb[2], t->nb[2] * m, from * t->nb[2]);
+}
+
+// the gated-delta-net inputs of tokens from .. n-1 into step rows 0 .. n-1-from, for a commit of some of them
+// to recompute their state from (each token's q, k, v and g, beta rows are contiguous: [a, b, n] views)
+static void keep_steps(ggml_context * ctx, ggml_cgraph * gf, const state_tensors & st, int il, ggml_tensor * q,
+                       ggml_tensor * k, ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta, int64_t from) {
+    const int64_t m = v->ne[2] - from;
+    auto put = [&](ggml_tensor * t, ggml_tensor * buf, int64_t offset) {
+        const int64_t w   = t->ne[0] * t->ne[1];
+        ggml_tensor * src = ggml_view_2d(ctx, t, w, m, t->nb[2], from * t->nb[2]);
+        ggml_tensor * dst = ggml_view_2d(ctx, buf, w, m, buf->nb[1], offset * ggml_element_size(buf));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, src, dst));
+    };
+    const int64_t S = v->ne[0], Hk = q->ne[1];
+    put(q, st.step_qkv[il], 0);  // [2*S*Hk + S*Hv, rows]
+    put(k, st.step_qkv[il], S * Hk);
+    put(v, st.step_qkv[il], 2 * S * Hk);
+    put(g, st.step_g[il], 0);
+    put(beta, st.step_beta[il], 0);
 }
 
 ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                     const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                     ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) {
     const auto [S, Hv, n, D, buf] = state_of(v, st, il);
+    const int64_t b               = in.ssm_split_at;
+    const size_t  f               = sizeof(float);
+    if (in.keep_steps) {
+        keep_steps(ctx, gf, st, il, q, k, v, g, beta, b);
+    }
+    // tokens [from, from+m) from state s0: out [S*Hv, m + S]: the m outputs, then the state after them
+    auto run = [&](int64_t from, int64_t m, ggml_tensor * s0) {
+        return ggml_gated_delta_net(ctx, steps_of(ctx, q, from, m), steps_of(ctx, k, from, m),
+                                    steps_of(ctx, v, from, m), steps_of(ctx, g, from, m),
+                                    steps_of(ctx, beta, from, m), ggml_reshape_4d(ctx, s0, S, S, Hv, 1), 1);
+    };
+    auto outputs   = [&](ggml_tensor * out, int64_t m) { return ggml_view_3d(ctx, out, S, Hv, m, S * f, S * Hv * f, 0); };
+    auto state_out = [&](ggml_tensor * out, int64_t m) { return ggml_view_2d(ctx, out, D, 1, D * f, S * Hv * m * f); };
 
     ggml_tensor * state = ggml_get_rows(ctx, buf, in.ssm_row);  // [D, 1]
-    const int64_t K     = in.ssm_snapshot_rows->ne[0];
-    ggml_tensor * out   = ggml_gated_delta_net(ctx, as_4d(ctx, q), as_4d(ctx, k), as_4d(ctx, v), g, beta,
-                                               ggml_reshape_4d(ctx, state, S, S, Hv, 1), K);
-    // out: [S*Hv, n + K*S]: the outputs, then K states (state after token n-s in slot s)
-    const size_t  f         = ggml_element_size(out);
-    ggml_tensor * snapshots = ggml_view_2d(ctx, out, D, K, D * f, S * Hv * n * f);
-    // into rows other than the input's, which thus stays the state "as of no token" without a copy
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, buf, snapshots, in.ssm_snapshot_rows));
-    return ggml_view_3d(ctx, out, S, Hv, n, S * f, S * Hv * f, 0);
+    ggml_tensor * head  = run(0, b > 0 ? b : n, state);
+    // the state after token b (b = 0: after the last) into a row other than the input's, which thus stays the
+    // state "as of no token" without a copy
+    ggml_tensor * kept  = state_out(head, b > 0 ? b : n);
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, buf, kept, in.ssm_out_row));
+    if (b == 0) {
+        return outputs(head, n);
+    }
+    ggml_tensor * tail = run(b, n - b, kept);  // (its final state is recomputed by the commit that keeps it)
+    return ggml_concat(ctx, outputs(head, b), outputs(tail, n - b), 2);
+}
+
+ggml_tensor * build_state_after_steps(ggml_context * ctx, ggml_cgraph * gf, const state_tensors & st,
+                                      const recurrent_layer_desc & l, ggml_tensor * steps, ggml_tensor * from,
+                                      ggml_tensor * to) {
+    const int64_t S = l.head_dim, Hk = l.n_k_heads, Hv = l.n_v_heads, L = steps->ne[0], D = l.ssm_size;
+    const size_t  f = sizeof(float);
+    ggml_tensor * qkv = ggml_get_rows(ctx, st.step_qkv[l.il], steps);  // [2*S*Hk + S*Hv, L]
+    auto part = [&](int64_t H, int64_t offset) {                        // [S, H, L, 1]
+        return ggml_view_4d(ctx, qkv, S, H, L, 1, S * f, qkv->nb[1], qkv->nb[1] * L, offset * f);
+    };
+    auto per_head = [&](ggml_tensor * buf) {  // [1, Hv, L, 1]
+        return ggml_reshape_4d(ctx, ggml_get_rows(ctx, buf, steps), 1, Hv, L, 1);
+    };
+    ggml_tensor * state = ggml_reshape_4d(ctx, ggml_get_rows(ctx, st.ssm[l.il], from), S, S, Hv, 1);
+    ggml_tensor * out   = ggml_gated_delta_net(ctx, part(Hk, 0), part(Hk, S * Hk), part(Hv, 2 * S * Hk),
+                                               per_head(st.step_g[l.il]), per_head(st.step_beta[l.il]), state, 1);
+    ggml_tensor * last  = ggml_view_2d(ctx, out, D, 1, D * f, S * Hv * L * f);
+    ggml_tensor * kept  = ggml_set_rows(ctx, st.ssm[l.il], last, to);
+    ggml_build_forward_expand(gf, kept);
+    return kept;
 }
 
 // Per value head h (q and k heads tiled over the value heads as ggml_gated_delta_net does), with the state M
@@ -122,8 +181,8 @@ ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf
     const int64_t S = v->ne[0], Hv = v->ne[1], n = v->ne[2], Hk = q->ne[1];
     const int64_t C = DELTA_NET_CHUNK, NC = (n + C - 1) / C, pad = NC * C - n;
     const int64_t D   = S * S * Hv;
-    ggml_tensor * buf = st.ssm[il];  // [D, n_rollback+1]
-    GGML_ASSERT(in.ssm_snapshot_rows->ne[0] == 1);
+    ggml_tensor * buf = st.ssm[il];  // [D, 2]
+    GGML_ASSERT(in.ssm_split_at == 0 && !in.keep_steps);
 
     // tokens innermost per head: [S, n, Hv] (q, k tiled from Hk heads: value head h reads key head h % Hk)
     auto per_head = [&](ggml_tensor * t, int64_t H) {  // [S, H, n] -> [S, n+pad, H]
@@ -181,7 +240,7 @@ ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf
         out = ggml_set_inplace(ctx, out, o, out->nb[1], out->nb[2], out->nb[3], c * out->nb[2]);
         M   = ggml_add(ctx, ggml_mul(ctx, M, chunk(Gam_C, c)), ggml_mul_mat(ctx, chunk(KG, c), delta_t));
     }
-    ggml_build_forward_expand(gf, ggml_set_rows(ctx, buf, ggml_reshape_2d(ctx, M, D, 1), in.ssm_snapshot_rows));
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, buf, ggml_reshape_2d(ctx, M, D, 1), in.ssm_out_row));
     // [S, C*NC, Hv] -> the first n tokens -> [S, Hv, n]
     ggml_tensor * o = ggml_view_3d(ctx, out, S, n, Hv, out->nb[1], out->nb[3], 0);
     return ggml_cont(ctx, ggml_permute(ctx, o, 0, 2, 1, 3));
@@ -192,6 +251,7 @@ ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, c
                                          ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) {
     const auto [S, Hv, n, D, buf] = state_of(v, st, il);
     const size_t f                = sizeof(float);
+    keep_steps(ctx, gf, st, il, q, k, v, g, beta, 0);  // a commit recomputes its path's state from them
 
     // the nodes of depth d: rows [off, off+nd) as nd sequences of one token: [a, b, 1, nd]
     auto level = [ctx](ggml_tensor * t, int64_t off, int64_t nd) {
@@ -201,6 +261,7 @@ ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, c
     ggml_tensor * states = nullptr;                                            // [D, n_{d-1}]: the level before
     const int64_t n0     = in.tree_levels[0];
     int64_t       off    = 0;
+    size_t        depth  = 0;
     for (int nd : in.tree_levels) {
         ggml_tensor * start =
             off == 0 ? ggml_get_rows(ctx, buf, in.tree_root_state)  // [D, n0]: the committed state
@@ -208,12 +269,12 @@ ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, c
         ggml_tensor * o = ggml_gated_delta_net(ctx, level(q, off, nd), level(k, off, nd), level(v, off, nd),
                                                level(g, off, nd), level(beta, off, nd),
                                                ggml_reshape_4d(ctx, start, S, S, Hv, nd), 1);
-        // o: [S*Hv, nd + S*nd]: the nd outputs, then the nd states
+        // o: [S*Hv, nd + S*nd]: the nd outputs, then the nd states (named for tests, which compare a commit's
+        // recomputed state with these)
+        ggml_format_name(o, "gdn_tree-%d-%zu", il, depth++);
         ggml_tensor * o_nodes = ggml_view_2d(ctx, o, S * Hv, nd, S * Hv * f, 0);
         states                = ggml_view_2d(ctx, o, D, nd, D * f, S * Hv * nd * f);
         out = ggml_set_rows(ctx, out, o_nodes, ggml_view_1d(ctx, in.tree_out_rows, nd, off * sizeof(int64_t)));
-        ggml_build_forward_expand(
-            gf, ggml_set_rows(ctx, buf, states, ggml_view_1d(ctx, in.tree_state_rows, nd, off * sizeof(int64_t))));
         off += nd;
     }
     return ggml_reshape_3d(ctx, out, S, Hv, n);

@@ -21,14 +21,24 @@ ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const recur
 ggml_tensor * build_conv_tree(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                               const state_tensors & st, int il, ggml_tensor * x, ggml_tensor * kernel_t);
 
-// Gated delta rule with per-token snapshots, chain. q, k: [S, Hk, n], v: [S, Hv, n], g, beta: [1, Hv, n].
-// Reads the state row in.ssm_row of st.ssm[il], writes the snapshots back. Returns [S, Hv, n].
+// Gated delta rule, chain. q, k: [S, Hk, n], v: [S, Hv, n], g, beta: [1, Hv, n]. Reads the state row in.ssm_row
+// of st.ssm[il]; writes the state after token in.ssm_split_at (0: after the last) to row in.ssm_out_row and,
+// with in.keep_steps, the inputs of the tokens from there on to step rows 0.. (core/model_desc.h). Returns
+// [S, Hv, n].
 ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                     const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                     ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta);
 
-// The same in the chunked (WY) form of the delta rule, for a chain committed whole (in.ssm_snapshot_rows holds
-// one row: the final state): chunks of DELTA_NET_CHUNK tokens become matmuls and one triangular solve each,
+// The state of layer l after L kept steps (step rows `steps`, I32 [L], in order) from the state in row `from`
+// (I32 [1]), written to row `to` (I64 [1]; may be `from`: the state is read before it is written). The same op
+// over the same inputs as the evaluation that kept them, token by token, so the same bits as the state that
+// evaluation computed for its last step. Returns the write.
+ggml_tensor * build_state_after_steps(ggml_context * ctx, ggml_cgraph * gf, const state_tensors & st,
+                                      const recurrent_layer_desc & l, ggml_tensor * steps, ggml_tensor * from,
+                                      ggml_tensor * to);
+
+// The same in the chunked (WY) form of the delta rule, for a chain committed whole (the final state to
+// in.ssm_out_row, no steps kept): chunks of DELTA_NET_CHUNK tokens become matmuls and one triangular solve each,
 // and the state passes from chunk to chunk; only stock ops (mul_mat, cumsum, tri, solve_tri, exp), so it runs
 // where ggml_gated_delta_net does not (Vulkan in the pinned ggml), as llama.cpp's chunked path does.
 ggml_tensor * build_gated_delta_net_chunked(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
@@ -39,8 +49,9 @@ constexpr int64_t DELTA_NET_CHUNK = 64;
 constexpr size_t DELTA_NET_CHUNKED_NODES = 64, DELTA_NET_CHUNKED_NODES_PER_CHUNK = 16;
 
 // The same for a tree (rows in level order), level by level: the nodes of one depth run as independent
-// one-token sequences whose input states are gathered from their parents' states (the level before), and
-// every node's state is written to its row. Only stock ops, so it runs on every ggml backend.
+// one-token sequences whose input states are gathered from their parents' states (the level before), so no
+// more than two levels' states are ever held. None is written back: node j's inputs go to step row j, from
+// which a commit recomputes its path's state (build_state_after_steps). Only stock ops.
 ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                          const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
                                          ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta);

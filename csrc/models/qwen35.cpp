@@ -38,7 +38,7 @@ qwen35_layers::qwen35_layers(std::unique_ptr<gguf_file> file, const std::string 
     const int64_t S = hp_.S, C = 2 * S * hp_.Hk + S * hp_.Hv;
     for (int il = 0; il < hp_.n_layer; ++il) {
         if (hp_.recurrent[il]) {
-            info_.recurrent_layers.push_back({il, S * S * hp_.Hv, C, hp_.d_conv});
+            info_.recurrent_layers.push_back({il, S * S * hp_.Hv, C, hp_.d_conv, S, hp_.Hk, hp_.Hv});
         } else {
             info_.kv_layers.push_back(kv_layer_of(hp_.att, il));
         }
@@ -67,7 +67,7 @@ void qwen35_layers::read_mtp_presence(const gguf_file & f, uint32_t n_mtp) {
 size_t qwen35_layers::max_graph_nodes(int n_tree_levels, int n_tokens) const {
     const size_t chunks  = (size_t) ((n_tokens + DELTA_NET_CHUNK - 1) / DELTA_NET_CHUNK);
     const size_t chunked = any_chunked_ ? DELTA_NET_CHUNKED_NODES + DELTA_NET_CHUNKED_NODES_PER_CHUNK * chunks : 0;
-    return 128 + (96 + DELTA_NET_TREE_NODES_PER_LEVEL * (size_t) n_tree_levels + chunked) * (size_t) hp_.n_layer;
+    return 128 + (128 + DELTA_NET_TREE_NODES_PER_LEVEL * (size_t) n_tree_levels + chunked) * (size_t) hp_.n_layer;
 }
 
 // rope.dimension_sections: M-RoPE's four sections
@@ -236,8 +236,8 @@ ggml_tensor * qwen35_layers::build_gdn_layer(ggml_context * ctx, ggml_cgraph * g
     q = build_l2_norm(ctx, q, eps);
     k = build_l2_norm(ctx, k, eps);
 
-    // a micro-batch committed whole (one state kept) of at least a chunk: the chunked form where chosen
-    const bool    chunked = !tree && chunked_[il] && rin.ssm_snapshot_rows->ne[0] == 1 && n >= DELTA_NET_CHUNK;
+    // a micro-batch committed whole (no steps kept) of at least a chunk: the chunked form where chosen
+    const bool    chunked = !tree && chunked_[il] && !rin.keep_steps && n >= DELTA_NET_CHUNK;
     ggml_tensor * o = tree      ? build_gated_delta_net_tree(ctx, gf, rin, st, il, q, k, v, g, beta)
                       : chunked ? build_gated_delta_net_chunked(ctx, gf, rin, st, il, q, k, v, g, beta)
                                 : build_gated_delta_net(ctx, gf, rin, st, il, q, k, v, g, beta);  // [S, Hv, n]

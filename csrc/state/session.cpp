@@ -52,7 +52,7 @@ session::session(std::shared_ptr<const target_model> model, const session_params
     }
     kv_ = std::make_unique<kv_cache>(info, model_->devices(), params.n_ctx, params.type_k, params.type_v);
     if (!info.recurrent_layers.empty()) {
-        rs_ = std::make_unique<recurrent_state>(info, model_->devices(), params.n_rollback);
+        rs_ = std::make_unique<recurrent_state>(info, model_->devices(), *compute_, params.n_rollback);
     }
     // one scheduler for every graph the session can build (a tree has at most n_rollback depths): a larger
     // graph arriving later would replace it, and its compute buffer with it
@@ -126,7 +126,7 @@ eval_inputs session::new_inputs(ggml_context * ctx, const graph_key & key) const
     ggml_set_input(in.positions);
     kv_->add_inputs(ctx, in.kv, key.n_tokens, key.n_kv);
     if (rs_) {
-        rs_->add_inputs(ctx, in.recurrent, key.n_tokens, key.tree_levels, key.ssm_snapshots);
+        rs_->add_inputs(ctx, in.recurrent, key.n_tokens, key.tree_levels, key.whole);
     }
     return in;
 }
@@ -157,7 +157,7 @@ session::graph_key session::key_for(int n_tokens, int n_kv, const std::vector<in
     key.capture       = capture_layers;
     key.ring_id       = capture_layers.empty() || !ring ? 0 : ring->id();
     key.tree_levels   = tree_levels;
-    key.ssm_snapshots = rs_ && tree_levels.empty() ? rs_->n_snapshots(n_tokens, whole) : 0;
+    key.whole         = rs_ && tree_levels.empty() && whole;
     return key;
 }
 
@@ -180,7 +180,7 @@ void session::rollback_pending() {
     if (pending_tree_) {
         rs_->commit_no_node();
     } else {
-        rs_->commit((int) pending_.size(), cur_->key.ssm_snapshots, 0);
+        rs_->commit((int) pending_.size(), cur_->key.whole, 0);
     }
 }
 
@@ -400,9 +400,9 @@ void session::commit(const std::vector<int> & rows) {
         if (m == 0) {
             rollback_pending();
         } else if (pending_tree_) {
-            rs_->commit_node(slots[m - 1]);
+            rs_->commit_path(std::vector<int32_t>(slots.begin(), slots.end()));
         } else {
-            rs_->commit(n, cur_->key.ssm_snapshots, m);  // a chain prefix: slots[d] == d
+            rs_->commit(n, cur_->key.whole, m);  // a chain prefix: slots[d] == d
         }
     }
     // the kept rows move to consecutive slots (below their sources, so the moves never form a cycle)

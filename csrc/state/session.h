@@ -114,6 +114,10 @@ class session {
     static constexpr int KV_WINDOW_STEP = 64;
     // the compute buffer its graphs share, as allocated so far
     device_bytes compute_memory() const;
+    // hybrid models: the compute buffer of the graphs that recompute a commit's recurrent state (its own), as
+    // allocated so far, and the most it needs (ggml's allocator, nothing allocated); none without recurrent layers
+    device_bytes commit_compute_memory() const { return rs_ ? rs_->commit_compute_memory() : device_bytes{}; }
+    size_t       measure_commit() { return rs_ ? rs_->measure_commit() : 0; }
     device_bytes kv_memory() const { return kv_->memory(); }
     device_bytes recurrent_memory() const { return rs_ ? rs_->memory() : device_bytes{}; }
     bool   is_recurrent() const { return rs_ != nullptr; }
@@ -163,11 +167,11 @@ class session {
         std::vector<int> capture;
         uint64_t         ring_id = 0;  // the feature ring written (0: none)
         std::vector<int> tree_levels;
-        int              ssm_snapshots = 0;  // hybrid chains: recurrent states kept (the last k tokens')
+        bool             whole = false;  // hybrid chains: committed whole (no steps kept for a partial commit)
         bool operator==(const graph_key & o) const {
             return n_tokens == o.n_tokens && n_kv == o.n_kv && what.all_rows == o.what.all_rows &&
                    what.logits == o.what.logits && what.top_k == o.what.top_k && capture == o.capture &&
-                   ring_id == o.ring_id && tree_levels == o.tree_levels && ssm_snapshots == o.ssm_snapshots;
+                   ring_id == o.ring_id && tree_levels == o.tree_levels && whole == o.whole;
         }
     };
     struct compiled_graph;
