@@ -203,7 +203,7 @@ def _plan(args: argparse.Namespace) -> int:
                   n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split, rpc_servers=args.rpc,
                   proposers=args.proposers, n_ubatch=args.n_ubatch, spec_mode=args.spec_mode,
                   block_size=args.block_size, tree_budget=args.tree_budget, draft_window=args.draft_window,
-                  vram=args.vram, ram=args.ram)
+                  vram=args.vram, ram=args.ram, largest=args.largest)
     if args.json:
         print(json.dumps(memory.as_dict(), indent=2))
     else:
@@ -364,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--vram", default=None, help="GPU memory to fit in, e.g. 24GiB (default: the GPU's free "
                                                        "memory, when this machine has one)")
     plan_cmd.add_argument("--ram", default=None, help="system memory to fit in (default: what is available)")
+    plan_cmd.add_argument("--largest", action="store_true",
+                          help="when it fits, also find the largest context and tree budget that would")
     plan_cmd.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     plan_cmd.set_defaults(func=_plan)
     rpc = sub.add_parser("rpc-server", help="serve this machine's GPU (else its CPU) as a device for models "

@@ -36,6 +36,11 @@ DELTA_NET_FORMS = ("auto", "fused", "chunked")
 MAX_CTX, MAX_BLOCK_SIZE, MAX_TREE_BUDGET = _core.MAX_CTX, _core.MAX_BLOCK_SIZE, _core.MAX_TREE_BUDGET
 # what a plan counts, per device
 CATEGORIES = ("weights", "kv", "recurrent", "ring", "draft", "compute")
+# A GPU backend's own memory, which none of those holds: a CUDA context with lazy module loading (the default from
+# CUDA 12.2 on Linux: 287 MB as PyTorch measured it, pytorch/pytorch#86509) and cuBLAS's workspace (32 MiB on
+# Hopper). A plan counts it against a GPU budget given as vram=, the card's size; the free memory measured on this
+# machine is what is left after this process's context already exists.
+GPU_BACKEND_OVERHEAD = 320 * 2**20
 
 
 PROPOSERS = ("dflash", "ngram", "mtp")
@@ -150,10 +155,20 @@ class MemoryPlan:
     graphs: dict = field(default_factory=dict)  # graph -> compute bytes measured
     suggestions: dict = field(default_factory=dict)
     experts: dict = field(default_factory=lambda: {"cpu": 0, "gpu": 0})  # the MoE experts' part of the weights
+    # with largest=True: the largest n_ctx and (hybrid drafter trees) tree_budget that still fit, each alone
+    largest: dict = field(default_factory=dict)
 
     def total(self, device: str | None = None) -> int:
         devices = (device,) if device else ("cpu", "gpu")
         return sum(self.bytes[c][d] for c in CATEGORIES for d in devices)
+
+    def overhead(self, device: str) -> int:
+        """The backend's own bytes on `device` that the budget must also hold (GPU_BACKEND_OVERHEAD where the GPU
+        holds anything and its budget was given), besides total(device)."""
+        return self.budget.get(f"{device}_overhead", 0) if self.total(device) else 0
+
+    def needed(self, device: str) -> int:
+        return self.total(device) + self.overhead(device)
 
     @property
     def fits(self) -> bool | None:
@@ -163,27 +178,29 @@ class MemoryPlan:
                 continue
             if self.budget.get(d) is None:
                 unknown = True
-            elif self.total(d) > self.budget[d]:
+            elif self.needed(d) > self.budget[d]:
                 return False
         return None if unknown else True
 
     def shortfall(self) -> dict:
         """device -> bytes missing (only devices that are short)."""
-        return {d: self.total(d) - self.budget[d] for d in ("cpu", "gpu")
-                if self.budget.get(d) is not None and self.total(d) > self.budget[d]}
+        return {d: self.needed(d) - self.budget[d] for d in ("cpu", "gpu")
+                if self.budget.get(d) is not None and self.needed(d) > self.budget[d]}
 
     def as_dict(self) -> dict:
         out = {f"{c}_bytes": self.bytes[c]["cpu"] + self.bytes[c]["gpu"] for c in CATEGORIES}
         out["total_bytes"] = self.total()
         out["devices"] = {d: {**{f"{c}_bytes": self.bytes[c][d] for c in CATEGORIES},
                               "expert_bytes": self.experts[d], "total_bytes": self.total(d),
-                              "budget_bytes": self.budget.get(d)}
+                              "backend_overhead_bytes": self.overhead(d), "budget_bytes": self.budget.get(d)}
                           for d in ("cpu", "gpu") if self.total(d) or d == "cpu"}
         out["fits"] = self.fits
         out["config"] = dict(self.config)
         out["compute_graphs"] = dict(self.graphs)
         if self.suggestions:
             out["suggestions"] = dict(self.suggestions)
+        if self.largest:
+            out["largest"] = dict(self.largest)
         return out
 
     def table(self) -> str:
@@ -194,6 +211,8 @@ class MemoryPlan:
             if c == "weights" and any(self.experts.values()):
                 lines.append(f"{'  experts':12}" + "".join(f"{_gib(self.experts[d]):>14}" for d in devices))
         lines.append(f"{'total':12}" + "".join(f"{_gib(self.total(d)):>14}" for d in devices))
+        if any(self.overhead(d) for d in devices):
+            lines.append(f"{'+ backend':12}" + "".join(f"{_gib(self.overhead(d)):>14}" for d in devices))
         lines.append(f"{'budget':12}" + "".join(
             f"{(_gib(self.budget[d]) if self.budget.get(d) is not None else 'unknown'):>14}" for d in devices))
         verdict = {True: "fits", False: "does NOT fit", None: "unknown (no budget for a device: pass vram=)"}
@@ -202,6 +221,8 @@ class MemoryPlan:
             lines.append(f"  {d.upper()} short by {_gib(n)}")
         for k, v in self.suggestions.items():
             lines.append(f"  would fit: {k} = {v}")
+        for k, v in self.largest.items():
+            lines.append(f"  largest that fits: {k} = {v}")
         return "\n".join(lines)
 
 
@@ -282,21 +303,23 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
 def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str = "f16", n_gpu_layers: int = 0,
          n_cpu_moe: int = 0, tensor_split=None, rpc_servers=None, n_ubatch: int | str = "auto", spec_mode: str = "auto",
          block_size: int | None = None, tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
-         suggest: bool = True, sweep: bool = True, delta_net: str = "auto", proposers=None) -> MemoryPlan:
+         suggest: bool = True, sweep: bool = True, delta_net: str = "auto", proposers=None,
+         largest: bool = False) -> MemoryPlan:
     """The memory plan of `Model(model_path, draft_model_path=..., ...)` with these arguments (the same names and
     defaults). vram / ram: the budgets to check against (bytes or '24GiB'); by default the GPU's free memory when
     this machine has the GPU, and the system's available memory. suggest: when it does not fit, also find the
     largest n_ctx, a kv_type, the n_gpu_layers and (hybrid targets) the tree_budget that would. sweep: measure
     each graph over every attended window the engine can build (ggml's allocator packs each differently; ~1-2 ms
     per graph for a 27B model, 2048 windows at 128K), else over the whole context only (a few percent of the
-    compute buffer may be missed)."""
+    compute buffer may be missed). largest: when it fits, also find the largest n_ctx (up to the model's trained
+    context) and tree_budget (speculative trees) that would, each alone (plan.largest)."""
     paths = checked_paths(model_path, draft_model_path)
     rpc.add_servers(rpc_servers)  # the device its layers are placed on and whose memory is the budget
     args = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
                           tensor_split=tensor_split, n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
                           tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net,
                           proposers=proposers_arg(proposers, draft_model_path))
-    return plan_checked(paths, args, device_budget(vram, ram), suggest=suggest, sweep=sweep)
+    return plan_checked(paths, args, device_budget(vram, ram), suggest=suggest, sweep=sweep, largest=largest)
 
 
 def checked_paths(model_path, draft_model_path) -> tuple[str, str | None]:
@@ -310,20 +333,41 @@ def checked_paths(model_path, draft_model_path) -> tuple[str, str | None]:
 
 
 def device_budget(vram=None, ram=None) -> dict:
-    """{"cpu": bytes, "gpu": bytes or None}: the given budgets, by default the system's available memory and the
-    GPU's free memory (None without a GPU)."""
+    """{"cpu": bytes, "gpu": bytes or None, "gpu_overhead": bytes}: the given budgets, by default the system's
+    available memory and the GPU's free memory (None without a GPU); a given vram also holds the GPU backend's
+    own memory (GPU_BACKEND_OVERHEAD), which the free memory measured here has already lost."""
     devices = _core.device_memory()
     return {"cpu": parse_bytes(ram, "ram") if ram is not None else devices["cpu_free"],
-            "gpu": parse_bytes(vram, "vram") if vram is not None else devices.get("gpu_free")}
+            "gpu": parse_bytes(vram, "vram") if vram is not None else devices.get("gpu_free"),
+            "gpu_overhead": GPU_BACKEND_OVERHEAD if vram is not None else 0}
 
 
 def plan_checked(paths: tuple[str, str | None], options: dict, budget: dict, *, suggest: bool = True,
-                 sweep: bool = True) -> MemoryPlan:
+                 sweep: bool = True, largest: bool = False) -> MemoryPlan:
     """plan() of paths and options already checked (checked_paths, engine_options), against `budget`."""
     result = _plan_once(paths, options, budget, sweep)
     if suggest and result.fits is False:
         result.suggestions = _suggest(paths, options, budget, result, sweep)
+    if largest and result.fits is True:
+        result.largest = _largest_that_fit(paths, options, budget, result)
     return result
+
+
+def _largest_that_fit(paths, args: dict, budget: dict, fitting: MemoryPlan) -> dict:
+    """The largest n_ctx (steps of 256, up to the trained context) and, where the plan verifies trees, the largest
+    tree_budget that still fit, each changed alone; searched on the whole context's graphs."""
+    def fits_with(**change) -> bool:
+        return _plan_once(paths, {**args, **change}, budget, False).fits is True
+
+    out = {}
+    n_ctx_train = min(_core.Model(paths[0], plan_only=True).n_ctx_train, MAX_CTX)
+    steps = _largest(args["n_ctx"] // 256, n_ctx_train // 256, lambda k: fits_with(n_ctx=256 * k))
+    if steps:
+        out["n_ctx"] = max(256 * steps, args["n_ctx"])
+    budget_nodes = fitting.config["tree_budget"]
+    if fitting.config["proposers"] and args["spec_mode"] != "chain" and budget_nodes:
+        out["tree_budget"] = _largest(budget_nodes, MAX_TREE_BUDGET, lambda b: fits_with(tree_budget=b))
+    return out
 
 
 def plan_for_load(paths: tuple[str, str | None], options: dict, budget: dict) -> tuple[MemoryPlan, object, object]:

@@ -20,6 +20,7 @@ import pydflash  # noqa: E402
 from pydflash import _core  # noqa: E402
 from pydflash.cli import main as cli_main  # noqa: E402
 from pydflash.convert import convert_hf_to_gguf  # noqa: E402
+from pydflash.memory_plan import GPU_BACKEND_OVERHEAD  # noqa: E402
 
 N_LAYER = 3
 
@@ -57,9 +58,9 @@ def test_plan_keeps_the_first_layers_experts_in_system_memory(moe, n_cpu_moe):
 
 def test_plan_suggests_the_fewest_layers_of_experts_to_keep_on_the_cpu(moe):
     path, by_layer = moe
-    # a GPU budget that holds everything but the first two layers' experts
+    # a GPU budget that holds everything but the first two layers' experts (and the backend's own memory)
     needed = {n: plan_on_absent_gpu(path, n_cpu_moe=n).total("gpu") for n in range(N_LAYER + 1)}
-    vram = needed[2] + (needed[1] - needed[2]) // 2
+    vram = needed[2] + (needed[1] - needed[2]) // 2 + GPU_BACKEND_OVERHEAD
     p = pydflash.plan(path, n_ctx=256, n_gpu_layers=-1, vram=vram, sweep=False)
     assert p.fits is False
     assert p.suggestions["n_cpu_moe"] == 2
