@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Do drafters survive quantized targets? Chain tau (block 16, greedy) of the committed trained pairs with the
 target quantized by llama.cpp's `llama-quantize` (F16, Q8_0, Q5_0, Q4_K_M, Q4_0, Q2_K) and the drafter by
-`pydflash-quantize` (q8_0, q4_0), against the f32 pair, on the held-out code prompts.
+`pydflash-quantize` (q8_0, q4_k, q4_0; and the committed f16 drafter where there is one), against the f32 pair, on
+the held-out code prompts.
 
 Read it with its limits: the committed models are 192 wide, so k-quants fall back on every matrix whose rows are
 192 long (llama-quantize's count is printed: Q4_K_M and Q2_K are mostly q5_0 / iq4_nl there); a tiny model loses
@@ -31,7 +32,7 @@ import pydflash  # noqa: E402
 from pydflash.convert.quantize import quantize_gguf  # noqa: E402
 
 TARGET_TYPES = ("F16", "Q8_0", "Q5_0", "Q4_K_M", "Q4_0", "Q2_K")
-DRAFT_TYPES = ("q8_0", "q4_0")
+DRAFT_TYPES = ("q8_0", "q4_k", "q4_0")
 
 
 def llama_quantize(src: Path, dst: Path, qtype: str) -> str:
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--archs", default="qwen3,qwen35")
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--target-types", default=",".join(TARGET_TYPES), help="llama-quantize types of the target")
     args = ap.parse_args()
     if peer.binary("llama-quantize") is None:
         raise SystemExit("llama-quantize is not built (python benchmarks/peer.py build)")
@@ -64,12 +66,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for arch in args.archs.split(","):
-            drafts = [("f32", pair_file(arch, "dflash", "f32"))] + [
+            f16 = [("f16", pair_file(arch, "dflash", "f16"))] if pair_file(arch, "dflash", "f16").exists() else []
+            drafts = [("f32", pair_file(arch, "dflash", "f32"))] + f16 + [
                 (d, quantize_gguf(pair_file(arch, "dflash", "f32"), tmp / f"{arch}-d-{d}.gguf", d, progress=False))
                 for d in DRAFT_TYPES]
             print(f"\n{arch}: target \\ drafter  " + "  ".join(f"{d:>6}" for d, _ in drafts))
             targets = [("F32", pair_file(arch, "target", "f32"), "")]
-            for t in TARGET_TYPES:
+            for t in filter(None, args.target_types.split(",")):
                 dst = tmp / f"{arch}-t-{t}.gguf"
                 targets.append((t, dst, llama_quantize(pair_file(arch, "target", "f32"), dst, t)))
             for name, target, note in targets:

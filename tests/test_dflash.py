@@ -348,8 +348,8 @@ def test_sliding_window_draft_follows_its_metadata(swa_pair):
 
 
 def test_sliding_window_draft_against_zlab_dflash(swa_pair):
-    """The same against z-lab's own drafter (dflash 0.1.0 from PyPI, when installed: its dependencies pin
-    datasets/requests/tqdm, so it is not in the test extra)."""
+    """The same against z-lab's own drafter (dflash 0.1.0 from PyPI, which the test command installs --no-deps: its
+    dependencies pin datasets/requests/tqdm, and its model needs only torch and transformers)."""
     dflash = pytest.importorskip("dflash")
     import torch
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-SETUP_COMMANDS = ('pip install . && pydflash demo', 'pip install ".[test]" && pytest -m "not slow"')
+SETUP_COMMANDS = ('pip install . && pydflash demo', 'pip install ".[test]" && pip install --no-deps dflash==0.1.0 && pytest -m "not slow"')
 MAX_README_LINES = 150
 
 
