@@ -4,8 +4,8 @@
 same GGUFs, machine and prompts.
 
 Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix,
-with the committed q8_0 drafter), with --pairs mtp the committed qwen35 target with its trained MTP head inflated the
-same way (the head kept last; the qwen35 drafter drafts for it too), and with --pairs tiny the committed q8_0 pairs.
+with the committed q8_0 drafter), with --pairs mtp the committed qwen35 and qwen35moe targets with their trained MTP heads
+inflated the same way (the head kept last; the pair's drafter drafts for it too), and with --pairs tiny the committed q8_0 pairs.
 Workloads:
 - code: the held-out code prompts, continued;
 - repeat: each of them followed by its first 40% again, so that the continuation repeats the context (what a
@@ -19,6 +19,7 @@ Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workl
     python benchmarks/bench_proposers.py                          # cost-realistic pairs, 6 prompts x 96 tokens
     python benchmarks/bench_proposers.py --pairs tiny --skip-peer
     python benchmarks/bench_proposers.py --pairs mtp --workloads code
+    python benchmarks/bench_proposers.py --pairs mtp --archs qwen35moe --workloads code
 """
 
 from __future__ import annotations
@@ -82,16 +83,20 @@ def run_llama_mtp(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
         for n in LLAMA_MTP])
 
 
-def mtp_pairs(cache: Path) -> list[dict]:
-    """The committed qwen35 target with its trained MTP head, inflated to q4mix (built once into `cache`)."""
+def mtp_pairs(cache: Path, archs) -> list[dict]:
+    """The committed qwen35 / qwen35moe targets with their trained MTP heads, inflated to q4mix (built once into
+    `cache`)."""
     from pydflash.convert.inflate import inflate_gguf
 
-    target = cache / "qwen35-mtp-inflated-q4mix.gguf"
-    if not target.exists():
-        print(f"building {target.name} (once) ...", flush=True)
-        inflate_gguf(PAIRS_DIR / "qwen35-target-mtp-q8_0.gguf", target, "q4mix")
-    return [{"name": "qwen35+MTP q4mix (0.3B cost)", "arch": "qwen35", "target": target,
-             "draft": pair_file("qwen35", "dflash", "q8_0"), "mtp": True}]
+    pairs = []
+    for arch in (a for a in archs if a in ("qwen35", "qwen35moe")):
+        target = cache / f"{arch}-mtp-inflated-q4mix.gguf"
+        if not target.exists():
+            print(f"building {target.name} (once) ...", flush=True)
+            inflate_gguf(PAIRS_DIR / f"{arch}-target-mtp-q8_0.gguf", target, "q4mix")
+        pairs.append({"name": f"{arch}+MTP q4mix (0.3B cost)", "arch": arch, "target": target,
+                      "draft": pair_file(arch, "dflash", "q8_0"), "mtp": True})
+    return pairs
 
 
 def main() -> None:
@@ -112,7 +117,7 @@ def main() -> None:
     pairs = (bench_tree.cost_realistic_pairs(args.cache_dir, archs, kinds=("q4mix",)) if "realistic" in kinds
              else []) + ([{"name": f"{a} q8_0 (tiny)", "arch": a, "target": pair_file(a, "target", "q8_0"),
                            "draft": pair_file(a, "dflash", "q8_0")} for a in archs] if "tiny" in kinds else []) + \
-        (mtp_pairs(args.cache_dir) if "mtp" in kinds else [])
+        (mtp_pairs(args.cache_dir, archs) if "mtp" in kinds else [])
     print(f"{args.n_prompts} held-out code prompts x {args.max_tokens} tokens per workload, greedy, "
           f"{args.threads} threads")
     with tempfile.TemporaryDirectory() as tmp:
