@@ -15,8 +15,15 @@ records layer inputs, HF ids name layer outputs), `tokenizer.ggml.mask_token_id`
 has `mrope_section`, as Qwen3.5 checkpoints do), and the optional scales / sliding-window keys.
 
 PyPI gguf 0.19.0 has no DFLASH arch, so every DFlash-specific key is written with the generic
-`add_uint32 / add_float32 / add_bool / add_array` from the table below. DFlash2 and DSpark drafts
-are recognised and rejected.
+`add_uint32 / add_float32 / add_bool / add_array` from the table below.
+
+DFlash2 drafts (`DFlash2DraftModel`) are DFlash plus, per layer, a grouped dynamic causal conv around the
+attention and around the MLP (`attention_conv` / `mlp_conv`: `base_kernel` [2, K, H] and `kernel_projection`
+[2*K*groups, H]) and a candidate selector (`candidate_selector`: `predecessor_codebook` / `successor_codebook`
+[V, rank], `hidden_projection` [rank, H]); they convert as llama.cpp's converter writes them, with
+`dflash.conv_kernel_size`, `dflash.conv_group_size`, `dflash.selector_rank`, `dflash.selector_top_k`. (pydflash's
+runtime does not run them yet: loading one is an UnsupportedModelError.) DSpark drafts are recognised and
+rejected.
 """
 
 from __future__ import annotations
@@ -86,8 +93,24 @@ _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _ROPE_PERMUTE = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_norm.weight",
                  "self_attn.k_norm.weight")
 
-# what marks the variants pydflash does not convert (llama.cpp `tensor_mapping.py` DFLASH_* / DSPARK_*)
+# what marks the variants (llama.cpp `tensor_mapping.py` DFLASH_* / DSPARK_*); DFlash2's config keys are written as
+# dflash.<key>
 _DFLASH2_CONFIG = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# DFlash2's tensors (llama.cpp `constants.py` DFLASH_ATTN_CONV_BASE ... DFLASH_SELECTOR_HIDDEN); the base kernels
+# keep no ".weight" suffix, and the codebooks, stored without one, get it
+_DFLASH2_LAYER_TENSORS = {
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
+}
+_DFLASH2_GLOBAL_TENSORS = {
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.predecessor_codebook.weight": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
+    "candidate_selector.successor_codebook.weight": "selector_successor.weight",
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+}
 _DFLASH2_PARTS = ("candidate_selector", "attention_conv", "mlp_conv", "selector_hidden", "selector_predecessor",
                   "selector_successor")
 _DSPARK_PARTS = ("markov_head", "markov_w1", "markov_w2", "confidence_head", "conf_proj", "d2t", "t2d")
@@ -115,6 +138,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 class DFlashConverter(ModelConverter):
     gguf_arch = "dflash"
     hparam_defaults = QWEN3_CONFIG_DEFAULTS
+    dflash2 = False  # DFlash2Converter: the conv and selector tensors and keys belong here
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -125,9 +149,10 @@ class DFlashConverter(ModelConverter):
             raise ConversionError(f"{cfg}: dflash_config must be an object, got {type(dc).__name__}")
         self.dflash_config: dict[str, Any] = dc
         variant = [k for k in _DFLASH2_CONFIG if k in dc or k in hp]
-        if variant:
-            raise ConversionError(f"{cfg}: this is a DFlash2 draft ({', '.join(variant)} in its config); pydflash "
-                                  "converts DFlash (v1) drafts only")
+        if variant and not self.dflash2:
+            raise ConversionError(f"{cfg}: this is a DFlash2 draft ({', '.join(variant)} in its config) but its "
+                                  "architectures name DFlashDraftModel; DFlash2 checkpoints are DFlash2DraftModel")
+        self.dflash2_config = self._dflash2_config() if self.dflash2 else {}
         if self.target_model_dir is None:
             raise ConversionError(f"{self.dir_model}: a DFlash draft borrows the target's tokenizer, embedding and "
                                   "LM head; pass the target model folder with --target-model-dir "
@@ -156,6 +181,20 @@ class DFlashConverter(ModelConverter):
         self.target_layers = self._target_layers()
         self.mask_token_id = self._mask_token_id()
 
+    def _dflash2_config(self) -> dict[str, int]:
+        """DFlash2's four sizes (dflash_config first, as z-lab reads them), each a positive integer, with the hidden
+        size a multiple of the conv group size."""
+        cfg, out = self.dir_model / "config.json", {}
+        for k in _DFLASH2_CONFIG:
+            v = self.dflash_config.get(k, self.hparams.get(k))
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConversionError(f"{cfg}: dflash_config.{k} = {v!r}; a DFlash2 draft needs a positive integer")
+            out[k] = v
+        if int(self.hparams["hidden_size"]) % out["conv_group_size"] != 0:
+            raise ConversionError(f"{cfg}: hidden_size {self.hparams['hidden_size']} is not a multiple of "
+                                  f"conv_group_size {out['conv_group_size']}")
+        return out
+
     # -- the target ---------------------------------------------------------------------------------
 
     def _load_target(self) -> dict[str, Any]:
@@ -163,7 +202,7 @@ class DFlashConverter(ModelConverter):
         raw = load_hparams(self.target_model_dir)
         self.target_arch = hf_architecture(raw, self.target_model_dir / "config.json")
         self.target_cls = converter_class(self.target_arch)
-        if self.target_cls is type(self):
+        if issubclass(self.target_cls, DFlashConverter):
             raise ConversionError(f"{self.target_model_dir}: --target-model-dir points at another DFlash draft; "
                                   "give the target model")
         text = {**self.target_cls.hparam_defaults, **raw, **(raw.get("text_config") or {})}
@@ -234,6 +273,8 @@ class DFlashConverter(ModelConverter):
         if (value_scale := dc.get("attention_value_scale")) is not None:
             w.add_float32(key(KEY_VALUE_SCALE), float(value_scale))
         w.add_uint32(key(KEY_BLOCK_SIZE), int(dc.get("block_size", hp.get("block_size", DEFAULT_BLOCK_SIZE))))
+        for k, v in self.dflash2_config.items():  # (DFlash2: right after the block size, as llama.cpp writes them)
+            w.add_uint32(f"{arch}.{k}", v)
         if (v := pick("output_multiplier")) is not None:
             w.add_float32(key(KEY_LOGIT_SCALE), float(v))
         if (v := pick("final_logit_softcapping")) is not None and float(v) > 0:
@@ -290,14 +331,45 @@ class DFlashConverter(ModelConverter):
 
     def prepare_tensors(self) -> None:
         for name in self.model_tensors:
-            if (variant := draft_variant(name)) is not None:
-                raise ConversionError(f"{self.dir_model}: tensor {name!r} belongs to a {variant} draft; pydflash "
-                                      "converts DFlash (v1) drafts only")
-        if "fc.weight" not in {_strip(n) for n in self.model_tensors}:
+            variant = draft_variant(name)
+            if variant is not None and not (variant == "DFlash2" and self.dflash2):
+                raise ConversionError(f"{self.dir_model}: tensor {name!r} belongs to a {variant} draft; its "
+                                      f"architectures name {'DFlash2DraftModel' if self.dflash2 else 'DFlashDraftModel'}")
+        names = {_strip(n) for n in self.model_tensors}
+        if "fc.weight" not in names:
             raise ConversionError(f"{self.dir_model}: no fc.weight; not a DFlash draft checkpoint")
+        if self.dflash2:
+            self._check_dflash2_tensors(names)
         super().prepare_tensors()
 
+    def _check_dflash2_tensors(self, names: set[str]) -> None:
+        """Every layer's two convs and the selector, in the shapes the config's sizes give."""
+        H, V = int(self.hparams["hidden_size"]), int(self.target_hparams["vocab_size"])
+        c = self.dflash2_config
+        K, groups, rank = c["conv_kernel_size"], H // c["conv_group_size"], c["selector_rank"]
+        want = {"candidate_selector.hidden_projection.weight": (rank, H)}
+        for book in ("predecessor_codebook", "successor_codebook"):
+            name = f"candidate_selector.{book}"
+            want[name + ".weight" if name + ".weight" in names else name] = (V, rank)
+        for il in range(self.block_count):
+            for conv in ("attention_conv", "mlp_conv"):
+                want[f"layers.{il}.{conv}.base_kernel"] = (2, K, H)
+                want[f"layers.{il}.{conv}.kernel_projection.weight"] = (2 * K * groups, H)
+        shapes = {_strip(n): tuple(t.shape) for n, t in self.model_tensors.items()}
+        for name, shape in want.items():
+            if name not in shapes:
+                raise ConversionError(f"{self.dir_model}: a DFlash2 draft needs tensor {name!r}, which is missing")
+            if shapes[name] != shape:
+                raise ConversionError(f"{self.dir_model}: tensor {name!r} is {list(shapes[name])}, expected "
+                                      f"{list(shape)}")
+
     def map_tensor_name(self, name: str) -> str:
+        if self.dflash2:
+            if name in _DFLASH2_GLOBAL_TENSORS:
+                return _DFLASH2_GLOBAL_TENSORS[name]
+            m = _LAYER_RE.match(name)
+            if m and m[2] in _DFLASH2_LAYER_TENSORS and int(m[1]) < self.block_count:
+                return f"blk.{m[1]}.{_DFLASH2_LAYER_TENSORS[m[2]]}"
         if (mapped := gguf_name(name, _GLOBAL_TENSORS, _LAYER_RE, _LAYER_TENSORS, self.block_count)):
             return mapped
         raise ConversionError(f"{self.dir_model}: cannot map tensor {name!r} of a DFlash draft "
@@ -319,10 +391,8 @@ class DFlashConverter(ModelConverter):
 
 
 @register("DFlash2DraftModel")
-class DFlash2Converter(ModelConverter):
-    gguf_arch = "dflash"
-    unsupported = ("a DFlash2 draft (dynamic conv + candidate selector); pydflash converts DFlash (v1) drafts "
-                   "(DFlashDraftModel) only")
+class DFlash2Converter(DFlashConverter):
+    dflash2 = True
 
 
 @register("Qwen3DSparkModel", "DSparkDraftModel", "DSparkSpeculator", "Lfm2DSparkDraftModel", "LingDSparkModel")

@@ -668,6 +668,36 @@ def make_dflash_checkpoint(
     return path
 
 
+def make_dflash2_checkpoint(path: str | Path, target_dir: str | Path, *, conv_kernel_size: int = 4,
+                            conv_group_size: int = 16, selector_rank: int = 8, selector_top_k: int = 4,
+                            codebook_suffix: str = "", **kw) -> Path:
+    """A tiny random DFlash2 draft (z-lab's `DFlash2DraftModel` layout): make_dflash_checkpoint's DFlash draft plus,
+    per layer, `attention_conv` / `mlp_conv` (`base_kernel` [2, K, H], `kernel_projection.weight`
+    [2*K*groups, H]) and a `candidate_selector` (`predecessor_codebook` / `successor_codebook` [V, rank], stored
+    without a `.weight` suffix as z-lab ships them unless codebook_suffix=".weight"; `hidden_projection.weight`
+    [rank, H]), with the four sizes in dflash_config."""
+    path = make_dflash_checkpoint(path, target_dir, **kw)
+    cfg = json.loads((path / "config.json").read_text())
+    hidden, n_layers, n_vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    groups = hidden // conv_group_size
+    extra = {"candidate_selector.hidden_projection.weight": (selector_rank, hidden),
+             f"candidate_selector.predecessor_codebook{codebook_suffix}": (n_vocab, selector_rank),
+             f"candidate_selector.successor_codebook{codebook_suffix}": (n_vocab, selector_rank)}
+    for il in range(n_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            extra[f"layers.{il}.{conv}.base_kernel"] = (2, conv_kernel_size, hidden)
+            extra[f"layers.{il}.{conv}.kernel_projection.weight"] = (2 * conv_kernel_size * groups, hidden)
+    kw = {**kw, "extra_tensors": {**(kw.get("extra_tensors") or {}), **extra}}
+    path = make_dflash_checkpoint(path, target_dir, **kw)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["auto_map"] = {"AutoModel": "dflash.DFlash2DraftModel"}
+    cfg["dflash_config"].update(conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+                                selector_rank=selector_rank, selector_top_k=selector_top_k)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
 # ---------------------------------------------------------------------------------------------------
 # references read out of a transformers model
 

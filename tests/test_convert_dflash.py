@@ -213,7 +213,7 @@ def test_variant_tensors_rejected(targets, tmp_path, tensor, variant):
     assert not (tmp_path / "x.gguf").exists()
 
 
-@pytest.mark.parametrize("arch, what", [("DFlash2DraftModel", "DFlash2"), ("DSparkDraftModel", "DSpark")])
+@pytest.mark.parametrize("arch, what", [("DSparkDraftModel", "DSpark")])
 def test_variant_architectures_rejected(targets, tmp_path, arch, what):
     draft = _draft(tmp_path, targets["qwen3"])
     _edit_config(draft, lambda c: c.update(architectures=[arch]))
@@ -274,3 +274,91 @@ def test_unmappable_tensor(targets, tmp_path):
     draft = _draft(tmp_path, targets["qwen3"], extra_tensors={"layers.0.self_attn.extra.weight": (4, 64)})
     with pytest.raises(ConversionError, match=r"cannot map tensor 'layers.0.self_attn.extra.weight'"):
         convert_hf_to_gguf(draft, tmp_path / "x.gguf", target_model_dir=targets["qwen3"], progress=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# DFlash2 drafts (issue 25): converted as llama.cpp's converter writes them; pydflash does not run them yet
+
+DFLASH2 = dict(conv_kernel_size=4, conv_group_size=16, selector_rank=8, selector_top_k=4)
+
+
+def _draft2(tmp_path: Path, target: Path, name: str = "draft2", **kw) -> Path:
+    kw.setdefault("mask_token_id", MASK_ID)
+    return hf_models.make_dflash2_checkpoint(tmp_path / name, target, **{**DFLASH2, **kw})
+
+
+@pytest.mark.parametrize("target, outtype, suffix", [("qwen3", "f16", ""), ("qwen35", "q8_0", ".weight")])
+def test_dflash2_matches_llama_cpp_converter(targets, llama_cpp_dir, tmp_path, target, outtype, suffix):
+    """Both converters on one DFlash2 checkpoint (codebooks stored without and with a .weight suffix): the same
+    keys (dflash.conv_kernel_size ... selector_top_k) and tensors (blk.N.attn_conv_base ..., selector_*)."""
+    draft = _draft2(tmp_path, targets[target], head_dim=16 if target == "qwen3" else 32, codebook_suffix=suffix)
+    ref = llama_convert(llama_cpp_dir, draft, tmp_path / "ref.gguf", "--outtype", outtype,
+                        "--target-model-dir", str(targets[target]))
+    ours = convert_hf_to_gguf(draft, tmp_path / "ours.gguf", outtype=outtype, target_model_dir=targets[target],
+                              progress=False)
+    assert_same_gguf(ours, ref, only_ours=("general.base_model.",))
+    kv, tensors = read_gguf(ours)
+    assert {k: kv[f"dflash.{k}"] for k in DFLASH2} == {k: (["UINT32"], v) for k, v in DFLASH2.items()}
+    assert {"blk.1.attn_conv_base", "blk.1.ffn_conv_proj.weight", "selector_hidden.weight"} <= {t[0] for t in tensors}
+
+
+def test_dflash2_checkpoint_is_zlabs_and_converts_its_values(targets, tmp_path):
+    """The test checkpoint is what z-lab's own DFlash2DraftModel loads (no missing or unexpected weight), and the
+    f32 GGUF holds its parameters unchanged under llama.cpp's names."""
+    dflash = pytest.importorskip("dflash")
+    import torch
+
+    draft = _draft2(tmp_path, targets["qwen3"], head_dim=16)
+    model, info = dflash.DFlash2DraftModel.from_pretrained(draft, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ours = convert_hf_to_gguf(draft, tmp_path / "ours.gguf", outtype="f32", target_model_dir=targets["qwen3"],
+                              progress=False)
+    tensors = {t[0]: t[3] for t in read_gguf(ours)[1]}
+    params = dict(model.named_parameters())
+    pairs = {"blk.0.attn_conv_base": "layers.0.attention_conv.base_kernel",
+             "blk.1.ffn_conv_proj.weight": "layers.1.mlp_conv.kernel_projection.weight",
+             "selector_predecessor.weight": "candidate_selector.predecessor_codebook.weight",
+             "selector_successor.weight": "candidate_selector.successor_codebook.weight",
+             "selector_hidden.weight": "candidate_selector.hidden_projection.weight"}
+    for gguf_name, hf_name in pairs.items():
+        np.testing.assert_array_equal(np.asarray(tensors[gguf_name]).reshape(params[hf_name].shape),
+                                      params[hf_name].detach().numpy(), err_msg=gguf_name)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c["dflash_config"].pop("selector_top_k"), r"dflash_config.selector_top_k = None; a DFlash2 draft "
+                                                         r"needs a positive integer"),
+    (lambda c: c["dflash_config"].update(conv_group_size=24), r"hidden_size 64 is not a multiple of "
+                                                              r"conv_group_size 24"),
+    (lambda c: c["dflash_config"].update(selector_rank=16), r"tensor 'candidate_selector.hidden_projection.weight' "
+                                                            r"is \[8, 64\], expected \[16, 64\]"),
+])
+def test_dflash2_bad_config(targets, tmp_path, edit, match):
+    draft = _draft2(tmp_path, targets["qwen3"], head_dim=16)
+    _edit_config(draft, edit)
+    with pytest.raises(ConversionError, match=match):
+        convert_hf_to_gguf(draft, tmp_path / "x.gguf", target_model_dir=targets["qwen3"], progress=False)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_dflash2_missing_conv_tensor(targets, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    draft = _draft2(tmp_path, targets["qwen3"], head_dim=16)
+    state = load_file(str(draft / "model.safetensors"))
+    del state["layers.1.mlp_conv.base_kernel"]
+    save_file(state, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"needs tensor 'layers.1.mlp_conv.base_kernel', which is missing"):
+        convert_hf_to_gguf(draft, tmp_path / "x.gguf", target_model_dir=targets["qwen3"], progress=False)
+
+
+def test_dflash2_gguf_is_refused_by_the_runtime_with_a_clear_error(targets, tmp_path):
+    """pydflash does not run DFlash2 yet: a converted DFlash2 drafter is refused at load, naming the variant."""
+    from pydflash import _core
+    from pydflash.errors import UnsupportedModelError
+
+    target = convert_hf_to_gguf(targets["qwen3"], tmp_path / "target.gguf", outtype="f32", progress=False)
+    draft = convert_hf_to_gguf(_draft2(tmp_path, targets["qwen3"], head_dim=16), tmp_path / "d2.gguf",
+                               outtype="f32", target_model_dir=targets["qwen3"], progress=False)
+    with pytest.raises(UnsupportedModelError, match=r"selector_hidden.weight.*DFlash2"):
+        _core.DraftModel(_core.Model(str(target)), str(draft))
