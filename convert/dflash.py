@@ -21,9 +21,8 @@ DFlash2 drafts (`DFlash2DraftModel`) are DFlash plus, per layer, a grouped dynam
 attention and around the MLP (`attention_conv` / `mlp_conv`: `base_kernel` [2, K, H] and `kernel_projection`
 [2*K*groups, H]) and a candidate selector (`candidate_selector`: `predecessor_codebook` / `successor_codebook`
 [V, rank], `hidden_projection` [rank, H]); they convert as llama.cpp's converter writes them, with
-`dflash.conv_kernel_size`, `dflash.conv_group_size`, `dflash.selector_rank`, `dflash.selector_top_k`. (pydflash's
-runtime does not run them yet: loading one is an UnsupportedModelError.) DSpark drafts are recognised and
-rejected.
+`dflash.conv_kernel_size`, `dflash.conv_group_size`, `dflash.selector_rank`, `dflash.selector_top_k`
+(csrc/models/dflash2.h runs them). DSpark drafts are recognised and rejected.
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ def test_unmappable_tensor(targets, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# DFlash2 drafts (issue 25): converted as llama.cpp's converter writes them; pydflash does not run them yet
+# DFlash2 drafts (issue 25): converted as llama.cpp's converter writes them (run: tests/test_dflash2.py)
 
 DFLASH2 = dict(conv_kernel_size=4, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
@@ -350,15 +350,3 @@ def test_dflash2_missing_conv_tensor(targets, tmp_path):
     save_file(state, str(draft / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=r"needs tensor 'layers.1.mlp_conv.base_kernel', which is missing"):
         convert_hf_to_gguf(draft, tmp_path / "x.gguf", target_model_dir=targets["qwen3"], progress=False)
-
-
-def test_dflash2_gguf_is_refused_by_the_runtime_with_a_clear_error(targets, tmp_path):
-    """pydflash does not run DFlash2 yet: a converted DFlash2 drafter is refused at load, naming the variant."""
-    from pydflash import _core
-    from pydflash.errors import UnsupportedModelError
-
-    target = convert_hf_to_gguf(targets["qwen3"], tmp_path / "target.gguf", outtype="f32", progress=False)
-    draft = convert_hf_to_gguf(_draft2(tmp_path, targets["qwen3"], head_dim=16), tmp_path / "d2.gguf",
-                               outtype="f32", target_model_dir=targets["qwen3"], progress=False)
-    with pytest.raises(UnsupportedModelError, match=r"selector_hidden.weight.*DFlash2"):
-        _core.DraftModel(_core.Model(str(target)), str(draft))

@@ -36,6 +36,7 @@ dflash_draft::dflash_draft(const std::string & path, std::shared_ptr<const targe
     check_pair(E);
     check_rope_sections();
     read_sliding_window(n_layer);
+    dflash2_ = read_dflash2_hparams(f, E);
     check_variant();
 
     info_.arch        = "dflash";
@@ -135,7 +136,12 @@ void dflash_draft::check_variant() const {
         throw unsupported_error(format("%s: dflash.hidden_activation = '%s', only 'silu' is supported", path.c_str(),
                                        f.str(A + "hidden_activation").c_str()));
     }
-    for (const char * name : {"selector_hidden.weight", "markov_w1.weight", "d2t", "token_embd.weight", "output.weight"}) {
+    if (f.find_tensor("selector_hidden.weight") && !dflash2_.present()) {
+        throw format_error(format("%s: tensor 'selector_hidden.weight' is a DFlash2 selector's, but the file has no "
+                                  "dflash.conv_kernel_size / conv_group_size / selector_rank / selector_top_k",
+                                  path.c_str()));
+    }
+    for (const char * name : {"markov_w1.weight", "d2t", "token_embd.weight", "output.weight"}) {
         if (f.find_tensor(name)) {
             throw unsupported_error(format("%s: tensor '%s' belongs to a draft variant pydflash does not run (DFlash2, "
                                            "DSpark, reduced vocabulary or a draft-owned embedding/head)",
@@ -166,7 +172,31 @@ void dflash_draft::declare_weights(weights & w) {
         l.ffn_gate  = w.require(name("ffn_gate.weight"), {E, n_ff_}, place, WEIGHT_USE_MATMUL);
         l.ffn_up    = w.require(name("ffn_up.weight"), {E, n_ff_}, place, WEIGHT_USE_MATMUL);
         l.ffn_down  = w.require(name("ffn_down.weight"), {n_ff_, E}, place, WEIGHT_USE_MATMUL);
+        if (dflash2_.present()) {
+            const int64_t K = dflash2_.kernel, proj = 2 * K * (E / dflash2_.group);
+            l.attn_conv = {w.require(name("attn_conv_base"), {E, K, 2}, place, WEIGHT_USE_OTHER),
+                           w.require(name("attn_conv_proj.weight"), {E, proj}, place, WEIGHT_USE_MATMUL)};
+            l.ffn_conv  = {w.require(name("ffn_conv_base"), {E, K, 2}, place, WEIGHT_USE_OTHER),
+                           w.require(name("ffn_conv_proj.weight"), {E, proj}, place, WEIGHT_USE_MATMUL)};
+        }
     }
+    if (dflash2_.present()) {
+        const int64_t R = dflash2_.rank, V = target_->info().n_vocab;
+        // the codebooks are looked up by token (rows), like an embedding
+        selector_ = {w.require("selector_predecessor.weight", {R, V}, place, WEIGHT_USE_OTHER),
+                     w.require("selector_successor.weight", {R, V}, place, WEIGHT_USE_OTHER),
+                     w.require("selector_hidden.weight", {E, R}, place, WEIGHT_USE_MATMUL)};
+    }
+}
+
+template <class F>
+ggml_tensor * dflash_draft::around(ggml_context * ctx, const dflash2_conv & conv, ggml_tensor * x, F sublayer) const {
+    if (!dflash2_.present()) {
+        return sublayer(x);
+    }
+    ggml_tensor * dyn = ggml_mul_mat(ctx, conv.proj, x);  // [2*K*G, B]: both sides' coefficients, from the input
+    return build_dflash2_conv(ctx, sublayer(build_dflash2_conv(ctx, x, dyn, conv, 0, dflash2_)), dyn, conv, 1,
+                              dflash2_);
 }
 
 // ctx_feats: [n_ext*E, m] -> context K/V rows in the draft cache; block: [anchor, MASK x (B-1)] -> [E, B-1]
@@ -198,23 +228,27 @@ ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const dr
     kv_inputs     att{in.slots, in.kq_mask, in.n_kv};  // the block's K/V rows, seen as a target layer's
     ggml_tensor * h = ggml_get_rows(ctx, target_->token_embedding(), in.tokens);  // [E, B]
     for (int il = 0; il < info_.n_layer; ++il) {
-        const layer & l  = layers_[il];
-        ggml_tensor * hn = build_rms_norm(ctx, h, l.attn_norm, eps);
-        ggml_tensor * q  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wq, hn), hd, H, B);
-        ggml_tensor * k  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, hn), hd, Hkv, B);
-        ggml_tensor * v  = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, hn), hd, Hkv, B);
-        build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, eps, in.pos, att_.rope);
+        const layer & l = layers_[il];
         // block K/V go to the cache slots after the context; the next round overwrites them
-        att.kq_mask     = is_swa(il) ? in.kq_mask_swa : in.kq_mask;
-        ggml_tensor * o = build_kv_attention(ctx, gf, att, st, il, q, k, v, 1.0f / std::sqrt((float) hd));
-        if (il == info_.n_layer - 1) {
-            // past the last attention only the B-1 proposal rows matter (row 0 is the anchor, already known)
-            o = ggml_view_2d(ctx, o, o->ne[0], B - 1, o->nb[1], o->nb[1]);
-            h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);
-        }
-        h = ggml_add(ctx, ggml_mul_mat(ctx, l.wo, o), h);
-        h = ggml_add(ctx, build_swiglu_ffn(ctx, build_rms_norm(ctx, h, l.ffn_norm, eps), l.ffn_gate, l.ffn_up,
-                                           l.ffn_down), h);
+        att.kq_mask       = is_swa(il) ? in.kq_mask_swa : in.kq_mask;
+        // past the last attention only the B-1 proposal rows matter (row 0 is the anchor, already known); DFlash2's
+        // convolutions mix rows, so it keeps them all
+        const bool    cut = il == info_.n_layer - 1 && !dflash2_.present();
+        auto attention = [&](ggml_tensor * hn) {
+            ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wq, hn), hd, H, B);
+            ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, hn), hd, Hkv, B);
+            ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, hn), hd, Hkv, B);
+            build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, eps, in.pos, att_.rope);
+            ggml_tensor * o = build_kv_attention(ctx, gf, att, st, il, q, k, v, 1.0f / std::sqrt((float) hd));
+            return ggml_mul_mat(ctx, l.wo, cut ? ggml_view_2d(ctx, o, o->ne[0], B - 1, o->nb[1], o->nb[1]) : o);
+        };
+        ggml_tensor * a = around(ctx, l.attn_conv, build_rms_norm(ctx, h, l.attn_norm, eps), attention);
+        h = ggml_add(ctx, a, cut ? ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]) : h);
+        auto ffn = [&](ggml_tensor * hn) { return build_swiglu_ffn(ctx, hn, l.ffn_gate, l.ffn_up, l.ffn_down); };
+        h = ggml_add(ctx, around(ctx, l.ffn_conv, build_rms_norm(ctx, h, l.ffn_norm, eps), ffn), h);
+    }
+    if (dflash2_.present()) {
+        h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);
     }
     return build_rms_norm(ctx, h, output_norm_, eps);  // [E, B-1]: the target's head turns it into proposals
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "models/attention.h"
+#include "models/dflash2.h"
 #include "models/model.h"
 
 namespace pdf {
@@ -53,7 +54,10 @@ class dflash_draft final : public loaded_model {
     int                      swa_window() const { return swa_window_; }  // 0: no sliding-window layer
     bool                     is_swa(int il) const { return swa_window_ > 0 && swa_layers_[il]; }
     bool                     swa_causal() const { return swa_causal_; }
-    size_t                   max_graph_nodes() const { return 128 + 64 * (size_t) info_.n_layer; }
+    size_t                   max_graph_nodes() const { return 128 + (64 + 48 * dflash2_.kernel) * (size_t) info_.n_layer; }
+    // DFlash2 (models/dflash2.h): its sizes (none for a DFlash drafter) and its candidate selector
+    const dflash2_hparams &  dflash2() const { return dflash2_; }
+    const dflash2_selector & selector() const { return selector_; }
 
     // appends context K/V rows (into the draft cache st.k / st.v); when in.n_block > 0 also runs the block and
     // returns the final normed hidden states of its proposal rows 1..B-1: [E, B-1], for the target's head
@@ -71,7 +75,11 @@ class dflash_draft final : public loaded_model {
     struct layer {
         ggml_tensor * attn_norm, * wq, * wk, * wv, * wo, * q_norm, * k_norm;
         ggml_tensor * ffn_norm, * ffn_gate, * ffn_up, * ffn_down;
+        dflash2_conv  attn_conv, ffn_conv;  // DFlash2 only
     };
+    // DFlash2: `sublayer` of the normed x between the side-0 and side-1 convolutions (DFlash: sublayer(x))
+    template <class F>
+    ggml_tensor * around(ggml_context * ctx, const dflash2_conv & conv, ggml_tensor * x, F sublayer) const;
 
     std::shared_ptr<const target_model> target_;
     std::vector<int>                    capture_layers_;
@@ -83,6 +91,8 @@ class dflash_draft final : public loaded_model {
     bool                                swa_causal_ = true;
     attention_hparams                   att_;
     int64_t                             n_ff_ = 0;
+    dflash2_hparams                     dflash2_;
+    dflash2_selector                    selector_;
     ggml_tensor *                       fc_ = nullptr, * hidden_norm_ = nullptr, * output_norm_ = nullptr;
     std::vector<layer>                  layers_;
 };

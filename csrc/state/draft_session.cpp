@@ -129,10 +129,17 @@ void draft_session::build(graph & g, int n_rows, int n_block, int n_kv) {
     g.top_ids = g.top_logprobs = nullptr;
     if (hidden) {
         const target_model & target = draft_->target();
+        const bool           dflash2 = draft_->dflash2().present();
         const head_outputs   head   = build_top_k_readout(ctx, gf, target.output_head(), hidden, target.head_on_host(),
-                                                          top_k_, with_logprobs_);
+                                                          readout_k(), with_logprobs_ || dflash2);
         g.top_ids      = head.top_ids;
         g.top_logprobs = head.top_logprobs;
+        g.lattice      = nullptr;
+        if (dflash2) {
+            g.lattice = build_dflash2_lattice(ctx, draft_->selector(), hidden, head.top_ids,
+                                              ggml_view_1d(ctx, in.tokens, 1, 0));  // the anchor
+            ggml_build_forward_expand(gf, g.lattice);
+        }
     }
     g.key_rows  = n_rows;
     g.key_block = n_block;
@@ -242,7 +249,15 @@ void draft_session::fill_block_mask(std::vector<ggml_fp16_t> & mask, int n_block
     }
 }
 
+int draft_session::readout_k() const {
+    return draft_->dflash2().present() ? (int) draft_->dflash2().top_k : top_k_;
+}
+
 void draft_session::read_proposals(const graph & g, int n_block) {
+    if (g.lattice) {
+        read_selected(g, n_block);
+        return;
+    }
     proposals_.n_positions = n_block - 1;
     proposals_.top_k       = top_k_;
     proposals_.ids.resize((size_t) (n_block - 1) * top_k_);
@@ -255,6 +270,26 @@ void draft_session::read_proposals(const graph & g, int n_block) {
         std::fill(proposals_.logprobs.begin(), proposals_.logprobs.end(), 0.0f);
     }
     sort_top_k(proposals_.ids.data(), proposals_.logprobs.data(), n_block - 1, top_k_);
+}
+
+void draft_session::read_selected(const graph & g, int n_block) {
+    const int64_t P = n_block - 1, k = readout_k();
+    std::vector<int32_t> cand((size_t) (P * k)), ids(cand.size());
+    std::vector<float>   unary(cand.size()), lattice((size_t) (P * k * k)), logprobs(cand.size());
+    ggml_backend_tensor_get(g.top_ids, cand.data(), 0, sizeof(int32_t) * cand.size());
+    ggml_backend_tensor_get(g.top_logprobs, unary.data(), 0, sizeof(float) * unary.size());
+    ggml_backend_tensor_get(g.lattice, lattice.data(), 0, sizeof(float) * lattice.size());
+    select_dflash2_path(cand.data(), unary.data(), lattice.data(), P, k, ids.data(), logprobs.data());
+    // the best top_k_ of each position's k, the path's token first
+    const int out_k        = (int) std::min<int64_t>(top_k_, k);
+    proposals_.n_positions = (int) P;
+    proposals_.top_k       = out_k;
+    proposals_.ids.resize((size_t) (P * out_k));
+    proposals_.logprobs.resize(proposals_.ids.size());
+    for (int64_t t = 0; t < P; ++t) {
+        std::copy_n(ids.data() + t * k, out_k, proposals_.ids.data() + t * out_k);
+        std::copy_n(logprobs.data() + t * k, out_k, proposals_.logprobs.data() + t * out_k);
+    }
 }
 
 void draft_session::queue(const int32_t * ring_rows, const int32_t * positions, int m) {

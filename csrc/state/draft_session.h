@@ -96,14 +96,19 @@ class draft_session {
         draft_inputs    in;
         ggml_tensor *   top_ids      = nullptr;  // I32 [k, n_block-1]
         ggml_tensor *   top_logprobs = nullptr;  // F32 [k, n_block-1]
+        ggml_tensor *   lattice      = nullptr;  // DFlash2: F32 [k, k, n_block-1] (models/dflash2.h)
     };
     int  slot(int64_t position) const { return (int) (position % n_slots_); }
     // run's steps: the appended rows' inputs (m queued, padded to n_rows from position pad_from), the drafted
     // block's (its tokens, positions, slots and attention masks), the block's top-k proposals read back
     void set_context_rows(graph & g, int m, int n_rows, int pad_from);
     void set_block(draft_inputs & in, int n_block, int n_kv, int32_t anchor, int start);
+    // the candidates per position the head reads out: a DFlash2 selector's k (it reranks them all), else top_k_
+    int  readout_k() const;
     void fill_block_mask(std::vector<ggml_fp16_t> & mask, int n_block, int n_kv, int start, bool swa) const;
     void read_proposals(const graph & g, int n_block);
+    // DFlash2: the selector's path through the read-back candidates and lattice (models/dflash2.h)
+    void read_selected(const graph & g, int n_block);
 
     std::shared_ptr<const dflash_draft> draft_;
     bool                                own_pool_;  // no target session's backends were given

@@ -1,0 +1,100 @@
+// DFlash2's convolution and selector (see dflash2.h). Legend: E = n_embd, B = block rows, K = taps, G = groups
+// (E / group), P = proposal rows (B - 1), k = selector candidates per row.
+#include "models/dflash2.h"
+#include "core/error.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace pdf {
+
+dflash2_hparams read_dflash2_hparams(const gguf_file & f, int64_t n_embd) {
+    static const char * keys[] = {"dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank",
+                                  "dflash.selector_top_k"};
+    int present = 0;
+    for (const char * k : keys) {
+        present += f.has_key(k);
+    }
+    dflash2_hparams hp;
+    if (present == 0) {
+        return hp;
+    }
+    for (const char * k : keys) {
+        if (!f.has_key(k)) {
+            throw format_error(format("%s: a DFlash2 drafter needs all of dflash.conv_kernel_size, conv_group_size, "
+                                      "selector_rank and selector_top_k; '%s' is missing", f.path().c_str(), k));
+        }
+    }
+    hp.kernel = f.u32_in(keys[0], 1, 64);
+    hp.group  = f.u32_in(keys[1], 1, (uint32_t) n_embd);
+    hp.rank   = f.u32_in(keys[2], 1, 1u << 16);
+    hp.top_k  = f.u32_in(keys[3], 1, 256);
+    if (n_embd % hp.group != 0) {
+        throw format_error(format("%s: dflash.conv_group_size = %lld does not divide the hidden size %lld",
+                                  f.path().c_str(), (long long) hp.group, (long long) n_embd));
+    }
+    return hp;
+}
+
+ggml_tensor * build_dflash2_conv(ggml_context * ctx, ggml_tensor * x, ggml_tensor * dyn, const dflash2_conv & w,
+                                 int side, const dflash2_hparams & hp) {
+    const int64_t E = x->ne[0], B = x->ne[1], K = hp.kernel, G = E / hp.group;
+    const size_t  f = ggml_element_size(dyn);
+    ggml_tensor * y = nullptr;
+    for (int64_t o = 0; o < std::min(K, B); ++o) {
+        // x_{t-o}: rows shifted down by o, zeros above
+        ggml_tensor * xo = o == 0 ? x : ggml_pad_ext(ctx, ggml_view_2d(ctx, x, E, B - o, x->nb[1], 0), 0, 0, o, 0, 0, 0,
+                                                     0, 0);
+        ggml_tensor * base = ggml_view_1d(ctx, w.base, E, (size_t) ((side * K + o) * E) * ggml_element_size(w.base));
+        // dyn_t[side][o][g]: [1, G, B], one coefficient per group, broadcast over its channels
+        ggml_tensor * d  = ggml_view_3d(ctx, dyn, 1, G, B, f, dyn->nb[1], (size_t) ((side * K + o) * G) * f);
+        ggml_tensor * xg = ggml_reshape_3d(ctx, ggml_is_contiguous(xo) ? xo : ggml_cont(ctx, xo), hp.group, G, B);
+        ggml_tensor * term = ggml_add(ctx, ggml_mul(ctx, xo, base), ggml_reshape_2d(ctx, ggml_mul(ctx, xg, d), E, B));
+        y = y ? ggml_add(ctx, y, term) : term;
+    }
+    return y;
+}
+
+ggml_tensor * build_dflash2_lattice(ggml_context * ctx, const dflash2_selector & s, ggml_tensor * hidden,
+                                    ggml_tensor * cand, ggml_tensor * anchor) {
+    const int64_t k = cand->ne[0], P = cand->ne[1], R = s.prev->ne[0];
+    ggml_tensor * h    = ggml_mul_mat(ctx, s.hidden, hidden);  // [R, P]
+    ggml_tensor * succ = ggml_reshape_3d(ctx, ggml_get_rows(ctx, s.next, ggml_reshape_1d(ctx, cand, k * P)), R, k, P);
+    // the predecessors: the anchor (k times) for row 0, then row t-1's candidates for row t
+    ggml_tensor * pred = ggml_repeat_4d(ctx, ggml_get_rows(ctx, s.prev, anchor), R, k, 1, 1);  // [R, k]
+    if (P > 1) {
+        ggml_tensor * rest = ggml_get_rows(ctx, s.prev, ggml_view_1d(ctx, cand, k * (P - 1), 0));  // [R, k*(P-1)]
+        pred               = ggml_concat(ctx, ggml_reshape_2d(ctx, pred, R, k), rest, 1);
+    }
+    pred = ggml_mul(ctx, ggml_reshape_3d(ctx, pred, R, k, P), ggml_reshape_3d(ctx, h, R, 1, P));
+    return ggml_mul_mat(ctx, succ, pred);  // [k (j), k (i), P]
+}
+
+void select_dflash2_path(const int32_t * cand, const float * unary, const float * lattice, int64_t P, int64_t k,
+                         int32_t * out_ids, float * out_logprobs) {
+    std::vector<double>  score(k);
+    std::vector<int64_t> order(k);
+    int64_t              prev = 0;  // row 0: every predecessor row is the anchor's
+    for (int64_t t = 0; t < P; ++t) {
+        const float * pair = lattice + (t * k + prev) * k;
+        for (int64_t j = 0; j < k; ++j) {
+            score[j] = (double) unary[t * k + j] + (double) pair[j];
+        }
+        std::iota(order.begin(), order.end(), 0);
+        // best first; ties: the earlier candidate (torch.argmax's first maximum)
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+        double z = 0.0;
+        for (int64_t j = 0; j < k; ++j) {
+            z += std::exp(score[j] - score[order[0]]);
+        }
+        for (int64_t r = 0; r < k; ++r) {
+            out_ids[t * k + r]      = cand[t * k + order[r]];
+            out_logprobs[t * k + r] = (float) (score[order[r]] - score[order[0]] - std::log(z));
+        }
+        prev = order[0];
+    }
+}
+
+}  // namespace pdf

@@ -1,0 +1,130 @@
+"""DFlash2 drafters (issue 25): the grouped dynamic causal convolutions around each draft layer's attention and MLP,
+and the candidate selector that picks the drafted path among each position's top-k. Reference: z-lab's own
+DFlash2DraftModel (dflash 0.1.0, installed --no-deps by the test command), fed the target's features from
+transformers, on tiny random drafts (tests/hf_models.py make_dflash2_checkpoint) converted by pydflash-convert
+(which matches llama.cpp's converter: tests/test_convert_dflash.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dflash = pytest.importorskip("dflash")
+
+from hf_models import make_dflash2_checkpoint, make_qwen3_shape  # noqa: E402
+
+import pydflash  # noqa: E402
+from pydflash import _core  # noqa: E402
+from pydflash.convert import convert_hf_to_gguf  # noqa: E402
+from pydflash.errors import GGUFFormatError  # noqa: E402
+
+PROMPTS = [[5, 9, 33, 100, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(40, 90))]
+SIZES = dict(conv_kernel_size=4, conv_group_size=16, selector_rank=8, selector_top_k=6)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash2")
+    target_dir = make_qwen3_shape(root / "target", "gqa4x2_hd64", seed=5)
+    target = convert_hf_to_gguf(target_dir, root / "target.gguf", outtype="f32", progress=False)
+    draft_dir = make_dflash2_checkpoint(root / "draft", target_dir, target_layer_ids=[0], seed=3, weight_std=0.3,
+                                        **SIZES)
+    draft = convert_hf_to_gguf(draft_dir, root / "draft.gguf", outtype="f32", target_model_dir=target_dir,
+                               progress=False)
+    ref_target = __import__("transformers").AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    ref_draft = dflash.DFlash2DraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    return target, draft, ref_target.eval(), ref_draft
+
+
+def _reference(ref_target, ref_draft, prompt, n, *, convs=True):
+    """z-lab's drafted path for one block after `prompt` (its propose(), greedy), its candidates per position
+    (top-k of the logits) and the plain argmax of the logits, and the inputs our drafter takes."""
+    from dflash_ref import extract_features
+
+    with torch.no_grad():
+        out = ref_target(torch.tensor([prompt]), output_hidden_states=True)
+        feats = extract_features(out.hidden_states, ref_draft.target_layer_ids)
+        anchor = int(out.logits[0, -1].argmax())
+        block = torch.tensor([[anchor] + [ref_draft.mask_token_id] * n])
+        saved = [(l.attention_conv, l.mlp_conv) for l in ref_draft.layers]
+        if not convs:
+            for l in ref_draft.layers:
+                l.attention_conv = l.mlp_conv = None
+        try:
+            h = ref_draft(position_ids=torch.arange(0, len(prompt) + n + 1)[None],
+                          noise_embedding=ref_target.get_input_embeddings()(block), target_hidden=feats)[:, 1:]
+        finally:
+            for l, (a, m) in zip(ref_draft.layers, saved):
+                l.attention_conv, l.mlp_conv = a, m
+        path, cand, _ = ref_draft.propose(h, block[:, 0], ref_target.get_output_embeddings(), 0.0)
+        logits = ref_draft.compute_logits(h, ref_target.get_output_embeddings())[0]
+    return path[0].tolist(), cand[0].tolist(), logits.argmax(-1).tolist(), feats, anchor
+
+
+def _ours(target, draft, feats, anchor, top_k=1):
+    P = feats.shape[1]
+    s = _core.DraftSession(_core.Model(str(target)), str(draft), n_ctx=256, top_k=top_k, with_logprobs=top_k > 1)
+    return s.draft(feats[0].numpy(), np.arange(P, dtype=np.int32), anchor, P, with_logprobs=top_k > 1)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_drafted_path_is_zlabs(pair, prompt):
+    """One block of 15: our proposals are z-lab's propose() path, token for token; the same reference without its
+    convolutions, or without its selector (the logits' argmax), drafts another path, so both are being matched."""
+    target, draft, ref_target, ref_draft = pair
+    path, cand, argmax, feats, anchor = _reference(ref_target, ref_draft, prompt, 15)
+    ours = _ours(target, draft, feats, anchor)
+    assert list(ours) == path
+    no_conv, _, _, _, _ = _reference(ref_target, ref_draft, prompt, 15, convs=False)
+    assert no_conv != path and argmax != path
+
+
+def test_candidates_are_the_selectors(pair):
+    """With log-probabilities: each position's candidates are the logits' top-k (z-lab's), the path's token
+    first, ordered by the selector's score given the path's previous token, log-probabilities normalised over
+    the k."""
+    target, draft, ref_target, ref_draft = pair
+    path, cand, _, feats, anchor = _reference(ref_target, ref_draft, PROMPTS[2], 15)
+    ids, logprobs = _ours(target, draft, feats, anchor, top_k=SIZES["selector_top_k"])
+    assert ids.shape == (15, SIZES["selector_top_k"])
+    for t in range(15):
+        assert sorted(ids[t].tolist()) == sorted(cand[t])
+        assert ids[t, 0] == path[t]
+        assert np.all(np.diff(logprobs[t]) <= 0)
+        assert np.exp(logprobs[t]).sum() == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
+def test_dflash2_speculation_is_lossless(pair, mode):
+    """A DFlash2 drafter through Model: greedy output equals plain decoding's in every mode; chain and tree draft,
+    and the tree's candidates are accepted now and then (a random drafter's top-1 path seldom is)."""
+    target, draft, _, _ = pair
+    with pydflash.Model(target, n_ctx=512) as plain:
+        expected = [plain.generate(p, max_tokens=40).tokens for p in PROMPTS]
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=512, spec_mode=mode) as m:
+        drafted = accepted = 0
+        for p, e in zip(PROMPTS, expected):
+            c = m.generate(p, max_tokens=40)
+            assert c.tokens == e
+            drafted, accepted = drafted + c.timings["draft_n"], accepted + c.timings["draft_n_accepted"]
+    if mode != "auto":  # (auto may find drafting does not pay with a random drafter)
+        assert drafted > 0 and (accepted > 0 or mode == "chain"), (drafted, accepted)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(drop_keys=("dflash.selector_top_k",)), r"needs all of .* 'dflash.selector_top_k' is missing"),
+    (dict(drop_keys=("dflash.conv_kernel_size", "dflash.conv_group_size", "dflash.selector_rank",
+                     "dflash.selector_top_k")), r"tensor 'selector_hidden.weight' is a DFlash2 selector's, but the "
+                                                r"file has no dflash.conv_kernel_size"),
+    (dict(set_keys={"dflash.conv_group_size": (24, __import__("gguf").GGUFValueType.UINT32)}),
+     r"dflash.conv_group_size = 24 does not divide the hidden size 128"),
+    (dict(drop_tensors=("blk.1.ffn_conv_base",)), r"blk.1.ffn_conv_base"),
+])
+def test_bad_dflash2_files_are_typed_errors(pair, tmp_path, change, match):
+    from gguf_edit import rewrite
+
+    target, draft, _, _ = pair
+    bad = rewrite(draft, tmp_path / "bad.gguf", **change)
+    with pytest.raises(GGUFFormatError, match=match):
+        _core.DraftModel(_core.Model(str(target)), str(bad))
