@@ -9,8 +9,10 @@ import gguf
 import numpy as np
 
 
-def rewrite(src, dst, *, drop_keys=(), set_keys=None, drop_tensors=(), reshape=None, arch=None) -> Path:
-    """Copy the GGUF `src` to `dst` with keys dropped or set, tensors dropped or cut to a new shape.
+def rewrite(src, dst, *, drop_keys=(), set_keys=None, drop_tensors=(), reshape=None, arch=None,
+            add_tensors=None) -> Path:
+    """Copy the GGUF `src` to `dst` with keys dropped or set, tensors dropped or cut to a new shape, or added
+    (add_tensors: {name: f32 numpy array in numpy's order, i.e. ggml's shape reversed}, after the others).
 
     set_keys: {name: (value, type)} or {name: (value, ARRAY, element type)}; a STRING value may be bytes (kept
     as they are, valid UTF-8 or not). arch (str or bytes) replaces general.architecture; keys keep their names.
@@ -36,6 +38,8 @@ def rewrite(src, dst, *, drop_keys=(), set_keys=None, drop_tensors=(), reshape=N
         if reshape and t.name in reshape:
             data = data.reshape(-1)[: int(np.prod(reshape[t.name]))].reshape(reshape[t.name])
         writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    for name, data in (add_tensors or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -60,3 +64,40 @@ def patch_tensor_info(src, dst, name: str, *, ggml_type: int | None = None, dim:
         struct.pack_into("<I", buf, at[4], ggml_type)
     Path(dst).write_bytes(bytes(buf))
     return Path(dst)
+
+
+def dflash_to_dflash2(src, dst, *, kernel: int = 4, group: int = 16, rank: int = 8, top_k: int = 8,
+                      noise: float = 0.0, seed: int = 0) -> Path:
+    """A DFlash2 drafter made from the DFlash drafter `src`: each added convolution is the identity (a base tap of 1
+    on the row itself, every other tap and the dynamic projection 0) and the selector's codebooks are 0, so it
+    drafts as `src` does; noise > 0 adds N(0, noise) to all of them, so that the convolutions and the selector
+    change the drafts while the trained drafter still drafts well."""
+    reader = gguf.GGUFReader(src)
+    E = int(reader.fields["dflash.embedding_length"].contents())
+    n_layer = int(reader.fields["dflash.block_count"].contents())
+    V = _target_vocab(reader)
+    rng = np.random.default_rng(seed)
+
+    def noisy(shape, base=None):
+        a = np.zeros(shape, dtype=np.float32) if base is None else base
+        return a + (noise * rng.standard_normal(shape).astype(np.float32) if noise else 0)
+
+    identity = np.zeros((2, kernel, E), dtype=np.float32)
+    identity[:, 0, :] = 1.0
+    tensors = {}
+    for il in range(n_layer):
+        for side in ("attn", "ffn"):
+            tensors[f"blk.{il}.{side}_conv_base"] = noisy((2, kernel, E), identity.copy())
+            tensors[f"blk.{il}.{side}_conv_proj.weight"] = noisy((2 * kernel * (E // group), E))
+    tensors["selector_predecessor.weight"] = noisy((V, rank))
+    tensors["selector_successor.weight"] = noisy((V, rank))
+    tensors["selector_hidden.weight"] = noisy((rank, E))
+    U32 = gguf.GGUFValueType.UINT32
+    return rewrite(src, dst, add_tensors=tensors, set_keys={
+        "dflash.conv_kernel_size": (kernel, U32), "dflash.conv_group_size": (group, U32),
+        "dflash.selector_rank": (rank, U32), "dflash.selector_top_k": (top_k, U32)})
+
+
+def _target_vocab(reader) -> int:
+    """The vocabulary a drafter's tokenizer lists (the target's)."""
+    return len(reader.fields["tokenizer.ggml.tokens"].contents())

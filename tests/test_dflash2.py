@@ -128,3 +128,24 @@ def test_bad_dflash2_files_are_typed_errors(pair, tmp_path, change, match):
     bad = rewrite(draft, tmp_path / "bad.gguf", **change)
     with pytest.raises(GGUFFormatError, match=match):
         _core.DraftModel(_core.Model(str(target)), str(bad))
+
+
+def test_a_neutral_dflash2_drafts_as_the_dflash_drafter_it_was_made_from(tmp_path):
+    """The trained qwen35 DFlash drafter given identity convolutions and zero selector codebooks
+    (tests/gguf_edit.py dflash_to_dflash2): the same tokens and the same acceptance, round for round, in chain
+    mode; with small noise on those weights it drafts otherwise (tau moves) and stays lossless."""
+    from export_pairs import pair_file, prompt_rows
+    from gguf_edit import dflash_to_dflash2
+
+    target, dflash1 = pair_file("qwen35", "target", "f32"), pair_file("qwen35", "dflash", "f32")
+    neutral = dflash_to_dflash2(dflash1, tmp_path / "neutral.gguf")
+    noisy = dflash_to_dflash2(dflash1, tmp_path / "noisy.gguf", noise=0.02, seed=1)
+    texts = [r["text"] for r in prompt_rows("code")[:3]]
+    runs = {}
+    for name, path in (("dflash", dflash1), ("neutral", neutral), ("noisy", noisy)):
+        with pydflash.Model(target, draft_model_path=path, n_ctx=1024, spec_mode="chain") as m:
+            runs[name] = [(c.tokens, c.timings["n_rounds"], c.timings["draft_n_accepted"])
+                          for c in (m.generate(t, max_tokens=64) for t in texts)]
+    assert runs["neutral"] == runs["dflash"]
+    assert [r[0] for r in runs["noisy"]] == [r[0] for r in runs["dflash"]]
+    assert [r[1:] for r in runs["noisy"]] != [r[1:] for r in runs["dflash"]]
