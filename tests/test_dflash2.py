@@ -149,3 +149,24 @@ def test_a_neutral_dflash2_drafts_as_the_dflash_drafter_it_was_made_from(tmp_pat
     assert runs["neutral"] == runs["dflash"]
     assert [r[0] for r in runs["noisy"]] == [r[0] for r in runs["dflash"]]
     assert [r[1:] for r in runs["noisy"]] != [r[1:] for r in runs["dflash"]]
+
+
+def test_trees_rank_each_nodes_children_given_its_own_token():
+    """The tree builder with a selector's conditional ranks, on a hand-made block of two positions: position 0 has
+    A (p 0.6) and B (0.4); at position 1, after A the selector ranks C (0.9) before D (0.1), after B D (0.8)
+    before C (0.2). Best first by path probability: A 0.6, B 0.4, A-C 0.54, B-D 0.32, A-D 0.06, B-C 0.08."""
+    A, B, C, D = 10, 11, 12, 13
+    lp = np.log
+    ids = np.array([[A, B], [C, D]], dtype=np.int32)  # given the drafted path (A, then C first)
+    logprobs = np.array([[lp(0.6), lp(0.4)], [lp(0.9), lp(0.1)]], dtype=np.float32)
+    all_ids = ids.copy()
+    # [position, previous candidate's rank, r]: the rank at this position of its r-th best
+    child_rank = np.array([[[0, 1], [0, 1]], [[0, 1], [1, 0]]], dtype=np.int32)
+    child_logprob = np.array([[[lp(0.6), lp(0.4)]] * 2, [[lp(0.9), lp(0.1)], [lp(0.8), lp(0.2)]]], dtype=np.float32)
+    tokens, parents, depth, logq = _core.build_draft_tree(ids, logprobs, 1, 6, 2, all_ids=all_ids,
+                                                          child_rank=child_rank, child_logprob=child_logprob)
+    assert tokens == [1, A, C, B, D, C, D] and parents == [-1, 0, 1, 0, 3, 3, 1]
+    np.testing.assert_allclose(np.exp(logq), [1, 0.6, 0.54, 0.4, 0.32, 0.08, 0.06], rtol=1e-6)
+    # without them every node's children are ranked as the path's are
+    tokens, parents, _, _ = _core.build_draft_tree(ids, logprobs, 1, 6, 2)
+    assert tokens == [1, A, C, B, C, D, D] and parents == [-1, 0, 1, 0, 3, 1, 3]

@@ -42,9 +42,35 @@ static std::vector<int32_t> argmax_rows(f32_array logits, int64_t n_threads, boo
     return out;
 }
 
-static py::tuple draft_tree_of(py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids,
-                               f32_array logprobs, int64_t root, int64_t budget, int64_t max_depth,
-                               const std::string & seed) {
+using i32_array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+// DFlash2's conditional ranks (state/draft_session.h draft_proposals): all_ids [P, all_k], child_rank and
+// child_logprob [P, all_k, k]
+static void set_conditional(draft_proposals & p, const py::object & all_ids_in, const py::object & rank_in,
+                            const py::object & logprob_in) {
+    if (all_ids_in.is_none()) {
+        return;
+    }
+    const i32_array all_ids = all_ids_in.cast<i32_array>(), rank = rank_in.cast<i32_array>();
+    const f32_array logprob = logprob_in.cast<f32_array>();
+    if (all_ids.ndim() != 2 || all_ids.shape(0) != p.n_positions || all_ids.shape(1) < p.top_k || rank.ndim() != 3 ||
+        rank.shape(0) != p.n_positions || rank.shape(1) != all_ids.shape(1) || rank.shape(2) != p.top_k ||
+        logprob.ndim() != 3 || logprob.size() != rank.size()) {
+        throw std::invalid_argument("build_draft_tree: all_ids must be (positions, all_k >= k), child_rank and "
+                                    "child_logprob (positions, all_k, k)");
+    }
+    p.all_k = (int) all_ids.shape(1);
+    p.all_ids.assign(all_ids.data(), all_ids.data() + all_ids.size());
+    p.child_rank.assign(rank.data(), rank.data() + rank.size());
+    p.child_logprob.assign(logprob.data(), logprob.data() + logprob.size());
+    for (int32_t r : p.child_rank) {
+        checked("child_rank", r, 0, p.all_k - 1);
+    }
+}
+
+static py::tuple draft_tree_of(i32_array ids, f32_array logprobs, int64_t root, int64_t budget, int64_t max_depth,
+                               const std::string & seed, const py::object & all_ids, const py::object & child_rank,
+                               const py::object & child_logprob) {
     checked("root", root, 0, INT32_MAX);
     checked("budget", budget, 0, 1 << 16);
     checked("max_depth", max_depth, 0, 1 << 16);
@@ -58,6 +84,7 @@ static py::tuple draft_tree_of(py::array_t<int32_t, py::array::c_style | py::arr
     p.top_k       = (int) ids.shape(1);
     p.ids.assign(ids.data(), ids.data() + ids.size());
     p.logprobs.assign(logprobs.data(), logprobs.data() + logprobs.size());
+    set_conditional(p, all_ids, child_rank, child_logprob);
     draft_tree t;
     build_draft_tree(p, (int32_t) root, (int) budget, (int) max_depth, parse_tree_seed(seed), t);
     return py::make_tuple(t.tokens, t.parents, t.depth, t.logq);
@@ -214,8 +241,10 @@ static void register_functions(py::module_ & m) {
           "The greedy pick of the CPU graphs (stock=True: ggml_argmax) on a float32 (n_rows, n_vocab) array.");
     m.def("build_draft_tree", &draft_tree_of,
           py::arg("ids"), py::arg("logprobs"), py::arg("root"), py::arg("budget"), py::arg("max_depth"),
-          py::arg("seed") = "best_first",
-          "The DDTree tree the loop verifies: (tokens, parents, depth, log Q) of [root, nodes...] in choice order.");
+          py::arg("seed") = "best_first", py::arg("all_ids") = py::none(), py::arg("child_rank") = py::none(),
+          py::arg("child_logprob") = py::none(),
+          "The DDTree tree the loop verifies: (tokens, parents, depth, log Q) of [root, nodes...] in choice order; "
+          "all_ids / child_rank / child_logprob: a DFlash2 selector's ranks given each previous candidate.");
     m.def("choose_verify_budget", &verify_budget,
           py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
           py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,

@@ -80,18 +80,33 @@ void build_draft_tree(const draft_proposals & p, int32_t root, int budget, int m
     if (budget <= 0 || max_depth <= 0) {
         return;
     }
-    const int K     = p.top_k;
-    auto      score = [&](int depth, int rank) {  // a node's own log-score
-        return scores ? (*scores)[(size_t) (depth - 1) * K + rank] : p.logprob(depth - 1, rank);
+    const int K = p.top_k;
+    // by node: the path's score, and (DFlash2's selector) the node's rank among its position's candidates, which
+    // ranks its children
+    std::vector<float> path_score(1, 0.0f);
+    std::vector<int>   selector_rank(1, 0);
+    // the rank-th child of `parent` at `depth`: its log-probability given the parent, and its own log-score
+    auto logprob = [&](int depth, int rank, int parent) {
+        return p.conditional() ? p.child_lp(depth - 1, selector_rank[parent], rank) : p.logprob(depth - 1, rank);
+    };
+    auto score = [&](int depth, int rank, int parent) {
+        return scores ? (*scores)[(size_t) (depth - 1) * K + rank] : logprob(depth, rank, parent);
     };
     std::priority_queue<candidate> heap;
-    std::vector<float>             path_score(1, 0.0f);  // by node
     // taking a node makes two new prefixes candidates: its next sibling and its first child
     auto take = [&](const candidate & c) {
-        const int node = out.add(p.id(c.depth - 1, c.rank), c.parent, c.rank, p.logprob(c.depth - 1, c.rank));
+        int32_t token = 0;
+        if (p.conditional()) {
+            selector_rank.push_back(p.child(c.depth - 1, selector_rank[c.parent], c.rank));
+            token = p.all_ids[(size_t) (c.depth - 1) * p.all_k + selector_rank.back()];
+        } else {
+            selector_rank.push_back(c.rank);
+            token = p.id(c.depth - 1, c.rank);
+        }
+        const int node = out.add(token, c.parent, c.rank, logprob(c.depth, c.rank, c.parent));
         path_score.push_back(c.score);
         if (c.rank + 1 < K) {
-            heap.push({path_score[c.parent] + score(c.depth, c.rank + 1), c.depth, c.rank + 1, c.parent});
+            heap.push({path_score[c.parent] + score(c.depth, c.rank + 1, c.parent), c.depth, c.rank + 1, c.parent});
         }
         return node;
     };
@@ -99,21 +114,21 @@ void build_draft_tree(const draft_proposals & p, int32_t root, int budget, int m
         // the top-1 chain as deep as the budget allows; its siblings stay candidates, its last node's child too
         int parent = 0;
         for (int d = 1; d <= std::min(max_depth, budget); ++d) {
-            parent = take({path_score[parent] + score(d, 0), d, 0, parent});
+            parent = take({path_score[parent] + score(d, 0, parent), d, 0, parent});
         }
         const int d_last = out.depth[parent];
         if (d_last < max_depth) {
-            heap.push({path_score[parent] + score(d_last + 1, 0), d_last + 1, 0, parent});
+            heap.push({path_score[parent] + score(d_last + 1, 0, parent), d_last + 1, 0, parent});
         }
     } else {
-        heap.push({score(1, 0), 1, 0, 0});
+        heap.push({score(1, 0, 0), 1, 0, 0});
     }
     while (out.size() - 1 < budget && !heap.empty()) {
         const candidate c = heap.top();
         heap.pop();
         const int node = take(c);
         if (c.depth < max_depth) {
-            heap.push({c.score + score(c.depth + 1, 0), c.depth + 1, 0, node});
+            heap.push({c.score + score(c.depth + 1, 0, node), c.depth + 1, 0, node});
         }
     }
 }

@@ -72,28 +72,57 @@ ggml_tensor * build_dflash2_lattice(ggml_context * ctx, const dflash2_selector &
     return ggml_mul_mat(ctx, succ, pred);  // [k (j), k (i), P]
 }
 
-void select_dflash2_path(const int32_t * cand, const float * unary, const float * lattice, int64_t P, int64_t k,
-                         int32_t * out_ids, float * out_logprobs) {
-    std::vector<double>  score(k);
-    std::vector<int64_t> order(k);
-    int64_t              prev = 0;  // row 0: every predecessor row is the anchor's
+// the k candidates (unsorted indices) best first by unary[j] + pair[j], and their log-softmax
+static void rank_one(const float * unary, const float * pair, int64_t k, std::vector<int64_t> & order,
+                     std::vector<double> & logp) {
+    std::vector<double> score(k);
+    for (int64_t j = 0; j < k; ++j) {
+        score[j] = (double) unary[j] + (double) pair[j];
+    }
+    order.resize(k);
+    std::iota(order.begin(), order.end(), 0);
+    // ties: the earlier candidate (torch.argmax's first maximum)
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+    double z = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+        z += std::exp(score[j] - score[order[0]]);
+    }
+    logp.resize(k);
+    for (int64_t r = 0; r < k; ++r) {
+        logp[r] = score[order[r]] - score[order[0]] - std::log(z);
+    }
+}
+
+void rank_dflash2_candidates(const int32_t * cand, const float * unary, const float * lattice, int64_t P, int64_t k,
+                             dflash2_ranking & out) {
+    // the greedy path's order at each position: to_cand[t][r] = the unsorted index of rank r, to_rank its inverse
+    std::vector<int64_t> to_cand((size_t) (P * k)), to_rank((size_t) (P * k)), order;
+    std::vector<double>  logp;
+    out.ids.resize((size_t) (P * k));
+    out.logprobs.resize(out.ids.size());
+    int64_t prev = 0;  // row 0: every predecessor row is the anchor's
     for (int64_t t = 0; t < P; ++t) {
-        const float * pair = lattice + (t * k + prev) * k;
-        for (int64_t j = 0; j < k; ++j) {
-            score[j] = (double) unary[t * k + j] + (double) pair[j];
-        }
-        std::iota(order.begin(), order.end(), 0);
-        // best first; ties: the earlier candidate (torch.argmax's first maximum)
-        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return score[a] > score[b]; });
-        double z = 0.0;
-        for (int64_t j = 0; j < k; ++j) {
-            z += std::exp(score[j] - score[order[0]]);
-        }
+        rank_one(unary + t * k, lattice + (t * k + prev) * k, k, order, logp);
         for (int64_t r = 0; r < k; ++r) {
-            out_ids[t * k + r]      = cand[t * k + order[r]];
-            out_logprobs[t * k + r] = (float) (score[order[r]] - score[order[0]] - std::log(z));
+            to_cand[t * k + r]        = order[r];
+            to_rank[t * k + order[r]] = r;
+            out.ids[t * k + r]        = cand[t * k + order[r]];
+            out.logprobs[t * k + r]   = (float) logp[r];
         }
         prev = order[0];
+    }
+    // given each candidate of the position before
+    out.child_rank.resize((size_t) (P * k * k));
+    out.child_logprob.resize(out.child_rank.size());
+    for (int64_t t = 0; t < P; ++t) {
+        for (int64_t i = 0; i < k; ++i) {
+            const int64_t pred = t == 0 ? 0 : to_cand[(t - 1) * k + i];
+            rank_one(unary + t * k, lattice + (t * k + pred) * k, k, order, logp);
+            for (int64_t r = 0; r < k; ++r) {
+                out.child_rank[(t * k + i) * k + r]    = (int32_t) to_rank[t * k + order[r]];
+                out.child_logprob[(t * k + i) * k + r] = (float) logp[r];
+            }
+        }
     }
 }
 

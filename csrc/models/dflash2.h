@@ -13,6 +13,7 @@
 #include "ggml.h"
 
 #include <cstdint>
+#include <vector>
 
 namespace pdf {
 
@@ -51,12 +52,18 @@ struct dflash2_selector {
 ggml_tensor * build_dflash2_lattice(ggml_context * ctx, const dflash2_selector & s, ggml_tensor * hidden,
                                     ggml_tensor * cand, ggml_tensor * anchor);
 
-// The greedy path through one block on the host: per position t, scores_t(j) = unary[t][j] + lattice[t][i][j]
-// with i the path's previous candidate (the anchor's row at t = 0); writes, per position, the k candidates
-// ordered by score (ids and their log-softmax over the k: the selector's probabilities at temperature 1), the
-// path's token first. unary: [P, k] (log-probabilities or logits: a constant per position changes nothing);
-// lattice as build_dflash2_lattice's, read back.
-void select_dflash2_path(const int32_t * cand, const float * unary, const float * lattice, int64_t P, int64_t k,
-                         int32_t * out_ids, float * out_logprobs);
+// The selector's ranking of one block, on the host, from cand [P, k], unary [P, k] (log-probabilities or logits: a
+// constant per position changes nothing) and lattice (build_dflash2_lattice's, read back). scores_t(j | i) =
+// unary[t][j] + lattice[t][i][j]; probabilities are their softmax over the k (temperature 1).
+//   ids, logprobs [P, k]: each position's candidates given the greedy path's previous token (the anchor at 0),
+//     best first: rank 0 at every position is the drafted path (z-lab's propose);
+//   child_rank, child_logprob [P, k, k]: given rank i (in that order) at t-1, the ranks at t best first and their
+//     log-probabilities (t = 0: the same for every i, the anchor's).
+struct dflash2_ranking {
+    std::vector<int32_t> ids, child_rank;
+    std::vector<float>   logprobs, child_logprob;
+};
+void rank_dflash2_candidates(const int32_t * cand, const float * unary, const float * lattice, int64_t P, int64_t k,
+                             dflash2_ranking & out);
 
 }  // namespace pdf

@@ -274,21 +274,32 @@ void draft_session::read_proposals(const graph & g, int n_block) {
 
 void draft_session::read_selected(const graph & g, int n_block) {
     const int64_t P = n_block - 1, k = readout_k();
-    std::vector<int32_t> cand((size_t) (P * k)), ids(cand.size());
-    std::vector<float>   unary(cand.size()), lattice((size_t) (P * k * k)), logprobs(cand.size());
+    std::vector<int32_t> cand((size_t) (P * k));
+    std::vector<float>   unary(cand.size()), lattice((size_t) (P * k * k));
     ggml_backend_tensor_get(g.top_ids, cand.data(), 0, sizeof(int32_t) * cand.size());
     ggml_backend_tensor_get(g.top_logprobs, unary.data(), 0, sizeof(float) * unary.size());
     ggml_backend_tensor_get(g.lattice, lattice.data(), 0, sizeof(float) * lattice.size());
-    select_dflash2_path(cand.data(), unary.data(), lattice.data(), P, k, ids.data(), logprobs.data());
-    // the best top_k_ of each position's k, the path's token first
+    dflash2_ranking ranked;
+    rank_dflash2_candidates(cand.data(), unary.data(), lattice.data(), P, k, ranked);
+    // the best top_k_ of each position's k (the path's token first), and of each candidate's children
     const int out_k        = (int) std::min<int64_t>(top_k_, k);
     proposals_.n_positions = (int) P;
     proposals_.top_k       = out_k;
+    proposals_.all_k       = (int) k;
+    proposals_.all_ids     = ranked.ids;
     proposals_.ids.resize((size_t) (P * out_k));
     proposals_.logprobs.resize(proposals_.ids.size());
+    proposals_.child_rank.resize((size_t) (P * k * out_k));
+    proposals_.child_logprob.resize(proposals_.child_rank.size());
     for (int64_t t = 0; t < P; ++t) {
-        std::copy_n(ids.data() + t * k, out_k, proposals_.ids.data() + t * out_k);
-        std::copy_n(logprobs.data() + t * k, out_k, proposals_.logprobs.data() + t * out_k);
+        std::copy_n(ranked.ids.data() + t * k, out_k, proposals_.ids.data() + t * out_k);
+        std::copy_n(ranked.logprobs.data() + t * k, out_k, proposals_.logprobs.data() + t * out_k);
+        for (int64_t i = 0; i < k; ++i) {
+            std::copy_n(ranked.child_rank.data() + (t * k + i) * k, out_k,
+                        proposals_.child_rank.data() + (t * k + i) * out_k);
+            std::copy_n(ranked.child_logprob.data() + (t * k + i) * k, out_k,
+                        proposals_.child_logprob.data() + (t * k + i) * out_k);
+        }
     }
 }
 

@@ -33,6 +33,22 @@ struct draft_proposals {
     std::vector<float>   logprobs;  // [n_positions, top_k]: log-softmax of the drafter's logits (0 if not read)
     int32_t id(int pos, int rank) const { return ids[(size_t) pos * top_k + rank]; }
     float   logprob(int pos, int rank) const { return logprobs[(size_t) pos * top_k + rank]; }
+
+    // DFlash2's selector (models/dflash2.h): a position's candidates ranked given which candidate of the position
+    // before precedes them (ids / logprobs above are those given the drafted path's, rank 0). Empty otherwise.
+    // child_rank / child_logprob [n_positions, all_k, top_k]: given rank i at pos-1 (pos 0: i = 0, the anchor),
+    // the rank (in all_ids' order, < all_k) and log-probability of the r-th best candidate at pos.
+    int                  all_k = 0;
+    std::vector<int32_t> all_ids;  // [n_positions, all_k]: every candidate the selector ranked
+    std::vector<int32_t> child_rank;
+    std::vector<float>   child_logprob;
+    bool    conditional() const { return !child_rank.empty(); }
+    int32_t child(int pos, int parent_rank, int r) const {
+        return child_rank[((size_t) pos * all_k + parent_rank) * top_k + r];
+    }
+    float child_lp(int pos, int parent_rank, int r) const {
+        return child_logprob[((size_t) pos * all_k + parent_rank) * top_k + r];
+    }
 };
 
 class draft_session {
