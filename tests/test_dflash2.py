@@ -23,18 +23,43 @@ PROMPTS = [[5, 9, 33, 100, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(4
 SIZES = dict(conv_kernel_size=4, conv_group_size=16, selector_rank=8, selector_top_k=6)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dflash2")
+def _pair(root, sizes):
     target_dir = make_qwen3_shape(root / "target", "gqa4x2_hd64", seed=5)
     target = convert_hf_to_gguf(target_dir, root / "target.gguf", outtype="f32", progress=False)
     draft_dir = make_dflash2_checkpoint(root / "draft", target_dir, target_layer_ids=[0], seed=3, weight_std=0.3,
-                                        **SIZES)
+                                        **sizes)
     draft = convert_hf_to_gguf(draft_dir, root / "draft.gguf", outtype="f32", target_model_dir=target_dir,
                                progress=False)
     ref_target = __import__("transformers").AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     ref_draft = dflash.DFlash2DraftModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
     return target, draft, ref_target.eval(), ref_draft
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return _pair(tmp_path_factory.mktemp("dflash2"), SIZES)
+
+
+# odd shapes: a kernel of 1 and of 7 (longer than some blocks' reach), groups of 1, 8 and the whole width, ranks of
+# 1 and 5, top-k of 1 (the selector only confirms the argmax) and 13
+ODD_SIZES = [dict(conv_kernel_size=1, conv_group_size=128, selector_rank=1, selector_top_k=13),
+             dict(conv_kernel_size=7, conv_group_size=1, selector_rank=5, selector_top_k=1),
+             dict(conv_kernel_size=3, conv_group_size=8, selector_rank=3, selector_top_k=5)]
+
+
+@pytest.mark.parametrize("sizes", ODD_SIZES, ids=lambda s: "k{conv_kernel_size}g{conv_group_size}r{selector_rank}"
+                                                         "t{selector_top_k}".format(**s))
+def test_odd_shapes_draft_zlabs_path_and_candidates(tmp_path, sizes):
+    """Kernel, group, rank and top-k sizes unlike the usual ones: the path is z-lab's, and so is each position's
+    candidate set (the logits' top-k)."""
+    target, draft, ref_target, ref_draft = _pair(tmp_path, sizes)
+    for prompt in PROMPTS[:2]:
+        path, cand, _, feats, anchor = _reference(ref_target, ref_draft, prompt, 15)
+        k = sizes["selector_top_k"]
+        ids, _ = _ours(target, draft, feats, anchor, top_k=max(k, 2))
+        assert ids[:, 0].tolist() == path
+        for t in range(15):
+            assert sorted(ids[t, :k].tolist()) == sorted(cand[t])
 
 
 def _reference(ref_target, ref_draft, prompt, n, *, convs=True):
@@ -97,17 +122,20 @@ def test_candidates_are_the_selectors(pair):
 
 @pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
 def test_dflash2_speculation_is_lossless(pair, mode):
-    """A DFlash2 drafter through Model: greedy output equals plain decoding's in every mode; chain and tree draft,
+    """A DFlash2 drafter through Model: greedy output equals plain decoding's in every mode, and so does one seed of
+    sampling; chain and tree draft,
     and the tree's candidates are accepted now and then (a random drafter's top-1 path seldom is)."""
     target, draft, _, _ = pair
     with pydflash.Model(target, n_ctx=512) as plain:
         expected = [plain.generate(p, max_tokens=40).tokens for p in PROMPTS]
+        sampled = plain.generate(PROMPTS[0], max_tokens=40, temperature=0.8, seed=4).tokens
     with pydflash.Model(target, draft_model_path=draft, n_ctx=512, spec_mode=mode) as m:
         drafted = accepted = 0
         for p, e in zip(PROMPTS, expected):
             c = m.generate(p, max_tokens=40)
             assert c.tokens == e
             drafted, accepted = drafted + c.timings["draft_n"], accepted + c.timings["draft_n_accepted"]
+        assert m.generate(PROMPTS[0], max_tokens=40, temperature=0.8, seed=4).tokens == sampled
     if mode != "auto":  # (auto may find drafting does not pay with a random drafter)
         assert drafted > 0 and (accepted > 0 or mode == "chain"), (drafted, accepted)
 
@@ -120,6 +148,7 @@ def test_dflash2_speculation_is_lossless(pair, mode):
     (dict(set_keys={"dflash.conv_group_size": (24, __import__("gguf").GGUFValueType.UINT32)}),
      r"dflash.conv_group_size = 24 does not divide the hidden size 128"),
     (dict(drop_tensors=("blk.1.ffn_conv_base",)), r"blk.1.ffn_conv_base"),
+    (dict(drop_tensors=("selector_successor.weight",)), r"selector_successor.weight"),
 ])
 def test_bad_dflash2_files_are_typed_errors(pair, tmp_path, change, match):
     from gguf_edit import rewrite
