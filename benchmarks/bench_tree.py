@@ -183,13 +183,21 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--budgets", default=None,
                     help="only plain and tree mode at these budgets, e.g. 22,63,127,255 (tau by budget)")
+    ap.add_argument("--engines", default=None, help="comma-separated labels of ours to run (default: all; plain "
+                                                      "always)")
+    ap.add_argument("--kinds", default="q8_0,q4mix", help="the cost-realistic pairs' types")
+    ap.add_argument("--draft", type=Path, default=None, help="this drafter GGUF for every pair (e.g. a DFlash2 one)")
     args = ap.parse_args()
     engines = OURS if args.budgets is None else [("plain", None)] + [
         (f"tree {b}", dict(spec_mode="tree", tree_budget=int(b))) for b in args.budgets.split(",")]
+    if args.engines:
+        engines = [e for e in engines if e[0] == "plain" or e[0] in args.engines.split(",")]
     archs = args.archs.split(",")
     kinds = args.pairs.split(",")
-    pairs = (cost_realistic_pairs(args.cache_dir, archs) if "realistic" in kinds else []) + \
-            (tiny_pairs(archs) if "tiny" in kinds else [])
+    pairs = (cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.kinds.split(","))) if "realistic" in kinds
+             else []) + (tiny_pairs(archs) if "tiny" in kinds else [])
+    for pair in pairs if args.draft else []:
+        pair["draft"], pair["name"] = args.draft, f"{pair['name']}, drafter {args.draft.name}"
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens, greedy, {args.threads} threads")
     results = {}
