@@ -363,16 +363,10 @@ class DFlashConverter(ModelConverter):
                                       f"{list(shape)}")
 
     def map_tensor_name(self, name: str) -> str:
-        if self.dflash2:
-            if name in _DFLASH2_GLOBAL_TENSORS:
-                return _DFLASH2_GLOBAL_TENSORS[name]
-            m = _LAYER_RE.match(name)
-            if m and m[2] in _DFLASH2_LAYER_TENSORS and int(m[1]) < self.block_count:
-                return f"blk.{m[1]}.{_DFLASH2_LAYER_TENSORS[m[2]]}"
-        if (mapped := gguf_name(name, _GLOBAL_TENSORS, _LAYER_RE, _LAYER_TENSORS, self.block_count)):
-            return mapped
-        raise ConversionError(f"{self.dir_model}: cannot map tensor {name!r} of a DFlash draft "
-                              f"(block_count {self.block_count})")
+        try:
+            return gguf_tensor_name(name, self.block_count, self.dflash2)
+        except ConversionError as e:
+            raise ConversionError(f"{self.dir_model}: {e}") from None
 
     def modify_tensors(self, data: LazyTensor, name: str, bid: int | None) -> Iterable[tuple[str, LazyTensor]]:
         name = _strip(name)
@@ -399,6 +393,21 @@ class DSparkConverter(ModelConverter):
     gguf_arch = "dflash"
     unsupported = ("a DSpark draft (DFlash + Markov head); pydflash converts DFlash (v1) drafts (DFlashDraftModel) "
                    "only")
+
+
+def gguf_tensor_name(name: str, block_count: int, dflash2: bool = False) -> str:
+    """The GGUF name llama.cpp's converter gives a drafter checkpoint tensor `name` (z-lab's names, with or without
+    the `model.` prefix); ConversionError for one it has none for."""
+    name = _strip(name)
+    if dflash2:
+        if name in _DFLASH2_GLOBAL_TENSORS:
+            return _DFLASH2_GLOBAL_TENSORS[name]
+        m = _LAYER_RE.match(name)
+        if m and m[2] in _DFLASH2_LAYER_TENSORS and int(m[1]) < block_count:
+            return f"blk.{m[1]}.{_DFLASH2_LAYER_TENSORS[m[2]]}"
+    if (mapped := gguf_name(name, _GLOBAL_TENSORS, _LAYER_RE, _LAYER_TENSORS, block_count)):
+        return mapped
+    raise ConversionError(f"cannot map tensor {name!r} of a DFlash drafter (block_count {block_count})")
 
 
 def _strip(name: str) -> str:

@@ -199,3 +199,64 @@ def test_trees_rank_each_nodes_children_given_its_own_token():
     # without them every node's children are ranked as the path's are
     tokens, parents, _, _ = _core.build_draft_tree(ids, logprobs, 1, 6, 2)
     assert tokens == [1, A, C, B, C, D, D] and parents == [-1, 0, 1, 0, 3, 1, 3]
+
+
+def test_the_training_definition_is_zlabs(pair):
+    """tools/dflash_ref.py's DFlash2DraftModel, which tools/train_dflash2.py trains, given z-lab's weights: the same
+    block hidden states, and its selector's scores give z-lab's path (so what training learns means the same thing
+    to z-lab, llama.cpp and us)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import dflash_ref as R
+
+    target, draft, ref_target, ref_draft = pair
+    ours = R.DFlash2DraftModel(ref_draft.config).eval()
+    state = {k.replace(".weight", "") if "codebook" in k else k: v for k, v in ref_draft.state_dict().items()
+             if not k.startswith("rotary_emb")}
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith("rotary_emb") for k in missing), (missing, unexpected)
+    prompt, n = PROMPTS[2], 15
+    path, _, _, feats, anchor = _reference(ref_target, ref_draft, prompt, n)
+    block = torch.tensor([[anchor] + [ref_draft.mask_token_id] * n])
+    noise = ref_target.get_input_embeddings()(block)
+    positions = torch.arange(0, len(prompt) + n + 1)[None]
+    with torch.no_grad():
+        theirs = ref_draft(position_ids=positions, noise_embedding=noise, target_hidden=feats)
+        mine = ours(noise, feats, positions)
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+        h = mine[:, 1:]
+        unary = h @ ref_target.get_output_embeddings().weight.T
+        sel, tok = ours.candidate_selector, anchor
+        greedy = []
+        for t in range(n):
+            cand = unary[0, t].topk(sel.top_k).indices
+            scores = sel.scores(unary[0, t], h[0, t], torch.tensor(tok), cand)
+            tok = int(cand[scores.argmax()])
+            greedy.append(tok)
+    assert greedy == path
+
+
+def test_train_dflash2_writes_a_drafter_we_run(tmp_path):
+    """tools/train_dflash2.py end to end in miniature (8 sequences, 3 steps): the GGUF it writes loads next to its
+    target as a DFlash2 drafter and speculation with it equals plain decoding."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from export_pairs import pair_file
+
+    root = Path(__file__).resolve().parents[1]
+    target, template = pair_file("qwen35", "target", "f32"), pair_file("qwen35", "dflash", "f32")
+    out = tmp_path / "d2.gguf"
+    proc = subprocess.run([sys.executable, str(root / "tools" / "train_dflash2.py"), str(target), str(template),
+                           str(out), "--sequences", "8", "--seq-len", "160", "--steps", "3", "--anchors", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = _core.gguf_metadata(str(out), ["dflash.selector_top_k", "dflash.target_layers"])
+    assert meta["dflash.selector_top_k"][2] == 8 and list(meta["dflash.target_layers"][2]) == [1, 2, 3]
+    with pydflash.Model(target, n_ctx=512) as plain:
+        expected = plain.generate(PROMPTS[1], max_tokens=24).tokens
+    with pydflash.Model(target, draft_model_path=out, n_ctx=512, spec_mode="chain") as m:
+        assert m.generate(PROMPTS[1], max_tokens=24).tokens == expected

@@ -193,6 +193,110 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return self.norm(h)
 
 
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution over a block's rows (z-lab's GroupedDynamicCausalConv, written
+    from its definition): base_kernel [2, K, H] and kernel_projection H -> 2*K*groups; side 0 convolves a sublayer's
+    input, side 1 its output, both with coefficients computed from the input. Starts as the identity (speculators'
+    initialisation: a base tap of 1 on the row itself, the projection 0)."""
+
+    def __init__(self, hidden: int, kernel: int, group: int):
+        super().__init__()
+        self.kernel, self.group = kernel, group
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
+        with torch.no_grad():
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def coefficients(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel, x.shape[-1] // self.group)
+
+    def convolve(self, x: torch.Tensor, dyn: torch.Tensor, side: int, block: int) -> torch.Tensor:
+        """x [N, A*block, H] (A blocks of `block` rows, each convolved on its own), dyn [N, A*block, 2, K, G]."""
+        n, length, h = x.shape
+        xb = x.reshape(n * (length // block), block, h)
+        db = dyn[..., side, :, :].reshape(n * (length // block), block, self.kernel, -1)
+        out = torch.zeros_like(xb)
+        for o in range(self.kernel):
+            xo = xb if o == 0 else F.pad(xb[:, :-o], (0, 0, o, 0))
+            out = out + (self.base_kernel[side, o] + db[:, :, o].repeat_interleave(self.group, dim=-1)) * xo
+        return out.view(n, length, h)
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    def __init__(self, config: Qwen3Config, layer_idx: int, kernel: int, group: int, block: int):
+        super().__init__(config, layer_idx)
+        self.attention_conv = GroupedDynamicConv(config.hidden_size, kernel, group)
+        self.mlp_conv = GroupedDynamicConv(config.hidden_size, kernel, group)
+        self.block = block
+
+    def forward(self, h, ctx, cos, sin, mask, position_ids=None):
+        def around(conv, x, sublayer):
+            dyn = conv.coefficients(x)
+            return conv.convolve(sublayer(conv.convolve(x, dyn, 0, self.block)), dyn, 1, self.block)
+
+        h = h + around(self.attention_conv, self.input_layernorm(h),
+                       lambda x: self.self_attn(x, ctx, cos, sin, mask, position_ids))
+        return h + around(self.mlp_conv, self.post_attention_layernorm(h), self.mlp)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's selector: score(j | i) = unary(j) + <prev[i] * W h, next[j]> over the unary top-k (codebooks and W
+    start at N(0, 0.02), as speculators initialises them)."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(0.02 * torch.randn(vocab, rank))
+        self.successor_codebook = nn.Parameter(0.02 * torch.randn(vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        nn.init.normal_(self.hidden_projection.weight, std=0.02)
+
+    def scores(self, unary: torch.Tensor, hidden: torch.Tensor, pred: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """unary [..., V], hidden [..., H], pred [...] (the token before), cand [..., k] -> [..., k]."""
+        pair = (self.predecessor_codebook[pred] * self.hidden_projection(hidden))[..., None, :]
+        return unary.gather(-1, cand) + (pair * self.successor_codebook[cand]).sum(-1)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlashDraftModel with DFlash2's convolutions around each layer's attention and MLP and its candidate selector
+    (z-lab's DFlash2DraftModel state-dict names)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        sizes = [int(draft_value(config, k)) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                       "selector_top_k")]
+        self.layers = nn.ModuleList([DFlash2DecoderLayer(config, i, sizes[0], sizes[1], self.block_size)
+                                     for i in range(config.num_hidden_layers)])
+        self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, sizes[2], sizes[3])
+        self.post_init()  # the layers' attention and MLP as DFlashDraftModel's; then DFlash2's own starting points
+        with torch.no_grad():
+            for layer in self.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.zero_()
+                    conv.base_kernel[:, 0] = 1.0
+                    conv.kernel_projection.weight.zero_()
+
+
+def selector_loss(selector: CandidateSelector, unary: torch.Tensor, hidden: torch.Tensor, anchors_tok: torch.Tensor,
+                  labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """speculators' DFlash2 selector objective: teacher-forced K-way cross-entropy over the unary top-k, the label put
+    in at rank K where it is missing; the predecessor of slot 1 is the anchor, of slot k the label of slot k-1; the
+    slot weights of dflash_loss. unary [N, A, B-1, V], hidden [N, A, B-1, H], anchors_tok [N, A], labels [N, A, B-1]."""
+    valid = labels != -100
+    target = labels.clamp(min=0)
+    cand = unary.detach().topk(selector.top_k, dim=-1).indices
+    hit = cand.eq(target[..., None])
+    contains = hit.any(-1)
+    pos = torch.where(contains, hit.long().argmax(-1), torch.full_like(target, selector.top_k - 1))
+    cand[..., -1] = torch.where(contains, cand[..., -1], target)
+    pred = torch.cat([anchors_tok[..., None], target[..., :-1]], dim=-1)
+    logits = selector.scores(unary, hidden, pred, cand)
+    ce = F.cross_entropy(logits.flatten(0, 2), pos.flatten(), reduction="none").view(labels.shape)
+    w = weights.to(ce.dtype)[None, None, :] * valid
+    return (ce * w).sum() / w.sum().clamp(min=1e-9)
+
+
 def extract_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
     """Concatenate the outputs of target layers `layer_ids` (HF `hidden_states[l + 1]`)."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
