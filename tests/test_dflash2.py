@@ -260,3 +260,20 @@ def test_train_dflash2_writes_a_drafter_we_run(tmp_path):
         expected = plain.generate(PROMPTS[1], max_tokens=24).tokens
     with pydflash.Model(target, draft_model_path=out, n_ctx=512, spec_mode="chain") as m:
         assert m.generate(PROMPTS[1], max_tokens=24).tokens == expected
+
+
+@pytest.mark.parametrize("ranking", ["per_node", "path", "unary"])
+def test_each_tree_ranking_is_lossless_and_keeps_the_selectors_path(pair, ranking):
+    """_core.DraftSession(dflash2_tree=...) (benchmarks/bench_dflash2.py compares them): trees built from each ranking
+    decode as plain decoding does, and the drafted path (rank 0 at every position) is the selector's in all three."""
+    target, draft, ref_target, ref_draft = pair
+    with pydflash.Model(target, n_ctx=512) as plain:
+        expected = plain.generate(PROMPTS[2], max_tokens=40).tokens
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=512, spec_mode="tree") as m:
+        m._draft = _core.DraftSession(m._session, m._draft_model, **{**m._draft_config, "dflash2_tree": ranking})
+        assert m.generate(PROMPTS[2], max_tokens=40).tokens == expected
+    path, _, _, feats, anchor = _reference(ref_target, ref_draft, PROMPTS[2], 15)
+    P = feats.shape[1]
+    s = _core.DraftSession(_core.Model(str(target)), str(draft), n_ctx=256, top_k=4, dflash2_tree=ranking)
+    ids, _ = s.draft(feats[0].numpy(), np.arange(P, dtype=np.int32), anchor, P, with_logprobs=True)
+    assert ids[:, 0].tolist() == path

@@ -39,7 +39,7 @@ static std::shared_ptr<const dflash_draft> draft_weights(const py::object & weig
 static py_draft make_draft_session(const py::object & target_arg, const py::object & weights, int64_t n_ctx,
                                    int64_t block_size, int64_t window, int64_t ring_capacity, int64_t top_k,
                                    bool with_logprobs, int64_t max_verify, const std::string & mode,
-                                   int64_t tree_budget, const std::string & seed) {
+                                   int64_t tree_budget, const std::string & seed, const std::string & dflash2_tree) {
     std::shared_ptr<compute_backends>         compute;
     const std::shared_ptr<const target_model> target = target_of(target_arg, compute);
     draft_params params;
@@ -49,6 +49,14 @@ static py_draft make_draft_session(const py::object & target_arg, const py::obje
     params.ring_capacity = (int) checked("ring_capacity", ring_capacity, 1, INT32_MAX);
     params.top_k         = (int) checked("top_k", top_k, 1, INT32_MAX);
     params.with_logprobs = with_logprobs;
+    if (dflash2_tree == "per_node" || dflash2_tree == "path" || dflash2_tree == "unary") {
+        params.dflash2_tree = dflash2_tree == "per_node" ? selector_tree::per_node
+                              : dflash2_tree == "path"   ? selector_tree::path
+                                                         : selector_tree::unary;
+    } else {
+        throw std::invalid_argument(format("dflash2_tree = '%s' is not one of per_node, path, unary",
+                                           dflash2_tree.c_str()));
+    }
     checked("max_verify", max_verify, 0, INT32_MAX);
     py_draft d;
     d.spec.mode        = parse_spec_mode(mode);
@@ -94,9 +102,12 @@ void register_draft_session(py::module_ & m) {
             py::arg("block_size") = 0, py::arg("window") = draft_params{}.window,
             py::arg("ring_capacity") = draft_params{}.ring_capacity, py::arg("top_k") = draft_params{}.top_k,
             py::arg("with_logprobs") = true, py::arg("max_verify") = 0, py::arg("spec_mode") = "chain",
-            py::arg("tree_budget") = 0, py::arg("tree_seed") = "best_first", py::keep_alive<1, 2>(),
+            py::arg("tree_budget") = 0, py::arg("tree_seed") = "best_first", py::arg("dflash2_tree") = "per_node",
+            py::keep_alive<1, 2>(),
             "spec_mode ('chain', 'tree' or 'auto'), tree_budget (0: the session's limit) and tree_seed: how its "
-            "generations speculate, unless a generate call says otherwise.")
+            "generations speculate, unless a generate call says otherwise. dflash2_tree: how a DFlash2 drafter's "
+            "candidates rank in trees ('per_node': by the selector given each node's token; 'path': given the "
+            "drafted path's; 'unary': by the drafter's logits, the path first).")
         .def_property_readonly("block_size", [](const py_draft & d) { return d.session->block(); })
         .def_property_readonly("trained_block_size", [](const py_draft & d) { return d.session->model().block_size(); })
         .def_property_readonly("mask_token", [](const py_draft & d) { return d.session->model().mask_token(); })

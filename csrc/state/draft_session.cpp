@@ -47,6 +47,7 @@ draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t
     }
     top_k_         = params.top_k;
     with_logprobs_ = params.with_logprobs;
+    dflash2_tree_  = params.dflash2_tree;
     window_  = (int) std::min<int64_t>(params.window, n_ctx);
     n_slots_ = window_ + block_;
     slot_pos_.assign(n_slots_, -1);
@@ -281,6 +282,10 @@ void draft_session::read_selected(const graph & g, int n_block) {
     ggml_backend_tensor_get(g.lattice, lattice.data(), 0, sizeof(float) * lattice.size());
     dflash2_ranking ranked;
     rank_dflash2_candidates(cand.data(), unary.data(), lattice.data(), P, k, ranked);
+    if (dflash2_tree_ != selector_tree::per_node) {
+        unconditional(ranked, cand.data(), unary.data(), P, k);
+        return;
+    }
     // the best top_k_ of each position's k (the path's token first), and of each candidate's children
     const int out_k        = (int) std::min<int64_t>(top_k_, k);
     proposals_.n_positions = (int) P;
@@ -299,6 +304,45 @@ void draft_session::read_selected(const graph & g, int n_block) {
                         proposals_.child_rank.data() + (t * k + i) * out_k);
             std::copy_n(ranked.child_logprob.data() + (t * k + i) * k, out_k,
                         proposals_.child_logprob.data() + (t * k + i) * out_k);
+        }
+    }
+}
+
+void draft_session::unconditional(const dflash2_ranking & ranked, const int32_t * cand, const float * unary, int64_t P,
+                                  int64_t k) {
+    const int out_k        = (int) std::min<int64_t>(top_k_, k);
+    proposals_             = draft_proposals{};
+    proposals_.n_positions = (int) P;
+    proposals_.top_k       = out_k;
+    proposals_.ids.resize((size_t) (P * out_k));
+    proposals_.logprobs.resize(proposals_.ids.size());
+    std::vector<int32_t> ids(cand, cand + P * k);
+    std::vector<float>   lps(unary, unary + P * k);
+    sort_top_k(ids.data(), lps.data(), P, (int) k);  // the drafter's own order, best first
+    for (int64_t t = 0; t < P; ++t) {
+        for (int r = 0; r < out_k; ++r) {
+            const bool path   = dflash2_tree_ == selector_tree::path;
+            // unary: the drafter's order, but the selector's path first (a chain is the selector's pick)
+            const int32_t tok = path ? ranked.ids[t * k + r] : ids[t * k + r];
+            proposals_.ids[t * out_k + r]      = tok;
+            proposals_.logprobs[t * out_k + r] = path ? ranked.logprobs[t * k + r] : lps[t * k + r];
+        }
+        if (dflash2_tree_ == selector_tree::unary) {
+            // move the path's token to rank 0 (the order of the others kept)
+            int32_t * row = proposals_.ids.data() + t * out_k;
+            float *   lp  = proposals_.logprobs.data() + t * out_k;
+            const int32_t pick = ranked.ids[t * k];
+            int at = -1;
+            for (int r = 0; r < out_k; ++r) {
+                at = row[r] == pick ? r : at;
+            }
+            if (at < 0) {  // beyond the kept ranks: it replaces the last
+                at = out_k - 1;
+                row[at] = pick;
+                lp[at]  = unary[t * k + std::distance(cand + t * k, std::find(cand + t * k, cand + (t + 1) * k, pick))];
+            }
+            std::rotate(row, row + at, row + at + 1);
+            std::rotate(lp, lp + at, lp + at + 1);
         }
     }
 }

@@ -17,12 +17,18 @@
 
 namespace pdf {
 
+// how a DFlash2 drafter's candidates rank in a tree (models/dflash2.h): each node's children by the selector given
+// that node's token; every position's by the selector given the drafted path's token; or by the drafter's logits
+// alone (DFlash's way; the path stays the selector's)
+enum class selector_tree { per_node, path, unary };
+
 struct draft_params {
     int block         = 0;     // tokens per round; 0 = the draft's trained block size
     int window        = 4096;  // context positions the drafter attends to (sliding); clamped to n_ctx
     int ring_capacity = 512;   // feature-ring rows; >= the target's prefill micro-batch and >= a verify's rows
     int  top_k         = 1;     // candidates per drafted position (1: the greedy chain)
     bool with_logprobs = true;  // their log-probabilities (trees and auto build on them; a chain does not)
+    selector_tree dflash2_tree = selector_tree::per_node;
 };
 
 // one draft call: for each drafted position start+1 .. start+n_positions, the top_k candidates, most likely first
@@ -125,6 +131,8 @@ class draft_session {
     void read_proposals(const graph & g, int n_block);
     // DFlash2: the selector's path through the read-back candidates and lattice (models/dflash2.h)
     void read_selected(const graph & g, int n_block);
+    // DFlash2 with dflash2_tree path / unary: one ranking per position (no per-node conditional ranks)
+    void unconditional(const dflash2_ranking & ranked, const int32_t * cand, const float * unary, int64_t P, int64_t k);
 
     std::shared_ptr<const dflash_draft> draft_;
     bool                                own_pool_;  // no target session's backends were given
@@ -135,6 +143,7 @@ class draft_session {
     int                                 window_;
     int                                 top_k_;
     bool                                with_logprobs_;
+    selector_tree                       dflash2_tree_;
     int                                 n_slots_;   // window + block
     int                                 n_valid_ = 0;
     std::vector<int32_t>                slot_pos_;  // position held by each cache slot (-1: none)
