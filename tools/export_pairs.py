@@ -34,7 +34,8 @@ N_DEMO_PROMPTS = 8
 
 def pair_file(kind: str, role: str, outtype: str, pairs_dir: Path = PAIRS_DIR) -> Path:
     """Where the committed GGUF of one pair member lives (role: target | dflash); the tests and benchmarks
-    read the pairs through this too (role target-mtp: the qwen35 target with its trained MTP head)."""
+    read the pairs through this too (role target-mtp: the qwen35 target with its trained MTP head; role dflash2: its
+    trained DFlash2 drafter, tools/train_dflash2.py)."""
     if kind == "qwen3" and outtype == "f16":
         from pydflash.demo import DEMO_DRAFT, DEMO_TARGET  # this pair ships inside the package
 

@@ -143,8 +143,8 @@ void dflash_draft::check_variant() const {
     }
     for (const char * name : {"markov_w1.weight", "d2t", "token_embd.weight", "output.weight"}) {
         if (f.find_tensor(name)) {
-            throw unsupported_error(format("%s: tensor '%s' belongs to a draft variant pydflash does not run (DFlash2, "
-                                           "DSpark, reduced vocabulary or a draft-owned embedding/head)",
+            throw unsupported_error(format("%s: tensor '%s' belongs to a draft variant pydflash does not run (DSpark, "
+                                           "reduced vocabulary or a draft-owned embedding/head)",
                                            path.c_str(), name));
         }
     }
