@@ -77,14 +77,8 @@ def distill(target_path: str, capture: list[int], streams, n_seq: int, seq_len: 
     rng = np.random.default_rng(seed)
     toks, feats, plens, t0 = [], [], [], time.time()
     while len(toks) < n_seq:
-        s = streams[rng.integers(len(streams))]
-        p = int(rng.choice([48, 64, 96, 128]))
-        o = int(rng.integers(0, len(s) - p))
-        prompt = s[o:o + p]
-        cont = session.generate(prompt, max_tokens=seq_len - p)["tokens"]
-        seq = np.concatenate([prompt, np.asarray(cont, dtype=np.int32)])[:seq_len]
-        session.truncate(0)
-        if len(seq) < seq_len:
+        seq, p = TM.greedy_sequence(session, streams, rng, [48, 64, 96, 128], seq_len)
+        if seq is None:
             continue
         _, captured = session.eval(seq, capture_layers=capture)
         session.truncate(0)

@@ -143,6 +143,20 @@ def training_streams(tok) -> list[np.ndarray]:
     return streams
 
 
+def greedy_sequence(session, streams, rng, prompt_lens, seq_len: int):
+    """(tokens, prompt length): a prompt window (of one of prompt_lens tokens, after a random offset of a random
+    document) and the target's greedy continuation, seq_len tokens in all; tokens None when the target stopped
+    early. The session is left empty."""
+    s = streams[rng.integers(len(streams))]
+    p = int(rng.choice(prompt_lens))
+    o = int(rng.integers(0, len(s) - p))
+    prompt = s[o:o + p]
+    cont = session.generate(prompt, max_tokens=seq_len - p)["tokens"]
+    seq = np.concatenate([prompt, np.asarray(cont, dtype=np.int32)])[:seq_len]
+    session.truncate(0)
+    return (seq if len(seq) == seq_len else None), p
+
+
 def distill(target_path: str, streams, n_seq: int, seq_len: int, seed: int):
     """n_seq sequences of seq_len tokens (a prompt window, then the target's greedy continuation) and the target's
     final normed hidden states at every position, from pydflash."""
@@ -157,15 +171,9 @@ def distill(target_path: str, streams, n_seq: int, seq_len: int, seed: int):
     eps = float(_field(reader, arch + ".attention.layer_norm_rms_epsilon"))
     toks, hs, t0 = [], [], time.time()
     for i in range(n_seq):
-        s = streams[rng.integers(len(streams))]
-        p = int(rng.choice([32, 48, 64, 96]))
-        o = int(rng.integers(0, len(s) - p))
-        prompt = s[o:o + p]
-        cont = session.generate(prompt, max_tokens=seq_len - p)["tokens"]
-        seq = np.concatenate([prompt, np.asarray(cont, dtype=np.int32)])[:seq_len]
-        if len(seq) < seq_len:
+        seq, _ = greedy_sequence(session, streams, rng, [32, 48, 64, 96], seq_len)
+        if seq is None:
             continue
-        session.truncate(0)
         _, (last,) = session.eval(seq, capture_layers=[model.n_layer])
         h = last / np.sqrt((last.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * out_norm
         toks.append(seq)
