@@ -58,17 +58,22 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--target-types", default=",".join(TARGET_TYPES), help="llama-quantize types of the target")
+    ap.add_argument("--drafter", default="dflash", choices=("dflash", "dflash2"),
+                    help="the pair's DFlash drafter or its DFlash2 one (tests/data/pairs/<arch>-dflash2-f32.gguf)")
     args = ap.parse_args()
     if peer.binary("llama-quantize") is None:
         raise SystemExit("llama-quantize is not built (python benchmarks/peer.py build)")
     prompts = [r["text"] for r in prompt_rows("code")[: args.n_prompts]]
-    print(f"chain tau, block 16, {len(prompts)} code prompts x {args.max_tokens} tokens, greedy")
+    print(f"chain tau, block 16, {len(prompts)} code prompts x {args.max_tokens} tokens, greedy, {args.drafter} drafters")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for arch in args.archs.split(","):
-            f16 = [("f16", pair_file(arch, "dflash", "f16"))] if pair_file(arch, "dflash", "f16").exists() else []
-            drafts = [("f32", pair_file(arch, "dflash", "f32"))] + f16 + [
-                (d, quantize_gguf(pair_file(arch, "dflash", "f32"), tmp / f"{arch}-d-{d}.gguf", d, progress=False))
+            role = args.drafter
+            # (qwen3's f16 pair is the demo pair inside the package: a DFlash drafter only)
+            f16 = [("f16", pair_file(arch, role, "f16"))] if role == "dflash" and pair_file(arch, role, "f16").exists() \
+                else []
+            drafts = [("f32", pair_file(arch, role, "f32"))] + f16 + [
+                (d, quantize_gguf(pair_file(arch, role, "f32"), tmp / f"{arch}-d-{d}.gguf", d, progress=False))
                 for d in DRAFT_TYPES]
             print(f"\n{arch}: target \\ drafter  " + "  ".join(f"{d:>6}" for d, _ in drafts))
             targets = [("F32", pair_file(arch, "target", "f32"), "")]
