@@ -29,8 +29,8 @@ struct recurrent_layer_desc {
     int64_t head_dim;       // S (keys and values)
     int64_t n_k_heads;      // Hk
     int64_t n_v_heads;      // Hv
-    // one token's gated-delta-net inputs as the state keeps them for a later commit: q, k (normalised), v, then
-    // g and beta, in floats
+    // floats of one token's q, k (normalised) and v as the state keeps them for a later commit (a row of
+    // step_qkv; g and beta, Hv floats each, have rows of their own)
     int64_t step_width() const { return head_dim * (2 * n_k_heads + n_v_heads); }
 };
 
