@@ -305,6 +305,32 @@ def _sampling_arguments(p: argparse.ArgumentParser, temp: float) -> None:
     samp.add_argument("-s", "--seed", type=int, default=None, help="a seed makes sampling reproducible")
 
 
+def _add_plan_command(sub) -> None:
+    """`pydflash plan`: Model's arguments, the budgets to fit, --largest and --json."""
+    plan_cmd = sub.add_parser("plan", help="the memory a configuration needs on each device and whether it fits "
+                                           "(the GGUFs' metadata only: tensor data may be absent)")
+    plan_cmd.add_argument("model", help="path to a qwen3 / qwen35 / qwen3moe / qwen35moe GGUF")
+    plan_cmd.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF")
+    _proposers_argument(plan_cmd)
+    plan_cmd.add_argument("-c", "--n-ctx", type=int, default=4096)
+    plan_cmd.add_argument("--kv-type", default="f16")
+    plan_cmd.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="-1: all layers and the head")
+    _placement_arguments(plan_cmd)
+    plan_cmd.add_argument("-ub", "--n-ubatch", type=_int_or_auto, default="auto",
+                          help="prefill micro-batch (default auto: the largest Model may choose)")
+    plan_cmd.add_argument("-b", "--block-size", type=int, default=None)
+    plan_cmd.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto")
+    plan_cmd.add_argument("--tree-budget", type=int, default=None)
+    plan_cmd.add_argument("--draft-window", type=int, default=4096)
+    plan_cmd.add_argument("--vram", default=None, help="GPU memory to fit in, e.g. 24GiB (default: the GPU's free "
+                                                       "memory, when this machine has one)")
+    plan_cmd.add_argument("--ram", default=None, help="system memory to fit in (default: what is available)")
+    plan_cmd.add_argument("--largest", action="store_true",
+                          help="when it fits, also find the largest context and tree budget that would")
+    plan_cmd.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    plan_cmd.set_defaults(func=_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pydflash", description="DFlash speculative decoding on GGUF models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -346,28 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chat-format", default=None, metavar="NAME",
                        help="a built-in chat template to render every chat with: chatml")
     serve.set_defaults(func=_serve)
-    plan_cmd = sub.add_parser("plan", help="the memory a configuration needs on each device and whether it fits "
-                                           "(the GGUFs' metadata only: tensor data may be absent)")
-    plan_cmd.add_argument("model", help="path to a qwen3 / qwen35 / qwen3moe / qwen35moe GGUF")
-    plan_cmd.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF")
-    _proposers_argument(plan_cmd)
-    plan_cmd.add_argument("-c", "--n-ctx", type=int, default=4096)
-    plan_cmd.add_argument("--kv-type", default="f16")
-    plan_cmd.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="-1: all layers and the head")
-    _placement_arguments(plan_cmd)
-    plan_cmd.add_argument("-ub", "--n-ubatch", type=_int_or_auto, default="auto",
-                          help="prefill micro-batch (default auto: the largest Model may choose)")
-    plan_cmd.add_argument("-b", "--block-size", type=int, default=None)
-    plan_cmd.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto")
-    plan_cmd.add_argument("--tree-budget", type=int, default=None)
-    plan_cmd.add_argument("--draft-window", type=int, default=4096)
-    plan_cmd.add_argument("--vram", default=None, help="GPU memory to fit in, e.g. 24GiB (default: the GPU's free "
-                                                       "memory, when this machine has one)")
-    plan_cmd.add_argument("--ram", default=None, help="system memory to fit in (default: what is available)")
-    plan_cmd.add_argument("--largest", action="store_true",
-                          help="when it fits, also find the largest context and tree budget that would")
-    plan_cmd.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    plan_cmd.set_defaults(func=_plan)
+    _add_plan_command(sub)
     rpc = sub.add_parser("rpc-server", help="serve this machine's GPU (else its CPU) as a device for models "
                                             "elsewhere (--rpc); unauthenticated: trusted networks only")
     rpc.add_argument("-H", "--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
