@@ -452,8 +452,9 @@ class Model:
 
     @property
     def recurrent_bytes(self) -> int:
-        """Hybrid targets: bytes of the recurrent state, with one state per token (chain) or node (tree) a
-        verify may commit at; it grows with tree_budget. 0 for attention-only targets."""
+        """Hybrid targets: bytes of the recurrent state: the committed state, the one a verify writes, and each
+        verified token's or node's delta-rule and conv inputs (it grows a little with tree_budget). 0 for
+        attention-only targets."""
         return self._session.recurrent_bytes
 
     @property

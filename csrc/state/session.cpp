@@ -427,7 +427,7 @@ void session::truncate(int n_past) {
         throw std::out_of_range(format("truncate: %d is outside [0, %d]", n_past, n_past_));
     }
     if (rs_ && n_past == 0) {
-        rs_->reset();  // always possible, also after an uncommitted eval longer than the snapshots reach
+        rs_->reset();  // always possible, also after an uncommitted eval longer than n_rollback
     } else if (rs_ && n_past != n_past_) {
         throw std::invalid_argument(format("truncate: a recurrent state cannot be cut back to %d tokens (only "
                                            "reset to 0, or rolled back by commit after an eval)", n_past));
