@@ -109,6 +109,49 @@ sampling_params parse_sampling(const py::object & o);
 py::dict logprobs_dict(const std::vector<token_logprobs> & lps);
 
 // one per concept; module.cpp calls them in this order (a later one may add methods to an earlier one's class)
+// the layout of an eval's batch: positions, a visibility mask or a tree's parents (each optional)
+struct batch_arrays {
+    std::vector<int32_t> positions, parents;
+    std::vector<uint8_t> mask;
+
+    batch_arrays(int n, const py::object & positions_in, const py::object & mask_in, const py::object & parents_in) {
+        auto as_rows = [n](const py::object & o, const char * what) {
+            std::vector<int32_t> a = int32_array(what, o);
+            if ((int) a.size() != n) {
+                throw std::invalid_argument(format("eval: %s must have one entry per token", what));
+            }
+            return a;
+        };
+        if (!positions_in.is_none()) {
+            positions = as_rows(positions_in, "positions");
+        }
+        if (!parents_in.is_none()) {
+            parents = as_rows(parents_in, "parents");
+        }
+        if (!mask_in.is_none()) {
+            auto a = mask_in.cast<py::array_t<uint8_t, py::array::c_style | py::array::forcecast>>();
+            if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != n) {
+                throw std::invalid_argument("eval: mask must have shape (n_tokens, n_tokens)");
+            }
+            mask.assign(a.data(), a.data() + (size_t) n * n);
+        }
+    }
+
+    batch_layout layout(bool whole) const {
+        batch_layout l;
+        l.positions = positions.empty() ? nullptr : positions.data();
+        l.mask      = mask.empty() ? nullptr : mask.data();
+        l.parents   = parents.empty() ? nullptr : parents.data();
+        l.whole     = whole;
+        return l;
+    }
+};
+
+// what an eval read back: (logits [n_out, n_vocab], [hidden [n, n_embd] per capture layer]) and, with top_k > 0,
+// (top ids, log-probabilities [n_out, top_k])
+py::tuple eval_result(const session & s, int n, const std::vector<int> & capture_layers, int64_t top_k,
+                      bool read_logits);
+
 void register_errors(py::module_ & m);
 void register_log(py::module_ & m);
 void register_gguf(py::module_ & m);
@@ -120,6 +163,7 @@ void register_draft_session(py::module_ & m);
 void register_ngram(py::module_ & m);
 void register_mtp(py::module_ & m);
 void register_session(py::module_ & m);
+void register_session_batch(py::module_ & m);
 void register_generate(py::module_ & m);
 void register_test_hooks(py::module_ & m);
 

@@ -18,6 +18,7 @@ PYBIND11_MODULE(_core, m, py::mod_gil_not_used()) {
     register_ngram(m);
     register_mtp(m);
     register_session(m);
+    register_session_batch(m);
     register_generate(m);
     register_test_hooks(m);
 }

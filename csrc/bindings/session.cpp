@@ -58,46 +58,8 @@ static size_t measure_eval(session & s, int64_t n_tokens, int64_t n_kv, std::vec
     return s.measure_eval((int) n_tokens, (int) n_kv, tree_levels, whole, what, capture, ring);
 }
 
-// the layout of an eval's batch: positions, a visibility mask or a tree's parents (each optional)
-struct batch_arrays {
-    std::vector<int32_t> positions, parents;
-    std::vector<uint8_t> mask;
-
-    batch_arrays(int n, const py::object & positions_in, const py::object & mask_in, const py::object & parents_in) {
-        auto as_rows = [n](const py::object & o, const char * what) {
-            std::vector<int32_t> a = int32_array(what, o);
-            if ((int) a.size() != n) {
-                throw std::invalid_argument(format("eval: %s must have one entry per token", what));
-            }
-            return a;
-        };
-        if (!positions_in.is_none()) {
-            positions = as_rows(positions_in, "positions");
-        }
-        if (!parents_in.is_none()) {
-            parents = as_rows(parents_in, "parents");
-        }
-        if (!mask_in.is_none()) {
-            auto a = mask_in.cast<py::array_t<uint8_t, py::array::c_style | py::array::forcecast>>();
-            if (a.ndim() != 2 || a.shape(0) != n || a.shape(1) != n) {
-                throw std::invalid_argument("eval: mask must have shape (n_tokens, n_tokens)");
-            }
-            mask.assign(a.data(), a.data() + (size_t) n * n);
-        }
-    }
-
-    batch_layout layout(bool whole) const {
-        batch_layout l;
-        l.positions = positions.empty() ? nullptr : positions.data();
-        l.mask      = mask.empty() ? nullptr : mask.data();
-        l.parents   = parents.empty() ? nullptr : parents.data();
-        l.whole     = whole;
-        return l;
-    }
-};
-
 // what an eval read back: logits, captured hidden states and (top_k > 0) the top ids and log-probabilities
-static py::tuple eval_result(const session & s, int n, const std::vector<int> & capture_layers, int64_t top_k,
+py::tuple eval_result(const session & s, int n, const std::vector<int> & capture_layers, int64_t top_k,
                              bool read_logits) {
     const int64_t n_vocab = s.model().info().n_vocab, n_embd = s.model().info().n_embd;
     py::array_t<float> logits({(py::ssize_t) (read_logits ? s.n_outputs() : 0), (py::ssize_t) n_vocab});

@@ -1,6 +1,7 @@
 #include "models/attention.h"
 #include "core/error.h"
 #include "models/blocks.h"
+#include "models/sequences.h"
 
 #include <algorithm>
 #include <cmath>
@@ -181,6 +182,22 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const kv_
     ggml_tensor * out = ggml_flash_attn_ext(ctx, q_perm, k_view, v_view, kq_mask, scale, 0.0f, 0.0f);
     ggml_prec_set_acc(out, GGML_PREC_F32);
     return ggml_reshape_2d(ctx, out, hdv * H, n);  // out: [hdv, H, n]
+}
+
+ggml_tensor * build_batch_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                    const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
+                                    ggml_tensor * v, float scale, bool last_query_only) {
+    if (in.sequences.empty()) {
+        return build_kv_attention(ctx, gf, in.kv, st, il, q, k, v, scale, last_query_only);
+    }
+    GGML_ASSERT(!last_query_only);
+    std::vector<ggml_tensor *> outs;
+    for (const sequence_part & p : sequence_parts(in, st)) {
+        outs.push_back(build_kv_attention(ctx, gf, *p.kv, *p.st, il, token_range(ctx, q, 2, p.first, p.n),
+                                          token_range(ctx, k, 2, p.first, p.n), token_range(ctx, v, 2, p.first, p.n),
+                                          scale));  // [hdv*H, n_s]
+    }
+    return join_tokens(ctx, outs, 1);
 }
 
 }  // namespace pdf

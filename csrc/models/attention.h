@@ -57,4 +57,10 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const kv_
                                  const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v,
                                  float scale, bool last_query_only = false);
 
+// build_kv_attention for each session of the batch (models/sequences.h) on its own rows, cache and mask; the
+// same shapes (with last_query_only: one session's batch only)
+ggml_tensor * build_batch_attention(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
+                                    const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
+                                    ggml_tensor * v, float scale, bool last_query_only = false);
+
 }  // namespace pdf

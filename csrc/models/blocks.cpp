@@ -54,7 +54,7 @@ ggml_tensor * last_token(ggml_context * ctx, ggml_tensor * x) {
 
 bool last_layer_for_last_token_only(const eval_inputs & in, int n_layer) {
     const auto & c = in.capture_layers;
-    return !in.all_outputs && in.n_tokens > 1 && std::find(c.begin(), c.end(), n_layer) == c.end();
+    return in.sequences.empty() && !in.all_outputs && in.n_tokens > 1 && std::find(c.begin(), c.end(), n_layer) == c.end();
 }
 
 }  // namespace pdf

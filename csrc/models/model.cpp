@@ -109,7 +109,9 @@ eval_outputs target_model::build_eval(ggml_context * ctx, ggml_cgraph * gf, cons
             x = build_layer(ctx, gf, in, st, il, x, il == n_layer - 1 && last_only);
         }
     }
-    if (!in.all_outputs && x->ne[1] > 1) {
+    if (!in.sequences.empty()) {
+        x = ggml_get_rows(ctx, x, in.output_rows);  // [E, n_outputs]: the rows each session reads
+    } else if (!in.all_outputs && x->ne[1] > 1) {
         x = last_token(ctx, x);  // the final hidden state was captured for every token
     }
     out.hidden = build_output_norm(ctx, x);

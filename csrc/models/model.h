@@ -32,9 +32,23 @@ struct model_params {
     delta_net_form delta_net = delta_net_form::automatic;
 };
 
+// One session's rows in an evaluation over several sessions (state/session_batch.h): rows [first, first +
+// n_tokens) of the batch, with that session's memory (st) and where its rows go in it (kv, recurrent)
+struct sequence_inputs {
+    int              first    = 0;
+    int              n_tokens = 0;
+    kv_inputs        kv;
+    recurrent_inputs recurrent;
+    state_tensors    st;
+};
+
 // Inputs of one evaluation graph, all set by the session before each compute.
 //   tokens, positions: I32 [n_tokens]; positions holds n_pos_per_token * n_tokens entries (section-major for
 //   M-RoPE); kv, recurrent: where the batch goes in the session's memory (core/model_desc.h)
+//   sequences: a batch over several sessions (their rows one after another): each one's attention, recurrent
+//   state and conv run on its own rows and memory (models/sequences.h), everything else over all the rows;
+//   kv, recurrent and the state passed with the inputs are then unused. output_rows: I32 [n_outputs], the rows
+//   whose hidden states come out (every row's are computed).
 struct eval_inputs {
     ggml_tensor *    tokens      = nullptr;
     ggml_tensor *    positions   = nullptr;
@@ -43,6 +57,8 @@ struct eval_inputs {
     int              n_tokens    = 0;
     bool             all_outputs = false;  // hidden states of every token, else of the last one only
     std::vector<int> capture_layers;        // layer-input indices to return (0..n_layer)
+    std::vector<sequence_inputs> sequences;  // several sessions' rows (empty: one session's)
+    ggml_tensor *                output_rows = nullptr;  // with sequences
 };
 
 struct eval_outputs {

@@ -88,8 +88,8 @@ ggml_tensor * qwen3_layers::build_self_attention(ggml_context * ctx, ggml_cgraph
     build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, att_.norm_eps, in.positions, att_.rope);
     ggml_format_name(q, "Qcur-%d", il);
     ggml_format_name(k, "Kcur-%d", il);
-    ggml_tensor * o = build_kv_attention(ctx, gf, in.kv, st, il, q, k, v, 1.0f / std::sqrt((float) hd),
-                                         last_token_only);  // [hd*H, n or 1]
+    ggml_tensor * o = build_batch_attention(ctx, gf, in, st, il, q, k, v, 1.0f / std::sqrt((float) hd),
+                                            last_token_only);  // [hd*H, n or 1]
     return ggml_mul_mat(ctx, l.wo, o);
 }
 

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "models/blocks.h"
 #include "models/delta_net.h"
+#include "models/sequences.h"
 
 #include <algorithm>
 #include <cmath>
@@ -208,15 +209,13 @@ ggml_tensor * qwen35_layers::build_layer(ggml_context * ctx, ggml_cgraph * gf, c
                               [&](ggml_tensor * cur) { return build_ffn(ctx, gf, il, cur); }, il);
 }
 
-// x: [E, n] -> [E, n], or [E, 1] for the last token only (the state still takes all n). A tree evaluation
-// (in.recurrent.tree_levels) runs the conv and the delta rule along parent links.
+// x: [E, n] -> [E, n], or [E, 1] for the last token only (the state still takes all n). The projections run
+// over every row, the conv and the delta rule over each session's rows (models/sequences.h).
 ggml_tensor * qwen35_layers::build_gdn_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                              const state_tensors & st, const qwen35_layer & l, int il,
                                              ggml_tensor * x, bool last_token_only) const {
-    const int64_t            n = x->ne[1], S = hp_.S, Hk = hp_.Hk, Hv = hp_.Hv;
-    const float              eps  = hp_.att.norm_eps;
-    const recurrent_inputs & rin  = in.recurrent;
-    const bool               tree = !rin.tree_levels.empty();
+    const int64_t n = x->ne[1], S = hp_.S, Hv = hp_.Hv;
+    const float   eps = hp_.att.norm_eps;
 
     ggml_tensor * qkv  = ggml_mul_mat(ctx, l.wqkv, x);   // [C, n]
     ggml_tensor * z    = ggml_mul_mat(ctx, l.wgate, x);  // [S*Hv, n]
@@ -226,6 +225,32 @@ ggml_tensor * qwen35_layers::build_gdn_layer(ggml_context * ctx, ggml_cgraph * g
                                l.ssm_a);  // [Hv, n]
     beta = ggml_reshape_4d(ctx, beta, 1, Hv, n, 1);
     g    = ggml_reshape_4d(ctx, g, 1, Hv, n, 1);
+
+    std::vector<ggml_tensor *> outs;
+    for (const sequence_part & p : sequence_parts(in, st)) {
+        outs.push_back(build_delta_rule(ctx, gf, *p.recurrent, *p.st, l, il, token_range(ctx, qkv, 1, p.first, p.n),
+                                        token_range(ctx, g, 2, p.first, p.n),
+                                        token_range(ctx, beta, 2, p.first, p.n)));
+    }
+    ggml_tensor * o = join_tokens(ctx, outs, 2);  // [S, Hv, n]
+    // gated RMSNorm per head: rms(o) * ssm_norm * silu(z)
+    o = ggml_mul(ctx, build_rms_norm(ctx, o, l.ssm_norm, eps), ggml_silu(ctx, ggml_reshape_3d(ctx, z, S, Hv, n)));
+    ggml_format_name(o, "gdn_out-%d", il);
+    if (last_token_only) {
+        o = last_token(ctx, o);
+    }
+    return ggml_mul_mat(ctx, l.ssm_out, ggml_reshape_2d(ctx, o, S * Hv, o->ne[2]));
+}
+
+// one session's rows: qkv [C, n], g, beta [1, Hv, n] -> the delta rule's output [S, Hv, n] through its conv
+// window and state (rin, st). A tree evaluation (rin.tree_levels) runs the conv and the delta rule along parent
+// links.
+ggml_tensor * qwen35_layers::build_delta_rule(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & rin,
+                                              const state_tensors & st, const qwen35_layer & l, int il,
+                                              ggml_tensor * qkv, ggml_tensor * g, ggml_tensor * beta) const {
+    const int64_t n = qkv->ne[1], S = hp_.S, Hk = hp_.Hk, Hv = hp_.Hv;
+    const float   eps  = hp_.att.norm_eps;
+    const bool    tree = !rin.tree_levels.empty();
 
     ggml_tensor * conv = tree ? build_conv_tree(ctx, gf, rin, st, il, qkv, l.ssm_conv1d_t)
                               : build_conv_chain(ctx, gf, rin, st, il, qkv, l.ssm_conv1d);  // [C, n]
@@ -237,17 +262,10 @@ ggml_tensor * qwen35_layers::build_gdn_layer(ggml_context * ctx, ggml_cgraph * g
     k = build_l2_norm(ctx, k, eps);
 
     // a micro-batch committed whole (no steps kept) of at least a chunk: the chunked form where chosen
-    const bool    chunked = !tree && chunked_[il] && !rin.keep_steps && n >= DELTA_NET_CHUNK;
-    ggml_tensor * o = tree      ? build_gated_delta_net_tree(ctx, gf, rin, st, il, q, k, v, g, beta)
-                      : chunked ? build_gated_delta_net_chunked(ctx, gf, rin, st, il, q, k, v, g, beta)
-                                : build_gated_delta_net(ctx, gf, rin, st, il, q, k, v, g, beta);  // [S, Hv, n]
-    // gated RMSNorm per head: rms(o) * ssm_norm * silu(z)
-    o = ggml_mul(ctx, build_rms_norm(ctx, o, l.ssm_norm, eps), ggml_silu(ctx, ggml_reshape_3d(ctx, z, S, Hv, n)));
-    ggml_format_name(o, "gdn_out-%d", il);
-    if (last_token_only) {
-        o = last_token(ctx, o);
-    }
-    return ggml_mul_mat(ctx, l.ssm_out, ggml_reshape_2d(ctx, o, S * Hv, o->ne[2]));
+    const bool chunked = !tree && chunked_[il] && !rin.keep_steps && n >= DELTA_NET_CHUNK;
+    return tree      ? build_gated_delta_net_tree(ctx, gf, rin, st, il, q, k, v, g, beta)
+           : chunked ? build_gated_delta_net_chunked(ctx, gf, rin, st, il, q, k, v, g, beta)
+                     : build_gated_delta_net(ctx, gf, rin, st, il, q, k, v, g, beta);  // [S, Hv, n]
 }
 
 // x: [E, n] -> [E, n], or [E, 1] for the last token only (K/V still written for all n)
@@ -263,8 +281,8 @@ ggml_tensor * qwen35_layers::build_attention_layer(ggml_context * ctx, ggml_cgra
     ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, x), hd, Hkv, n);
     build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, hp_.att.norm_eps, in.positions, hp_.att.rope);
     // the projections above ran for all n even for the last token only: M-RoPE positions are section-major
-    ggml_tensor * cur = build_kv_attention(ctx, gf, in.kv, st, il, q, k, v, 1.0f / std::sqrt((float) hd),
-                                           last_token_only);
+    ggml_tensor * cur = build_batch_attention(ctx, gf, in, st, il, q, k, v, 1.0f / std::sqrt((float) hd),
+                                              last_token_only);
     if (last_token_only) {
         gate = last_token(ctx, gate);
     }

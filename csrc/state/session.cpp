@@ -21,8 +21,11 @@ static constexpr int KV_WINDOW_STEP = session::KV_WINDOW_STEP;
 // evaluation graphs kept built (all placed in one compute buffer, core/graph_cache.h)
 static constexpr size_t MAX_CACHED_GRAPHS = 8;
 
+static std::atomic<uint64_t> next_session_id{1};
+
 session::session(std::shared_ptr<const target_model> model, const session_params & params)
-    : model_(std::move(model)), compute_(std::make_shared<compute_backends>(model_->devices())), arena_(*compute_) {
+    : model_(std::move(model)), compute_(std::make_shared<compute_backends>(model_->devices())), arena_(*compute_),
+      id_(next_session_id++) {
     const model_info & info = model_->info();
     if (params.n_ctx == 0 || params.n_ubatch == 0) {
         throw std::invalid_argument(format("n_ctx (%u) and n_ubatch (%u) must be positive", params.n_ctx,
@@ -88,15 +91,11 @@ void session::prepare_graph(const graph_key & key, feature_ring * ring) {
 }
 
 void session::build_graph(compiled_graph & g, const graph_key & key, feature_ring * ring) {
-    const int      n_layer = model_->info().n_layer;
-    ggml_context * ctx     = g.cache.begin(model_->max_graph_nodes((int) key.tree_levels.size(), key.n_tokens));
-    ggml_cgraph *  gf      = g.cache.graph();
-    g.in                   = new_inputs(ctx, key);
+    ggml_context * ctx = g.cache.begin(model_->max_graph_nodes((int) key.tree_levels.size(), key.n_tokens));
+    ggml_cgraph *  gf  = g.cache.graph();
+    g.in               = new_inputs(ctx, key);
     state_tensors st;
-    kv_->fill(st, n_layer);
-    if (rs_) {
-        rs_->fill(st, n_layer);
-    }
+    fill_state(st);
     g.out = model_->build_eval(ctx, gf, g.in, st);
     add_head(ctx, gf, g, key.what);
     for (ggml_tensor * t : g.out.captured) {
@@ -124,11 +123,24 @@ eval_inputs session::new_inputs(ggml_context * ctx, const graph_key & key) const
     in.positions = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) key.n_tokens * model_->info().n_pos_per_token);
     ggml_set_input(in.tokens);
     ggml_set_input(in.positions);
-    kv_->add_inputs(ctx, in.kv, key.n_tokens, key.n_kv);
-    if (rs_) {
-        rs_->add_inputs(ctx, in.recurrent, key.n_tokens, key.tree_levels, key.whole);
-    }
+    add_memory_inputs(ctx, key, in.kv, in.recurrent);
     return in;
+}
+
+void session::add_memory_inputs(ggml_context * ctx, const graph_key & key, kv_inputs & kv,
+                                recurrent_inputs & recurrent) const {
+    kv_->add_inputs(ctx, kv, key.n_tokens, key.n_kv);
+    if (rs_) {
+        rs_->add_inputs(ctx, recurrent, key.n_tokens, key.tree_levels, key.whole);
+    }
+}
+
+void session::fill_state(state_tensors & st) const {
+    const int n_layer = model_->info().n_layer;
+    kv_->fill(st, n_layer);
+    if (rs_) {
+        rs_->fill(st, n_layer);
+    }
 }
 
 void session::add_head(ggml_context * ctx, ggml_cgraph * gf, compiled_graph & g, const readout & what) const {
@@ -180,35 +192,53 @@ void session::rollback_pending() {
     if (pending_tree_) {
         rs_->commit_no_node();
     } else {
-        rs_->commit((int) pending_.size(), cur_->key.whole, 0);
+        rs_->commit((int) pending_.size(), pending_whole_, 0);
     }
 }
 
 void session::eval(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
                    const std::vector<int> & capture_layers, feature_ring * ring) {
+    batch_order     order;
+    const graph_key key = stage(tokens, n, layout, what, capture_layers, ring, order);
+    prepare_graph(key, capture_layers.empty() ? nullptr : ring);
+    const row_inputs where{cur_->in.tokens, cur_->in.positions, 0, n, &cur_->in.kv, &cur_->in.recurrent,
+                           cur_->ring_slots};
+    std::vector<int32_t> tokens_by_slot = set_inputs(tokens, n, layout, order, ring, where);
+    cur_->cache.compute("the target graph");
+    result_tensors r{cur_->argmax, cur_->logits, cur_->top_ids, cur_->top_logprobs, {}, 0, cur_->argmax->ne[0], 0};
+    if (!cur_->ring_slots) {
+        r.captured = cur_->out.captured;
+    }
+    take_results(std::move(tokens_by_slot), order.tree(), key.whole, n, what, std::move(r));
+}
+
+session::graph_key session::stage(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
+                                  const std::vector<int> & capture_layers, const feature_ring * ring,
+                                  batch_order & order) {
     check_batch(tokens, n, layout, what, capture_layers, ring);
-    batch_order order = order_batch(n, layout.parents, rs_ != nullptr);
+    order = order_batch(n, layout.parents, rs_ != nullptr);
     if (order.tree() && (uint32_t) n > rs_->n_rollback()) {
         throw std::invalid_argument(format("eval: a tree of %d nodes needs n_rollback >= %d (the session keeps the "
                                            "state of %u)", n, n, rs_->n_rollback()));
     }
-
     rollback_pending();  // the last eval was never committed: start from before it
-    slot_of_     = std::move(order.slot_of);
-    parent_slot_ = std::move(order.parent_slot);
-    const graph_key key = key_for(n, (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP)),
-                                  order.levels, layout.whole, what, capture_layers, ring);
+    slot_of_     = order.slot_of;
+    parent_slot_ = order.parent_slot;
     // until this eval has run, there is nothing to commit (a failed allocation or compute leaves none)
     pending_.clear();
     pending_tree_    = false;
     pending_parents_ = layout.parents != nullptr;
     n_outputs_       = 0;  // no results to read until it has run
-    prepare_graph(key, capture_layers.empty() ? nullptr : ring);
+    return key_for(n, (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP)), order.levels,
+                   layout.whole, what, capture_layers, ring);
+}
 
-    std::vector<int32_t> tokens_by_slot = set_inputs(tokens, n, layout, order, ring);
-    cur_->cache.compute("the target graph");
-    pending_      = std::move(tokens_by_slot);
-    pending_tree_ = order.tree();
+void session::take_results(std::vector<int32_t> tokens_by_slot, bool tree, bool whole, int n, const readout & what,
+                           result_tensors results) {
+    results_       = std::move(results);
+    pending_       = std::move(tokens_by_slot);
+    pending_tree_  = tree;
+    pending_whole_ = whole;
     read_outputs(n, what);
 }
 
@@ -252,7 +282,7 @@ void session::check_batch(const int32_t * tokens, int n, const batch_layout & la
 }
 
 std::vector<int32_t> session::set_inputs(const int32_t * tokens, int n, const batch_layout & layout,
-                                         const batch_order & order, feature_ring * ring) {
+                                         const batch_order & order, feature_ring * ring, const row_inputs & where) {
     const int            n_pos = model_->info().n_pos_per_token;
     std::vector<int32_t> tokens_by_slot(n);
     std::vector<int32_t> pos_host((size_t) n * n_pos, 0);
@@ -266,28 +296,32 @@ std::vector<int32_t> session::set_inputs(const int32_t * tokens, int n, const ba
             pos_host[(size_t) j * n + s] = pending_pos_[s];
         }
     }
-    set_graph_input(cur_->in.tokens, tokens_by_slot.data(), 0, sizeof(int32_t) * n);
-    set_graph_input(cur_->in.positions, pos_host.data(), 0, sizeof(int32_t) * pos_host.size());
-    kv_->set_inputs(cur_->in.kv, n_past_, n, layout.parents ? parent_slot_.data() : nullptr, layout.mask);
-    if (rs_) {
-        rs_->set_inputs(cur_->in.recurrent, parent_slot_);
+    set_graph_input(where.tokens, tokens_by_slot.data(), sizeof(int32_t) * where.first, sizeof(int32_t) * n);
+    for (int j = 0; j < n_pos; ++j) {  // section-major over the whole batch
+        set_graph_input(where.positions, pos_host.data() + (size_t) j * n,
+                        sizeof(int32_t) * ((size_t) j * where.n_total + where.first), sizeof(int32_t) * n);
     }
-    if (cur_->ring_slots) {
-        ring->set_inputs(cur_->ring_slots, n_past_, n);
+    kv_->set_inputs(*where.kv, n_past_, n, layout.parents ? parent_slot_.data() : nullptr, layout.mask);
+    if (rs_) {
+        rs_->set_inputs(*where.recurrent, parent_slot_);
+    }
+    if (where.ring_rows) {
+        ring->set_inputs(where.ring_rows, n_past_, n);
     }
     return tokens_by_slot;
 }
 
 void session::read_outputs(int n, const readout & what) {
     // back in batch order (a reordered tree computed every row: keep what the caller asked for)
-    const int n_rows = (int) cur_->argmax->ne[0];
+    const int n_rows = (int) results_.n_rows;
     n_outputs_       = what.all_rows ? n : 1;
     output_rows_.resize(n_outputs_);
     for (int i = 0; i < n_outputs_; ++i) {
         output_rows_[i] = n_rows == 1 ? 0 : eval_slot(what.all_rows ? i : n - 1);
     }
     std::vector<int32_t> by_slot(n_rows);
-    ggml_backend_tensor_get(cur_->argmax, by_slot.data(), 0, sizeof(int32_t) * n_rows);
+    ggml_backend_tensor_get(results_.argmax, by_slot.data(), sizeof(int32_t) * results_.first_row,
+                            sizeof(int32_t) * n_rows);
     argmax_.resize(n_outputs_);
     for (int i = 0; i < n_outputs_; ++i) {
         argmax_[i] = by_slot[output_rows_[i]];
@@ -297,7 +331,7 @@ void session::read_outputs(int n, const readout & what) {
     top_k_       = what.top_k;
     top_ids_.clear();
     top_logprobs_.clear();
-    if (cur_->top_ids) {
+    if (results_.top_ids) {
         read_top_k(n_rows);
     }
     read_captured(n);
@@ -307,8 +341,9 @@ void session::read_top_k(int n_rows) {
     const int            k = top_k_;
     std::vector<int32_t> ids((size_t) n_rows * k);
     std::vector<float>   lps((size_t) n_rows * k);
-    ggml_backend_tensor_get(cur_->top_ids, ids.data(), 0, sizeof(int32_t) * ids.size());
-    ggml_backend_tensor_get(cur_->top_logprobs, lps.data(), 0, sizeof(float) * lps.size());
+    const size_t first = (size_t) results_.first_row * k;
+    ggml_backend_tensor_get(results_.top_ids, ids.data(), sizeof(int32_t) * first, sizeof(int32_t) * ids.size());
+    ggml_backend_tensor_get(results_.top_logprobs, lps.data(), sizeof(float) * first, sizeof(float) * lps.size());
     top_ids_.resize((size_t) n_outputs_ * k);
     top_logprobs_.resize(top_ids_.size());
     for (int i = 0; i < n_outputs_; ++i) {
@@ -320,26 +355,28 @@ void session::read_top_k(int n_rows) {
 
 void session::read_captured(int n) {
     const int64_t E = model_->info().n_embd;
-    captured_.resize(cur_->ring_slots ? 0 : cur_->out.captured.size());
+    captured_.resize(results_.captured.size());
     for (size_t c = 0; c < captured_.size(); ++c) {
         captured_[c].resize((size_t) n * E);
         for (int i = 0; i < n; ++i) {
-            ggml_backend_tensor_get(cur_->out.captured[c], captured_[c].data() + (size_t) i * E,
-                                    (size_t) eval_slot(i) * E * sizeof(float), E * sizeof(float));
+            ggml_backend_tensor_get(results_.captured[c], captured_[c].data() + (size_t) i * E,
+                                    (size_t) (results_.first_token + eval_slot(i)) * E * sizeof(float),
+                                    E * sizeof(float));
         }
     }
 }
 
 const std::vector<float> & session::logits() const {
-    if (!logits_read_ && cur_ && cur_->logits) {
-        const int64_t V = model_->info().n_vocab;
+    if (!logits_read_ && n_outputs_ > 0 && results_.logits) {
+        const int64_t V     = model_->info().n_vocab;
+        const size_t  first = (size_t) results_.first_row * V * sizeof(float);
         logits_.resize((size_t) n_outputs_ * V);
-        if (slot_of_.empty() && (int) cur_->logits->ne[1] == n_outputs_) {  // rows in batch order already
-            ggml_backend_tensor_get(cur_->logits, logits_.data(), 0, sizeof(float) * logits_.size());
+        if (slot_of_.empty() && (int) results_.n_rows == n_outputs_) {  // rows in batch order already
+            ggml_backend_tensor_get(results_.logits, logits_.data(), first, sizeof(float) * logits_.size());
         } else {
             for (int i = 0; i < n_outputs_; ++i) {
-                ggml_backend_tensor_get(cur_->logits, logits_.data() + (size_t) i * V,
-                                        (size_t) output_rows_[i] * V * sizeof(float), V * sizeof(float));
+                ggml_backend_tensor_get(results_.logits, logits_.data() + (size_t) i * V,
+                                        first + (size_t) output_rows_[i] * V * sizeof(float), V * sizeof(float));
             }
         }
     }
@@ -348,17 +385,17 @@ const std::vector<float> & session::logits() const {
 }
 
 const float * session::logits_row(int i) const {
-    if (!cur_ || !cur_->logits || i < 0 || i >= n_outputs_) {
+    if (!results_.logits || i < 0 || i >= n_outputs_) {
         throw std::out_of_range(format("logits_row(%d): the last eval read %d rows of logits", i,
-                                       cur_ && cur_->logits ? n_outputs_ : 0));
+                                       results_.logits ? n_outputs_ : 0));
     }
     const int64_t V = model_->info().n_vocab;
     if (logits_read_) {
         return logits_.data() + (size_t) i * V;
     }
     logits_row_.resize((size_t) V);
-    ggml_backend_tensor_get(cur_->logits, logits_row_.data(), (size_t) output_rows_[i] * V * sizeof(float),
-                            V * sizeof(float));
+    ggml_backend_tensor_get(results_.logits, logits_row_.data(),
+                            (size_t) (results_.first_row + output_rows_[i]) * V * sizeof(float), V * sizeof(float));
     return logits_row_.data();
 }
 
@@ -402,7 +439,7 @@ void session::commit(const std::vector<int> & rows) {
         } else if (pending_tree_) {
             rs_->commit_path(std::vector<int32_t>(slots.begin(), slots.end()));
         } else {
-            rs_->commit(n, cur_->key.whole, m);  // a chain prefix: slots[d] == d
+            rs_->commit(n, pending_whole_, m);  // a chain prefix: slots[d] == d
         }
     }
     // the kept rows move to consecutive slots (below their sources, so the moves never form a cycle)

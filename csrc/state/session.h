@@ -160,6 +160,7 @@ class session {
     std::atomic<bool> abort{false};  // checked between graph computes
 
   private:
+    friend class session_batch;  // evaluates several sessions' rows in one graph, through the steps below
     struct graph_key {
         int              n_tokens = 0;
         int              n_kv     = 0;
@@ -185,14 +186,47 @@ class session {
     void build_graph(compiled_graph & g, const graph_key & key, feature_ring * ring);
     // the graph inputs for `key`: the batch's (tokens, positions), the KV cache's and the recurrent state's
     eval_inputs new_inputs(ggml_context * ctx, const graph_key & key) const;
+    // the KV cache's and the recurrent state's inputs for `key`, and the tensors of both (state_tensors)
+    void add_memory_inputs(ggml_context * ctx, const graph_key & key, kv_inputs & kv,
+                           recurrent_inputs & recurrent) const;
+    void fill_state(state_tensors & st) const;
     // the head over g.out.hidden: what `what` reads back
     void add_head(ggml_context * ctx, ggml_cgraph * gf, compiled_graph & g, const readout & what) const;
-    // eval's steps: typed errors for a batch that cannot be evaluated; the inputs of the graph made current,
-    // by slot (returns the tokens by slot); reading back the results of its compute
+    // Where this session's rows sit in an evaluation graph (its own, or a batch's over several sessions): rows
+    // [first, first + n) of the graph's tokens and positions (n_total rows in all), its memory's inputs
+    struct row_inputs {
+        ggml_tensor *            tokens    = nullptr;
+        ggml_tensor *            positions = nullptr;
+        int                      first     = 0;
+        int                      n_total   = 0;
+        const kv_inputs *        kv        = nullptr;
+        const recurrent_inputs * recurrent = nullptr;
+        ggml_tensor *            ring_rows = nullptr;  // the feature-ring rows written (none: nullptr)
+    };
+    // Where the results of the last eval are: the head outputs of its graph (a batch's: this session's n_rows
+    // rows from first_row on; tokens from first_token on in the captured layers, read back unless a ring took
+    // them). Valid until that graph computes again.
+    struct result_tensors {
+        ggml_tensor *              argmax       = nullptr;
+        ggml_tensor *              logits       = nullptr;
+        ggml_tensor *              top_ids      = nullptr;
+        ggml_tensor *              top_logprobs = nullptr;
+        std::vector<ggml_tensor *> captured;
+        int64_t                    first_row   = 0;
+        int64_t                    n_rows      = 0;
+        int64_t                    first_token = 0;
+    };
+    // eval's steps: typed errors for a batch that cannot be evaluated, its rows ordered (`order`), an uncommitted
+    // eval rolled back and its results forgotten (returns the key of the graph); the inputs of its rows (returns
+    // the tokens by slot); after the compute, its rows pending and its results read back
+    graph_key stage(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
+                    const std::vector<int> & capture_layers, const feature_ring * ring, batch_order & order);
     void check_batch(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
                      const std::vector<int> & capture_layers, const feature_ring * ring) const;
     std::vector<int32_t> set_inputs(const int32_t * tokens, int n, const batch_layout & layout,
-                                    const batch_order & order, feature_ring * ring);
+                                    const batch_order & order, feature_ring * ring, const row_inputs & where);
+    void take_results(std::vector<int32_t> tokens_by_slot, bool tree, bool whole, int n, const readout & what,
+                      result_tensors results);
     void read_outputs(int n, const readout & what);
     void read_top_k(int n_rows);
     void read_captured(int n);
@@ -210,6 +244,7 @@ class session {
     graph_arena                         arena_;  // the compute buffer every graph below is placed in
     std::unique_ptr<kv_cache>           kv_;
     std::unique_ptr<recurrent_state>    rs_;
+    uint64_t                            id_;  // unique among sessions: a batch's graph names the sessions it serves
     int                                 n_past_ = 0;
     uint32_t                            n_ubatch_;
     prefill_marks                       marks_;
@@ -240,6 +275,8 @@ class session {
     std::vector<int32_t>            slot_of_;     // batch row -> slot (empty: the identity)
     bool                            pending_tree_    = false;  // the last eval ran the tree graph
     bool                            pending_parents_ = false;  // the last eval's batch was a tree
+    bool                            pending_whole_   = false;  // a hybrid chain committed whole (graph_key::whole)
+    result_tensors                  results_;
     int                             n_outputs_    = 0;
     int                             top_k_        = 0;
     std::vector<int32_t>            argmax_;

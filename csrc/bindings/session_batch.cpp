@@ -1,0 +1,78 @@
+// SessionBatch: one target evaluation over several Sessions of one Model (state/session_batch.h), the
+// low-level call under batched generation
+#include "bindings/common.h"
+#include "state/session_batch.h"
+
+namespace pdf::bindings {
+
+namespace {
+// one part as given from Python, kept alive while the batch evaluates
+struct part_arrays {
+    session *            s = nullptr;
+    std::vector<int32_t> tokens;
+    batch_arrays         layout;
+    readout              what;
+    bool                 whole = false;
+    std::vector<int>     capture;
+};
+
+const char * const PART_KEYS[] = {"session", "tokens", "positions", "mask", "parents", "all_logits", "read_logits",
+                                  "top_k", "whole", "capture_layers"};
+
+part_arrays read_part(size_t i, const py::dict & d) {
+    for (auto item : d) {
+        const std::string key = py::str(item.first);
+        if (std::find(std::begin(PART_KEYS), std::end(PART_KEYS), key) == std::end(PART_KEYS)) {
+            throw std::invalid_argument(format("SessionBatch.eval: part %zu has an unknown key '%s'", i, key.c_str()));
+        }
+    }
+    if (!d.contains("session") || !d.contains("tokens")) {
+        throw std::invalid_argument(format("SessionBatch.eval: part %zu needs 'session' and 'tokens'", i));
+    }
+    auto get = [&](const char * k) { return d.contains(k) ? py::object(d[k]) : py::object(py::none()); };
+    std::vector<int32_t> tokens = int32_array("tokens", d["tokens"]);
+    const int            n      = (int) tokens.size();
+    part_arrays p{&d["session"].cast<session &>(), std::move(tokens),
+                  batch_arrays(n, get("positions"), get("mask"), get("parents"))};
+    const int64_t top_k = d.contains("top_k") ? checked("top_k", d["top_k"].cast<int64_t>(), 0, INT32_MAX) : 0;
+    p.what    = readout{d.contains("all_logits") ? d["all_logits"].cast<bool>() : true,
+                     d.contains("read_logits") ? d["read_logits"].cast<bool>() : true, (int) top_k};
+    p.whole   = d.contains("whole") && d["whole"].cast<bool>();
+    p.capture = d.contains("capture_layers") ? d["capture_layers"].cast<std::vector<int>>() : std::vector<int>{};
+    return p;
+}
+
+py::list eval_batch(session_batch & b, const py::list & parts_in) {
+    std::vector<part_arrays> held;
+    for (size_t i = 0; i < parts_in.size(); ++i) {
+        held.push_back(read_part(i, parts_in[i].cast<py::dict>()));
+    }
+    std::vector<session_batch::part> parts;
+    for (const part_arrays & p : held) {
+        parts.push_back({p.s, p.tokens.data(), (int) p.tokens.size(), p.layout.layout(p.whole), p.what, p.capture});
+    }
+    {
+        py::gil_scoped_release nogil;
+        b.eval(parts);
+    }
+    py::list out;
+    for (const part_arrays & p : held) {
+        out.append(eval_result(*p.s, (int) p.tokens.size(), p.capture, p.what.top_k, p.what.logits));
+    }
+    return out;
+}
+}  // namespace
+
+void register_session_batch(py::module_ & m) {
+    py::class_<session_batch>(m, "SessionBatch")
+        .def(py::init([](const py_model & m) { return std::make_unique<session_batch>(m.model); }), py::arg("model"),
+             py::keep_alive<1, 2>())
+        .def("eval", &eval_batch, py::arg("parts"),
+             "Evaluate several Sessions' batches in one graph. parts: one dict per session, with Session.eval's "
+             "arguments ('session', 'tokens', and optionally 'positions', 'mask', 'parents', 'all_logits', "
+             "'read_logits', 'top_k', 'whole', 'capture_layers'); returns Session.eval's result for each. Each "
+             "session then commits as after its own eval.")
+        .def_property_readonly("compute_memory", [](const session_batch & b) { return as_pair(b.compute_memory()); });
+}
+
+}  // namespace pdf::bindings
