@@ -280,6 +280,9 @@ class Model:
         planned = self._refuse_if_short(options)
         self.tokenizer = Tokenizer.from_gguf(self.model_path)
         self._load_weights(planned, options, n_threads, progress)
+        # continuous batching of the generations that this Model's sessions (new_session) run at the same time:
+        # made with the second session
+        self._batcher = None
         self._resolve_engine(options)
         self._open_session(log=True)
 
@@ -395,9 +398,13 @@ class Model:
     def new_session(self) -> "Model":
         """Another Model over the same loaded weights (target, drafter, tokenizer) with a session of its own:
         KV cache, recurrent state, the drafter's cache and feature ring, compute buffers, prompt cache and what
-        the cost-aware choice has learnt. Generations on the two run in parallel threads; weights are not
-        copied (`pydflash serve --parallel N` runs N of them)."""
+        the cost-aware choice has learnt. Generations on the two run in parallel threads, each step's target
+        evaluations batched into one (continuous batching: the weights are read once for all of them, and each
+        generation's output is what it would be alone); weights are not copied (`pydflash serve --parallel N`
+        runs N of them)."""
         self._check_open()
+        if self._batcher is None:
+            self._batcher = _core.EvalBatcher(self._model)
         other = object.__new__(type(self))
         other.__dict__.update({k: v for k, v in self.__dict__.items()
                                if k not in ("_session", "_draft", "_ngram", "_mtp", "_lock", "_cancelled")})
@@ -721,7 +728,8 @@ class Model:
                                             stop_tokens=sorted(self.tokenizer.eog_token_ids), callback=on_tokens,
                                             draft=self._draft if speculative else None,
                                             ngram=self._ngram if speculative else None,
-                                            mtp=self._mtp if speculative else None, sampling=sampling)
+                                            mtp=self._mtp if speculative else None, sampling=sampling,
+                                            batcher=self._batcher)
             cost_cache.remember((self._draft if self._draft is not None else self._mtp) if speculative else None,
                                 self._cost_key)
         finally:

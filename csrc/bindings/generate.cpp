@@ -184,7 +184,8 @@ static spec_params spec_for(const spec_params & own, const std::optional<std::st
 static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, py::object stop_tokens_in,
                          py::object callback, py_draft * draft, py_ngram * ngram, py_mtp * mtp,
                          std::optional<std::string> mode,
-                         std::optional<int64_t> tree_budget, std::optional<std::string> seed, py::object sampling) {
+                         std::optional<int64_t> tree_budget, std::optional<std::string> seed, py::object sampling,
+                         eval_batcher * batcher) {
     const std::vector<int32_t> prompt = int32_array("prompt", prompt_in);
     generate_params            p;
     p.max_tokens  = (int) checked("max_tokens", max_tokens, 0, INT32_MAX);
@@ -208,7 +209,7 @@ static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, 
     {
         py::gil_scoped_release nogil;
         r = generate_with(s, {spec ? &*spec : nullptr, lookup ? &*lookup : nullptr, head ? &*head : nullptr}, prompt,
-                          p, cb, stats);
+                          p, cb, stats, batcher);
     }
     py::dict d;
     d["tokens"]        = r.tokens;
@@ -230,6 +231,7 @@ void register_generate(py::module_ & m) {
             py::arg("callback") = py::none(), py::arg("draft") = nullptr, py::arg("ngram") = nullptr,
             py::arg("mtp") = nullptr, py::arg("spec_mode") = py::none(),
             py::arg("tree_budget") = py::none(), py::arg("tree_seed") = py::none(), py::arg("sampling") = py::none(),
+            py::arg("batcher") = nullptr,
             "Generation, greedy or sampled (sampling: a dict of llama-cpp-python's sampling parameters and seed), "
             "speculative with a DraftSession, an NgramDrafter, an MtpDrafter (alone), or the first two "
             "together (spec_mode 'auto' only: one tree of their "
@@ -237,7 +239,8 @@ void register_generate(py::module_ & m) {
             "'auto', tree_budget and tree_seed given here override it for this call); callback(list[int]) -> bool is "
             "called (with the GIL) per batch of committed tokens. With sampling['logprobs'] = n the result has "
             "'logprobs': token_logprobs and top_logprobs ([(id, logprob)] * n) per token, and the callback gets the "
-            "batch's as a second argument.");
+            "batch's as a second argument. batcher: the Model's EvalBatcher, when other Sessions over it may generate at "
+            "the same time: each target evaluation then joins theirs (one batched evaluation per step).");
 }
 
 }  // namespace pdf::bindings

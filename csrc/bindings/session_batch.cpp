@@ -1,6 +1,7 @@
 // SessionBatch: one target evaluation over several Sessions of one Model (state/session_batch.h), the
 // low-level call under batched generation
 #include "bindings/common.h"
+#include "state/eval_batcher.h"
 #include "state/session_batch.h"
 
 namespace pdf::bindings {
@@ -73,6 +74,21 @@ void register_session_batch(py::module_ & m) {
              "'read_logits', 'top_k', 'whole', 'capture_layers'); returns Session.eval's result for each. Each "
              "session then commits as after its own eval.")
         .def_property_readonly("compute_memory", [](const session_batch & b) { return as_pair(b.compute_memory()); });
+    py::class_<eval_batcher>(m, "EvalBatcher",
+                             "Continuous batching for the Sessions of one Model generating in threads of their own: "
+                             "pass it to each Session.generate, and every step's target evaluations run as one.")
+        .def(py::init([](const py_model & m) { return std::make_unique<eval_batcher>(m.model); }), py::arg("model"),
+             py::keep_alive<1, 2>())
+        .def_property_readonly("stats", [](const eval_batcher & b) {
+                const eval_batcher::counts c = b.stats();
+                py::dict d;
+                d["batches"]       = c.batches;
+                d["batched_parts"] = c.batched_parts;
+                d["alone"]         = c.alone;
+                return d;
+            },
+            "{'batches': evaluations of several generations' parts together, 'batched_parts': the parts they held, "
+            "'alone': parts evaluated alone}.");
 }
 
 }  // namespace pdf::bindings

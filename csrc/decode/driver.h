@@ -7,6 +7,7 @@
 
 #include "decode/proposer.h"
 #include "decode/sampler.h"
+#include "state/eval_batcher.h"
 #include "state/session.h"
 
 #include <functional>
@@ -51,12 +52,15 @@ struct generate_result {
 // else nullptr); return false to stop
 using token_callback = std::function<bool(const int32_t * tokens, const token_logprobs * logprobs, int n)>;
 
+// batcher: the model's, when other generations over its sessions may run at the same time (each target
+// evaluation then joins theirs, state/eval_batcher.h); nullptr: every evaluation alone
 generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,
-                         const generate_params & params, const token_callback & on_tokens);
+                         const generate_params & params, const token_callback & on_tokens,
+                         eval_batcher * batcher = nullptr);
 
-// evaluate `prompt`, continuing from what the session's prompt cache holds of it (session::prefill_marks, which
-// then has the last prompt token's greedy pick and logits); false after an abort. The proposer captures what it
-// needs of each micro-batch.
+// evaluate `prompt` as a generation begins (continuing from what the session's prompt cache holds of it,
+// session::prefill_marks, which then has the last prompt token's greedy pick and logits); false after an abort.
+// The proposer captures what it needs of each micro-batch.
 bool prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t);
 
 // Milliseconds per token of a prefill micro-batch of each size (how pydflash chooses n_ubatch "auto"): `reps`

@@ -4,7 +4,8 @@
 namespace pdf {
 
 generate_result generate_with(session & s, const call_proposers & with, const std::vector<int32_t> & prompt,
-                              const generate_params & params, const token_callback & on_tokens, auto_stats & stats) {
+                              const generate_params & params, const token_callback & on_tokens, auto_stats & stats,
+                              eval_batcher * batcher) {
     const speculation *       spec  = with.dflash;
     const ngram_speculation * ngram = with.ngram;
     if (with.mtp && (spec || ngram)) {
@@ -12,7 +13,7 @@ generate_result generate_with(session & s, const call_proposers & with, const st
     }
     if (with.mtp) {
         mtp_proposer    head(s, with.mtp->head, with.mtp->state, with.mtp->params);
-        generate_result r = generate(s, head, prompt, params, on_tokens);
+        generate_result r = generate(s, head, prompt, params, on_tokens, batcher);
         stats             = head.stats();
         return r;
     }
@@ -23,22 +24,22 @@ generate_result generate_with(session & s, const call_proposers & with, const st
         }
         dflash_proposer dflash(spec->drafter, spec->state, spec->params, s.is_recurrent());
         union_proposer  both(s, dflash, ngram->index, ngram->state.acceptance, ngram->against_drafter);
-        generate_result r = generate(s, both, prompt, params, on_tokens);
+        generate_result r = generate(s, both, prompt, params, on_tokens, batcher);
         stats             = both.stats();
         return r;
     }
     if (ngram) {
         ngram_proposer lookup(s, ngram->index, ngram->state, ngram->params, ngram->block);
-        generate_result r = generate(s, lookup, prompt, params, on_tokens);
+        generate_result r = generate(s, lookup, prompt, params, on_tokens, batcher);
         stats             = lookup.stats();
         return r;
     }
     if (!spec) {
         plain_proposer plain;
-        return generate(s, plain, prompt, params, on_tokens);
+        return generate(s, plain, prompt, params, on_tokens, batcher);
     }
     dflash_proposer dflash(spec->drafter, spec->state, spec->params, s.is_recurrent());
-    generate_result r = generate(s, dflash, prompt, params, on_tokens);
+    generate_result r = generate(s, dflash, prompt, params, on_tokens, batcher);
     stats             = dflash.stats();
     return r;
 }

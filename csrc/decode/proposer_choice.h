@@ -46,9 +46,10 @@ struct call_proposers {
 };
 
 // generate() with the proposer `with` calls for: one of them, or the drafter and n-gram lookup merged (auto);
-// none: plain decoding. `stats`: what auto decided
+// none: plain decoding. `stats`: what auto decided; batcher: as generate's
 generate_result generate_with(session & s, const call_proposers & with, const std::vector<int32_t> & prompt,
-                              const generate_params & params, const token_callback & on_tokens, auto_stats & stats);
+                              const generate_params & params, const token_callback & on_tokens, auto_stats & stats,
+                              eval_batcher * batcher = nullptr);
 
 // time_prefill_microbatches() with the drafter capturing as its prefill would (nullptr: none)
 std::vector<double> time_prefill_with(session & s, const speculation * spec, const std::vector<int32_t> & tokens,

@@ -1,0 +1,69 @@
+// Continuous batching across threads: the generations running over sessions of one model (each in a thread of
+// its own: pydflash serve --parallel N, Model.generate_batch) meet at each of their evaluations, and one
+// target evaluation (state/session_batch.h) runs all of them. A generation's rows come out as they would alone, so
+// each generation commits what it would alone. A generation that is alone evaluates alone (session::eval).
+//
+//   eval_batcher batcher(model);              // one per model, shared by its sessions' generations
+//   { eval_batcher::member m(batcher);        // a generation, in its own thread
+//     batcher.eval(part); ... }               // returns when this part's results are in its session
+#pragma once
+
+#include "state/session_batch.h"
+
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace pdf {
+
+class eval_batcher {
+  public:
+    explicit eval_batcher(std::shared_ptr<const target_model> model);
+
+    // one generation using the batcher while it lives: each step's evaluation waits for every member's part
+    class member {
+      public:
+        explicit member(eval_batcher & b);
+        ~member();
+        member(const member &)             = delete;
+        member & operator=(const member &) = delete;
+
+      private:
+        eval_batcher & b_;
+    };
+
+    // Evaluates `part` as session::eval would, together with the parts the other members hand in for this step:
+    // the member whose part completes the step evaluates them all, the others wait. Returns the ms the evaluation
+    // took (without the wait for the others' parts); throws what evaluating this part alone would throw (a batch
+    // that fails is evaluated part by part, so one part's error is its member's alone).
+    double eval(const session_batch::part & part);
+
+    // what it has done so far: batched evaluations (steps of several members) and the parts they held, parts
+    // evaluated alone (a member alone, or a failed batch's)
+    struct counts {
+        uint64_t batches = 0, batched_parts = 0, alone = 0;
+    };
+    counts stats() const;
+
+  private:
+    struct request {
+      const session_batch::part * part = nullptr;
+      bool                        done = false;
+      double                      ms   = 0.0;
+      std::exception_ptr          error;
+    };
+    // the step's parts, evaluated (without the lock); false: each alone
+    bool run(const std::vector<request *> & group);
+
+    session_batch           batch_;
+    mutable std::mutex      mutex_;
+    std::condition_variable done_;
+    int                     members_ = 0;
+    bool                    running_ = false;  // a step is being evaluated
+    std::vector<request *>  waiting_;          // the next step's parts so far
+    counts                  counts_;           // (under the lock)
+};
+
+}  // namespace pdf
