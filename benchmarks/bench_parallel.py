@@ -1,27 +1,32 @@
 #!/usr/bin/env python3
-"""Parallel streams: aggregate and per-request decode speed at 1, 2 and 4 concurrent generations, plain vs
-speculative, and where speculation stops paying as streams compete for the machine.
+"""Parallel streams: aggregate throughput and per-stream latency at N concurrent generations, batched into one
+target evaluation per step (continuous batching) or not, speculative or plain, against llama-server -np N.
 
 Each of N streams is a session of its own over one copy of the weights (`Model.new_session()`, what
-`pydflash serve --parallel N` runs), on a thread of its own. Every session is given --threads, as
-`pydflash serve -t` gives them: the threads of the whole model, never more of them busy however many sessions
-generate (llama-server's meaning of -t). Every stream runs the same --n-prompts held-out code prompts
-(rotated by stream) for --max-tokens tokens each; the N streams start together.
+`pydflash serve --parallel N` runs), generating in a thread of its own; the sessions' generations meet at each
+step in the Model's batcher (one target evaluation for all of them). "unbatched" turns the batcher off: the
+sessions then take turns on the model's threads (--threads in all, as `pydflash serve -t` and llama-server's -t
+mean). Every stream runs the same --n-prompts held-out code prompts (rotated by stream) for --max-tokens tokens
+each; the N streams start together. llama-server gets the same GGUFs, -np N slots, the same threads, and
+its DFlash at each --llama-n-max (the best is its row "llama dflash").
 
   aggregate tok/s   all streams' generated tokens / the wall time until the last stream finished
-  per request       the mean over requests of generated tokens / that request's own wall time (prompt included)
-  spec rounds       auto: the share of its rounds that verified drafts (the rest decoded plainly, or drafted and
-                    verified nothing), from its own measurements of what verifying costs on this machine now
+  ttft ms           mean time from a request's start to its first token
+  itl p50 / p95     inter-token latency over every token of every request (a burst of k tokens arriving
+                    together, as a speculative round commits them, counts its gap / k for each)
+  spec rounds       auto: the share of its rounds that verified drafts
 
-    python benchmarks/bench_parallel.py                       # tiny and cost-realistic pairs, both archs
-    python benchmarks/bench_parallel.py --pairs tiny --streams 1,2
+    python benchmarks/bench_parallel.py                      # cost-realistic pairs, 1, 2, 4 and 8 streams
+    python benchmarks/bench_parallel.py --pairs tiny --streams 1,2 --no-llama
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,35 +36,61 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
 
+import peer  # noqa: E402
 from bench_tree import cost_realistic_pairs, tiny_pairs  # noqa: E402
 from export_pairs import PAIRS_DIR, prompt_rows  # noqa: E402
 
 import pydflash  # noqa: E402
 
-ENGINES = [("plain", None), ("chain", dict(spec_mode="chain")), ("auto", dict(spec_mode="auto"))]
+# label, Model keyword arguments (None: plain decoding, no proposer), batched
+ENGINES = [("plain", None, True), ("plain unbatched", None, False), ("chain", dict(spec_mode="chain"), True),
+           ("auto", dict(spec_mode="auto"), True), ("auto unbatched", dict(spec_mode="auto"), False)]
 
 
-def run_streams(pair: dict, engine: dict | None, n_streams: int, prompts: list[str], args) -> dict:
-    threads = args.threads
-    first = pydflash.Model(pair["target"], n_ctx=2048, n_threads=threads,
-                           draft_model_path=None if engine is None else pair["draft"], **(engine or {}))
-    sessions = [first] + [first.new_session() for _ in range(n_streams - 1)]
-    sampling = {} if args.temp == 0 else dict(temperature=args.temp, top_k=40, top_p=0.95, min_p=0.05)
-    # warm-up (pages, graphs, auto's first measurements) on the prompt each stream runs first, so that every
-    # stream starts with that prompt cached, as one stream does (stream k runs prompt k first: with the warm-up
-    # on prompt 0 for all, streams 1.. paid one more prefill than stream 0, and 4 streams ran ~15% slow)
-    for k, s in enumerate(sessions):
-        s.generate(prompts[k % len(prompts)], max_tokens=8, seed=1, **sampling)
-    results: list[list[dict]] = [[] for _ in sessions]
+class Arrivals:
+    """When a request's tokens arrived: (seconds since its start, tokens) per burst."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.bursts: list[tuple[float, int]] = []
+
+    def add(self, n: int) -> None:
+        now = time.perf_counter() - self.started
+        if self.bursts and now - self.bursts[-1][0] < 1e-3:  # (SSE events of one round)
+            self.bursts[-1] = (self.bursts[-1][0], self.bursts[-1][1] + n)
+        else:
+            self.bursts.append((now, n))
+
+    def tokens(self) -> int:
+        return sum(n for _, n in self.bursts)
+
+    def gaps(self) -> list[float]:
+        out = []
+        for (t0, _), (t1, n) in zip(self.bursts, self.bursts[1:]):
+            out += [(t1 - t0) / n] * n
+        return out
+
+
+def summary(requests: list[Arrivals], wall: float) -> dict:
+    gaps = sorted(g for r in requests for g in r.gaps())
+    pct = lambda q: 1000.0 * gaps[min(len(gaps) - 1, int(q * len(gaps)))] if gaps else 0.0  # noqa: E731
+    return {"aggregate": sum(r.tokens() for r in requests) / wall,
+            "ttft": 1000.0 * statistics.mean(r.bursts[0][0] for r in requests if r.bursts),
+            "p50": pct(0.50), "p95": pct(0.95)}
+
+
+def together(n_streams: int, prompts: list[str], run_one) -> dict:
+    """n_streams threads, stream k running every prompt once (starting at prompt k), started together; run_one(k,
+    prompt index, Arrivals) runs one request"""
+    requests: list[list[Arrivals]] = [[] for _ in range(n_streams)]
     barrier = threading.Barrier(n_streams + 1)
 
     def stream(k: int) -> None:
         barrier.wait()
         for j in range(len(prompts)):
-            started = time.perf_counter()
-            c = sessions[k].generate(prompts[(j + k) % len(prompts)], max_tokens=args.max_tokens, seed=100 + j,
-                                     **sampling)
-            results[k].append({"tokens": len(c.tokens), "s": time.perf_counter() - started, "t": c.timings})
+            a = Arrivals()
+            run_one(k, (j + k) % len(prompts), a)
+            requests[k].append(a)
 
     workers = [threading.Thread(target=stream, args=(k,)) for k in range(n_streams)]
     for w in workers:
@@ -68,52 +99,117 @@ def run_streams(pair: dict, engine: dict | None, n_streams: int, prompts: list[s
     started = time.perf_counter()
     for w in workers:
         w.join()
-    wall = time.perf_counter() - started
-    requests = [r for rs in results for r in rs]
-    row = {"aggregate": sum(r["tokens"] for r in requests) / wall,
-           "per_request": statistics.mean(r["tokens"] / r["s"] for r in requests), "threads": threads}
-    t = [r["t"] for r in requests]
-    if "n_rounds" in t[0]:
-        rounds = sum(x["n_rounds"] for x in t)
-        row["tau"] = (sum(x["draft_n_accepted"] for x in t) + rounds) / rounds if rounds else 1.0
-    if "auto_chain" in t[0]:
-        spec = sum(x["auto_chain"] + x["auto_tree"] for x in t)
-        row["spec_rounds"] = spec / max(1, spec + sum(x["auto_plain"] + x["auto_skipped"] for x in t))
-    del sessions, first
+    return summary([a for rs in requests for a in rs], time.perf_counter() - started)
+
+
+def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, prompts: list[str], args) -> dict:
+    kw = {"draft_model_path": None, "proposers": ()} if engine is None else {"draft_model_path": pair["draft"],
+                                                                                **engine}
+    first = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads, **kw)
+    sessions = [first] + [first.new_session() for _ in range(n_streams - 1)]
+    if not batched:
+        for s in sessions:
+            s._batcher = None
+    tokens = [first.tokenize(p) for p in prompts]
+    stops = sorted(first.tokenizer.eog_token_ids)
+    timings: list[dict] = []
+
+    def run_one(k: int, i: int, arrivals: Arrivals | None = None, max_tokens: int = args.max_tokens) -> None:
+        s = sessions[k]
+        r = s._session.generate(tokens[i], max_tokens=max_tokens, stop_tokens=stops,
+                                callback=(lambda t: arrivals.add(len(t)) or True) if arrivals else None,
+                                draft=s._draft, batcher=s._batcher)
+        timings.append(r["timings"])
+
+    for k in range(n_streams):  # warm-up: pages, graphs, auto's first measurements, each stream's first prompt
+        run_one(k, k % len(prompts), max_tokens=8)
+    timings.clear()
+    row = together(n_streams, prompts, run_one)
+    if timings and "auto_chain" in timings[0]:
+        spec = sum(t["auto_chain"] + t["auto_tree"] for t in timings)
+        row["spec_rounds"] = spec / max(1, spec + sum(t["auto_plain"] + t["auto_skipped"] for t in timings))
+    if timings and "n_rounds" in timings[0]:
+        rounds = sum(t["n_rounds"] for t in timings)
+        row["tau"] = (sum(t["draft_n_accepted"] for t in timings) + rounds) / rounds if rounds else 1.0
+    first.close()
     return row
+
+
+def run_llama(pair: dict, n_draft: int, n_streams: int, prompts: list[str], args, log: Path) -> dict:
+    import httpx
+
+    draft = pair["draft"] if n_draft else None
+    with peer.llama_server(pair["target"], n_streams, args.threads, 2048, log, draft, n_draft) as url, \
+            httpx.Client(base_url=url, timeout=600) as http:
+
+        def run_one(k: int, i: int, arrivals: Arrivals | None = None, max_tokens: int = args.max_tokens) -> None:
+            body = {"prompt": prompts[i], "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "stream": True,
+                    "cache_prompt": True, "id_slot": k}
+            with http.stream("POST", "/completion", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and arrivals is not None:
+                        event = json.loads(line[6:])
+                        if event.get("content") or event.get("tokens"):
+                            arrivals.add(max(1, len(event.get("tokens") or [0])))
+
+        for k in range(n_streams):
+            run_one(k, k % len(prompts), max_tokens=8)
+        return together(n_streams, prompts, run_one)
+
+
+def print_row(n: int, label: str, r: dict, base: dict) -> None:
+    tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+    spec = f"{100 * r['spec_rounds']:.0f}%" if "spec_rounds" in r else "-"
+    print(f"  {n:>3} {label:<16} {r['aggregate']:9.1f} {r['aggregate'] / base['aggregate']:8.2f} "
+          f"{r['ttft']:8.1f} {r['p50']:7.1f} {r['p95']:7.1f} {tau:>5} {spec:>6}", flush=True)
+
+
+def bench_pair(pair: dict, prompts: list[str], args, tmp: Path) -> None:
+    print(f"\n{pair['name']}")
+    print(f"  {'N':>3} {'engine':<16} {'aggregate':>9} {'/ plain':>8} {'ttft ms':>8} {'itl p50':>7} {'p95':>7} "
+          f"{'tau':>5} {'spec':>6}")
+    for n in [int(x) for x in args.streams.split(",")]:
+        rows = {label: run_ours(pair, kw, batched, n, prompts, args) for label, kw, batched in ENGINES}
+        if not args.no_llama:
+            rows["llama plain"] = run_llama(pair, 0, n, prompts, args, tmp / "llama-server.log")
+            best = None
+            for n_max in [int(x) for x in args.llama_n_max.split(",")]:
+                r = run_llama(pair, n_max, n, prompts, args, tmp / "llama-server.log")
+                rows[f"llama dflash {n_max}"] = r
+                best = r if best is None or r["aggregate"] > best["aggregate"] else best
+            rows["llama dflash"] = best
+        for label, r in rows.items():
+            print_row(n, label, r, rows["plain"])
+        if not args.no_llama:
+            ours = max(rows[label]["aggregate"] for label, _, batched in ENGINES if batched)
+            print(f"  {n:>3} best batched / llama-server's best: "
+                  f"{ours / max(rows['llama plain']['aggregate'], rows['llama dflash']['aggregate']):.2f}x",
+                  flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2, help="compute threads in all (shared by the streams)")
-    ap.add_argument("--streams", default="1,2,4")
-    ap.add_argument("--pairs", default="tiny,realistic")
+    ap.add_argument("--streams", default="1,2,4,8")
+    ap.add_argument("--pairs", default="realistic")
     ap.add_argument("--archs", default="qwen3,qwen35")
+    ap.add_argument("--kinds", default="q4mix", help="cost-realistic target types (q8_0, q4mix)")
     ap.add_argument("--n-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temp", type=float, default=0.0, help="0: greedy; else with top-k 40, top-p .95, min-p .05")
+    ap.add_argument("--llama-n-max", default="3,7", help="llama-server DFlash draft lengths tried")
+    ap.add_argument("--no-llama", action="store_true", help="ours only")
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
     args = ap.parse_args()
     archs, kinds = args.archs.split(","), args.pairs.split(",")
     pairs = ([p for p in tiny_pairs(archs) if "q8_0" in p["name"]] if "tiny" in kinds else []) + \
-            (cost_realistic_pairs(args.cache_dir, archs) if "realistic" in kinds else [])
+            (cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.kinds.split(",")))
+             if "realistic" in kinds else [])
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
-    counts = [int(n) for n in args.streams.split(",")]
-    print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens per stream, T = {args.temp}, "
+    print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens per stream, greedy, "
           f"{args.threads} threads in all")
-    for pair in pairs:
-        print(f"\n{pair['name']}")
-        print(f"  {'streams':>7} {'engine':<7} {'thr':>3} {'aggregate':>10} {'/ plain':>8} {'per req':>8} "
-              f"{'/ plain':>8} {'tau':>5} {'spec rounds':>11}")
-        for n in counts:
-            rows = {label: run_streams(pair, kw, n, prompts, args) for label, kw in ENGINES}
-            plain = rows["plain"]
-            for label, r in rows.items():
-                tau = f"{r['tau']:.2f}" if "tau" in r else "-"
-                spec = f"{100 * r['spec_rounds']:.0f}%" if "spec_rounds" in r else "-"
-                print(f"  {n:>7} {label:<7} {r['threads']:>3} {r['aggregate']:10.1f} "
-                      f"{r['aggregate'] / plain['aggregate']:8.2f} {r['per_request']:8.1f} "
-                      f"{r['per_request'] / plain['per_request']:8.2f} {tau:>5} {spec:>11}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in pairs:
+            bench_pair(pair, prompts, args, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 """Build and locate the peer: upstream llama.cpp from the same pinned source distribution as our ggml.
 
     python benchmarks/peer.py build     # configures and builds the tools below (CPU, ~11 min on 2 cores)
+    python benchmarks/peer.py server    # and llama-server (bench_parallel.py's peer; a few more minutes)
     python benchmarks/peer.py path      # prints the folder holding the binaries
 
 Used by the benchmarks and by the slow compatibility tests (which skip when the peer is not built), which
@@ -43,12 +44,12 @@ def binary(name: str) -> Path | None:
     return path if path.exists() else None
 
 
-def build(jobs: int | None = None) -> Path:
+def build(jobs: int | None = None, server: bool = False) -> Path:
     src = source_dir()
     subprocess.run(["cmake", "-S", str(src), "-B", str(BUILD_DIR), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=ON", *NO_AMX], check=True)
-    cmd = ["cmake", "--build", str(BUILD_DIR), "--target", *TARGETS]
+                    f"-DLLAMA_BUILD_SERVER={'ON' if server else 'OFF'}", "-DGGML_NATIVE=ON", *NO_AMX], check=True)
+    cmd = ["cmake", "--build", str(BUILD_DIR), "--target", *(["llama-server"] if server else TARGETS)]
     if jobs:
         cmd += ["-j", str(jobs)]
     subprocess.run(cmd, check=True)
@@ -220,14 +221,66 @@ def llama_bench(target: Path, threads: int, n_prompt: int, n_gen: int, depth: in
     return {"pp_ms": pp["avg_ns"] / 1e6, "ar_ms": tg["avg_ns"] / 1e6 / n_gen}
 
 
+class llama_server:
+    """llama-server over `target` (with `draft` as a DFlash drafter of n_draft tokens a round, or plainly) with
+    n_parallel slots, each of n_ctx tokens, on `threads` threads, for the life of a `with` block, which gets its
+    base URL. Its log goes to `log`."""
+
+    def __init__(self, target: Path, n_parallel: int, threads: int, n_ctx: int, log: Path, draft: Path | None = None,
+                 n_draft: int = 0):
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.cmd = [str(_exe("llama-server")), "-m", str(target), "-np", str(n_parallel), "-t", str(threads),
+                    "-tb", str(threads), "-c", str(n_ctx * n_parallel), "--host", "127.0.0.1", "--port",
+                    str(self.port), "--no-webui", "-lv", "3"]
+        if draft is not None:
+            self.cmd += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_draft),
+                         "-td", str(threads), "-cd", str(n_ctx)]
+        self.log = log
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> str:
+        import time
+        import urllib.request
+
+        self.log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log_file, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise PeerError(f"llama-server exited {self.proc.returncode}: see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self.url
+            except OSError:
+                time.sleep(0.2)
+        self.__exit__()
+        raise PeerError(f"llama-server did not come up in 120 s: see {self.log}")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log_file.close()
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "path"
     if what == "build":
         print(build())
+    elif what == "server":
+        print(build(server=True))
     elif what == "path":
         print(bin_dir())
     else:
-        raise SystemExit("usage: peer.py [build|path]")
+        raise SystemExit("usage: peer.py [build|server|path]")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET 
 N sessions (`Model.new_session`) over one copy of the weights; a request takes a free slot (the one whose last
 request shares the longest prefix with it, so multi-turn chats reuse their cached prompt), else waits in a
 queue of at most `max_queue` requests, past which it gets 503. Each generation runs on a thread of its own (the
-core releases the GIL); a client that disconnects aborts its generation within one round and frees the slot.
+core releases the GIL), and the generations running at the same time meet at each step in one batched target
+evaluation (continuous batching: `Model.new_session`); a client that disconnects aborts its generation within
+one round and frees the slot.
 """
 
 from __future__ import annotations
@@ -371,8 +373,10 @@ def _add_info_routes(app: FastAPI, state: ServerState, model: Model) -> None:
     """/health and /v1/models."""
     @app.get("/health")
     async def health():
+        batched = model._batcher.stats if model._batcher is not None else {"batches": 0, "batched_parts": 0}
         return {"status": "ok", "slots_idle": state.pool.n_free,
-                "slots_processing": len(state.slots) - state.pool.n_free, "requests_waiting": state.pool.n_waiting}
+                "slots_processing": len(state.slots) - state.pool.n_free, "requests_waiting": state.pool.n_waiting,
+                "batched_steps": batched["batches"], "batched_evaluations": batched["batched_parts"]}
 
     @app.get("/v1/models")
     async def models(request: Request):

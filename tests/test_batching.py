@@ -1,0 +1,215 @@
+"""Continuous batching: several sessions of one model in one target evaluation per step.
+
+`SessionBatch` evaluates several sessions' batches (prefill micro-batches, single tokens, chains, trees) in one
+graph: the weights run once over every row, each session's attention, conv and gated-delta-net state on its own
+rows. `EvalBatcher` gathers the evaluations of generations running in threads of their own (what
+`Model.new_session()` and `pydflash serve --parallel N` run) into such batches. Either way each session's results
+must be those it gets alone: the references are the same calls made on a session of its own."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pydflash
+from pydflash import _core
+
+PAIRS = Path(__file__).resolve().parent / "data" / "pairs"
+PROMPTS = ["def quicksort(items):\n", "class LinkedList:\n    def __init__(self):\n", "import os\n\ndef walk(",
+           "def parse_args(argv):\n", "# binary search\ndef search(a, x):\n", "def merge(a, b):\n",
+           "def fib(n):\n    # the n-th Fibonacci number\n", "with open(path) as f:\n"]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.RandomState(seed).randint(5, 1000, size=n)]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen35", "qwen3moe", "qwen35moe"])
+def target(request):
+    with pydflash.Model(PAIRS / f"{request.param}-target-q8_0.gguf", n_ctx=256, n_threads=2) as m:
+        yield m
+
+
+def _sessions(model, n: int = 3) -> list:
+    return [_core.Session(model._model, n_ctx=256, n_ubatch=16, n_rollback=16) for _ in range(n)]
+
+
+def _step(batch, alone: list, together: list, parts: list[dict]) -> None:
+    """One evaluation of `parts` (Session.eval's arguments) on each session of `alone` by itself and on those of
+    `together` in one batch: the same logits, bit for bit, and the same top-k."""
+    solo = [s.eval(**p) for s, p in zip(alone, parts)]
+    batched = batch.eval([dict(session=s, **p) for s, p in zip(together, parts)])
+    for i, (a, b) in enumerate(zip(solo, batched)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            if isinstance(x, list):
+                for u, v in zip(x, y):
+                    np.testing.assert_array_equal(u, v, err_msg=f"part {i}: captured")
+            else:
+                np.testing.assert_array_equal(x, y, err_msg=f"part {i}")
+
+
+def test_a_batch_of_sessions_evaluates_each_as_alone(target):
+    """Prefill micro-batches of different lengths, then a single token, a chain and a tree side by side, commits
+    of a chain prefix and a tree path, and the step after: every session's logits equal its own evaluation's."""
+    alone, together = _sessions(target), _sessions(target)
+    batch = _core.SessionBatch(target._model)
+    prompts = [_tokens(1, 10), _tokens(2, 16), _tokens(3, 5)]
+    _step(batch, alone, together, [dict(tokens=p, all_logits=False, whole=True) for p in prompts])
+    for s, p in [*zip(alone, prompts), *zip(together, prompts)]:
+        s.commit(len(p))
+    tree = [-1, 0, 0, 1, 1, 2, 3]
+    _step(batch, alone, together, [dict(tokens=_tokens(4, 1)), dict(tokens=_tokens(5, 5), top_k=4),
+                                   dict(tokens=_tokens(6, 7), parents=tree, top_k=4, capture_layers=[1])])
+    for group in (alone, together):
+        group[0].commit(1)
+        group[1].commit(3)
+        group[2].commit([0, 1, 3])
+    _step(batch, alone, together, [dict(tokens=_tokens(7, 2)), dict(tokens=_tokens(8, 1)),
+                                   dict(tokens=_tokens(9, 3), parents=[-1, 0, 0])])
+    assert [s.n_past for s in together] == [s.n_past for s in alone] == [11, 19, 8]
+    for group in (alone, together):
+        group[0].commit(2)
+        group[2].commit([0, 2])
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+
+
+def test_a_batch_refuses_what_it_cannot_evaluate(target):
+    batch = _core.SessionBatch(target._model)
+    a, b = _sessions(target, 2)
+    with pytest.raises(ValueError, match="one session"):
+        batch.eval([dict(session=a, tokens=[1]), dict(session=a, tokens=[2])])
+    with pytest.raises(ValueError, match="unknown key 'token'"):
+        batch.eval([dict(session=a, token=[1])])
+    with pytest.raises(ValueError, match="needs 'session' and 'tokens'"):
+        batch.eval([dict(session=a)])
+    with pytest.raises(ValueError, match="top_k = 3, an earlier part 2"):
+        batch.eval([dict(session=a, tokens=[1], top_k=2), dict(session=b, tokens=[1], top_k=3)])
+    with pytest.raises(ValueError, match="no parts"):
+        batch.eval([])
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        batch.eval([dict(session=a, tokens=[1]), dict(session=b, tokens=[10**6])])
+    other = pydflash.Model(PAIRS / "qwen3-target-f32.gguf", n_ctx=64)
+    with pytest.raises(ValueError, match="over another model"):
+        batch.eval([dict(session=_core.Session(other._model, n_ctx=64), tokens=[1])])
+    # nothing was left half-done: both sessions evaluate and commit as usual
+    out = batch.eval([dict(session=a, tokens=[1, 2]), dict(session=b, tokens=[3])])
+    a.commit(2)
+    b.commit(1)
+    assert (a.n_past, b.n_past) == (2, 1) and out[0][0].shape[0] == 2
+
+
+# ---- generations in threads of their own, batched by an EvalBatcher ----
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def pair(request):
+    with pydflash.Model(PAIRS / f"{request.param}-target-q8_0.gguf",
+                        draft_model_path=PAIRS / f"{request.param}-dflash-q8_0.gguf", n_ctx=512, n_threads=2,
+                        n_ubatch=16) as m:
+        yield m
+
+
+MODES = [None, "chain", "tree", "auto"]  # None: plain decoding
+
+
+def _jobs(model, n: int) -> list[dict]:
+    """n generations of mixed prompt lengths and lengths, greedy and seeded sampling, plain and speculative
+    (chain, tree, auto)"""
+    jobs = []
+    for i in range(n):
+        sampling = {"seed": 100 + i, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05} if i % 2 else None
+        jobs.append(dict(prompt=model.tokenize(PROMPTS[i % len(PROMPTS)] * (1 + i % 3)), max_tokens=8 + 5 * (i % 5),
+                         mode=MODES[(i // 2) % len(MODES)], sampling=sampling))
+    return jobs
+
+
+def _generate(m, job: dict, batcher=None, callback=None) -> dict:
+    mode = job["mode"]
+    return m._session.generate(job["prompt"], max_tokens=job["max_tokens"],
+                               stop_tokens=sorted(m.tokenizer.eog_token_ids), callback=callback,
+                               draft=None if mode is None else m._draft, spec_mode=mode, tree_budget=6,
+                               sampling=job["sampling"], batcher=batcher)
+
+
+def test_sixteen_generations_in_threads_each_equal_alone(pair):
+    """16 concurrent generations over 16 sessions, batched at every step, each commit what it commits alone;
+    the batcher really batched them."""
+    jobs = _jobs(pair, 16)
+    sessions = [pair.new_session() for _ in jobs]
+    alone = [_generate(pair.new_session(), job) for job in jobs]
+    batcher = _core.EvalBatcher(pair._model)
+    barrier = threading.Barrier(len(jobs))
+
+    def run(k: int) -> dict:
+        barrier.wait()
+        return _generate(sessions[k], jobs[k], batcher)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(run, range(len(jobs))))
+    for k, (a, t) in enumerate(zip(alone, together)):
+        assert (t["tokens"], t["finish_reason"]) == (a["tokens"], a["finish_reason"]), f"job {k}: {jobs[k]}"
+    stats = batcher.stats
+    assert stats["batches"] > 0 and stats["batched_parts"] >= 2 * stats["batches"], stats
+    assert sum(1 for t in together if t["timings"].get("n_rounds", 0) > 0) >= 4  # speculative rounds were batched
+
+
+def test_a_cancelled_generation_leaves_the_others_unchanged(pair):
+    jobs = _jobs(pair, 6)
+    for job in jobs:
+        job["max_tokens"] = 40
+    alone = [_generate(pair.new_session(), job) for job in jobs]
+    sessions = [pair.new_session() for _ in jobs]
+    batcher = _core.EvalBatcher(pair._model)
+    calls = [0]
+
+    def stop_after_two(tokens) -> bool:  # job 1's consumer goes away after two batches of tokens
+        calls[0] += 1
+        return calls[0] < 2
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda k: _generate(sessions[k], jobs[k], batcher,
+                                                     stop_after_two if k == 1 else None), range(len(jobs))))
+    cut = together[1]
+    assert cut["finish_reason"] == "abort" and cut["tokens"] == alone[1]["tokens"][:len(cut["tokens"])]
+    assert len(cut["tokens"]) < len(alone[1]["tokens"])
+    for k in (0, 2, 3, 4, 5):
+        assert together[k]["tokens"] == alone[k]["tokens"], k
+
+
+def test_model_sessions_in_threads_batch_through_the_models_batcher(pair):
+    """The Python API: Model.new_session() sessions generating in threads meet in the Model's batcher."""
+    sessions = [pair.new_session() for _ in range(4)]
+    alone = [pair.generate(PROMPTS[k], max_tokens=24, seed=k, temperature=0.7 * (k % 2)).tokens for k in range(4)]
+    before = pair._batcher.stats["batches"]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda k: sessions[k].generate(PROMPTS[k], max_tokens=24, seed=k,
+                                                                temperature=0.7 * (k % 2)).tokens, range(4)))
+    assert together == alone
+    assert pair._batcher.stats["batches"] > before
+
+
+def test_memory_stays_flat_over_a_thousand_batched_requests(pair):
+    import resource
+
+    sessions = [pair.new_session() for _ in range(4)]
+
+    def run(k: int, n: int) -> None:
+        for i in range(n):
+            sessions[k].generate(PROMPTS[(i + k) % len(PROMPTS)] + f"# {i}\n", max_tokens=3 + i % 4,
+                                 temperature=0.5 * (i % 2), seed=i)
+
+    def rss_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda k: run(k, 50), range(4)))  # warm-up: graphs, allocator pools
+        before = rss_kib()
+        list(pool.map(lambda k: run(k, 250), range(4)))
+        after = rss_kib()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
+    print(f"RSS {before / 1024:.1f} MiB after 200 requests, {after / 1024:.1f} MiB after 1200")
+    assert after - before < 8 * 1024, f"RSS grew by {(after - before) / 1024:.1f} MiB over 1000 requests"
