@@ -238,7 +238,7 @@ class llama_server:
                     str(self.port), "--no-webui", "-lv", "3"]
         if draft is not None:
             self.cmd += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_draft),
-                         "-td", str(threads), "-cd", str(n_ctx)]
+                         "-td", str(threads)]
         self.log = log
         self.url = f"http://127.0.0.1:{self.port}"
 
