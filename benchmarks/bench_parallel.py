@@ -26,7 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -140,7 +139,8 @@ def run_llama(pair: dict, n_draft: int, n_streams: int, prompts: list[str], args
 
     draft = pair["draft"] if n_draft else None
     with peer.llama_server(pair["target"], n_streams, args.threads, 2048, log, draft, n_draft) as url, \
-            httpx.Client(base_url=url, timeout=600) as http:
+            httpx.Client(base_url=url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        # (a connection per request: llama-server closes a kept-alive one after a stream, which httpx would reuse)
 
         def run_one(k: int, i: int, arrivals: Arrivals | None = None, max_tokens: int = args.max_tokens) -> None:
             body = {"prompt": prompts[i], "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "stream": True,
@@ -164,17 +164,17 @@ def print_row(n: int, label: str, r: dict, base: dict) -> None:
           f"{r['ttft']:8.1f} {r['p50']:7.1f} {r['p95']:7.1f} {tau:>5} {spec:>6}", flush=True)
 
 
-def bench_pair(pair: dict, prompts: list[str], args, tmp: Path) -> None:
+def bench_pair(pair: dict, prompts: list[str], args, logs: Path) -> None:
     print(f"\n{pair['name']}")
     print(f"  {'N':>3} {'engine':<16} {'aggregate':>9} {'/ plain':>8} {'ttft ms':>8} {'itl p50':>7} {'p95':>7} "
           f"{'tau':>5} {'spec':>6}")
     for n in [int(x) for x in args.streams.split(",")]:
         rows = {label: run_ours(pair, kw, batched, n, prompts, args) for label, kw, batched in ENGINES}
         if not args.no_llama:
-            rows["llama plain"] = run_llama(pair, 0, n, prompts, args, tmp / "llama-server.log")
+            rows["llama plain"] = run_llama(pair, 0, n, prompts, args, logs / f"llama-server-{n}-plain.log")
             best = None
             for n_max in [int(x) for x in args.llama_n_max.split(",")]:
-                r = run_llama(pair, n_max, n, prompts, args, tmp / "llama-server.log")
+                r = run_llama(pair, n_max, n, prompts, args, logs / f"llama-server-{n}-dflash{n_max}.log")
                 rows[f"llama dflash {n_max}"] = r
                 best = r if best is None or r["aggregate"] > best["aggregate"] else best
             rows["llama dflash"] = best
@@ -207,9 +207,10 @@ def main() -> None:
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens per stream, greedy, "
           f"{args.threads} threads in all")
-    with tempfile.TemporaryDirectory() as tmp:
-        for pair in pairs:
-            bench_pair(pair, prompts, args, Path(tmp))
+    logs = ROOT / "build" / "bench_parallel"  # llama-server's logs, kept
+    logs.mkdir(parents=True, exist_ok=True)
+    for pair in pairs:
+        bench_pair(pair, prompts, args, logs)
 
 
 if __name__ == "__main__":

@@ -407,7 +407,8 @@ class Model:
             self._batcher = _core.EvalBatcher(self._model)
         other = object.__new__(type(self))
         other.__dict__.update({k: v for k, v in self.__dict__.items()
-                               if k not in ("_session", "_draft", "_ngram", "_mtp", "_lock", "_cancelled")})
+                               if k not in ("_session", "_draft", "_ngram", "_mtp", "_lock", "_cancelled",
+                                            "_batch_sessions")})
         other._open_session()
         return other
 
@@ -536,6 +537,52 @@ class Model:
         result = self._run(prepared, stop, lambda text, _: pieces.append(text), sampling)
         return Completion("".join(pieces), result["tokens"], result["finish_reason"], _timings(result["timings"]),
                           sampling.get("seed"), self._logprobs(result["tokens"], result.get("logprobs")))
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_tokens: int | None = 128, *,
+                       parallel: int | None = None, **kwargs) -> list[Completion]:
+        """`generate` for each of `prompts` (keyword arguments as for generate, the same for every prompt), up to
+        `parallel` of them at a time (default: all, at most 16), batched: at each step every running
+        generation's target evaluation (a prompt micro-batch, a token, a chain or a tree of drafts) runs in one,
+        the weights read once for all of them. Each Completion is what `generate` gives for its prompt alone.
+        The extra sessions (`new_session`) are kept for the next call."""
+        self._check_open()
+        prompts = list(prompts)
+        parallel = optional_int_arg("parallel", parallel, 1)
+        n = min(len(prompts), parallel if parallel is not None else 16)
+        for prompt in prompts:  # every prompt checked before any generation starts
+            self._prepare(prompt, max_tokens, bool(kwargs.get("speculative", True)))
+        if n <= 1:
+            return [self.generate(p, max_tokens, **kwargs) for p in prompts]
+        if not hasattr(self, "_batch_sessions"):
+            self._batch_sessions: list[Model] = []
+        while len(self._batch_sessions) < n - 1:
+            self._batch_sessions.append(self.new_session())
+        sessions = [self, *self._batch_sessions[:n - 1]]
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for i, prompt in enumerate(prompts):
+            todo.put((i, prompt))
+        out: list = [None] * len(prompts)
+
+        def work(session: Model) -> None:
+            while True:
+                try:
+                    i, prompt = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    out[i] = session.generate(prompt, max_tokens, **kwargs)
+                except BaseException as e:  # raised in the caller's thread, below
+                    out[i] = e
+
+        workers = [threading.Thread(target=work, args=(s,), daemon=True) for s in sessions]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        for c in out:
+            if isinstance(c, BaseException):
+                raise c
+        return out
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int | None = 128, temperature: float = 0.0, *,
                top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
@@ -762,6 +809,8 @@ class Model:
             raise RuntimeError("this Model is closed")
 
     def close(self) -> None:
+        for other in self.__dict__.pop("_batch_sessions", []):
+            other.close()
         self._session = None
         self._draft = None
         self._ngram = None

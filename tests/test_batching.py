@@ -213,3 +213,29 @@ def test_memory_stays_flat_over_a_thousand_batched_requests(pair):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
     print(f"RSS {before / 1024:.1f} MiB after 200 requests, {after / 1024:.1f} MiB after 1200")
     assert after - before < 8 * 1024, f"RSS grew by {(after - before) / 1024:.1f} MiB over 1000 requests"
+
+
+def test_generate_batch_gives_each_prompt_its_own_completion(pair):
+    prompts = [PROMPTS[i % len(PROMPTS)] * (1 + i % 2) for i in range(10)]
+    alone = [pair.generate(p, max_tokens=20, temperature=0.7, seed=5) for p in prompts]
+    before = pair._batcher.stats["batches"] if pair._batcher is not None else 0
+    batched = pair.generate_batch(prompts, max_tokens=20, temperature=0.7, seed=5, parallel=4)
+    assert [c.tokens for c in batched] == [c.tokens for c in alone]
+    assert [c.text for c in batched] == [c.text for c in alone]
+    assert [c.finish_reason for c in batched] == [c.finish_reason for c in alone]
+    assert pair._batcher.stats["batches"] > before
+    assert len(pair._batch_sessions) == 3  # kept for the next call
+    assert [c.tokens for c in pair.generate_batch(prompts[:2], max_tokens=20, temperature=0.7, seed=5)] == \
+        [c.tokens for c in alone[:2]]
+
+
+def test_generate_batch_checks_every_prompt_first(pair):
+    from pydflash.errors import ContextLengthExceededError
+
+    with pytest.raises(ContextLengthExceededError):
+        pair.generate_batch(["def f():\n", "word " * 2000], max_tokens=4)
+    with pytest.raises(ValueError, match="parallel"):
+        pair.generate_batch(["a", "b"], parallel=0)
+    with pytest.raises(TypeError):
+        pair.generate_batch(["a", "b"], max_tokens=4, temprature=0.5)
+    assert pair.generate_batch([], max_tokens=4) == []
