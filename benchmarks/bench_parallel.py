@@ -6,8 +6,8 @@ Each of N streams is a session of its own over one copy of the weights (`Model.n
 `pydflash serve --parallel N` runs), generating in a thread of its own; the sessions' generations meet at each
 step in the Model's batcher (one target evaluation for all of them). "unbatched" turns the batcher off: the
 sessions then take turns on the model's threads (--threads in all, as `pydflash serve -t` and llama-server's -t
-mean). Every stream runs the same --n-prompts held-out code prompts (rotated by stream) for --max-tokens tokens
-each; the N streams start together. llama-server gets the same GGUFs, -np N slots, the same threads, and
+mean). Every stream runs the same --n-prompts held-out code prompts (rotated by stream, each request's made
+unique by a first line of its own) for --max-tokens tokens each; the N streams start together. llama-server gets the same GGUFs, -np N slots, the same threads, and
 its DFlash at each --llama-n-max (the best is its row "llama dflash").
 
   aggregate tok/s   all streams' generated tokens / the wall time until the last stream finished
@@ -78,9 +78,15 @@ def summary(requests: list[Arrivals], wall: float) -> dict:
             "p50": pct(0.50), "p95": pct(0.95)}
 
 
+def request_prompt(prompts: list[str], k: int, j: int) -> str:
+    """stream k's j-th request: prompt (j + k) mod n, made unique by a first line of its own (no engine reuses
+    another request's prompt: llama-server keeps earlier prompts in host memory, we keep each slot's last)"""
+    return f"# request {k}.{j}\n" + prompts[(j + k) % len(prompts)]
+
+
 def together(n_streams: int, prompts: list[str], run_one) -> dict:
     """n_streams threads, stream k running every prompt once (starting at prompt k), started together; run_one(k,
-    prompt index, Arrivals) runs one request"""
+    prompt text, Arrivals) runs one request"""
     requests: list[list[Arrivals]] = [[] for _ in range(n_streams)]
     barrier = threading.Barrier(n_streams + 1)
 
@@ -88,7 +94,7 @@ def together(n_streams: int, prompts: list[str], run_one) -> dict:
         barrier.wait()
         for j in range(len(prompts)):
             a = Arrivals()
-            run_one(k, (j + k) % len(prompts), a)
+            run_one(k, request_prompt(prompts, k, j), a)
             requests[k].append(a)
 
     workers = [threading.Thread(target=stream, args=(k,)) for k in range(n_streams)]
@@ -109,19 +115,18 @@ def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, pro
     if not batched:
         for s in sessions:
             s._batcher = None
-    tokens = [first.tokenize(p) for p in prompts]
     stops = sorted(first.tokenizer.eog_token_ids)
     timings: list[dict] = []
 
-    def run_one(k: int, i: int, arrivals: Arrivals | None = None, max_tokens: int = args.max_tokens) -> None:
+    def run_one(k: int, text: str, arrivals: Arrivals | None = None, max_tokens: int = args.max_tokens) -> None:
         s = sessions[k]
-        r = s._session.generate(tokens[i], max_tokens=max_tokens, stop_tokens=stops,
+        r = s._session.generate(first.tokenize(text), max_tokens=max_tokens, stop_tokens=stops,
                                 callback=(lambda t: arrivals.add(len(t)) or True) if arrivals else None,
                                 draft=s._draft, batcher=s._batcher)
         timings.append(r["timings"])
 
-    for k in range(n_streams):  # warm-up: pages, graphs, auto's first measurements, each stream's first prompt
-        run_one(k, k % len(prompts), max_tokens=8)
+    for k in range(n_streams):  # warm-up: pages, graphs, auto's first measurements
+        run_one(k, prompts[k % len(prompts)], max_tokens=8)
     timings.clear()
     row = together(n_streams, prompts, run_one)
     if timings and "auto_chain" in timings[0]:
@@ -142,8 +147,8 @@ def run_llama(pair: dict, n_draft: int, n_streams: int, prompts: list[str], args
             httpx.Client(base_url=url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         # (a connection per request: llama-server closes a kept-alive one after a stream, which httpx would reuse)
 
-        def run_one(k: int, i: int, arrivals: Arrivals | None = None, max_tokens: int = args.max_tokens) -> None:
-            body = {"prompt": prompts[i], "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "stream": True,
+        def run_one(k: int, text: str, arrivals: Arrivals | None = None, max_tokens: int = args.max_tokens) -> None:
+            body = {"prompt": text, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "stream": True,
                     "cache_prompt": True, "id_slot": k}
             with http.stream("POST", "/completion", json=body) as r:
                 for line in r.iter_lines():
@@ -153,7 +158,7 @@ def run_llama(pair: dict, n_draft: int, n_streams: int, prompts: list[str], args
                             arrivals.add(max(1, len(event.get("tokens") or [0])))
 
         for k in range(n_streams):
-            run_one(k, k % len(prompts), max_tokens=8)
+            run_one(k, prompts[k % len(prompts)], max_tokens=8)
         return together(n_streams, prompts, run_one)
 
 

@@ -248,16 +248,22 @@ def _eog_ids() -> list[int]:
     return sorted(Tokenizer.from_gguf(PAIRS / "qwen3-target-q8_0.gguf").eog_token_ids)
 
 
-def test_parallel_hybrid_slots_keep_their_own_state(tmp_path):
-    """Qwen3.5 (gated delta net state per session): concurrent streams equal the same requests made alone."""
-    s = Server(tmp_path, "qwen35", "--parallel", "3", "-c", "1024")
+@pytest.mark.parametrize("arch, parallel", [("qwen35", 4), ("qwen3", 8)])
+def test_parallel_slots_batch_and_each_equals_alone(tmp_path, arch, parallel):
+    """--parallel 4 (Qwen3.5: a gated-delta-net state per slot) and 8 (Qwen3): concurrent streams, batched into
+    one target evaluation per step, equal the same requests made one at a time."""
+    s = Server(tmp_path, arch, "--parallel", str(parallel), "-c", "1024")
     try:
         client = s.client(key="none")
-        jobs = [([{"role": "user", "content": f"Explain item {i} of a list in Python."}], i) for i in range(6)]
+        jobs = [([{"role": "user", "content": f"Explain item {i} of a list in Python."}], i)
+                for i in range(parallel + 2)]
         alone = [_stream_chat(client, m, seed) for m, seed in jobs]
-        with ThreadPoolExecutor(6) as pool:
+        assert s.health()["batched_steps"] == 0
+        with ThreadPoolExecutor(len(jobs)) as pool:
             together = list(pool.map(lambda job: _stream_chat(client, *job), jobs))
         assert together == alone
+        health = s.health()
+        assert health["batched_steps"] > 0 and health["batched_evaluations"] >= 2 * health["batched_steps"], health
     finally:
         s.stop()
 
@@ -376,9 +382,11 @@ def test_rss_stays_flat_over_a_thousand_requests(server):
             return http.post("/v1/completions", json={"prompt": f"y{i}", "max_tokens": 4, "logprobs": 3,
                                                       "temperature": 0.7}).status_code
 
-        codes = [one(i) for i in range(200)]  # warm-up: caches, graphs, allocator pools
-        before = server.rss_kib()
-        codes += [one(i) for i in range(200, 1200)]
+        # four clients at once against the two slots: batched steps, queued requests
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(one, range(200)))  # warm-up: caches, graphs, allocator pools
+            before = server.rss_kib()
+            codes += list(pool.map(one, range(200, 1200)))
         after = server.rss_kib()
     assert set(codes) == {200, 400}
     print(f"RSS {before / 1024:.1f} MiB after 200 requests, {after / 1024:.1f} MiB after 1200")

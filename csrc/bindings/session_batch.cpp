@@ -85,10 +85,11 @@ void register_session_batch(py::module_ & m) {
                 d["batches"]       = c.batches;
                 d["batched_parts"] = c.batched_parts;
                 d["alone"]         = c.alone;
+                d["batched_ms"]    = c.batched_ms;
                 return d;
             },
             "{'batches': evaluations of several generations' parts together, 'batched_parts': the parts they held, "
-            "'alone': parts evaluated alone}.");
+            "'alone': parts evaluated alone, 'batched_ms': the batched evaluations' time}.");
 }
 
 }  // namespace pdf::bindings

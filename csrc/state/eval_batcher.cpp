@@ -1,5 +1,6 @@
 #include "state/eval_batcher.h"
 #include "core/clock.h"
+#include "core/log.h"
 
 namespace pdf {
 
@@ -40,11 +41,13 @@ double eval_batcher::eval(const session_batch::part & part) {
             group.swap(waiting_);
             running_ = true;
             lock.unlock();
-            const bool batched = run(group);
+            double     batch_ms = 0.0;
+            const bool batched  = run(group, batch_ms);
             lock.lock();
             counts_.batches += batched;
             counts_.batched_parts += batched ? group.size() : 0;
             counts_.alone += batched ? 0 : group.size();
+            counts_.batched_ms += batch_ms;
             running_ = false;
             for (request * r : group) {
                 r->done = true;
@@ -60,7 +63,7 @@ double eval_batcher::eval(const session_batch::part & part) {
     return me.ms;
 }
 
-bool eval_batcher::run(const std::vector<request *> & group) {
+bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) {
     if (group.size() > 1) {
         std::vector<session_batch::part> parts;
         for (const request * r : group) {
@@ -70,12 +73,20 @@ bool eval_batcher::run(const std::vector<request *> & group) {
             const auto t0 = clock_type::now();
             batch_.eval(parts);
             const double ms = ms_since(t0);
-            for (request * r : group) {
-                r->ms = ms;
+            int          rows = 0;
+            for (const session_batch::part & p : parts) {
+                rows += p.n;
             }
+            // each part's share, in proportion to its rows: what its generation's cost model weighs (a round
+            // that verifies more rows costs the step more; a plain step shares the weights' reads)
+            for (request * r : group) {
+                r->ms = ms * r->part->n / rows;
+            }
+            batch_ms = ms;
             return true;
-        } catch (const std::exception &) {
+        } catch (const std::exception & e) {
             // evaluated alone below: each part's error (a context overflow, a bad token) is its member's
+            PDF_LOG_DEBUG("a batch of %zu parts failed (%s): evaluating them one by one", group.size(), e.what());
         }
     }
     for (request * r : group) {

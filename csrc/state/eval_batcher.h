@@ -36,7 +36,8 @@ class eval_batcher {
 
     // Evaluates `part` as session::eval would, together with the parts the other members hand in for this step:
     // the member whose part completes the step evaluates them all, the others wait. Returns the ms the evaluation
-    // took (without the wait for the others' parts); throws what evaluating this part alone would throw (a batch
+    // took (without the wait for the others' parts), a batch's shared among its parts in proportion to their
+    // rows; throws what evaluating this part alone would throw (a batch
     // that fails is evaluated part by part, so one part's error is its member's alone).
     double eval(const session_batch::part & part);
 
@@ -44,6 +45,7 @@ class eval_batcher {
     // evaluated alone (a member alone, or a failed batch's)
     struct counts {
         uint64_t batches = 0, batched_parts = 0, alone = 0;
+        double   batched_ms = 0.0;  // the batched evaluations' time
     };
     counts stats() const;
 
@@ -54,8 +56,8 @@ class eval_batcher {
       double                      ms   = 0.0;
       std::exception_ptr          error;
     };
-    // the step's parts, evaluated (without the lock); false: each alone
-    bool run(const std::vector<request *> & group);
+    // the step's parts, evaluated (without the lock), batch_ms the batch's time; false: each alone
+    bool run(const std::vector<request *> & group, double & batch_ms);
 
     session_batch           batch_;
     mutable std::mutex      mutex_;
