@@ -6,9 +6,10 @@ Each of N streams is a session of its own over one copy of the weights (`Model.n
 `pydflash serve --parallel N` runs), generating in a thread of its own; the sessions' generations meet at each
 step in the Model's batcher (one target evaluation for all of them). "unbatched" turns the batcher off: the
 sessions then take turns on the model's threads (--threads in all, as `pydflash serve -t` and llama-server's -t
-mean). Every stream runs the same --n-prompts held-out code prompts (rotated by stream, each request's made
-unique by a first line of its own) for --max-tokens tokens each; the N streams start together. llama-server gets the same GGUFs, -np N slots, the same threads, and
-its DFlash at each --llama-n-max (the best is its row "llama dflash").
+mean). N x --n-prompts requests (each held-out code prompt N times, each request's made unique by a first line
+of its own) of --max-tokens tokens wait in one queue, which the N streams empty together, as a server's slots
+do. llama-server gets the same GGUFs, -np N slots, the same threads, and its DFlash at each --llama-n-max (the
+best is its row "llama dflash").
 
   aggregate tok/s   all streams' generated tokens / the wall time until the last stream finished
   ttft ms           mean time from a request's start to its first token
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import statistics
 import sys
 import threading
@@ -85,17 +87,26 @@ def request_prompt(prompts: list[str], k: int, j: int) -> str:
 
 
 def together(n_streams: int, prompts: list[str], run_one) -> dict:
-    """n_streams threads, stream k running every prompt once (starting at prompt k), started together; run_one(k,
-    prompt text, Arrivals) runs one request"""
-    requests: list[list[Arrivals]] = [[] for _ in range(n_streams)]
+    """n_streams threads, started together, taking requests from one queue until it is empty (as a server's slots
+    take waiting requests: no stream idles while another still has work), each prompt n_streams times in all;
+    run_one(stream, prompt text, Arrivals) runs one request on that stream's session (slot)"""
+    todo = queue.SimpleQueue()
+    for j in range(len(prompts)):
+        for k in range(n_streams):
+            todo.put(request_prompt(prompts, k, j))
+    requests: list[Arrivals] = []
     barrier = threading.Barrier(n_streams + 1)
 
     def stream(k: int) -> None:
         barrier.wait()
-        for j in range(len(prompts)):
+        while True:
+            try:
+                text = todo.get_nowait()
+            except queue.Empty:
+                return
             a = Arrivals()
-            run_one(k, request_prompt(prompts, k, j), a)
-            requests[k].append(a)
+            run_one(k, text, a)
+            requests.append(a)
 
     workers = [threading.Thread(target=stream, args=(k,)) for k in range(n_streams)]
     for w in workers:
@@ -104,7 +115,7 @@ def together(n_streams: int, prompts: list[str], run_one) -> dict:
     started = time.perf_counter()
     for w in workers:
         w.join()
-    return summary([a for rs in requests for a in rs], time.perf_counter() - started)
+    return summary(requests, time.perf_counter() - started)
 
 
 def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, prompts: list[str], args) -> dict:

@@ -18,7 +18,9 @@
 
 #include "core/backend.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace pdf {
@@ -90,6 +92,18 @@ class graph_cache {
     // every node's sources as built (n_nodes x GGML_MAX_SRC), empty until the first allocation
     std::vector<ggml_tensor *> sources_;
 };
+
+// Where a newly built graph goes among a bounded set of kept ones (entries: T with a graph_cache and a last_use):
+// a new entry made by make() while there are fewer than max_entries, else the least recently used one
+template <class T, class Make>
+T & entry_for_new_graph(std::vector<std::unique_ptr<T>> & entries, size_t max_entries, Make make) {
+    if (entries.size() < max_entries) {
+        entries.push_back(make());
+        return *entries.back();
+    }
+    return **std::min_element(entries.begin(), entries.end(),
+                              [](const auto & a, const auto & b) { return a->last_use < b->last_use; });
+}
 
 // copies `size` bytes into graph input t at `offset` once its graph is resident; an input the graph does not
 // read (positions and masks of a model with no attention layer) got no buffer and is skipped

@@ -75,15 +75,7 @@ void session::prepare_graph(const graph_key & key, feature_ring * ring) {
             return;
         }
     }
-    // a new graph: in a free entry, else in place of the least recently used one
-    if (graphs_.size() < MAX_CACHED_GRAPHS) {
-        graphs_.push_back(std::make_unique<compiled_graph>(arena_));
-        cur_ = graphs_.back().get();
-    } else {
-        cur_ = std::min_element(graphs_.begin(), graphs_.end(), [](const auto & a, const auto & b) {
-                   return a->last_use < b->last_use;
-               })->get();
-    }
+    cur_ = &entry_for_new_graph(graphs_, MAX_CACHED_GRAPHS, [&] { return std::make_unique<compiled_graph>(arena_); });
     cur_->last_use = uses_;
     build_graph(*cur_, key, ring);
     cur_->cache.allocate(

@@ -112,19 +112,11 @@ session_batch::compiled & session_batch::graph_for(const std::vector<part> & par
             return *g;
         }
     }
-    compiled * g = nullptr;
-    if (graphs_.size() < MAX_CACHED_GRAPHS) {
-        graphs_.push_back(std::make_unique<compiled>(arena_));
-        g = graphs_.back().get();
-    } else {
-        g = std::min_element(graphs_.begin(), graphs_.end(), [](const auto & a, const auto & b) {
-                return a->last_use < b->last_use;
-            })->get();
-    }
-    g->last_use = uses_;
-    g->keys     = keys;
-    build(*g, parts);
-    return *g;
+    compiled & g = entry_for_new_graph(graphs_, MAX_CACHED_GRAPHS, [&] { return std::make_unique<compiled>(arena_); });
+    g.last_use   = uses_;
+    g.keys       = keys;
+    build(g, parts);
+    return g;
 }
 
 // tokens [n_total] (every part's rows, part after part) -> the layers -> the head over each part's output rows
@@ -152,25 +144,7 @@ void session_batch::build(compiled & g, const std::vector<part> & parts) {
     in.positions = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) n_total * model_->info().n_pos_per_token);
     ggml_set_input(in.tokens);
     ggml_set_input(in.positions);
-    g.output_rows.clear();
-    g.first_row.clear();
-    g.n_rows.clear();
-    int first = 0;
-    for (size_t i = 0; i < parts.size(); ++i) {
-        const session::graph_key & key = g.keys[i].key;
-        sequence_inputs            q;
-        q.first    = first;
-        q.n_tokens = key.n_tokens;
-        parts[i].s->add_memory_inputs(ctx, key, q.kv, q.recurrent);
-        parts[i].s->fill_state(q.st);
-        in.sequences.push_back(std::move(q));
-        g.first_row.push_back((int) g.output_rows.size());
-        for (int r = key.what.all_rows ? 0 : key.n_tokens - 1; r < key.n_tokens; ++r) {
-            g.output_rows.push_back(first + r);
-        }
-        g.n_rows.push_back((int) g.output_rows.size() - g.first_row.back());
-        first += key.n_tokens;
-    }
+    add_parts(ctx, g, parts);
     in.output_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) g.output_rows.size());
     ggml_set_input(in.output_rows);
 
@@ -183,7 +157,35 @@ void session_batch::build(compiled & g, const std::vector<part> & parts) {
             ggml_build_forward_expand(gf, t);
         }
     }
-    // each part's captures: written into its ring by the graph, else read back from the whole batch's
+    add_captures(ctx, gf, g, parts);
+}
+
+// each part's rows: its memory's inputs and its output rows (every row, or the last one)
+void session_batch::add_parts(ggml_context * ctx, compiled & g, const std::vector<part> & parts) {
+    g.output_rows.clear();
+    g.first_row.clear();
+    g.n_rows.clear();
+    int first = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+        const session::graph_key & key = g.keys[i].key;
+        sequence_inputs            q;
+        q.first    = first;
+        q.n_tokens = key.n_tokens;
+        parts[i].s->add_memory_inputs(ctx, key, q.kv, q.recurrent);
+        parts[i].s->fill_state(q.st);
+        g.in.sequences.push_back(std::move(q));
+        g.first_row.push_back((int) g.output_rows.size());
+        for (int r = key.what.all_rows ? 0 : key.n_tokens - 1; r < key.n_tokens; ++r) {
+            g.output_rows.push_back(first + r);
+        }
+        g.n_rows.push_back((int) g.output_rows.size() - g.first_row.back());
+        first += key.n_tokens;
+    }
+}
+
+// each part's captures: written into its ring by the graph, else read back from the whole batch's
+void session_batch::add_captures(ggml_context * ctx, ggml_cgraph * gf, compiled & g, const std::vector<part> & parts) {
+    const std::vector<int> & capture = g.in.capture_layers;  // (sorted)
     g.captured.assign(parts.size(), {});
     g.ring_rows.assign(parts.size(), nullptr);
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -198,7 +200,7 @@ void session_batch::build(compiled & g, const std::vector<part> & parts) {
         if (key.ring_id != 0) {
             std::vector<ggml_tensor *> mine;
             for (ggml_tensor * t : g.captured[i]) {
-                mine.push_back(token_range(ctx, t, 1, in.sequences[i].first, key.n_tokens));
+                mine.push_back(token_range(ctx, t, 1, g.in.sequences[i].first, key.n_tokens));
             }
             g.ring_rows[i] = parts[i].ring->add_writes(ctx, gf, mine, key.n_tokens);
         } else {

@@ -53,6 +53,8 @@ class session_batch {
     // the cached graph for these parts, built if none is
     compiled & graph_for(const std::vector<part> & parts, const std::vector<key_entry> & keys);
     void       build(compiled & g, const std::vector<part> & parts);
+    void       add_parts(ggml_context * ctx, compiled & g, const std::vector<part> & parts);
+    void       add_captures(ggml_context * ctx, ggml_cgraph * gf, compiled & g, const std::vector<part> & parts);
     // after the compute: each session's results
     void       hand_out(compiled & g, const std::vector<part> & parts, std::vector<batch_order> & orders,
                         std::vector<std::vector<int32_t>> & tokens_by_slot);
