@@ -87,6 +87,8 @@ bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) 
         } catch (const std::exception & e) {
             // evaluated alone below: each part's error (a context overflow, a bad token) is its member's
             PDF_LOG_DEBUG("a batch of %zu parts failed (%s): evaluating them one by one", group.size(), e.what());
+        } catch (...) {
+            // (likewise: nothing may leave the step with the batcher marked running)
         }
     }
     for (request * r : group) {
