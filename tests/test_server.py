@@ -191,9 +191,9 @@ def test_a_reply_with_stop_strings_and_token_prompt(client, model):
 
 
 # ---- concurrency ----
-def _stream_chat(client, messages, seed) -> str:
+def _stream_chat(client, messages, seed, temperature: float = 0.8) -> str:
     out = []
-    for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=48, temperature=0.8,
+    for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=48, temperature=temperature,
                                                 seed=seed, stream=True):
         for choice in chunk.choices:
             out.append((choice.delta.content or "") + (getattr(choice.delta, "reasoning_content", None) or ""))
@@ -251,13 +251,16 @@ def _eog_ids() -> list[int]:
 @pytest.mark.parametrize("arch, parallel", [("qwen35", 4), ("qwen3", 8)])
 def test_parallel_slots_batch_and_each_equals_alone(tmp_path, arch, parallel):
     """--parallel 4 (Qwen3.5: a gated-delta-net state per slot) and 8 (Qwen3): concurrent streams, batched into
-    one target evaluation per step, equal the same requests made one at a time."""
+    one target evaluation per step, equal the same requests made one at a time. Greedy: auto's choices depend on
+    what each slot has measured so far, which differs between the two runs, and a sampled draw at a near-tie
+    (tests/near_ties.py) may then go either way (seen at --parallel 8, unbatched as well as batched); sampling
+    alone vs batched is compared in tests/test_batching.py, where both runs' slots start alike."""
     s = Server(tmp_path, arch, "--parallel", str(parallel), "-c", "1024")
     try:
         client = s.client(key="none")
-        jobs = [([{"role": "user", "content": f"Explain item {i} of a list in Python."}], i)
+        jobs = [([{"role": "user", "content": f"Explain item {i} of a list in Python."}], i, 0.0)
                 for i in range(parallel + 2)]
-        alone = [_stream_chat(client, m, seed) for m, seed in jobs]
+        alone = [_stream_chat(client, *job) for job in jobs]
         assert s.health()["batched_steps"] == 0
         with ThreadPoolExecutor(len(jobs)) as pool:
             together = list(pool.map(lambda job: _stream_chat(client, *job), jobs))
