@@ -239,3 +239,20 @@ def test_generate_batch_checks_every_prompt_first(pair):
     with pytest.raises(TypeError):
         pair.generate_batch(["a", "b"], max_tokens=4, temprature=0.5)
     assert pair.generate_batch([], max_tokens=4) == []
+
+
+def test_a_step_holds_at_most_two_prompt_micro_batches(pair):
+    """Six long prompts arriving together (n_ubatch 16: three micro-batches each) beside short ones that decode:
+    no batched step holds more than two prompt micro-batches (2 x 16 rows) besides the decoding streams' tokens
+    (one each), and every generation still equals its solo output."""
+    jobs = [dict(prompt=pair.tokenize(PROMPTS[i % len(PROMPTS)] * (4 if i < 6 else 1))[:44 if i < 6 else 12],
+                 max_tokens=12, mode=None, sampling=None) for i in range(9)]
+    alone = [_generate(pair.new_session(), job) for job in jobs]
+    sessions = [pair.new_session() for _ in jobs]
+    batcher = _core.EvalBatcher(pair._model)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda k: _generate(sessions[k], jobs[k], batcher), range(len(jobs))))
+    assert [t["tokens"] for t in together] == [a["tokens"] for a in alone]
+    stats = batcher.stats
+    # (all six first micro-batches at once would be 96 rows)
+    assert stats["batches"] > 0 and 16 < stats["max_rows"] <= 2 * 16 + len(jobs), stats

@@ -86,10 +86,12 @@ void register_session_batch(py::module_ & m) {
                 d["batched_parts"] = c.batched_parts;
                 d["alone"]         = c.alone;
                 d["batched_ms"]    = c.batched_ms;
+                d["max_rows"]      = c.max_rows;
                 return d;
             },
             "{'batches': evaluations of several generations' parts together, 'batched_parts': the parts they held, "
-            "'alone': parts evaluated alone, 'batched_ms': the batched evaluations' time}.");
+            "'alone': parts evaluated alone, 'batched_ms': the batched evaluations' time, 'max_rows': the most rows "
+            "one held}.");
 }
 
 }  // namespace pdf::bindings

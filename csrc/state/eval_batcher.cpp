@@ -2,6 +2,8 @@
 #include "core/clock.h"
 #include "core/log.h"
 
+#include <algorithm>
+
 namespace pdf {
 
 eval_batcher::eval_batcher(std::shared_ptr<const target_model> model) : batch_(std::move(model)) {}
@@ -37,17 +39,21 @@ double eval_batcher::eval(const session_batch::part & part) {
     waiting_.push_back(&me);
     while (!me.done) {
         if (!running_ && (int) waiting_.size() >= members_) {  // every member's part is in: this one leads
-            std::vector<request *> group;
-            group.swap(waiting_);
+            std::vector<request *> group = take_step();
             running_ = true;
             lock.unlock();
             double     batch_ms = 0.0;
+            int        rows     = 0;
             const bool batched  = run(group, batch_ms);
             lock.lock();
             counts_.batches += batched;
             counts_.batched_parts += batched ? group.size() : 0;
             counts_.alone += batched ? 0 : group.size();
             counts_.batched_ms += batch_ms;
+            for (const request * r : group) {
+                rows += r->part->n;
+            }
+            counts_.max_rows = std::max<uint64_t>(counts_.max_rows, batched ? rows : 0);
             running_ = false;
             for (request * r : group) {
                 r->done = true;
@@ -61,6 +67,30 @@ double eval_batcher::eval(const session_batch::part & part) {
         std::rethrow_exception(me.error);
     }
     return me.ms;
+}
+
+std::vector<eval_batcher::request *> eval_batcher::take_step() {
+    // Every decoding stream's part (a token, a chain, a tree: at most a verify's width each), and prompt
+    // micro-batches up to two of them (their rows within 2 x n_ubatch), the longest-waiting first: a step's
+    // prompt work stays near what one session's prefill holds in its compute buffer, and decoding streams wait
+    // at most that long for their next token; a prompt part left out goes first at the next step.
+    int cap = 0;
+    for (const request * r : waiting_) {
+        cap = std::max(cap, 2 * (int) r->part->s->n_ubatch());
+    }
+    std::vector<request *> step, left;
+    int                    prompt_rows = 0;
+    for (request * r : waiting_) {  // (in the order they came)
+        const bool prompt = r->part->layout.whole;
+        if (!prompt || step.empty() || prompt_rows + r->part->n <= cap) {
+            step.push_back(r);
+            prompt_rows += prompt ? r->part->n : 0;
+        } else {
+            left.push_back(r);
+        }
+    }
+    waiting_.swap(left);
+    return step;
 }
 
 bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) {

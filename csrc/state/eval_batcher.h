@@ -35,7 +35,8 @@ class eval_batcher {
     };
 
     // Evaluates `part` as session::eval would, together with the parts the other members hand in for this step:
-    // the member whose part completes the step evaluates them all, the others wait. Returns the ms the evaluation
+    // the member whose part completes the step evaluates them (prompt micro-batches up to two of them: the rest
+    // wait for the next step), the others wait. Returns the ms the evaluation
     // took (without the wait for the others' parts), a batch's shared among its parts in proportion to their
     // rows; throws what evaluating this part alone would throw (a batch
     // that fails is evaluated part by part, so one part's error is its member's alone).
@@ -46,6 +47,7 @@ class eval_batcher {
     struct counts {
         uint64_t batches = 0, batched_parts = 0, alone = 0;
         double   batched_ms = 0.0;  // the batched evaluations' time
+        uint64_t max_rows   = 0;    // the most rows one batched evaluation held
     };
     counts stats() const;
 
@@ -56,6 +58,8 @@ class eval_batcher {
       double                      ms   = 0.0;
       std::exception_ptr          error;
     };
+    // the parts of the waiting ones that this step evaluates (taken out of waiting_; the rest wait for the next)
+    std::vector<request *> take_step();
     // the step's parts, evaluated (without the lock), batch_ms the batch's time; false: each alone
     bool run(const std::vector<request *> & group, double & batch_ms);
 
