@@ -41,19 +41,9 @@ std::vector<double> time_prefill_microbatches(session & s, proposer & p, const s
 bool prefill(session & s, proposer & p, const std::vector<int32_t> & prompt, generate_timings & t) {
     generate_params no_tokens;
     no_tokens.max_tokens = 0;
-    const token_callback none;
-    generation_stream    stream(s, p, prompt, no_tokens, none);
-    session_batch::part  part;
-    for (;;) {
-        const compute_backends::step step(*s.compute());
-        if (!stream.next(part)) {
-            break;
-        }
-        s.eval(part.tokens, part.n, part.layout, part.what, part.capture, part.ring);
-        stream.evaluated(0.0);
-    }
-    t = stream.result().timings;
-    return stream.result().finish_reason != "abort";
+    const generate_result r = generate(s, p, prompt, no_tokens, {});
+    t                       = r.timings;
+    return r.finish_reason != "abort";
 }
 
 generate_result generate(session & s, proposer & p, const std::vector<int32_t> & prompt,

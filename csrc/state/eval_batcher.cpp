@@ -42,17 +42,17 @@ double eval_batcher::eval(const session_batch::part & part) {
             std::vector<request *> group = take_step();
             running_ = true;
             lock.unlock();
+            int rows = 0;
+            for (const request * r : group) {
+                rows += r->part->n;
+            }
             double     batch_ms = 0.0;
-            int        rows     = 0;
-            const bool batched  = run(group, batch_ms);
+            const bool batched  = run(group, rows, batch_ms);
             lock.lock();
             counts_.batches += batched;
             counts_.batched_parts += batched ? group.size() : 0;
             counts_.alone += batched ? 0 : group.size();
             counts_.batched_ms += batch_ms;
-            for (const request * r : group) {
-                rows += r->part->n;
-            }
             counts_.max_rows = std::max<uint64_t>(counts_.max_rows, batched ? rows : 0);
             running_ = false;
             for (request * r : group) {
@@ -93,7 +93,7 @@ std::vector<eval_batcher::request *> eval_batcher::take_step() {
     return step;
 }
 
-bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) {
+bool eval_batcher::run(const std::vector<request *> & group, int rows, double & batch_ms) {
     if (group.size() > 1) {
         std::vector<session_batch::part> parts;
         for (const request * r : group) {
@@ -103,10 +103,6 @@ bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) 
             const auto t0 = clock_type::now();
             batch_.eval(parts);
             const double ms = ms_since(t0);
-            int          rows = 0;
-            for (const session_batch::part & p : parts) {
-                rows += p.n;
-            }
             // each part's share, in proportion to its rows: what its generation's cost model weighs (a round
             // that verifies more rows costs the step more; a plain step shares the weights' reads)
             for (request * r : group) {

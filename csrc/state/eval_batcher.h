@@ -60,8 +60,8 @@ class eval_batcher {
     };
     // the parts of the waiting ones that this step evaluates (taken out of waiting_; the rest wait for the next)
     std::vector<request *> take_step();
-    // the step's parts, evaluated (without the lock), batch_ms the batch's time; false: each alone
-    bool run(const std::vector<request *> & group, double & batch_ms);
+    // the step's parts (rows in all), evaluated (without the lock), batch_ms the batch's time; false: each alone
+    bool run(const std::vector<request *> & group, int rows, double & batch_ms);
 
     session_batch           batch_;
     mutable std::mutex      mutex_;
