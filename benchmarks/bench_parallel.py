@@ -185,7 +185,8 @@ def bench_pair(pair: dict, prompts: list[str], args, logs: Path) -> None:
     print(f"  {'N':>3} {'engine':<16} {'aggregate':>9} {'/ plain':>8} {'ttft ms':>8} {'itl p50':>7} {'p95':>7} "
           f"{'tau':>5} {'spec':>6}")
     for n in [int(x) for x in args.streams.split(",")]:
-        rows = {label: run_ours(pair, kw, batched, n, prompts, args) for label, kw, batched in ENGINES}
+        engines = [e for e in ENGINES if not args.engines or e[0] in args.engines.split(",")]
+        rows = {label: run_ours(pair, kw, batched, n, prompts, args) for label, kw, batched in engines}
         if not args.no_llama:
             rows["llama plain"] = run_llama(pair, 0, n, prompts, args, logs / f"llama-server-{n}-plain.log")
             best = None
@@ -195,9 +196,9 @@ def bench_pair(pair: dict, prompts: list[str], args, logs: Path) -> None:
                 best = r if best is None or r["aggregate"] > best["aggregate"] else best
             rows["llama dflash"] = best
         for label, r in rows.items():
-            print_row(n, label, r, rows["plain"])
+            print_row(n, label, r, rows[engines[0][0]])
         if not args.no_llama:
-            ours = max(rows[label]["aggregate"] for label, _, batched in ENGINES if batched)
+            ours = max(rows[label]["aggregate"] for label, _, batched in engines if batched)
             print(f"  {n:>3} best batched / llama-server's best: "
                   f"{ours / max(rows['llama plain']['aggregate'], rows['llama dflash']['aggregate']):.2f}x",
                   flush=True)
@@ -214,6 +215,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--llama-n-max", default="3,7", help="llama-server DFlash draft lengths tried")
     ap.add_argument("--no-llama", action="store_true", help="ours only")
+    ap.add_argument("--engines", default="", help="ours, by label (comma-separated; the first is the ratios' base); "
+                    "default: all")
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
     args = ap.parse_args()
     archs, kinds = args.archs.split(","), args.pairs.split(",")

@@ -154,6 +154,31 @@ def test_sixteen_generations_in_threads_each_equal_alone(pair):
     stats = batcher.stats
     assert stats["batches"] > 0 and stats["batched_parts"] >= 2 * stats["batches"], stats
     assert sum(1 for t in together if t["timings"].get("n_rounds", 0) > 0) >= 4  # speculative rounds were batched
+    assert stats["planned"] > 0, stats  # the auto generations' verifies were planned by the batch
+
+
+def test_auto_generations_verify_what_the_batch_plans_and_commit_the_targets_tokens(pair):
+    """Four greedy auto generations in one batch: after a first plain step (what a step of four parts costs),
+    the batch plans their verifies together; each still commits exactly the target's own greedy tokens (plain
+    decoding of the same prompt alone)."""
+    prompts = [pair.tokenize(p) for p in PROMPTS[:4]]
+    stops = sorted(pair.tokenizer.eog_token_ids)
+    plain = [pair.new_session()._session.generate(p, max_tokens=40, stop_tokens=stops) for p in prompts]
+    sessions = [pair.new_session() for _ in prompts]
+    batcher = _core.EvalBatcher(pair._model)
+    barrier = threading.Barrier(len(prompts))
+
+    def run(k: int) -> dict:
+        barrier.wait()
+        return sessions[k]._session.generate(prompts[k], max_tokens=40, stop_tokens=stops, draft=sessions[k]._draft,
+                                             spec_mode="auto", batcher=batcher)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(run, range(len(prompts))))
+    for k, (a, t) in enumerate(zip(plain, together)):
+        assert t["tokens"] == a["tokens"], f"prompt {k}"
+    stats = batcher.stats
+    assert stats["planned"] > 0, stats
 
 
 def test_a_cancelled_generation_leaves_the_others_unchanged(pair):

@@ -87,11 +87,12 @@ void register_session_batch(py::module_ & m) {
                 d["alone"]         = c.alone;
                 d["batched_ms"]    = c.batched_ms;
                 d["max_rows"]      = c.max_rows;
+                d["planned"]       = c.planned;
                 return d;
             },
             "{'batches': evaluations of several generations' parts together, 'batched_parts': the parts they held, "
             "'alone': parts evaluated alone, 'batched_ms': the batched evaluations' time, 'max_rows': the most rows "
-            "one held}.");
+            "one held, 'planned': steps whose auto generations' verifies the batch planned together}.");
 }
 
 }  // namespace pdf::bindings

@@ -5,6 +5,7 @@
 #include "decode/tree.h"
 #include "models/argmax.h"
 #include "state/recurrent_state.h"
+#include "state/step_plan.h"
 
 #include <algorithm>
 #include <map>
@@ -117,6 +118,46 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
     costs.set_spec_rate(spec_rate);
     acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
     return choose_verify_budget(t, costs, acceptance, recurrent);
+}
+
+// steps measured before, each (its parts' rows, its ms[, learn]), into a batch's step times (state/step_times.h)
+static step_times times_of(const py::list & steps) {
+    step_times times;
+    for (const py::handle & step : steps) {
+        const py::tuple        t     = py::cast<py::tuple>(step);
+        const std::vector<int> rows  = t.size() >= 2 ? py::cast<std::vector<int>>(t[0]) : std::vector<int>{};
+        const double           ms    = t.size() >= 2 ? py::cast<double>(t[1]) : 0.0;
+        const bool             learn = t.size() == 3 ? py::cast<bool>(t[2]) : true;
+        if (t.size() > 3 || rows.empty() || std::any_of(rows.begin(), rows.end(), [](int n) { return n < 1; }) ||
+            !(ms > 0)) {
+            throw std::invalid_argument("step_times: a step is its parts' rows (each >= 1), its ms (> 0) and "
+                                        "optionally whether it is learnt");
+        }
+        times.split(rows, ms, learn);
+    }
+    return times;
+}
+
+static std::vector<double> split_step(const py::list & measured,
+                                      const std::vector<int> & rows, double ms, bool learn) {
+    step_times times = times_of(measured);
+    if (rows.empty() || std::any_of(rows.begin(), rows.end(), [](int n) { return n < 1; })) {
+        throw std::invalid_argument("split_step: rows must be one count (>= 1) per part");
+    }
+    return times.split(rows, ms, learn);
+}
+
+static std::vector<int> plan_batch_step(const std::vector<std::vector<double>> & offers, int n_parts, int n_rows,
+                                        const py::list & measured) {
+    const step_times                         times = times_of(measured);
+    std::vector<const std::vector<double> *> gains;
+    for (const auto & o : offers) {
+        gains.push_back(&o);
+    }
+    fixed_parts fixed;
+    fixed.parts = n_parts;
+    fixed.rows  = n_rows;
+    return plan_step(gains, fixed, times);
 }
 
 static py::dict sample(f32_array logits, py::object sampling, py::object history_in, int64_t t) {
@@ -249,6 +290,14 @@ static void register_functions(py::module_ & m) {
           py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
           py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
           "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model.");
+    m.def("split_step", &split_step, py::arg("measured"), py::arg("rows"), py::arg("ms"), py::arg("learn") = true,
+          "The ms a batched step of parts with these rows, taking ms, charges each part (state/step_times.h), after "
+          "the steps `measured` ([(rows, ms[, learn]), ...]); learn=False: a step holding a prompt micro-batch.");
+    m.def("plan_step", &plan_batch_step, py::arg("offers"), py::arg("fixed_parts"), py::arg("fixed_rows"),
+          py::arg("measured"),
+          "The batch's plan (state/step_plan.h): per offer (its nodes' P(reached), best first), the nodes to "
+          "verify, given the step's other parts and the steps measured before ([(rows, ms), ...]); [] when no step "
+          "of that many parts was.");
     m.def("sample", &sample,
           py::arg("logits"), py::arg("sampling"), py::arg("history") = py::list(), py::arg("t") = 0,
           "One draw of the sampler chain over a row of logits, for tests: the token, the candidates it chose among "

@@ -55,8 +55,13 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
     } pause_workers{*s.compute()};
     const compute_backends::generation busy(*s.compute());  // the model's threads are shared among busy sessions
     std::optional<eval_batcher::member> joined;
+    struct planned_by_batch {  // (also when an exception leaves)
+        proposer & p;
+        ~planned_by_batch() { p.plan_in(nullptr); }
+    } planned{p};
     if (batcher) {
         joined.emplace(*batcher);
+        p.plan_in(batcher);
     }
     generation_stream   stream(s, p, prompt, params, on_tokens);
     session_batch::part part;

@@ -80,7 +80,7 @@ void mtp_proposer::choose_auto(int32_t anchor, int start, int max_depth, int max
     learnt_scores(*p, state_.acceptance, scores_);
     build_draft_tree(*p, anchor, tree_node_limit(max_nodes, state_.costs, params_.tree_budget), p->n_positions,
                      tree_seed::best_first, full_, &scores_);
-    const int b = choose_verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
+    const int b = verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
     out         = full_;
     out.truncate(1 + b);
     speculative_ = b > 0;

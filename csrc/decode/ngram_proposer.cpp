@@ -72,7 +72,7 @@ void ngram_proposer::propose(int32_t anchor, int, int max_depth, int max_nodes, 
             break;
         case spec_mode::automatic: {
             build_ngram_tree(found, anchor, limit, full_);
-            const int b = choose_verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
+            const int b = verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
             out         = full_;
             out.truncate(1 + b);
             auto & n = b == 0 ? stats_.n_plain : out.is_chain() ? stats_.n_chain : stats_.n_tree;

@@ -101,7 +101,7 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
     speculative_ = params_.mode != spec_mode::automatic;
     if (params_.mode == spec_mode::automatic) {
         if (draft_candidates(anchor, start, max_depth, max_nodes, full_)) {
-            const int b = choose_verify_budget(full_, costs_, acceptance_, recurrent_);
+            const int b = verify_budget(full_, costs_, acceptance_, recurrent_);
             full_.truncate(1 + b);
             speculative_ = b > 0;
             (b == 0 ? stats_.n_plain : full_.is_chain() ? stats_.n_chain : stats_.n_tree)++;
@@ -129,13 +129,40 @@ int dflash_proposer::node_limit(int max_nodes) {
     return tree_node_limit(std::min(max_nodes, d_.ring().capacity()), costs_, params_.tree_budget);
 }
 
-int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
-                         bool recurrent_target) {
+static std::vector<double> learnt_p_accept(const draft_tree & full, const acceptance_model & acceptance) {
     std::vector<double> p(full.size(), 1.0);
     for (int b = 1; b < full.size(); ++b) {
         p[b] = acceptance.p_accept(full.depth[b], full.rank[b], std::exp((double) full.logp[b]));
     }
-    return choose_verify_budget(full, p, costs, recurrent_target);
+    return p;
+}
+
+int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
+                         bool recurrent_target) {
+    return choose_verify_budget(full, learnt_p_accept(full, acceptance), costs, recurrent_target);
+}
+
+int proposer::verify_budget(const draft_tree & full, const std::vector<double> & p_accept, const cost_model & costs,
+                            bool recurrent_target) {
+    if (batch_ && full.size() > 1) {
+        std::vector<double> reach(full.size(), 1.0), gains;  // P(the accepted path reaches node b)
+        for (int b = 1; b < full.size(); ++b) {
+            reach[b] = reach[full.parents[b]] * p_accept[b];
+            gains.push_back(reach[b]);
+        }
+        double    waited  = 0.0;
+        const int planned = batch_->plan(gains, waited);
+        plan_waited_ms_ += waited;
+        if (planned >= 0) {
+            return planned;
+        }
+    }
+    return choose_verify_budget(full, p_accept, costs, recurrent_target);
+}
+
+int proposer::verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
+                            bool recurrent_target) {
+    return verify_budget(full, learnt_p_accept(full, acceptance), costs, recurrent_target);
 }
 
 int choose_verify_budget(const draft_tree & full, const std::vector<double> & p_accept, const cost_model & costs,

@@ -14,6 +14,7 @@
 #include "decode/cost_model.h"
 #include "decode/tree.h"
 #include "state/draft_session.h"
+#include "state/eval_batcher.h"
 #include "state/session.h"
 
 #include <cstdint>
@@ -63,6 +64,24 @@ class proposer {
     // count every round, as the reference loops do (also a last one that drafts nothing), auto only the rounds
     // it chose to verify drafts in
     virtual bool speculative_round() const = 0;
+
+    // while a generation runs in a batch of them (decode/driver.h), auto's cut is the batch's plan
+    // (state/eval_batcher.h plan, across every generation's candidates); nullptr: the proposer's own choice
+    void   plan_in(eval_batcher * batch) { batch_ = batch; }
+    // ms its rounds have waited for the batch's plan (for the other generations' drafts): not its own cost
+    double plan_waited_ms() const { return plan_waited_ms_; }
+
+  protected:
+    // auto's cut of a round's candidate tree `full` (every prefix a tree): how many of its nodes below the root
+    // to verify, as the batch plans it, or alone as choose_verify_budget chooses
+    int verify_budget(const draft_tree & full, const std::vector<double> & p_accept, const cost_model & costs,
+                      bool recurrent_target);
+    int verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
+                      bool recurrent_target);
+
+  private:
+    eval_batcher * batch_          = nullptr;
+    double         plan_waited_ms_ = 0.0;
 };
 
 class plain_proposer : public proposer {

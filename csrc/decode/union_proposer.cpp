@@ -119,7 +119,7 @@ void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_n
     }
     merge(anchor, depth);
     order_best_first(dflash_.node_limit(max_nodes), ordered_);
-    const int b = choose_verify_budget(ordered_, ordered_p_, *dflash_.costs(), s_.is_recurrent());
+    const int b = verify_budget(ordered_, ordered_p_, *dflash_.costs(), s_.is_recurrent());
     out         = ordered_;
     out.truncate(1 + b);
     speculative_ = b > 0;

@@ -1,6 +1,7 @@
 #include "state/eval_batcher.h"
 #include "core/clock.h"
 #include "core/log.h"
+#include "state/step_plan.h"
 
 #include <algorithm>
 
@@ -37,6 +38,9 @@ double eval_batcher::eval(const session_batch::part & part) {
     request me;
     me.part = &part;
     waiting_.push_back(&me);
+    if (!offers_.empty()) {
+        done_.notify_all();  // this part may complete what the offers' plan waits for
+    }
     while (!me.done) {
         if (!running_ && (int) waiting_.size() >= members_) {  // every member's part is in: this one leads
             std::vector<request *> group = take_step();
@@ -47,7 +51,7 @@ double eval_batcher::eval(const session_batch::part & part) {
                 rows += r->part->n;
             }
             double     batch_ms = 0.0;
-            const bool batched  = run(group, rows, batch_ms);
+            const bool batched  = run(group, batch_ms);
             lock.lock();
             counts_.batches += batched;
             counts_.batched_parts += batched ? group.size() : 0;
@@ -69,7 +73,7 @@ double eval_batcher::eval(const session_batch::part & part) {
     return me.ms;
 }
 
-std::vector<eval_batcher::request *> eval_batcher::take_step() {
+std::vector<bool> eval_batcher::next_step() const {
     // Every decoding stream's part (a token, a chain, a tree: at most a verify's width each), and prompt
     // micro-batches up to two of them (their rows within 2 x n_ubatch), the longest-waiting first: a step's
     // prompt work stays near what one session's prefill holds in its compute buffer, and decoding streams wait
@@ -78,22 +82,71 @@ std::vector<eval_batcher::request *> eval_batcher::take_step() {
     for (const request * r : waiting_) {
         cap = std::max(cap, 2 * (int) r->part->s->n_ubatch());
     }
-    std::vector<request *> step, left;
-    int                    prompt_rows = 0;
-    for (request * r : waiting_) {  // (in the order they came)
+    std::vector<bool> taken;
+    int               prompt_rows = 0;
+    for (const request * r : waiting_) {  // (in the order they came)
         const bool prompt = r->part->layout.whole;
-        if (!prompt || step.empty() || prompt_rows + r->part->n <= cap) {
-            step.push_back(r);
-            prompt_rows += prompt ? r->part->n : 0;
-        } else {
-            left.push_back(r);
-        }
+        taken.push_back(!prompt || taken.empty() || prompt_rows + r->part->n <= cap);
+        prompt_rows += prompt && taken.back() ? r->part->n : 0;
+    }
+    return taken;
+}
+
+std::vector<eval_batcher::request *> eval_batcher::take_step() {
+    const std::vector<bool> taken = next_step();
+    std::vector<request *>  step, left;
+    for (size_t i = 0; i < waiting_.size(); ++i) {
+        (taken[i] ? step : left).push_back(waiting_[i]);
     }
     waiting_.swap(left);
     return step;
 }
 
-bool eval_batcher::run(const std::vector<request *> & group, int rows, double & batch_ms) {
+int eval_batcher::plan(const std::vector<double> & gains, double & waited_ms) {
+    waited_ms = 0.0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (members_ <= 1 && waiting_.empty() && offers_.empty() && !running_) {
+        return -1;
+    }
+    offer me;
+    me.gains = &gains;
+    offers_.push_back(&me);
+    while (!me.done) {
+        if (!running_ && (int) (offers_.size() + waiting_.size()) >= members_) {  // the step is known: plan it
+            plan_offers();
+            done_.notify_all();
+        } else {
+            const auto t0 = clock_type::now();
+            done_.wait(lock);
+            waited_ms += ms_since(t0);
+        }
+    }
+    return me.width;
+}
+
+void eval_batcher::plan_offers() {
+    fixed_parts             fixed;
+    const std::vector<bool> taken = next_step();
+    for (size_t i = 0; i < waiting_.size(); ++i) {
+        if (taken[i] && !waiting_[i]->part->layout.whole) {
+            fixed.parts++;
+            fixed.rows += waiting_[i]->part->n;
+        }
+    }
+    std::vector<const std::vector<double> *> gains;
+    for (const offer * o : offers_) {
+        gains.push_back(o->gains);
+    }
+    const std::vector<int> widths = plan_step(gains, fixed, times_);
+    counts_.planned += widths.empty() ? 0 : 1;
+    for (size_t i = 0; i < offers_.size(); ++i) {
+        offers_[i]->width = widths.empty() ? -1 : widths[i];
+        offers_[i]->done  = true;
+    }
+    offers_.clear();
+}
+
+bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) {
     if (group.size() > 1) {
         std::vector<session_batch::part> parts;
         for (const request * r : group) {
@@ -103,10 +156,16 @@ bool eval_batcher::run(const std::vector<request *> & group, int rows, double & 
             const auto t0 = clock_type::now();
             batch_.eval(parts);
             const double ms = ms_since(t0);
-            // each part's share, in proportion to its rows: what its generation's cost model weighs (a round
-            // that verifies more rows costs the step more; a plain step shares the weights' reads)
-            for (request * r : group) {
-                r->ms = ms * r->part->n / rows;
+            // each part's share (state/step_times.h): what its generation's cost model weighs
+            std::vector<int> part_rows;
+            bool             decoding = true;
+            for (const request * r : group) {
+                part_rows.push_back(r->part->n);
+                decoding = decoding && !r->part->layout.whole;
+            }
+            const std::vector<double> shares = times_.split(part_rows, ms, decoding);
+            for (size_t i = 0; i < group.size(); ++i) {
+                group[i]->ms = shares[i];
             }
             batch_ms = ms;
             return true;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "state/session_batch.h"
+#include "state/step_times.h"
 
 #include <condition_variable>
 #include <exception>
@@ -37,10 +38,16 @@ class eval_batcher {
     // Evaluates `part` as session::eval would, together with the parts the other members hand in for this step:
     // the member whose part completes the step evaluates them (prompt micro-batches up to two of them: the rest
     // wait for the next step), the others wait. Returns the ms the evaluation
-    // took (without the wait for the others' parts), a batch's shared among its parts in proportion to their
-    // rows; throws what evaluating this part alone would throw (a batch
+    // took (without the wait for the others' parts), a batch's split among its parts by state/step_times.h;
+    // throws what evaluating this part alone would throw (a batch
     // that fails is evaluated part by part, so one part's error is its member's alone).
     double eval(const session_batch::part & part);
+
+    // The batch's choice for a member running auto (state/step_plan.h): gains[b] = P(the accepted path of its
+    // round's candidate tree reaches node b+1), best first. Waits until every other member has handed in its
+    // part or its own offer (waited_ms: how long), then returns how many of those nodes to verify in the coming
+    // step; -1: decide alone (no other member, or no step of this many parts measured yet).
+    int plan(const std::vector<double> & gains, double & waited_ms);
 
     // what it has done so far: batched evaluations (steps of several members) and the parts they held, parts
     // evaluated alone (a member alone, or a failed batch's)
@@ -48,6 +55,7 @@ class eval_batcher {
         uint64_t batches = 0, batched_parts = 0, alone = 0;
         double   batched_ms = 0.0;  // the batched evaluations' time
         uint64_t max_rows   = 0;    // the most rows one batched evaluation held
+        uint64_t planned    = 0;    // steps whose offers the batch's plan cut
     };
     counts stats() const;
 
@@ -58,17 +66,28 @@ class eval_batcher {
       double                      ms   = 0.0;
       std::exception_ptr          error;
     };
-    // the parts of the waiting ones that this step evaluates (taken out of waiting_; the rest wait for the next)
+    struct offer {
+        const std::vector<double> * gains = nullptr;
+        bool                        done  = false;
+        int                         width = -1;
+    };
+    // which of the waiting parts the next step evaluates (the rest wait for the one after)
+    std::vector<bool>      next_step() const;
+    // the parts of the waiting ones that this step evaluates (taken out of waiting_)
     std::vector<request *> take_step();
-    // the step's parts (rows in all), evaluated (without the lock), batch_ms the batch's time; false: each alone
-    bool run(const std::vector<request *> & group, int rows, double & batch_ms);
+    // every waiting offer's width, for the step of the waiting parts and the offers (under the lock)
+    void                   plan_offers();
+    // the step's parts, evaluated (without the lock), batch_ms the batch's time; false: each alone
+    bool run(const std::vector<request *> & group, double & batch_ms);
 
     session_batch           batch_;
+    step_times              times_;            // (a leader's while running_, else under the lock)
     mutable std::mutex      mutex_;
     std::condition_variable done_;
     int                     members_ = 0;
     bool                    running_ = false;  // a step is being evaluated
     std::vector<request *>  waiting_;          // the next step's parts so far
+    std::vector<offer *>    offers_;           // the members waiting for the plan of the next step
     counts                  counts_;           // (under the lock)
 };
 

@@ -1,0 +1,51 @@
+#include "state/step_plan.h"
+
+#include <algorithm>
+#include <queue>
+#include <utility>
+
+namespace pdf {
+
+std::vector<int> plan_step(const std::vector<const std::vector<double> *> & offers, const fixed_parts & fixed,
+                           const step_times & times) {
+    const int n_offers = (int) offers.size();
+    const int parts    = fixed.parts + n_offers;
+    const int roots    = fixed.rows + n_offers;  // every offer's root (its plain step)
+    if (times.estimate(parts, roots) <= 0) {
+        return {};
+    }
+    const int max_rows = std::max(2 * times.widest(parts), times.widest(parts) + 8);
+    // every offer's next candidate, the most likely first
+    std::priority_queue<std::pair<double, int>> next;
+    std::vector<int>                            taken(n_offers, 0);
+    for (int i = 0; i < n_offers; ++i) {
+        if (!offers[i]->empty()) {
+            next.push({(*offers[i])[0], i});
+        }
+    }
+    std::vector<int> order;  // the offer each successive candidate belongs to
+    double           tokens    = parts;  // every part's root
+    double           best_rate = tokens / times.estimate(parts, roots);
+    int              best_x    = 0;
+    while (!next.empty() && roots + (int) order.size() < max_rows) {
+        const auto [gain, i] = next.top();
+        next.pop();
+        order.push_back(i);
+        tokens += gain;
+        if (++taken[i] < (int) offers[i]->size()) {
+            next.push({(*offers[i])[taken[i]], i});
+        }
+        const double rate = tokens / times.estimate(parts, roots + (int) order.size());
+        if (rate > best_rate) {
+            best_rate = rate;
+            best_x    = (int) order.size();
+        }
+    }
+    std::vector<int> widths(n_offers, 0);
+    for (int x = 0; x < best_x; ++x) {
+        widths[order[x]]++;
+    }
+    return widths;
+}
+
+}  // namespace pdf

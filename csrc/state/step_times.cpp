@@ -1,0 +1,88 @@
+#include "state/step_times.h"
+
+#include <algorithm>
+
+namespace pdf {
+
+// weight of a step's time in the running average at its shape: recent steps dominate (contexts grow)
+static constexpr double AVERAGE_WEIGHT = 0.2;
+// a step slower than this many times the average so far is a stall (the machine busy elsewhere): it moves the
+// average as if it had taken this much
+static constexpr double STALL_BOUND = 2.0;
+
+double step_times::by_rows::estimate(int rows) const {
+    const int n  = (int) ms.size();
+    int       lo = -1, hi = -1;  // the nearest measured row counts at or below rows, and at or above
+    for (int r = std::min(rows, n - 1); r >= 1 && lo < 0; --r) {
+        lo = ms[r] > 0 ? r : -1;
+    }
+    for (int r = std::max(rows, 1); r < n && hi < 0; ++r) {
+        hi = ms[r] > 0 ? r : -1;
+    }
+    if (lo > 0 && hi > 0) {
+        return lo == hi ? ms[lo] : ms[lo] + (ms[hi] - ms[lo]) * double(rows - lo) / double(hi - lo);
+    }
+    if (hi > 0) {
+        return ms[hi] * rows / hi;
+    }
+    return lo > 0 ? ms[lo] : -1.0;
+}
+
+void step_times::by_rows::observe(int rows, double t) {
+    if (rows >= (int) ms.size()) {
+        ms.resize(rows + 1, 0.0);
+        seen.resize(rows + 1, 0);
+    }
+    double & m = ms[rows];
+    // the first step of a shape also builds its graph: the faster of the first two is the time, then an average
+    if (seen[rows] == 0) {
+        m = t;
+    } else if (seen[rows] == 1) {
+        m = std::min(m, t);
+    } else {
+        m += AVERAGE_WEIGHT * (std::min(t, STALL_BOUND * m) - m);
+    }
+    seen[rows] = std::min(seen[rows] + 1, 2);
+}
+
+int step_times::by_rows::widest() const {
+    for (int r = (int) ms.size() - 1; r >= 1; --r) {
+        if (ms[r] > 0) {
+            return r;
+        }
+    }
+    return 0;
+}
+
+int step_times::widest(int parts) const {
+    const auto it = by_parts_.find(parts);
+    return it == by_parts_.end() ? 0 : it->second.widest();
+}
+
+double step_times::estimate(int parts, int rows) const {
+    const auto it = by_parts_.find(parts);
+    return it == by_parts_.end() ? -1.0 : it->second.estimate(rows);
+}
+
+std::vector<double> step_times::split(const std::vector<int> & rows, double ms, bool learn) {
+    const int P = (int) rows.size();
+    int       R = 0;
+    for (int n : rows) {
+        R += n;
+    }
+    std::vector<double> share(P, ms / std::max(1, P));
+    if (R > P) {
+        // what the step would have cost with a row per part (in proportion to the rows until that is known)
+        const double known = estimate(P, P);
+        const double base  = std::clamp(known > 0 ? known : ms * P / R, 0.0, ms);
+        for (int i = 0; i < P; ++i) {
+            share[i] = base / P + (ms - base) * (rows[i] - 1) / (R - P);
+        }
+    }
+    if (learn && ms > 0 && R > 0) {
+        by_parts_[P].observe(R, ms);
+    }
+    return share;
+}
+
+}  // namespace pdf
