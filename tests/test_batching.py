@@ -151,10 +151,47 @@ def test_sixteen_generations_in_threads_each_equal_alone(pair):
         together = list(pool.map(run, range(len(jobs))))
     for k, (a, t) in enumerate(zip(alone, together)):
         assert (t["tokens"], t["finish_reason"]) == (a["tokens"], a["finish_reason"]), f"job {k}: {jobs[k]}"
+        if jobs[k]["mode"] in ("chain", "tree"):  # the same drafts (drafted in the batch's graphs): the same rounds
+            assert [t["timings"][key] for key in ("n_rounds", "draft_n", "draft_n_accepted")] == \
+                [a["timings"][key] for key in ("n_rounds", "draft_n", "draft_n_accepted")], f"job {k}"
     stats = batcher.stats
     assert stats["batches"] > 0 and stats["batched_parts"] >= 2 * stats["batches"], stats
     assert sum(1 for t in together if t["timings"].get("n_rounds", 0) > 0) >= 4  # speculative rounds were batched
     assert stats["planned"] > 0, stats  # the auto generations' verifies were planned by the batch
+    assert stats["batched_drafts"] >= 2 * stats["draft_batches"] > 0, stats  # and drafts drafted together
+
+
+@pytest.mark.parametrize("arch,drafter", [("qwen3", "dflash"), ("qwen3", "dflash2"), ("qwen35", "dflash2")])
+def test_drafts_drafted_together_are_each_sessions_own(arch, drafter):
+    """Six chain and tree generations in threads: their drafts run in the batch's drafter graphs (several
+    sessions' context rows and blocks in one graph; DFlash2's convolutions and selector per block), and each
+    generation drafts what it drafts alone: the same tokens, rounds, drafted and accepted counts."""
+    with pydflash.Model(PAIRS / f"{arch}-target-q8_0.gguf", draft_model_path=PAIRS / f"{arch}-{drafter}-q8_0.gguf",
+                        n_ctx=512, n_threads=2, n_ubatch=16) as m:
+        stops = sorted(m.tokenizer.eog_token_ids)
+        jobs = [(m.tokenize(PROMPTS[i]), "chain" if i % 3 else "tree") for i in range(6)]
+
+        def generate(s, job, batcher=None):
+            return s._session.generate(job[0], max_tokens=24, stop_tokens=stops, draft=s._draft, spec_mode=job[1],
+                                       tree_budget=6, batcher=batcher)
+
+        alone = [generate(m.new_session(), job) for job in jobs]
+        sessions = [m.new_session() for _ in jobs]
+        batcher = _core.EvalBatcher(m._model)
+        barrier = threading.Barrier(len(jobs))
+
+        def run(k: int) -> dict:
+            barrier.wait()
+            return generate(sessions[k], jobs[k], batcher)
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            together = list(pool.map(run, range(len(jobs))))
+        keys = ("n_rounds", "draft_n", "draft_n_accepted")
+        for k, (a, t) in enumerate(zip(alone, together)):
+            assert t["tokens"] == a["tokens"], f"job {k}"
+            assert [t["timings"][x] for x in keys] == [a["timings"][x] for x in keys], f"job {k}"
+        stats = batcher.stats
+        assert stats["batched_drafts"] >= 2 * stats["draft_batches"] > 0, stats
 
 
 def test_auto_generations_verify_what_the_batch_plans_and_commit_the_targets_tokens(pair):

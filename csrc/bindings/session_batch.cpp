@@ -88,11 +88,14 @@ void register_session_batch(py::module_ & m) {
                 d["batched_ms"]    = c.batched_ms;
                 d["max_rows"]      = c.max_rows;
                 d["planned"]       = c.planned;
+                d["draft_batches"]  = c.draft_batches;
+                d["batched_drafts"] = c.batched_drafts;
                 return d;
             },
             "{'batches': evaluations of several generations' parts together, 'batched_parts': the parts they held, "
             "'alone': parts evaluated alone, 'batched_ms': the batched evaluations' time, 'max_rows': the most rows "
-            "one held, 'planned': steps whose auto generations' verifies the batch planned together}.");
+            "one held, 'planned': steps whose auto generations' verifies the batch planned together, 'draft_batches': drafter "
+            "graphs over several generations' drafts, 'batched_drafts': the drafts they held}.");
 }
 
 }  // namespace pdf::bindings

@@ -47,7 +47,7 @@ bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth,
         stats_.n_skipped++;
         return false;
     }
-    const draft_proposals & p = d_.draft(anchor, start, max_depth + 1);
+    const draft_proposals & p = draft_block(d_, anchor, start, max_depth + 1);
     drafted_                  = true;
     learnt_scores(p, acceptance_, scores_);
     build_draft_tree(p, anchor, node_limit(max_nodes), max_depth, tree_seed::best_first, out, &scores_);
@@ -115,7 +115,7 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
     if (max_depth <= 0) {
         return;
     }
-    const draft_proposals & p = d_.draft(anchor, start, max_depth + 1);
+    const draft_proposals & p = draft_block(d_, anchor, start, max_depth + 1);
     drafted_                  = true;
     if (params_.mode == spec_mode::chain) {
         build_draft_chain(p, anchor, max_depth, out);
@@ -150,9 +150,7 @@ int proposer::verify_budget(const draft_tree & full, const std::vector<double> &
             reach[b] = reach[full.parents[b]] * p_accept[b];
             gains.push_back(reach[b]);
         }
-        double    waited  = 0.0;
-        const int planned = batch_->plan(gains, waited);
-        plan_waited_ms_ += waited;
+        const int planned = batch_->plan(gains);
         if (planned >= 0) {
             return planned;
         }

@@ -65,11 +65,9 @@ class proposer {
     // it chose to verify drafts in
     virtual bool speculative_round() const = 0;
 
-    // while a generation runs in a batch of them (decode/driver.h), auto's cut is the batch's plan
-    // (state/eval_batcher.h plan, across every generation's candidates); nullptr: the proposer's own choice
-    void   plan_in(eval_batcher * batch) { batch_ = batch; }
-    // ms its rounds have waited for the batch's plan (for the other generations' drafts): not its own cost
-    double plan_waited_ms() const { return plan_waited_ms_; }
+    // while a generation runs in a batch of them (decode/driver.h), its drafts run in the batch's drafter graphs
+    // and auto's cut is the batch's plan (state/eval_batcher.h: draft, plan); nullptr: alone
+    virtual void plan_in(eval_batcher * batch) { batch_ = batch; }
 
   protected:
     // auto's cut of a round's candidate tree `full` (every prefix a tree): how many of its nodes below the root
@@ -78,10 +76,13 @@ class proposer {
                       bool recurrent_target);
     int verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
                       bool recurrent_target);
+    // d.draft(...), in the batch's drafter graph with the other generations' drafts when in a batch
+    const draft_proposals & draft_block(draft_session & d, int32_t anchor, int start, int n_block) {
+        return batch_ ? batch_->draft(d, anchor, start, n_block) : d.draft(anchor, start, n_block);
+    }
 
   private:
-    eval_batcher * batch_          = nullptr;
-    double         plan_waited_ms_ = 0.0;
+    eval_batcher * batch_ = nullptr;
 };
 
 class plain_proposer : public proposer {

@@ -201,11 +201,11 @@ bool generation_stream::next_round(session_batch::part & out) {
     const int    remaining = params_.max_tokens - (int) r_.tokens.size();
     round_state & round     = *round_;
     const auto    t0        = clock_type::now();
-    const double  waited0   = s_.compute()->waited_ms() + p_.plan_waited_ms();
+    const double  waited0   = s_.compute()->waited_ms() + eval_batcher::waited_ms();
     p_.propose(anchor_, start_, remaining - 1, std::min<int>(room, (int) s_.n_rollback()), round.tree);
     // without the waits for the CPU threads and for the batch's plan (batched: the other streams drafting),
     // which are not this drafter's cost: its own compute delays the batch's step, the waits do not
-    const double waited = s_.compute()->waited_ms() + p_.plan_waited_ms() - waited0;
+    const double waited = s_.compute()->waited_ms() + eval_batcher::waited_ms() - waited0;
     round.propose_ms    = std::max(0.0, ms_since(t0) - waited);
     round.draft_ms   = p_.drafted() ? round.propose_ms : 0.0;
     r_.timings.draft_ms += round.draft_ms;

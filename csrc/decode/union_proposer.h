@@ -32,6 +32,10 @@ class union_proposer : public proposer {
                         const std::vector<float> & accept_prob) override;
     bool         drafted() const override { return drafter_drafted_ || !lookup_.empty(); }
     cost_model * costs() override { return dflash_.costs(); }
+    void         plan_in(eval_batcher * batch) override {
+        proposer::plan_in(batch);
+        dflash_.plan_in(batch);  // (its drafts)
+    }
     int          max_depth() const override { return dflash_.max_depth(); }
     bool         speculative_round() const override { return speculative_; }
 

@@ -3,6 +3,7 @@
 #include "models/dflash.h"
 #include "core/error.h"
 #include "models/blocks.h"
+#include "models/sequences.h"
 
 #include <cmath>
 
@@ -190,67 +191,104 @@ void dflash_draft::declare_weights(weights & w) {
 }
 
 template <class F>
-ggml_tensor * dflash_draft::around(ggml_context * ctx, const dflash2_conv & conv, ggml_tensor * x, F sublayer) const {
+ggml_tensor * dflash_draft::around(ggml_context * ctx, const dflash2_conv & conv, ggml_tensor * x, int64_t S,
+                                   F sublayer) const {
     if (!dflash2_.present()) {
         return sublayer(x);
     }
-    ggml_tensor * dyn = ggml_mul_mat(ctx, conv.proj, x);  // [2*K*G, B]: both sides' coefficients, from the input
-    return build_dflash2_conv(ctx, sublayer(build_dflash2_conv(ctx, x, dyn, conv, 0, dflash2_)), dyn, conv, 1,
-                              dflash2_);
+    // [.., S*B] as [.., B, S]: each session's block convolved on its own rows
+    const int64_t N = x->ne[1], B = N / S;
+    auto blocks = [&](ggml_tensor * t) { return S == 1 ? t : ggml_reshape_3d(ctx, t, t->ne[0], B, S); };
+    auto rows   = [&](ggml_tensor * t) { return S == 1 ? t : ggml_reshape_2d(ctx, t, t->ne[0], N); };
+    ggml_tensor * dyn = blocks(ggml_mul_mat(ctx, conv.proj, x));  // [2*K*G, B(, S)]: both sides' coefficients
+    ggml_tensor * in  = rows(build_dflash2_conv(ctx, blocks(x), dyn, conv, 0, dflash2_));
+    return rows(build_dflash2_conv(ctx, blocks(sublayer(in)), dyn, conv, 1, dflash2_));
 }
 
-// ctx_feats: [n_ext*E, m] -> context K/V rows in the draft cache; block: [anchor, MASK x (B-1)] -> [E, B-1]
+// ctx_feats: [n_ext*E, S*m] -> each session's context K/V rows in its draft cache
+void dflash_draft::build_context(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in,
+                                 const std::vector<draft_sequence> & seqs) const {
+    const int64_t hd = att_.head_dim, Hkv = att_.n_head_kv, m = in.n_ctx_rows, M = m * (int64_t) seqs.size();
+    const float   eps = att_.norm_eps;
+    ggml_tensor * c = build_rms_norm(ctx, ggml_mul_mat(ctx, fc_, in.ctx_feats), hidden_norm_, eps);  // [E, M]
+    for (int il = 0; il < info_.n_layer; ++il) {
+        const layer & l = layers_[il];
+        ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, c), hd, Hkv, M);
+        k = ggml_reshape_2d(ctx, build_rope(ctx, build_rms_norm(ctx, k, l.k_norm, eps), in.ctx_pos, att_.rope),
+                            hd * Hkv, M);
+        ggml_tensor * v = ggml_mul_mat(ctx, l.wv, c);  // [hd*Hkv, M]
+        for (const draft_sequence & q : seqs) {
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, q.st.k[il], token_range(ctx, k, 1, q.ctx_first, m),
+                                                        q.ctx_slots));
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, q.st.v[il], token_range(ctx, v, 1, q.ctx_first, m),
+                                                        q.ctx_slots));
+        }
+    }
+}
+
+// each session's block rows but its first (the anchor): [.., S*B] -> [.., S*(B-1)]
+static ggml_tensor * drop_anchors(ggml_context * ctx, ggml_tensor * x, const std::vector<draft_sequence> & seqs,
+                                  int64_t B) {
+    std::vector<ggml_tensor *> rows;
+    for (const draft_sequence & q : seqs) {
+        rows.push_back(seqs.size() == 1 ? ggml_view_2d(ctx, x, x->ne[0], B - 1, x->nb[1], x->nb[1])
+                                        : token_range(ctx, x, 1, q.first + 1, B - 1));
+    }
+    return join_tokens(ctx, rows, 1);
+}
+
+// ctx_feats: [n_ext*E, S*m] -> context K/V rows in the draft caches; each block [anchor, MASK x (B-1)] ->
+// [E, S*(B-1)]
 ggml_tensor * dflash_draft::build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in,
                                   const state_tensors & st) const {
     const int64_t hd = att_.head_dim, H = att_.n_head, Hkv = att_.n_head_kv;
     const float   eps = att_.norm_eps;
-
+    std::vector<draft_sequence> seqs = in.sequences;
+    if (seqs.empty()) {
+        seqs.push_back({0, 0, in.ctx_slots, in.slots, in.kq_mask, in.kq_mask_swa, in.n_kv, st});
+    }
     // context rows: fused features -> per layer K (k_norm, RoPE at their positions) and V, written once
     if (in.n_ctx_rows > 0) {
-        const int64_t m = in.n_ctx_rows;
-        ggml_tensor * c = build_rms_norm(ctx, ggml_mul_mat(ctx, fc_, in.ctx_feats), hidden_norm_, eps);  // [E, m]
-        for (int il = 0; il < info_.n_layer; ++il) {
-            const layer & l = layers_[il];
-            ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, c), hd, Hkv, m);
-            k = build_rope(ctx, build_rms_norm(ctx, k, l.k_norm, eps), in.ctx_pos, att_.rope);
-            ggml_tensor * v = ggml_mul_mat(ctx, l.wv, c);  // [hd*Hkv, m]
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, st.k[il], ggml_reshape_2d(ctx, k, hd * Hkv, m),
-                                                        in.ctx_slots));
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, st.v[il], v, in.ctx_slots));
-        }
+        build_context(ctx, gf, in, seqs);
     }
     if (in.n_block == 0) {
         return nullptr;
     }
 
-    // the block: [anchor, MASK x (B-1)] through the draft layers, attending over context + block K/V
-    const int64_t B = in.n_block;
-    kv_inputs     att{in.slots, in.kq_mask, in.n_kv};  // the block's K/V rows, seen as a target layer's
-    ggml_tensor * h = ggml_get_rows(ctx, target_->token_embedding(), in.tokens);  // [E, B]
+    // the blocks: [anchor, MASK x (B-1)] through the draft layers, each attending over its context + block K/V
+    const int64_t B = in.n_block, S = (int64_t) seqs.size(), N = B * S;
+    ggml_tensor * h = ggml_get_rows(ctx, target_->token_embedding(), in.tokens);  // [E, N]
     for (int il = 0; il < info_.n_layer; ++il) {
         const layer & l = layers_[il];
-        // block K/V go to the cache slots after the context; the next round overwrites them
-        att.kq_mask       = is_swa(il) ? in.kq_mask_swa : in.kq_mask;
         // past the last attention only the B-1 proposal rows matter (row 0 is the anchor, already known); DFlash2's
         // convolutions mix rows, so it keeps them all
         const bool    cut = il == info_.n_layer - 1 && !dflash2_.present();
         auto attention = [&](ggml_tensor * hn) {
-            ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wq, hn), hd, H, B);
-            ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, hn), hd, Hkv, B);
-            ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, hn), hd, Hkv, B);
+            ggml_tensor * q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wq, hn), hd, H, N);
+            ggml_tensor * k = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wk, hn), hd, Hkv, N);
+            ggml_tensor * v = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, l.wv, hn), hd, Hkv, N);
             build_qk_norm_rope(ctx, q, k, l.q_norm, l.k_norm, eps, in.pos, att_.rope);
-            ggml_tensor * o = build_kv_attention(ctx, gf, att, st, il, q, k, v, 1.0f / std::sqrt((float) hd));
-            return ggml_mul_mat(ctx, l.wo, cut ? ggml_view_2d(ctx, o, o->ne[0], B - 1, o->nb[1], o->nb[1]) : o);
+            std::vector<ggml_tensor *> outs;
+            for (const draft_sequence & sq : seqs) {
+                // the block's K/V go to the cache slots after the context; the next round overwrites them
+                const kv_inputs att{sq.slots, is_swa(il) ? sq.kq_mask_swa : sq.kq_mask, sq.n_kv};
+                outs.push_back(build_kv_attention(ctx, gf, att, sq.st, il, token_range(ctx, q, 2, sq.first, B),
+                                                  token_range(ctx, k, 2, sq.first, B),
+                                                  token_range(ctx, v, 2, sq.first, B),
+                                                  1.0f / std::sqrt((float) hd)));  // [hd*H, B]
+            }
+            ggml_tensor * o = join_tokens(ctx, outs, 1);
+            return ggml_mul_mat(ctx, l.wo, cut ? drop_anchors(ctx, o, seqs, B) : o);
         };
-        ggml_tensor * a = around(ctx, l.attn_conv, build_rms_norm(ctx, h, l.attn_norm, eps), attention);
-        h = ggml_add(ctx, a, cut ? ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]) : h);
+        ggml_tensor * a = around(ctx, l.attn_conv, build_rms_norm(ctx, h, l.attn_norm, eps), S, attention);
+        h = ggml_add(ctx, a, cut ? drop_anchors(ctx, h, seqs, B) : h);
         auto ffn = [&](ggml_tensor * hn) { return build_swiglu_ffn(ctx, hn, l.ffn_gate, l.ffn_up, l.ffn_down); };
-        h = ggml_add(ctx, around(ctx, l.ffn_conv, build_rms_norm(ctx, h, l.ffn_norm, eps), ffn), h);
+        h = ggml_add(ctx, around(ctx, l.ffn_conv, build_rms_norm(ctx, h, l.ffn_norm, eps), S, ffn), h);
     }
     if (dflash2_.present()) {
-        h = ggml_view_2d(ctx, h, h->ne[0], B - 1, h->nb[1], h->nb[1]);
+        h = drop_anchors(ctx, h, seqs, B);
     }
-    return build_rms_norm(ctx, h, output_norm_, eps);  // [E, B-1]: the target's head turns it into proposals
+    return build_rms_norm(ctx, h, output_norm_, eps);  // [E, S*(B-1)]: the target's head turns it into proposals
 }
 
 }  // namespace pdf

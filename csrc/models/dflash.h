@@ -11,11 +11,26 @@
 
 namespace pdf {
 
+// one drafting session's share of a draft graph over several (state/draft_batch.h): its n_ctx_rows context rows
+// from row ctx_first of the graph's, its n_block block rows from row first, and its own cache and masks
+struct draft_sequence {
+    int64_t       ctx_first   = 0;
+    int64_t       first       = 0;
+    ggml_tensor * ctx_slots   = nullptr;  // I64 [n_ctx_rows]
+    ggml_tensor * slots       = nullptr;  // I64 [n_block]
+    ggml_tensor * kq_mask     = nullptr;  // F16 [n_kv, n_block]
+    ggml_tensor * kq_mask_swa = nullptr;
+    int           n_kv        = 0;
+    state_tensors st;
+};
+
 // inputs of one draft graph, set by the drafter session
 //   ctx_feats: F32 [n_ext*E, n_ctx_rows]  target features of newly committed tokens (may be 0 rows)
 //   ctx_pos, ctx_slots: I32 / I64 [n_ctx_rows]
 //   tokens: I32 [B] block tokens (anchor, masks); pos: I32 [B]; slots: I64 [B]
 //   kq_mask: F16 [n_kv, B]; kq_mask_swa: the same for sliding-window layers (nullptr without any)
+//   sequences: several sessions' (S) drafts in one graph: ctx_feats, ctx_pos, tokens and pos hold S x the rows
+//   above, session after session, and each session's slots, masks and cache are in its sequence
 struct draft_inputs {
     ggml_tensor * ctx_feats = nullptr;
     ggml_tensor * ctx_pos   = nullptr;
@@ -25,9 +40,10 @@ struct draft_inputs {
     ggml_tensor * slots     = nullptr;
     ggml_tensor * kq_mask   = nullptr;
     ggml_tensor * kq_mask_swa = nullptr;
-    int           n_ctx_rows = 0;
-    int           n_block    = 0;  // 0: only append context rows
+    int           n_ctx_rows = 0;  // (per session)
+    int           n_block    = 0;  // 0: only append context rows (per session)
     int           n_kv       = 0;
+    std::vector<draft_sequence> sequences;  // empty: one session's (the slots and masks above, the cache st)
 };
 
 class dflash_draft final : public loaded_model {
@@ -60,7 +76,8 @@ class dflash_draft final : public loaded_model {
     const dflash2_selector & selector() const { return selector_; }
 
     // appends context K/V rows (into the draft cache st.k / st.v); when in.n_block > 0 also runs the block and
-    // returns the final normed hidden states of its proposal rows 1..B-1: [E, B-1], for the target's head
+    // returns the final normed hidden states of its proposal rows 1..B-1: [E, B-1], for the target's head (with
+    // in.sequences: [E, S*(B-1)], each session's rows in turn, st unused)
     ggml_tensor * build(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in, const state_tensors & st) const;
 
   private:
@@ -79,7 +96,10 @@ class dflash_draft final : public loaded_model {
     };
     // DFlash2: `sublayer` of the normed x between the side-0 and side-1 convolutions (DFlash: sublayer(x))
     template <class F>
-    ggml_tensor * around(ggml_context * ctx, const dflash2_conv & conv, ggml_tensor * x, F sublayer) const;
+    ggml_tensor * around(ggml_context * ctx, const dflash2_conv & conv, ggml_tensor * x, int64_t S, F sublayer) const;
+    // the context rows' K/V written into each session's cache
+    void          build_context(ggml_context * ctx, ggml_cgraph * gf, const draft_inputs & in,
+                                const std::vector<draft_sequence> & seqs) const;
 
     std::shared_ptr<const target_model> target_;
     std::vector<int>                    capture_layers_;

@@ -40,18 +40,21 @@ dflash2_hparams read_dflash2_hparams(const gguf_file & f, int64_t n_embd) {
 
 ggml_tensor * build_dflash2_conv(ggml_context * ctx, ggml_tensor * x, ggml_tensor * dyn, const dflash2_conv & w,
                                  int side, const dflash2_hparams & hp) {
-    const int64_t E = x->ne[0], B = x->ne[1], K = hp.kernel, G = E / hp.group;
+    const int64_t E = x->ne[0], B = x->ne[1], S = x->ne[2], K = hp.kernel, G = E / hp.group;
     const size_t  f = ggml_element_size(dyn);
     ggml_tensor * y = nullptr;
     for (int64_t o = 0; o < std::min(K, B); ++o) {
-        // x_{t-o}: rows shifted down by o, zeros above
-        ggml_tensor * xo = o == 0 ? x : ggml_pad_ext(ctx, ggml_view_2d(ctx, x, E, B - o, x->nb[1], 0), 0, 0, o, 0, 0, 0,
-                                                     0, 0);
+        // x_{t-o}: each block's rows shifted down by o, zeros above
+        ggml_tensor * xo = o == 0 ? x
+                                  : ggml_pad_ext(ctx, ggml_view_3d(ctx, x, E, B - o, S, x->nb[1], x->nb[2], 0), 0, 0,
+                                                 o, 0, 0, 0, 0, 0);
         ggml_tensor * base = ggml_view_1d(ctx, w.base, E, (size_t) ((side * K + o) * E) * ggml_element_size(w.base));
-        // dyn_t[side][o][g]: [1, G, B], one coefficient per group, broadcast over its channels
-        ggml_tensor * d  = ggml_view_3d(ctx, dyn, 1, G, B, f, dyn->nb[1], (size_t) ((side * K + o) * G) * f);
-        ggml_tensor * xg = ggml_reshape_3d(ctx, ggml_is_contiguous(xo) ? xo : ggml_cont(ctx, xo), hp.group, G, B);
-        ggml_tensor * term = ggml_add(ctx, ggml_mul(ctx, xo, base), ggml_reshape_2d(ctx, ggml_mul(ctx, xg, d), E, B));
+        // dyn_t[side][o][g]: [1, G, B, S], one coefficient per group, broadcast over its channels
+        ggml_tensor * d  = ggml_view_4d(ctx, dyn, 1, G, B, S, f, dyn->nb[1], dyn->nb[2],
+                                        (size_t) ((side * K + o) * G) * f);
+        ggml_tensor * xg = ggml_reshape_4d(ctx, ggml_is_contiguous(xo) ? xo : ggml_cont(ctx, xo), hp.group, G, B, S);
+        ggml_tensor * term =
+            ggml_add(ctx, ggml_mul(ctx, xo, base), ggml_reshape_3d(ctx, ggml_mul(ctx, xg, d), E, B, S));
         y = y ? ggml_add(ctx, y, term) : term;
     }
     return y;

@@ -35,7 +35,8 @@ struct dflash2_conv {
     ggml_tensor * proj = nullptr;
 };
 
-// x: [E, B] (the block's rows in order); dyn: [2*K*groups, B] = proj(the sublayer's input); side 0 or 1 -> [E, B]
+// x: [E, B] (the block's rows in order), or [E, B, S] (S sessions' blocks, each convolved on its own rows);
+// dyn: [2*K*groups, B(, S)] = proj(the sublayer's input); side 0 or 1 -> x's shape
 ggml_tensor * build_dflash2_conv(ggml_context * ctx, ggml_tensor * x, ggml_tensor * dyn, const dflash2_conv & w,
                                  int side, const dflash2_hparams & hp);
 

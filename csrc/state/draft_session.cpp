@@ -3,6 +3,7 @@
 #include "models/head.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 namespace pdf {
@@ -18,6 +19,8 @@ static constexpr int MAX_POSITION = INT32_MAX / 2;
 // feature-ring rows: one target evaluation's (a prefill micro-batch, a verify)
 static constexpr int MAX_RING_ROWS = 1 << 16;
 
+static std::atomic<uint64_t> next_draft_session_id{1};
+
 static int append_rows(int queued) {
     return queued <= APPEND_ROWS_SMALL ? APPEND_ROWS_SMALL : APPEND_ROWS_LARGE;
 }
@@ -25,6 +28,7 @@ static int append_rows(int queued) {
 draft_session::draft_session(std::shared_ptr<const dflash_draft> draft, uint32_t n_ctx, const draft_params & params,
                              std::shared_ptr<compute_backends> compute)
     : draft_(std::move(draft)),
+      id_(next_draft_session_id++),
       own_pool_(!compute),
       compute_(compute ? std::move(compute) : std::make_shared<compute_backends>(draft_->target().devices())),
       arena_(*compute_), draft_graph_(arena_), append_small_(arena_), append_large_(arena_) {
@@ -147,47 +151,67 @@ void draft_session::build(graph & g, int n_rows, int n_block, int n_kv) {
     g.key_kv    = n_kv;
 }
 
-void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int start) {
+draft_session::call draft_session::shape(int m, int n_rows, int n_block, int32_t anchor, int start) const {
+    call c;
+    c.m       = m;
+    c.n_rows  = n_rows;
+    c.n_block = n_block;
+    c.anchor  = anchor;
+    c.start   = start;
     // padding rows (beyond m) sit at the positions right after the appended ones (the block's, when drafting)
-    const int pad_from = n_block > 0 ? start : (m > 0 ? queued_pos_[m - 1] + 1 : 0);
+    c.pad_from = n_block > 0 ? start : (m > 0 ? queued_pos_[m - 1] + 1 : 0);
     // slots are position % n_slots: while nothing has wrapped, only the first `end` slots are in use
-    const int n_kv = n_block > 0 ? std::min(n_slots_, (int) GGML_PAD(start + n_block, KV_WINDOW_STEP)) : 0;
-    graph &   g    = n_block > 0 ? draft_graph_ : n_rows <= APPEND_ROWS_SMALL ? append_small_ : append_large_;
-    if (!(g.cache.ready() && g.key_rows == n_rows && g.key_block == n_block && g.key_kv == n_kv)) {
-        build(g, n_rows, n_block, n_kv);
+    c.n_kv = n_block > 0 ? std::min(n_slots_, (int) GGML_PAD(start + n_block, KV_WINDOW_STEP)) : 0;
+    return c;
+}
+
+void draft_session::set_inputs(const call & c, const call_inputs & in) {
+    if (c.n_rows > 0) {
+        set_context_rows(in, c.m, c.n_rows, c.pad_from);
+    }
+    if (c.m > 0) {
+        // rows are appended in position order; a gap would leave missing rows below n_valid
+        n_valid_ = queued_pos_[0] <= n_valid_ ? queued_pos_[c.m - 1] + 1 : std::min(n_valid_, queued_pos_[0]);
+    }
+    if (c.n_block > 0) {
+        set_block(in, c.n_block, c.n_kv, c.anchor, c.start);
+    }
+}
+
+void draft_session::after_compute(const call & c) {
+    // the block's slots and the padding rows hold transient rows: they become context only once appended
+    for (int i = 0; i < std::min(std::max(c.n_rows - c.m, c.n_block), block_); ++i) {
+        const int s = slot(c.pad_from + i);
+        if (slot_pos_[s] >= n_valid_) {
+            slot_pos_[s] = -1;
+        }
+    }
+    queued_rows_.erase(queued_rows_.begin(), queued_rows_.begin() + c.m);
+    queued_pos_.erase(queued_pos_.begin(), queued_pos_.begin() + c.m);
+}
+
+void draft_session::run(int m, int n_rows, int n_block, int32_t anchor, int start) {
+    const call c = shape(m, n_rows, n_block, anchor, start);
+    graph &    g = n_block > 0 ? draft_graph_ : n_rows <= APPEND_ROWS_SMALL ? append_small_ : append_large_;
+    if (!(g.cache.ready() && g.key_rows == n_rows && g.key_block == n_block && g.key_kv == c.n_kv)) {
+        build(g, n_rows, n_block, c.n_kv);
     }
     g.cache.allocate("the draft graph");
-    if (n_rows > 0) {
-        set_context_rows(g, m, n_rows, pad_from);
-    }
-    if (m > 0) {
-        // rows are appended in position order; a gap would leave missing rows below n_valid
-        n_valid_ = queued_pos_[0] <= n_valid_ ? queued_pos_[m - 1] + 1 : std::min(n_valid_, queued_pos_[0]);
-    }
-    if (n_block > 0) {
-        set_block(g.in, n_block, n_kv, anchor, start);
-    }
+    set_inputs(c, {g.ring_rows, g.in.ctx_pos, g.in.ctx_slots, g.in.tokens, g.in.pos, g.in.slots, g.in.kq_mask,
+                   g.in.kq_mask_swa});
     g.cache.compute("the draft graph");
     if (own_pool_) {
         // its workers would poll for the next graph while the target's pool computes: the two spin against
         // each other on the same cores (a round took ~20 ms instead of ~0.5 ms on a tiny pair)
         compute_->pause();
     }
-    // the block's slots and the padding rows hold transient rows: they become context only once appended
-    for (int i = 0; i < std::min(std::max(n_rows - m, n_block), block_); ++i) {
-        const int s = slot(pad_from + i);
-        if (slot_pos_[s] >= n_valid_) {
-            slot_pos_[s] = -1;
-        }
-    }
-    queued_rows_.erase(queued_rows_.begin(), queued_rows_.begin() + m);
-    queued_pos_.erase(queued_pos_.begin(), queued_pos_.begin() + m);
+    after_compute(c);
     if (n_block > 0) {
-        read_proposals(g, n_block);
+        read_proposals({g.top_ids, g.top_logprobs, g.lattice}, n_block);
     }
 }
 
-void draft_session::set_context_rows(graph & g, int m, int n_rows, int pad_from) {
+void draft_session::set_context_rows(const call_inputs & in, int m, int n_rows, int pad_from) {
     // rows beyond m are padding: they read any ring row and land in the slots of the block positions right
     // after (several on one slot: any of them wins), which are never read as context before real rows (or
     // this round's block) overwrite them, and which hold no context of the window
@@ -199,12 +223,12 @@ void draft_session::set_context_rows(graph & g, int m, int n_rows, int pad_from)
         s[i] = slot(p[i]);
         slot_pos_[s[i]] = p[i];
     }
-    ggml_backend_tensor_set(g.ring_rows, r.data(), 0, sizeof(int32_t) * n_rows);
-    ggml_backend_tensor_set(g.in.ctx_pos, p.data(), 0, sizeof(int32_t) * n_rows);
-    ggml_backend_tensor_set(g.in.ctx_slots, s.data(), 0, sizeof(int64_t) * n_rows);
+    ggml_backend_tensor_set(in.ring_rows, r.data(), 0, sizeof(int32_t) * n_rows);
+    ggml_backend_tensor_set(in.ctx_pos, p.data(), sizeof(int32_t) * in.ctx_first, sizeof(int32_t) * n_rows);
+    ggml_backend_tensor_set(in.ctx_slots, s.data(), 0, sizeof(int64_t) * n_rows);
 }
 
-void draft_session::set_block(draft_inputs & in, int n_block, int n_kv, int32_t anchor, int start) {
+void draft_session::set_block(const call_inputs & in, int n_block, int n_kv, int32_t anchor, int start) {
     std::vector<int32_t> toks(n_block, draft_->mask_token()), pos(n_block);
     std::vector<int64_t> slots(n_block);
     toks[0] = anchor;
@@ -219,8 +243,8 @@ void draft_session::set_block(draft_inputs & in, int n_block, int n_kv, int32_t 
         fill_block_mask(mask_swa, n_block, n_kv, start, true);
         ggml_backend_tensor_set(in.kq_mask_swa, mask_swa.data(), 0, sizeof(ggml_fp16_t) * mask_swa.size());
     }
-    ggml_backend_tensor_set(in.tokens, toks.data(), 0, sizeof(int32_t) * n_block);
-    ggml_backend_tensor_set(in.pos, pos.data(), 0, sizeof(int32_t) * n_block);
+    ggml_backend_tensor_set(in.tokens, toks.data(), sizeof(int32_t) * in.first, sizeof(int32_t) * n_block);
+    ggml_backend_tensor_set(in.pos, pos.data(), sizeof(int32_t) * in.first, sizeof(int32_t) * n_block);
     ggml_backend_tensor_set(in.slots, slots.data(), 0, sizeof(int64_t) * n_block);
     ggml_backend_tensor_set(in.kq_mask, mask.data(), 0, sizeof(ggml_fp16_t) * mask.size());
 }
@@ -254,18 +278,20 @@ int draft_session::readout_k() const {
     return draft_->dflash2().present() ? (int) draft_->dflash2().top_k : top_k_;
 }
 
-void draft_session::read_proposals(const graph & g, int n_block) {
-    if (g.lattice) {
-        read_selected(g, n_block);
+void draft_session::read_proposals(const call_outputs & out, int n_block) {
+    if (out.lattice) {
+        read_selected(out, n_block);
         return;
     }
     proposals_.n_positions = n_block - 1;
     proposals_.top_k       = top_k_;
     proposals_.ids.resize((size_t) (n_block - 1) * top_k_);
     proposals_.logprobs.resize(proposals_.ids.size());
-    ggml_backend_tensor_get(g.top_ids, proposals_.ids.data(), 0, sizeof(int32_t) * proposals_.ids.size());
-    if (g.top_logprobs) {
-        ggml_backend_tensor_get(g.top_logprobs, proposals_.logprobs.data(), 0,
+    const size_t at = (size_t) out.first * top_k_;
+    ggml_backend_tensor_get(out.top_ids, proposals_.ids.data(), sizeof(int32_t) * at,
+                            sizeof(int32_t) * proposals_.ids.size());
+    if (out.top_logprobs) {
+        ggml_backend_tensor_get(out.top_logprobs, proposals_.logprobs.data(), sizeof(float) * at,
                                 sizeof(float) * proposals_.logprobs.size());
     } else {
         std::fill(proposals_.logprobs.begin(), proposals_.logprobs.end(), 0.0f);
@@ -273,13 +299,14 @@ void draft_session::read_proposals(const graph & g, int n_block) {
     sort_top_k(proposals_.ids.data(), proposals_.logprobs.data(), n_block - 1, top_k_);
 }
 
-void draft_session::read_selected(const graph & g, int n_block) {
+void draft_session::read_selected(const call_outputs & out, int n_block) {
     const int64_t P = n_block - 1, k = readout_k();
     std::vector<int32_t> cand((size_t) (P * k));
     std::vector<float>   unary(cand.size()), lattice((size_t) (P * k * k));
-    ggml_backend_tensor_get(g.top_ids, cand.data(), 0, sizeof(int32_t) * cand.size());
-    ggml_backend_tensor_get(g.top_logprobs, unary.data(), 0, sizeof(float) * unary.size());
-    ggml_backend_tensor_get(g.lattice, lattice.data(), 0, sizeof(float) * lattice.size());
+    const size_t         at = (size_t) (out.first * k);
+    ggml_backend_tensor_get(out.top_ids, cand.data(), sizeof(int32_t) * at, sizeof(int32_t) * cand.size());
+    ggml_backend_tensor_get(out.top_logprobs, unary.data(), sizeof(float) * at, sizeof(float) * unary.size());
+    ggml_backend_tensor_get(out.lattice, lattice.data(), sizeof(float) * at * k, sizeof(float) * lattice.size());
     dflash2_ranking ranked;
     rank_dflash2_candidates(cand.data(), unary.data(), lattice.data(), P, k, ranked);
     if (dflash2_tree_ != selector_tree::per_node) {
@@ -390,6 +417,12 @@ void draft_session::protect(int first, int n) {
 }
 
 const draft_proposals & draft_session::draft(int32_t anchor, int start, int n_block) {
+    const call c = prepare_draft(anchor, start, n_block);
+    run(c.m, c.n_rows, c.n_block, anchor, start);
+    return proposals_;
+}
+
+draft_session::call draft_session::prepare_draft(int32_t anchor, int start, int n_block) {
     n_block = n_block > 0 ? n_block : block_;
     if (n_block < 2 || n_block > block_ || start < 0 || start > MAX_POSITION - n_block) {
         throw std::invalid_argument(format("draft: a block of %d (2..%d) at position %d", n_block, block_, start));
@@ -406,8 +439,7 @@ const draft_proposals & draft_session::draft(int32_t anchor, int start, int n_bl
         throw std::invalid_argument(format("draft: queued context reaches position %d, the block starts at %d",
                                            queued_pos_.back(), start));
     }
-    run((int) queued_rows_.size(), block_, n_block, anchor, start);
-    return proposals_;
+    return shape((int) queued_rows_.size(), block_, n_block, anchor, start);
 }
 
 void draft_session::truncate(int n_past) {

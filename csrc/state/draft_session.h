@@ -90,6 +90,9 @@ class draft_session {
     // not go beyond it
     int                  n_valid() const;
     const dflash_draft & model() const { return *draft_; }
+    const std::shared_ptr<const dflash_draft> & shared_model() const { return draft_; }
+    // the last draft's proposals (draft()'s, or a draft_batch's)
+    const draft_proposals & proposals() const { return proposals_; }
     int                  block() const { return block_; }
     int                  window() const { return window_; }
     int                  top_k() const { return top_k_; }
@@ -105,6 +108,31 @@ class draft_session {
     int                     n_slots() const { return n_slots_; }  // window + block
 
   private:
+    friend class draft_batch;  // drafts several sessions' blocks in one graph, through the steps below
+    // one graph's work for this session: append m queued rows (padded to n_rows, from position pad_from), then
+    // draft n_block (0: none) at start over n_kv cache slots
+    struct call {
+        int     m = 0, n_rows = 0, n_block = 0, n_kv = 0, pad_from = 0, start = 0;
+        int32_t anchor = 0;
+    };
+    // where a call's inputs go in a graph: tensors of its own (ring rows, slots, masks), and rows of the graph's
+    // shared ones (ctx_pos from ctx_first, tokens and pos from first)
+    struct call_inputs {
+        ggml_tensor * ring_rows = nullptr, * ctx_pos = nullptr, * ctx_slots = nullptr, * tokens = nullptr,
+                    * pos = nullptr, * slots = nullptr, * kq_mask = nullptr, * kq_mask_swa = nullptr;
+        int64_t       ctx_first = 0, first = 0;
+    };
+    // where its proposals are: the head's outputs (and DFlash2's lattice) from proposal row `first`
+    struct call_outputs {
+        ggml_tensor * top_ids = nullptr, * top_logprobs = nullptr, * lattice = nullptr;
+        int64_t       first   = 0;
+    };
+    call shape(int m, int n_rows, int n_block, int32_t anchor, int start) const;
+    // checks a draft call and appends, alone, the queued rows its graph cannot hold: the call that drafts it
+    call prepare_draft(int32_t anchor, int start, int n_block);
+    // a call's inputs set (the cache's slot positions and n_valid move with them), then after its compute
+    void set_inputs(const call & c, const call_inputs & in);
+    void after_compute(const call & c);
     // one graph: append m queued rows (padded to n_rows), then draft n_block (0: none)
     void run(int m, int n_rows, int n_block, int32_t anchor, int start);
     struct graph;
@@ -123,18 +151,19 @@ class draft_session {
     int  slot(int64_t position) const { return (int) (position % n_slots_); }
     // run's steps: the appended rows' inputs (m queued, padded to n_rows from position pad_from), the drafted
     // block's (its tokens, positions, slots and attention masks), the block's top-k proposals read back
-    void set_context_rows(graph & g, int m, int n_rows, int pad_from);
-    void set_block(draft_inputs & in, int n_block, int n_kv, int32_t anchor, int start);
+    void set_context_rows(const call_inputs & in, int m, int n_rows, int pad_from);
+    void set_block(const call_inputs & in, int n_block, int n_kv, int32_t anchor, int start);
     // the candidates per position the head reads out: a DFlash2 selector's k (it reranks them all), else top_k_
     int  readout_k() const;
     void fill_block_mask(std::vector<ggml_fp16_t> & mask, int n_block, int n_kv, int start, bool swa) const;
-    void read_proposals(const graph & g, int n_block);
+    void read_proposals(const call_outputs & out, int n_block);
     // DFlash2: the selector's path through the read-back candidates and lattice (models/dflash2.h)
-    void read_selected(const graph & g, int n_block);
+    void read_selected(const call_outputs & out, int n_block);
     // DFlash2 with dflash2_tree path / unary: one ranking per position (no per-node conditional ranks)
     void unconditional(const dflash2_ranking & ranked, const int32_t * cand, const float * unary, int64_t P, int64_t k);
 
     std::shared_ptr<const dflash_draft> draft_;
+    uint64_t                            id_;        // (draft_batch's graphs are kept by it)
     bool                                own_pool_;  // no target session's backends were given
     std::shared_ptr<compute_backends>   compute_;  // its target session's, or its own (see core/backend.h)
     std::unique_ptr<feature_ring>       ring_;

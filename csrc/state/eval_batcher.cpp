@@ -7,6 +7,14 @@
 
 namespace pdf {
 
+namespace {
+thread_local double waited_here = 0.0;  // eval_batcher::waited_ms()
+}
+
+double eval_batcher::waited_ms() {
+    return waited_here;
+}
+
 eval_batcher::eval_batcher(std::shared_ptr<const target_model> model) : batch_(std::move(model)) {}
 
 eval_batcher::member::member(eval_batcher & b) : b_(b) {
@@ -38,8 +46,8 @@ double eval_batcher::eval(const session_batch::part & part) {
     request me;
     me.part = &part;
     waiting_.push_back(&me);
-    if (!offers_.empty()) {
-        done_.notify_all();  // this part may complete what the offers' plan waits for
+    if (!offers_.empty() || !drafts_.empty()) {
+        done_.notify_all();  // this part may complete what the offers' plan or the drafts wait for
     }
     while (!me.done) {
         if (!running_ && (int) waiting_.size() >= members_) {  // every member's part is in: this one leads
@@ -102,26 +110,120 @@ std::vector<eval_batcher::request *> eval_batcher::take_step() {
     return step;
 }
 
-int eval_batcher::plan(const std::vector<double> & gains, double & waited_ms) {
-    waited_ms = 0.0;
+int eval_batcher::plan(const std::vector<double> & gains) {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (members_ <= 1 && waiting_.empty() && offers_.empty() && !running_) {
+    if (members_ <= 1 && waiting_.empty() && offers_.empty() && drafts_.empty() && !running_) {
         return -1;
     }
     offer me;
     me.gains = &gains;
     offers_.push_back(&me);
+    done_.notify_all();  // (the drafts wait for every member's draft, offer or part)
     while (!me.done) {
-        if (!running_ && (int) (offers_.size() + waiting_.size()) >= members_) {  // the step is known: plan it
-            plan_offers();
+        if (!running_ && drafts_.empty() && (int) (offers_.size() + waiting_.size()) >= members_) {
+            plan_offers();  // the step is known: plan it
             done_.notify_all();
         } else {
             const auto t0 = clock_type::now();
             done_.wait(lock);
-            waited_ms += ms_since(t0);
+            waited_here += ms_since(t0);
         }
     }
     return me.width;
+}
+
+const draft_proposals & eval_batcher::draft(draft_session & d, int32_t anchor, int start, int n_block) {
+    const auto                   t0 = clock_type::now();
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (members_ <= 1 && waiting_.empty() && offers_.empty() && drafts_.empty() && !running_) {
+        lock.unlock();
+        return d.draft(anchor, start, n_block);
+    }
+    draft_request me;
+    me.part = {&d, anchor, start, n_block};
+    drafts_.push_back(&me);
+    done_.notify_all();
+    while (!me.done) {
+        if (!running_ && (int) (drafts_.size() + offers_.size() + waiting_.size()) >= members_) {
+            std::vector<draft_request *> group;  // every member has drafted, offered or handed in its part
+            group.swap(drafts_);
+            running_ = true;
+            lock.unlock();
+            const bool batched = run_drafts(group);
+            lock.lock();
+            counts_.draft_batches += batched;
+            counts_.batched_drafts += batched ? group.size() : 0;
+            running_ = false;
+            for (draft_request * r : group) {
+                r->done = true;
+            }
+            done_.notify_all();
+        } else {
+            done_.wait(lock);
+        }
+    }
+    waited_here += std::max(0.0, ms_since(t0) - me.share_ms);
+    if (me.error) {
+        std::rethrow_exception(me.error);
+    }
+    return d.proposals();
+}
+
+bool eval_batcher::run_drafts(const std::vector<draft_request *> & group) {
+    // drafts of one drafter and one block length share a graph; the rest draft alone
+    std::map<std::pair<const dflash_draft *, int>, std::vector<draft_request *>> kinds;
+    for (draft_request * r : group) {
+        kinds[{&r->part.d->model(), draft_batch::block_of(r->part)}].push_back(r);
+    }
+    bool batched = false;
+    for (auto & [kind, requests] : kinds) {
+        const bool together = requests.size() > 1 && draft_together(requests);
+        batched             = batched || together;
+        for (draft_request * r : requests) {
+            if (!together) {
+                draft_alone(*r);
+            }
+        }
+    }
+    return batched;
+}
+
+bool eval_batcher::draft_together(const std::vector<draft_request *> & requests) {
+    std::vector<draft_batch::part> parts;
+    for (const draft_request * r : requests) {
+        parts.push_back(r->part);
+    }
+    std::unique_ptr<draft_batch> & batch = draft_batches_[&parts[0].d->model()];
+    if (!batch) {
+        batch = std::make_unique<draft_batch>(parts[0].d->shared_model());
+    }
+    if (!batch->batches(parts)) {
+        return false;
+    }
+    try {
+        const auto t0 = clock_type::now();
+        batch->draft(parts);
+        const double ms = ms_since(t0);
+        for (draft_request * r : requests) {
+            r->share_ms = ms / requests.size();
+        }
+        return true;
+    } catch (const std::exception & e) {
+        // drafted alone: each draft's error (a bad anchor, a position) is its member's
+        PDF_LOG_DEBUG("a draft batch of %zu failed (%s): drafting them one by one", requests.size(), e.what());
+    } catch (...) {
+    }
+    return false;
+}
+
+void eval_batcher::draft_alone(draft_request & r) {
+    try {
+        const auto t0 = clock_type::now();
+        r.part.d->draft(r.part.anchor, r.part.start, r.part.n_block);
+        r.share_ms = ms_since(t0);
+    } catch (...) {
+        r.error = std::current_exception();
+    }
 }
 
 void eval_batcher::plan_offers() {

@@ -8,11 +8,13 @@
 //     batcher.eval(part); ... }               // returns when this part's results are in its session
 #pragma once
 
+#include "state/draft_batch.h"
 #include "state/session_batch.h"
 #include "state/step_times.h"
 
 #include <condition_variable>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -45,9 +47,18 @@ class eval_batcher {
 
     // The batch's choice for a member running auto (state/step_plan.h): gains[b] = P(the accepted path of its
     // round's candidate tree reaches node b+1), best first. Waits until every other member has handed in its
-    // part or its own offer (waited_ms: how long), then returns how many of those nodes to verify in the coming
-    // step; -1: decide alone (no other member, or no step of this many parts measured yet).
-    int plan(const std::vector<double> & gains, double & waited_ms);
+    // part or its own offer, then returns how many of those nodes to verify in the coming step; -1: decide alone
+    // (no other member, or no step of this many parts measured yet).
+    int plan(const std::vector<double> & gains);
+
+    // A member's draft (draft_session::draft's arguments): waits until every other member has handed in a draft,
+    // an offer or a part, then drafts all of this step's drafts in one drafter graph (state/draft_batch.h; alone
+    // where they cannot share one). Returns d's proposals; throws what d.draft() would.
+    const draft_proposals & draft(draft_session & d, int32_t anchor, int start, int n_block);
+
+    // ms this thread has waited in plan() and draft() for the other members (the other generations' drafting):
+    // not its own cost (a draft batch's compute counts for each of its drafts in equal shares)
+    static double waited_ms();
 
     // what it has done so far: batched evaluations (steps of several members) and the parts they held, parts
     // evaluated alone (a member alone, or a failed batch's)
@@ -56,6 +67,7 @@ class eval_batcher {
         double   batched_ms = 0.0;  // the batched evaluations' time
         uint64_t max_rows   = 0;    // the most rows one batched evaluation held
         uint64_t planned    = 0;    // steps whose offers the batch's plan cut
+        uint64_t draft_batches = 0, batched_drafts = 0;  // drafter graphs over several members, their drafts
     };
     counts stats() const;
 
@@ -71,6 +83,16 @@ class eval_batcher {
         bool                        done  = false;
         int                         width = -1;
     };
+    struct draft_request {
+        draft_batch::part  part;
+        bool               done     = false;
+        double             share_ms = 0.0;  // its share of the drafting's compute
+        std::exception_ptr error;
+    };
+    // the step's drafts, in one graph where they can share one (without the lock); true: some were batched
+    bool                   run_drafts(const std::vector<draft_request *> & group);
+    bool                   draft_together(const std::vector<draft_request *> & requests);  // false: not drafted
+    static void            draft_alone(draft_request & r);
     // which of the waiting parts the next step evaluates (the rest wait for the one after)
     std::vector<bool>      next_step() const;
     // the parts of the waiting ones that this step evaluates (taken out of waiting_)
@@ -88,6 +110,8 @@ class eval_batcher {
     bool                    running_ = false;  // a step is being evaluated
     std::vector<request *>  waiting_;          // the next step's parts so far
     std::vector<offer *>    offers_;           // the members waiting for the plan of the next step
+    std::vector<draft_request *> drafts_;      // the members waiting for this step's drafts
+    std::map<const dflash_draft *, std::unique_ptr<draft_batch>> draft_batches_;  // by drafter (a leader's)
     counts                  counts_;           // (under the lock)
 };
 
