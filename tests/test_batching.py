@@ -18,6 +18,8 @@ import pytest
 import pydflash
 from pydflash import _core
 
+from near_ties import TIE, draw_is_fragile, first_difference, tie_gap
+
 PAIRS = Path(__file__).resolve().parent / "data" / "pairs"
 PROMPTS = ["def quicksort(items):\n", "class LinkedList:\n    def __init__(self):\n", "import os\n\ndef walk(",
            "def parse_args(argv):\n", "# binary search\ndef search(a, x):\n", "def merge(a, b):\n",
@@ -134,9 +136,18 @@ def _generate(m, job: dict, batcher=None, callback=None) -> dict:
                                sampling=job["sampling"], batcher=batcher)
 
 
+def _assert_near_tie(model, job: dict, tokens: list[int], expected: list[int]) -> None:
+    at = first_difference(tokens, expected)
+    if job["sampling"] is None:
+        assert tie_gap(model, job["prompt"], tokens, expected, at) < TIE, f"output {at}: {job}"
+    else:
+        assert draw_is_fragile(model, job["prompt"], tokens, at, job["sampling"]), f"output {at}: {job}"
+
+
 def test_sixteen_generations_in_threads_each_equal_alone(pair):
-    """16 concurrent generations over 16 sessions, batched at every step, each commit what it commits alone;
-    the batcher really batched them."""
+    """16 concurrent generations over 16 sessions, batched at every step, each commit what it commits alone (auto:
+    up to near-ties, as its verifies are the batch's plan); chain and tree rounds draft, in the batch's drafter
+    graphs, what they draft alone; the batcher really batched, planned and drafted together."""
     jobs = _jobs(pair, 16)
     sessions = [pair.new_session() for _ in jobs]
     alone = [_generate(pair.new_session(), job) for job in jobs]
@@ -150,6 +161,11 @@ def test_sixteen_generations_in_threads_each_equal_alone(pair):
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(run, range(len(jobs))))
     for k, (a, t) in enumerate(zip(alone, together)):
+        if jobs[k]["mode"] == "auto" and t["tokens"] != a["tokens"]:
+            # auto verifies what the batch plans, not what it chose alone: other shapes, which may round a
+            # near-tie apart (tests/near_ties.py), and only there
+            _assert_near_tie(pair, jobs[k], t["tokens"], a["tokens"])
+            continue
         assert (t["tokens"], t["finish_reason"]) == (a["tokens"], a["finish_reason"]), f"job {k}: {jobs[k]}"
         if jobs[k]["mode"] in ("chain", "tree"):  # the same drafts (drafted in the batch's graphs): the same rounds
             assert [t["timings"][key] for key in ("n_rounds", "draft_n", "draft_n_accepted")] == \
@@ -196,8 +212,8 @@ def test_drafts_drafted_together_are_each_sessions_own(arch, drafter):
 
 def test_auto_generations_verify_what_the_batch_plans_and_commit_the_targets_tokens(pair):
     """Four greedy auto generations in one batch: after a first plain step (what a step of four parts costs),
-    the batch plans their verifies together; each still commits exactly the target's own greedy tokens (plain
-    decoding of the same prompt alone)."""
+    the batch plans their verifies together; each still commits the target's own greedy tokens (plain decoding
+    of the same prompt alone), up to near-ties (tests/near_ties.py)."""
     prompts = [pair.tokenize(p) for p in PROMPTS[:4]]
     stops = sorted(pair.tokenizer.eog_token_ids)
     plain = [pair.new_session()._session.generate(p, max_tokens=40, stop_tokens=stops) for p in prompts]
@@ -213,7 +229,9 @@ def test_auto_generations_verify_what_the_batch_plans_and_commit_the_targets_tok
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(run, range(len(prompts))))
     for k, (a, t) in enumerate(zip(plain, together)):
-        assert t["tokens"] == a["tokens"], f"prompt {k}"
+        if t["tokens"] != a["tokens"]:  # only where a batched verify and a single token round a near-tie apart
+            at = first_difference(t["tokens"], a["tokens"])
+            assert tie_gap(pair, prompts[k], t["tokens"], a["tokens"], at) < TIE, f"prompt {k}, output {at}"
     stats = batcher.stats
     assert stats["planned"] > 0, stats
 

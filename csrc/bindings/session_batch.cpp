@@ -90,12 +90,14 @@ void register_session_batch(py::module_ & m) {
                 d["planned"]       = c.planned;
                 d["draft_batches"]  = c.draft_batches;
                 d["batched_drafts"] = c.batched_drafts;
+                d["cooldowns"]      = c.cooldowns;
                 return d;
             },
             "{'batches': evaluations of several generations' parts together, 'batched_parts': the parts they held, "
             "'alone': parts evaluated alone, 'batched_ms': the batched evaluations' time, 'max_rows': the most rows "
             "one held, 'planned': steps whose auto generations' verifies the batch planned together, 'draft_batches': drafter "
-            "graphs over several generations' drafts, 'batched_drafts': the drafts they held}.");
+            "graphs over several generations' drafts, 'batched_drafts': the drafts they held, 'cooldowns': the batch's "
+            "cool-downs of its auto generations' drafting}.");
 }
 
 }  // namespace pdf::bindings

@@ -157,7 +157,7 @@ static std::vector<int> plan_batch_step(const std::vector<std::vector<double>> &
     fixed_parts fixed;
     fixed.parts = n_parts;
     fixed.rows  = n_rows;
-    return plan_step(gains, fixed, times);
+    return plan_step(gains, fixed, times).widths;
 }
 
 static py::dict sample(f32_array logits, py::object sampling, py::object history_in, int64_t t) {

@@ -48,7 +48,7 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
         return;
     }
     const bool automatic = params_.mode == spec_mode::automatic;
-    if (automatic && sits_out_round(state_)) {
+    if (automatic && sits_out_round(state_, batch())) {
         stats_.n_skipped++;
         return;
     }
@@ -102,7 +102,7 @@ void mtp_proposer::after_verify(const session & s, const draft_tree & t, int sta
         return;
     }
     learn_from_verify(state_.acceptance, t, accept_prob);
-    if (params_.mode == spec_mode::automatic) {
+    if (params_.mode == spec_mode::automatic && judges_itself(batch())) {
         judge_speculation(state_);
     }
 }

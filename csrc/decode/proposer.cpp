@@ -43,7 +43,7 @@ bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth,
     if (max_depth <= 0) {
         return false;
     }
-    if (sits_out_round(state_)) {
+    if (sits_out_round(state_, batch())) {
         stats_.n_skipped++;
         return false;
     }
@@ -54,14 +54,25 @@ bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth,
     return true;
 }
 
-bool sits_out_round(speculation_state & state) {
+bool sits_out_round(speculation_state & state, const eval_batcher * batch) {
     // auto decodes plainly through a cool-down, and until it knows what a plain step costs (a fresh process: the
     // first round)
-    if (state.cooldown > 0 || !state.costs.knows_plain_step()) {
+    if (!state.costs.knows_plain_step()) {
+        state.cooldown = std::max(0, state.cooldown - 1);
+        return true;
+    }
+    if (batch && batch->shared()) {
+        return batch->sits_out();
+    }
+    if (state.cooldown > 0) {
         state.cooldown = std::max(0, state.cooldown - 1);
         return true;
     }
     return false;
+}
+
+bool judges_itself(const eval_batcher * batch) {
+    return !(batch && batch->shared());
 }
 
 int tree_node_limit(int max_nodes, const cost_model & costs, int tree_budget) {
@@ -204,7 +215,7 @@ void dflash_proposer::learn(int depth, int rank, float logp, double accepted) {
 }
 
 void dflash_proposer::judge_round() {
-    if (params_.mode == spec_mode::automatic) {
+    if (params_.mode == spec_mode::automatic && judges_itself(batch())) {
         judge_speculation(state_);
     }
 }

@@ -76,6 +76,7 @@ class proposer {
                       bool recurrent_target);
     int verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
                       bool recurrent_target);
+    eval_batcher * batch() const { return batch_; }
     // d.draft(...), in the batch's drafter graph with the other generations' drafts when in a batch
     const draft_proposals & draft_block(draft_session & d, int32_t anchor, int start, int n_block) {
         return batch_ ? batch_->draft(d, anchor, start, n_block) : d.draft(anchor, start, n_block);
@@ -127,8 +128,15 @@ struct speculation_state {
 // next one longer each time it fails again
 void judge_speculation(speculation_state & state);
 // auto, before drafting: whether this round decodes plainly instead (a cool-down round, counted down; or a fresh
-// process's first round, which measures a plain step)
-bool sits_out_round(speculation_state & state);
+// process's first round, which measures a plain step). Beside other generations (`batch` shared), the batch's
+// cool-down instead of the generation's own: its generations stop drafting and resume together, so the batch's
+// plan weighs their candidates in one step. (One generation's verify beside plain ones rarely pays where
+// everyone's would: on the cost-realistic qwen3 pair a step of 2 rows costs what 1 row does, 5 rows twice that,
+// 8 rows 2.4 times. Judged each on its own, they were cut alone, cooled down out of step, and drafted together
+// in 1 step of 15 at N = 2.)
+bool sits_out_round(speculation_state & state, const eval_batcher * batch = nullptr);
+// after a drafted round, the generation's own judgement (judge_speculation) unless the batch planned it
+bool judges_itself(const eval_batcher * batch);
 // draft nodes below the root a round may verify: max_nodes less the root, within the widths the cost model covers
 // and the tree budget (0: none)
 int  tree_node_limit(int max_nodes, const cost_model & costs, int tree_budget);

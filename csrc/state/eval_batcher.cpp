@@ -7,6 +7,12 @@
 
 namespace pdf {
 
+// the batch's cool-down (judge): as a generation's own (decode/proposer.cpp), in steps
+static constexpr double   SLOWER_THAN_PLAIN = 0.02;
+static constexpr double   CLEARLY_FASTER    = 0.05;
+static constexpr uint64_t COOLDOWN_MIN      = 4;
+static constexpr uint64_t COOLDOWN_MAX      = 2048;
+
 namespace {
 thread_local double waited_here = 0.0;  // eval_batcher::waited_ms()
 }
@@ -40,6 +46,7 @@ double eval_batcher::eval(const session_batch::part & part) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (members_ <= 1 && waiting_.empty() && !running_) {
         counts_.alone++;
+        steps_++;
         lock.unlock();
         return eval_alone(part);
     }
@@ -62,6 +69,7 @@ double eval_batcher::eval(const session_batch::part & part) {
             const bool batched  = run(group, batch_ms);
             lock.lock();
             counts_.batches += batched;
+            steps_++;
             counts_.batched_parts += batched ? group.size() : 0;
             counts_.alone += batched ? 0 : group.size();
             counts_.batched_ms += batch_ms;
@@ -151,6 +159,9 @@ const draft_proposals & eval_batcher::draft(draft_session & d, int32_t anchor, i
             lock.unlock();
             const bool batched = run_drafts(group);
             lock.lock();
+            for (const draft_request * r : group) {
+                drafted_ms_ += r->share_ms;
+            }
             counts_.draft_batches += batched;
             counts_.batched_drafts += batched ? group.size() : 0;
             running_ = false;
@@ -239,13 +250,43 @@ void eval_batcher::plan_offers() {
     for (const offer * o : offers_) {
         gains.push_back(o->gains);
     }
-    const std::vector<int> widths = plan_step(gains, fixed, times_);
-    counts_.planned += widths.empty() ? 0 : 1;
+    const step_plan plan = plan_step(gains, fixed, times_);
+    counts_.planned += plan.widths.empty() ? 0 : 1;
     for (size_t i = 0; i < offers_.size(); ++i) {
-        offers_[i]->width = widths.empty() ? -1 : widths[i];
+        offers_[i]->width = plan.widths.empty() ? -1 : plan.widths[i];
         offers_[i]->done  = true;
     }
     offers_.clear();
+    if (!plan.widths.empty()) {
+        judge(plan);
+    }
+    drafted_ms_ = 0.0;
+}
+
+void eval_batcher::judge(const step_plan & plan) {
+    // the plan's expected rate with this step's drafting (sunk when it planned, not when deciding to draft)
+    // against plain decoding's: behind it, the batch's generations draft nothing for a cool-down that doubles
+    // each time (up to COOLDOWN_MAX steps), all of them from the same step on and back at the same step;
+    // clearly ahead, the next cool-down is the shortest again
+    const double spec  = plan.tokens / (plan.ms + drafted_ms_);
+    const double plain = plan.plain_tokens / plan.plain_ms;
+    if (spec < (1.0 - SLOWER_THAN_PLAIN) * plain) {
+        cool_until_ = steps_.load() + std::max(cool_len_, COOLDOWN_MIN);
+        cool_len_   = std::min(2 * std::max(cool_len_, COOLDOWN_MIN), COOLDOWN_MAX);
+        counts_.cooldowns++;
+    } else if (spec > (1.0 + CLEARLY_FASTER) * plain) {
+        cool_len_ = COOLDOWN_MIN;
+    }
+}
+
+bool eval_batcher::sits_out() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return steps_.load() < cool_until_;
+}
+
+bool eval_batcher::shared() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return members_ > 1;
 }
 
 bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) {

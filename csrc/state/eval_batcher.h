@@ -2,6 +2,10 @@
 // its own: pydflash serve --parallel N, Model.generate_batch) meet at each of their evaluations, and one
 // target evaluation (state/session_batch.h) runs all of them. A generation's rows come out as they would alone, so
 // each generation commits what it would alone. A generation that is alone evaluates alone (session::eval).
+// Within a step, before the evaluation: the generations that draft meet too, and one drafter graph
+// (state/draft_batch.h) drafts for all of them; then the ones running auto offer their candidate trees, and the
+// batch plans what each verifies (state/step_plan.h). A step waits only for what every member hands in: a
+// member that drafts nothing hands in its part (or its offer) directly.
 //
 //   eval_batcher batcher(model);              // one per model, shared by its sessions' generations
 //   { eval_batcher::member m(batcher);        // a generation, in its own thread
@@ -10,8 +14,10 @@
 
 #include "state/draft_batch.h"
 #include "state/session_batch.h"
+#include "state/step_plan.h"
 #include "state/step_times.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -68,8 +74,17 @@ class eval_batcher {
         uint64_t max_rows   = 0;    // the most rows one batched evaluation held
         uint64_t planned    = 0;    // steps whose offers the batch's plan cut
         uint64_t draft_batches = 0, batched_drafts = 0;  // drafter graphs over several members, their drafts
+        uint64_t cooldowns = 0;                            // the batch's cool-downs begun
     };
     counts stats() const;
+    // evaluations so far (batched or alone)
+    uint64_t steps() const { return steps_.load(); }
+    // whether other generations run beside the caller's (the batch then decides what its auto generations verify
+    // and when they draft)
+    bool     shared() const;
+    // whether the batch is in a cool-down: its auto generations draft nothing this step (a plan found drafting
+    // not paying: judge)
+    bool     sits_out() const;
 
   private:
     struct request {
@@ -99,6 +114,9 @@ class eval_batcher {
     std::vector<request *> take_step();
     // every waiting offer's width, for the step of the waiting parts and the offers (under the lock)
     void                   plan_offers();
+    // after a plan: a cool-down of the batch's drafting when the plan with this step's drafting runs behind plain
+    // decoding (under the lock)
+    void                   judge(const step_plan & plan);
     // the step's parts, evaluated (without the lock), batch_ms the batch's time; false: each alone
     bool run(const std::vector<request *> & group, double & batch_ms);
 
@@ -107,12 +125,16 @@ class eval_batcher {
     mutable std::mutex      mutex_;
     std::condition_variable done_;
     int                     members_ = 0;
-    bool                    running_ = false;  // a step is being evaluated
+    bool                    running_ = false;  // a step's evaluation or drafts are running
     std::vector<request *>  waiting_;          // the next step's parts so far
     std::vector<offer *>    offers_;           // the members waiting for the plan of the next step
     std::vector<draft_request *> drafts_;      // the members waiting for this step's drafts
     std::map<const dflash_draft *, std::unique_ptr<draft_batch>> draft_batches_;  // by drafter (a leader's)
     counts                  counts_;           // (under the lock)
+    std::atomic<uint64_t>   steps_{0};
+    double                  drafted_ms_ = 0.0;  // this step's drafting, so far (under the lock)
+    uint64_t                cool_until_ = 0;    // the batch drafts nothing before this step (under the lock)
+    uint64_t                cool_len_   = 0;    // the next cool-down's length (0: the shortest)
 };
 
 }  // namespace pdf

@@ -6,14 +6,17 @@
 
 namespace pdf {
 
-std::vector<int> plan_step(const std::vector<const std::vector<double> *> & offers, const fixed_parts & fixed,
-                           const step_times & times) {
+step_plan plan_step(const std::vector<const std::vector<double> *> & offers, const fixed_parts & fixed,
+                    const step_times & times) {
     const int n_offers = (int) offers.size();
     const int parts    = fixed.parts + n_offers;
     const int roots    = fixed.rows + n_offers;  // every offer's root (its plain step)
+    step_plan plan;
     if (times.estimate(parts, roots) <= 0) {
-        return {};
+        return plan;
     }
+    plan.plain_tokens = parts;  // every part's root
+    plan.plain_ms     = times.estimate(parts, roots);
     const int max_rows = std::max(2 * times.widest(parts), times.widest(parts) + 8);
     // every offer's next candidate, the most likely first
     std::priority_queue<std::pair<double, int>> next;
@@ -24,9 +27,11 @@ std::vector<int> plan_step(const std::vector<const std::vector<double> *> & offe
         }
     }
     std::vector<int> order;  // the offer each successive candidate belongs to
-    double           tokens    = parts;  // every part's root
-    double           best_rate = tokens / times.estimate(parts, roots);
+    double           tokens    = plan.plain_tokens;
+    double           best_rate = tokens / plan.plain_ms;
     int              best_x    = 0;
+    plan.tokens                = plan.plain_tokens;
+    plan.ms                    = plan.plain_ms;
     while (!next.empty() && roots + (int) order.size() < max_rows) {
         const auto [gain, i] = next.top();
         next.pop();
@@ -35,17 +40,19 @@ std::vector<int> plan_step(const std::vector<const std::vector<double> *> & offe
         if (++taken[i] < (int) offers[i]->size()) {
             next.push({(*offers[i])[taken[i]], i});
         }
-        const double rate = tokens / times.estimate(parts, roots + (int) order.size());
-        if (rate > best_rate) {
-            best_rate = rate;
-            best_x    = (int) order.size();
+        const double ms = times.estimate(parts, roots + (int) order.size());
+        if (tokens / ms > best_rate) {
+            best_rate   = tokens / ms;
+            best_x      = (int) order.size();
+            plan.tokens = tokens;
+            plan.ms     = ms;
         }
     }
-    std::vector<int> widths(n_offers, 0);
+    plan.widths.assign(n_offers, 0);
     for (int x = 0; x < best_x; ++x) {
-        widths[order[x]]++;
+        plan.widths[order[x]]++;
     }
-    return widths;
+    return plan;
 }
 
 }  // namespace pdf

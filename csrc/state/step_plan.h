@@ -22,11 +22,18 @@ struct fixed_parts {
     int rows  = 0;
 };
 
+// the plan: per offer, how many of its nodes below the root to verify (empty: no step of this many parts has
+// been measured yet; each generation then decides alone), with the step's expected committed tokens and
+// estimated ms, and the same for plain decoding (every offer cut to its root)
+struct step_plan {
+    std::vector<int> widths;
+    double           tokens = 0.0, ms = 0.0, plain_tokens = 0.0, plain_ms = 0.0;
+};
+
 // offers[i][b]: P(the accepted path of generation i reaches node b+1 of its tree), in the tree's order (every
-// prefix a tree); times: steps of decoding parts only. Returns, per offer, how many of its nodes below the root to verify; empty when no step of this
-// many parts has been measured yet (each generation then decides alone). Rows beyond what was measured are
-// explored at most up to twice the widest measured (and 8 more): a wrong guess costs one bounded step.
-std::vector<int> plan_step(const std::vector<const std::vector<double> *> & offers, const fixed_parts & fixed,
-                           const step_times & times);
+// prefix a tree); times: steps of decoding parts only. Rows beyond what was measured are explored at most up to
+// twice the widest measured (and 8 more): a wrong guess costs one bounded step.
+step_plan plan_step(const std::vector<const std::vector<double> *> & offers, const fixed_parts & fixed,
+                    const step_times & times);
 
 }  // namespace pdf
