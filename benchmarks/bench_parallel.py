@@ -19,6 +19,7 @@ best is its row "llama dflash").
 
     python benchmarks/bench_parallel.py                      # cost-realistic pairs, 1, 2, 4 and 8 streams
     python benchmarks/bench_parallel.py --pairs tiny --streams 1,2 --no-llama
+    python benchmarks/bench_parallel.py --engines plain,auto --llama-n-max 3 --rounds 2   # alternating, means
 """
 
 from __future__ import annotations
@@ -180,21 +181,33 @@ def print_row(n: int, label: str, r: dict, base: dict) -> None:
           f"{r['ttft']:8.1f} {r['p50']:7.1f} {r['p95']:7.1f} {tau:>5} {spec:>6}", flush=True)
 
 
+def run_round(pair: dict, engines: list, n: int, prompts: list[str], args, logs: Path) -> dict:
+    """one run of every engine at n streams, in turn: ours, then llama-server's plain and DFlash at each n_max"""
+    rows = {label: run_ours(pair, kw, batched, n, prompts, args) for label, kw, batched in engines}
+    if not args.no_llama:
+        rows["llama plain"] = run_llama(pair, 0, n, prompts, args, logs / f"llama-server-{n}-plain.log")
+        for n_max in [int(x) for x in args.llama_n_max.split(",")]:
+            rows[f"llama dflash {n_max}"] = run_llama(pair, n_max, n, prompts, args,
+                                                      logs / f"llama-server-{n}-dflash{n_max}.log")
+    return rows
+
+
+def mean_row(runs: list[dict]) -> dict:
+    return {key: statistics.mean(r[key] for r in runs) for key in runs[0]}
+
+
 def bench_pair(pair: dict, prompts: list[str], args, logs: Path) -> None:
     print(f"\n{pair['name']}")
     print(f"  {'N':>3} {'engine':<16} {'aggregate':>9} {'/ plain':>8} {'ttft ms':>8} {'itl p50':>7} {'p95':>7} "
           f"{'tau':>5} {'spec':>6}")
+    engines = [e for e in ENGINES if not args.engines or e[0] in args.engines.split(",")]
     for n in [int(x) for x in args.streams.split(",")]:
-        engines = [e for e in ENGINES if not args.engines or e[0] in args.engines.split(",")]
-        rows = {label: run_ours(pair, kw, batched, n, prompts, args) for label, kw, batched in engines}
+        # --rounds R: every engine R times, alternating (the machine's speed drifts), means reported
+        rounds = [run_round(pair, engines, n, prompts, args, logs) for _ in range(args.rounds)]
+        rows = {label: mean_row([r[label] for r in rounds]) for label in rounds[0]}
         if not args.no_llama:
-            rows["llama plain"] = run_llama(pair, 0, n, prompts, args, logs / f"llama-server-{n}-plain.log")
-            best = None
-            for n_max in [int(x) for x in args.llama_n_max.split(",")]:
-                r = run_llama(pair, n_max, n, prompts, args, logs / f"llama-server-{n}-dflash{n_max}.log")
-                rows[f"llama dflash {n_max}"] = r
-                best = r if best is None or r["aggregate"] > best["aggregate"] else best
-            rows["llama dflash"] = best
+            dflash = [label for label in rows if label.startswith("llama dflash ")]
+            rows["llama dflash"] = max((rows[label] for label in dflash), key=lambda r: r["aggregate"])
         for label, r in rows.items():
             print_row(n, label, r, rows[engines[0][0]])
         if not args.no_llama:
@@ -215,6 +228,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--llama-n-max", default="3,7", help="llama-server DFlash draft lengths tried")
     ap.add_argument("--no-llama", action="store_true", help="ours only")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every engine, alternating; means reported")
     ap.add_argument("--engines", default="", help="ours, by label (comma-separated; the first is the ratios' base); "
                     "default: all")
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
