@@ -93,6 +93,19 @@ class graph_cache {
     std::vector<ggml_tensor *> sources_;
 };
 
+// The kept entry (T with a graph_cache, keys and a last_use) built for `keys`, now last used at `use`; nullptr:
+// none is
+template <class T, class Keys>
+T * kept_graph(std::vector<std::unique_ptr<T>> & entries, const Keys & keys, uint64_t use) {
+    for (auto & e : entries) {
+        if (e->cache.ready() && e->keys == keys) {
+            e->last_use = use;
+            return e.get();
+        }
+    }
+    return nullptr;
+}
+
 // Where a newly built graph goes among a bounded set of kept ones (entries: T with a graph_cache and a last_use):
 // a new entry made by make() while there are fewer than max_entries, else the least recently used one
 template <class T, class Make>

@@ -79,12 +79,8 @@ draft_batch::compiled & draft_batch::graph_for(const std::vector<part> & parts,
     for (size_t i = 0; i < parts.size(); ++i) {
         keys.push_back({parts[i].d->id_, calls[i].n_rows, calls[i].n_block, calls[i].n_kv});
     }
-    ++uses_;
-    for (auto & g : graphs_) {
-        if (g->cache.ready() && g->keys == keys) {
-            g->last_use = uses_;
-            return *g;
-        }
+    if (compiled * kept = kept_graph(graphs_, keys, ++uses_)) {
+        return *kept;
     }
     compiled & g = entry_for_new_graph(graphs_, MAX_CACHED_GRAPHS, [&] { return std::make_unique<compiled>(arena_); });
     g.last_use   = uses_;
@@ -111,7 +107,8 @@ void draft_batch::build(compiled & g, const std::vector<part> & parts, const std
         std::vector<ggml_tensor *> each;
         for (int64_t i = 0; i < S; ++i) {
             ggml_tensor * anchor = ggml_view_1d(ctx, g.in.tokens, 1, (size_t) (i * B) * sizeof(int32_t));
-            each.push_back(build_dflash2_lattice(ctx, draft_->selector(), token_range(ctx, hidden, 1, i * (B - 1), B - 1),
+            ggml_tensor * rows   = token_range(ctx, hidden, 1, i * (B - 1), B - 1);
+            each.push_back(build_dflash2_lattice(ctx, draft_->selector(), rows,
                                                  token_range(ctx, head.top_ids, 1, i * (B - 1), B - 1), anchor));
         }
         lattice = join_tokens(ctx, each, 2);

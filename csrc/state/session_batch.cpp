@@ -105,12 +105,8 @@ void session_batch::hand_out(compiled & g, const std::vector<part> & parts, std:
 
 session_batch::compiled & session_batch::graph_for(const std::vector<part> & parts,
                                                    const std::vector<key_entry> & keys) {
-    ++uses_;
-    for (auto & g : graphs_) {
-        if (g->cache.ready() && g->keys == keys) {
-            g->last_use = uses_;
-            return *g;
-        }
+    if (compiled * kept = kept_graph(graphs_, keys, ++uses_)) {
+        return *kept;
     }
     compiled & g = entry_for_new_graph(graphs_, MAX_CACHED_GRAPHS, [&] { return std::make_unique<compiled>(arena_); });
     g.last_use   = uses_;
