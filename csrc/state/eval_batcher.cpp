@@ -47,6 +47,7 @@ double eval_batcher::eval(const session_batch::part & part) {
     if (members_ <= 1 && waiting_.empty() && !running_) {
         counts_.alone++;
         steps_++;
+        drafted_ms_ = 0.0;
         lock.unlock();
         return eval_alone(part);
     }
@@ -70,6 +71,7 @@ double eval_batcher::eval(const session_batch::part & part) {
             lock.lock();
             counts_.batches += batched;
             steps_++;
+            drafted_ms_ = 0.0;  // (a step whose drafts no plan judged: chain and tree modes)
             counts_.batched_parts += batched ? group.size() : 0;
             counts_.alone += batched ? 0 : group.size();
             counts_.batched_ms += batch_ms;
@@ -260,7 +262,6 @@ void eval_batcher::plan_offers() {
     if (!plan.widths.empty()) {
         judge(plan);
     }
-    drafted_ms_ = 0.0;
 }
 
 void eval_batcher::judge(const step_plan & plan) {

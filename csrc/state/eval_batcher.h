@@ -132,7 +132,7 @@ class eval_batcher {
     std::map<const dflash_draft *, std::unique_ptr<draft_batch>> draft_batches_;  // by drafter (a leader's)
     counts                  counts_;           // (under the lock)
     std::atomic<uint64_t>   steps_{0};
-    double                  drafted_ms_ = 0.0;  // this step's drafting, so far (under the lock)
+    double                  drafted_ms_ = 0.0;  // the coming step's drafting, so far (under the lock)
     uint64_t                cool_until_ = 0;    // the batch drafts nothing before this step (under the lock)
     uint64_t                cool_len_   = 0;    // the next cool-down's length (0: the shortest)
 };

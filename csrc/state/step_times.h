@@ -4,7 +4,8 @@
 //
 // A step's time depends on its rows R and its parts P (each part's attention is a set of graph nodes of its own),
 // and not smoothly on R: the CPU's quantized matmuls take rows four or eight at a time, so a step of 11 rows can
-// cost more than one of 12. Times are therefore kept for each (P, R) measured, a running average.
+// cost more than one of 12. Times are therefore kept for each (P, R) measured: the faster of its first two
+// steps (the first builds the graph), then a running average.
 //
 // Split: a step of P parts and R rows (R >= P: a plain step is one row, a verify its width) took T ms. Had every
 // part been one row, it would have taken base = T(P, P). Each part is charged base / P, and the time its rows
