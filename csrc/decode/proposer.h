@@ -132,10 +132,11 @@ void judge_speculation(speculation_state & state);
 // cool-down instead of the generation's own: its generations stop drafting and resume together, so the batch's
 // plan weighs their candidates in one step. (One generation's verify beside plain ones rarely pays where
 // everyone's would: on the cost-realistic qwen3 pair a step of 2 rows costs what 1 row does, 5 rows twice that,
-// 8 rows 2.4 times. Judged each on its own, they were cut alone, cooled down out of step, and drafted together
-// in 1 step of 15 at N = 2.)
+// 8 rows 2.4 times. Judged each on its own, they were cut alone and cooled down out of step: at N = 2 they
+// offered together in 1 plan of 30.)
 bool sits_out_round(speculation_state & state, const eval_batcher * batch = nullptr);
-// after a drafted round, the generation's own judgement (judge_speculation) unless the batch planned it
+// whether a generation judges its own drafting after a drafted round (judge_speculation): unless it runs beside
+// other generations, whose batch judges for all of them
 bool judges_itself(const eval_batcher * batch);
 // draft nodes below the root a round may verify: max_nodes less the root, within the widths the cost model covers
 // and the tree budget (0: none)
