@@ -144,6 +144,21 @@ def _assert_near_tie(model, job: dict, tokens: list[int], expected: list[int]) -
         assert draw_is_fragile(model, job["prompt"], tokens, at, job["sampling"]), f"output {at}: {job}"
 
 
+def _started_together(n: int, run) -> list:
+    """run(k) for k in 0..n-1, each in a thread of its own, all released at once (so they batch from the start)"""
+    barrier = threading.Barrier(n)
+
+    def released(k: int):
+        barrier.wait()
+        return run(k)
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(released, range(n)))
+
+
+ROUND_COUNTS = ("n_rounds", "draft_n", "draft_n_accepted")  # equal when the drafts are
+
+
 def test_sixteen_generations_in_threads_each_equal_alone(pair):
     """16 concurrent generations over 16 sessions, batched at every step, each commit what it commits alone (auto:
     up to near-ties, as its verifies are the batch's plan); chain and tree rounds draft, in the batch's drafter
@@ -152,14 +167,7 @@ def test_sixteen_generations_in_threads_each_equal_alone(pair):
     sessions = [pair.new_session() for _ in jobs]
     alone = [_generate(pair.new_session(), job) for job in jobs]
     batcher = _core.EvalBatcher(pair._model)
-    barrier = threading.Barrier(len(jobs))
-
-    def run(k: int) -> dict:
-        barrier.wait()
-        return _generate(sessions[k], jobs[k], batcher)
-
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        together = list(pool.map(run, range(len(jobs))))
+    together = _started_together(len(jobs), lambda k: _generate(sessions[k], jobs[k], batcher))
     for k, (a, t) in enumerate(zip(alone, together)):
         if jobs[k]["mode"] == "auto" and t["tokens"] != a["tokens"]:
             # auto verifies what the batch plans, not what it chose alone: other shapes, which may round a
@@ -168,8 +176,7 @@ def test_sixteen_generations_in_threads_each_equal_alone(pair):
             continue
         assert (t["tokens"], t["finish_reason"]) == (a["tokens"], a["finish_reason"]), f"job {k}: {jobs[k]}"
         if jobs[k]["mode"] in ("chain", "tree"):  # the same drafts (drafted in the batch's graphs): the same rounds
-            assert [t["timings"][key] for key in ("n_rounds", "draft_n", "draft_n_accepted")] == \
-                [a["timings"][key] for key in ("n_rounds", "draft_n", "draft_n_accepted")], f"job {k}"
+            assert [t["timings"][x] for x in ROUND_COUNTS] == [a["timings"][x] for x in ROUND_COUNTS], f"job {k}"
     stats = batcher.stats
     assert stats["batches"] > 0 and stats["batched_parts"] >= 2 * stats["batches"], stats
     assert sum(1 for t in together if t["timings"].get("n_rounds", 0) > 0) >= 4  # speculative rounds were batched
@@ -194,18 +201,10 @@ def test_drafts_drafted_together_are_each_sessions_own(arch, drafter):
         alone = [generate(m.new_session(), job) for job in jobs]
         sessions = [m.new_session() for _ in jobs]
         batcher = _core.EvalBatcher(m._model)
-        barrier = threading.Barrier(len(jobs))
-
-        def run(k: int) -> dict:
-            barrier.wait()
-            return generate(sessions[k], jobs[k], batcher)
-
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            together = list(pool.map(run, range(len(jobs))))
-        keys = ("n_rounds", "draft_n", "draft_n_accepted")
+        together = _started_together(len(jobs), lambda k: generate(sessions[k], jobs[k], batcher))
         for k, (a, t) in enumerate(zip(alone, together)):
             assert t["tokens"] == a["tokens"], f"job {k}"
-            assert [t["timings"][x] for x in keys] == [a["timings"][x] for x in keys], f"job {k}"
+            assert [t["timings"][x] for x in ROUND_COUNTS] == [a["timings"][x] for x in ROUND_COUNTS], f"job {k}"
         stats = batcher.stats
         assert stats["batched_drafts"] >= 2 * stats["draft_batches"] > 0, stats
 
@@ -219,15 +218,8 @@ def test_auto_generations_verify_what_the_batch_plans_and_commit_the_targets_tok
     plain = [pair.new_session()._session.generate(p, max_tokens=40, stop_tokens=stops) for p in prompts]
     sessions = [pair.new_session() for _ in prompts]
     batcher = _core.EvalBatcher(pair._model)
-    barrier = threading.Barrier(len(prompts))
-
-    def run(k: int) -> dict:
-        barrier.wait()
-        return sessions[k]._session.generate(prompts[k], max_tokens=40, stop_tokens=stops, draft=sessions[k]._draft,
-                                             spec_mode="auto", batcher=batcher)
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        together = list(pool.map(run, range(len(prompts))))
+    together = _started_together(len(prompts), lambda k: sessions[k]._session.generate(
+        prompts[k], max_tokens=40, stop_tokens=stops, draft=sessions[k]._draft, spec_mode="auto", batcher=batcher))
     for k, (a, t) in enumerate(zip(plain, together)):
         if t["tokens"] != a["tokens"]:  # only where a batched verify and a single token round a near-tie apart
             at = first_difference(t["tokens"], a["tokens"])

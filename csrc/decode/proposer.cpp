@@ -57,14 +57,10 @@ bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth,
 bool sits_out_round(speculation_state & state, const eval_batcher * batch) {
     // auto decodes plainly through a cool-down, and until it knows what a plain step costs (a fresh process: the
     // first round)
-    if (!state.costs.knows_plain_step()) {
-        state.cooldown = std::max(0, state.cooldown - 1);
-        return true;
+    if (batch && batch->shared() && state.costs.knows_plain_step()) {
+        return batch->sits_out();  // the batch's cool-down, not its own
     }
-    if (batch && batch->shared()) {
-        return batch->sits_out();
-    }
-    if (state.cooldown > 0) {
+    if (state.cooldown > 0 || !state.costs.knows_plain_step()) {
         state.cooldown = std::max(0, state.cooldown - 1);
         return true;
     }

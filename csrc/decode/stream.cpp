@@ -207,7 +207,7 @@ bool generation_stream::next_round(session_batch::part & out) {
     // which are not this drafter's cost: its own compute delays the batch's step, the waits do not
     const double waited = s_.compute()->waited_ms() + eval_batcher::waited_ms() - waited0;
     round.propose_ms    = std::max(0.0, ms_since(t0) - waited);
-    round.draft_ms   = p_.drafted() ? round.propose_ms : 0.0;
+    round.draft_ms      = p_.drafted() ? round.propose_ms : 0.0;
     r_.timings.draft_ms += round.draft_ms;
     const int n = round.tree.size();
     p_.before_eval(start_, n);

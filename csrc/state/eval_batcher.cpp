@@ -44,7 +44,7 @@ static double eval_alone(const session_batch::part & p) {
 
 double eval_batcher::eval(const session_batch::part & part) {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (members_ <= 1 && waiting_.empty() && !running_) {
+    if (alone()) {
         counts_.alone++;
         steps_++;
         drafted_ms_ = 0.0;
@@ -122,7 +122,7 @@ std::vector<eval_batcher::request *> eval_batcher::take_step() {
 
 int eval_batcher::plan(const std::vector<double> & gains) {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (members_ <= 1 && waiting_.empty() && offers_.empty() && drafts_.empty() && !running_) {
+    if (alone()) {
         return -1;
     }
     offer me;
@@ -145,7 +145,7 @@ int eval_batcher::plan(const std::vector<double> & gains) {
 const draft_proposals & eval_batcher::draft(draft_session & d, int32_t anchor, int start, int n_block) {
     const auto                   t0 = clock_type::now();
     std::unique_lock<std::mutex> lock(mutex_);
-    if (members_ <= 1 && waiting_.empty() && offers_.empty() && drafts_.empty() && !running_) {
+    if (alone()) {
         lock.unlock();
         return d.draft(anchor, start, n_block);
     }
@@ -283,6 +283,10 @@ void eval_batcher::judge(const step_plan & plan) {
 bool eval_batcher::sits_out() const {
     const std::lock_guard<std::mutex> lock(mutex_);
     return steps_.load() < cool_until_;
+}
+
+bool eval_batcher::alone() const {
+    return members_ <= 1 && waiting_.empty() && offers_.empty() && drafts_.empty() && !running_;
 }
 
 bool eval_batcher::shared() const {

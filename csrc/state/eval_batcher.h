@@ -108,6 +108,9 @@ class eval_batcher {
     bool                   run_drafts(const std::vector<draft_request *> & group);
     bool                   draft_together(const std::vector<draft_request *> & requests);  // false: not drafted
     static void            draft_alone(draft_request & r);
+    // the caller is the only member and nothing of another's is pending: it evaluates, drafts and decides alone
+    // (under the lock)
+    bool                   alone() const;
     // which of the waiting parts the next step evaluates (the rest wait for the one after)
     std::vector<bool>      next_step() const;
     // the parts of the waiting ones that this step evaluates (taken out of waiting_)
