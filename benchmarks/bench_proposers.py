@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Proposers against each other and against llama.cpp's: plain decoding, a DFlash drafter (auto), n-gram lookup
-(no drafter; chain and auto), both merged in one tree (auto) and the target's own MTP head (chain and auto), on the
-same GGUFs, machine and prompts.
+(no drafter; chain and auto), both merged in one tree (auto), the target's own MTP head (chain, tree and auto), and
+auto over the head with the others ("all auto": the drafter, the lookup and the head merged in one tree, each round
+drafting with the models whose rounds pay; its notes give the share of rounds each drafted in), on the same GGUFs,
+machine and prompts.
 
 Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix,
 with the committed q8_0 drafter), with --pairs mtp the committed qwen35 and qwen35moe targets with their trained MTP heads
@@ -41,7 +43,10 @@ OURS = [("plain", None),
 OURS_MTP = [("mtp chain", dict(draft_model_path=None, proposers=("mtp",), spec_mode="chain")),
             ("mtp chain 8", dict(draft_model_path=None, proposers=("mtp",), spec_mode="chain", block_size=8)),
             ("mtp tree", dict(draft_model_path=None, proposers=("mtp",), spec_mode="tree")),
-            ("mtp auto", dict(draft_model_path=None, proposers=("mtp",), spec_mode="auto"))]
+            ("mtp auto", dict(draft_model_path=None, proposers=("mtp",), spec_mode="auto")),
+            ("mtp+ngram auto", dict(draft_model_path=None, proposers=("ngram", "mtp"), spec_mode="auto")),
+            ("dflash+mtp auto", dict(proposers=("dflash", "mtp"), spec_mode="auto")),
+            ("all auto", dict(proposers=("dflash", "ngram", "mtp"), spec_mode="auto"))]
 LLAMA_MTP = (2, 3, 5, 7)
 LLAMA_NGRAM = [("ngram-simple 12/48", "ngram-simple", ()),
                ("ngram-simple 3/7", "ngram-simple", ("--spec-ngram-simple-size-n", "3",

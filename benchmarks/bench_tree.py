@@ -106,6 +106,9 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
                 acc.setdefault("auto", {})
                 for k in ("auto_skipped", "auto_plain", "auto_chain", "auto_tree"):
                     acc["auto"][k] = acc["auto"].get(k, 0) + t[k]
+            for name, by in t.get("by_proposer", {}).items():  # merged proposers: the rounds each drafted in
+                acc.setdefault("ran", {})
+                acc["ran"][name] = acc["ran"].get(name, 0) + by["ran"]
     rows = {}
     plain_out = totals[engines[0][0]]["outputs"]
     for label, acc in totals.items():
@@ -116,6 +119,8 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
         row["same_as_plain"] = sum(a == b for a, b in zip(acc["outputs"], plain_out))
         if "auto" in acc:
             row["auto"] = acc["auto"]
+        if "ran" in acc:
+            row["ran"] = acc["ran"]
         rows[label] = row
     for m in models.values():
         m.close()
@@ -167,6 +172,9 @@ def print_pair(name: str, rows: dict, best_of: str = "llama.cpp dflash") -> None
             notes.append(f"same output {r['same_as_plain']}/{rows['plain']['same_as_plain']}")
         if "auto" in r:
             notes.append(" ".join(f"{k[5:]} {v}" for k, v in r["auto"].items()))
+        if "ran" in r:  # the share of its rounds each merged proposer drafted in
+            n = sum(r["auto"].values())
+            notes.append("drafted in " + ", ".join(f"{k} {v / n:.0%}" for k, v in r["ran"].items()))
         print(f"  {label:<{w}} {r['tok_s']:8.1f} {tau:>6} {vpt:>10} {r['tok_s'] / plain:8.2f} {vs_llama:>13}  "
               f"{'; '.join(notes)}")
 

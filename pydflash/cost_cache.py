@@ -22,11 +22,12 @@ CACHE_FILE = "verify_costs.json"
 
 
 def cache_key(model_path: str, draft_path: str | None, n_threads: int, placement: str, mtp: bool = False) -> str | None:
-    """The key of a target and drafter (or, mtp, the target's own MTP head) on this machine with these threads and
-    placement (ubatch.cache_key; None: neither)."""
+    """The key of a target and drafter and / or (mtp) the target's own MTP head on this machine with these threads
+    and placement (ubatch.cache_key; None: neither). The head drafting with a drafter is a key of its own: auto's
+    cool-down there follows what the two reach together."""
     if draft_path is None and not mtp:
         return None
-    return ubatch.cache_key(model_path, draft_path, n_threads, placement, ()) + ("|mtp" if draft_path is None else "")
+    return ubatch.cache_key(model_path, draft_path, n_threads, placement, ()) + ("|mtp" if mtp else "")
 
 
 def _widths(chain: dict, tree: dict) -> frozenset:

@@ -47,9 +47,10 @@ PROPOSERS = ("dflash", "ngram", "mtp")
 
 
 def proposers_arg(proposers, draft_model_path) -> tuple[str, ...] | None:
-    """What drafts each round: `proposers` checked: ("dflash",), ("ngram",), both (their candidates merged into one
-    tree; auto mode) or ("mtp",) (the target's own MTP head). None: the DFlash drafter when draft_model_path is
-    given, else None (the engine's default: the MTP head where the target file has one, else plain decoding)."""
+    """What drafts each round: `proposers` checked: ("dflash",), ("ngram",), ("mtp",) (the target's own MTP head),
+    or two or all three of them (their candidates merged into one tree; auto mode). None: the DFlash drafter when
+    draft_model_path is given, else None (the engine's default: the MTP head where the target file has one, else
+    plain decoding)."""
     if proposers is None:
         return ("dflash",) if draft_model_path is not None else None
     if isinstance(proposers, str) or not isinstance(proposers, (list, tuple)):
@@ -58,12 +59,11 @@ def proposers_arg(proposers, draft_model_path) -> tuple[str, ...] | None:
     for name in proposers:
         choice_arg("proposers entry", name, PROPOSERS)
     chosen = tuple(p for p in PROPOSERS if p in proposers)
-    if "mtp" in chosen and len(chosen) > 1:
-        raise ValueError(f"proposers={chosen!r}: the MTP head drafts alone, not with a drafter or n-gram lookup")
     if "dflash" in chosen and draft_model_path is None:
         raise ValueError(f"proposers={chosen!r} needs a DFlash drafter: draft_model_path")
-    if chosen in (("ngram",), ("mtp",)) and draft_model_path is not None:
-        how = "by n-gram lookup" if chosen == ("ngram",) else "with the model's own MTP head"
+    if chosen and "dflash" not in chosen and draft_model_path is not None:
+        how = {("ngram",): "by n-gram lookup", ("mtp",): "with the model's own MTP head"}.get(
+            chosen, "with the model's own MTP head and n-gram lookup")
         raise ValueError(f"proposers={chosen!r} drafts {how}, without the drafter {draft_model_path}: give one or "
                          f"the other")
     return chosen
@@ -415,7 +415,8 @@ def _plan_of(core_model, core_draft, paths, args: dict, budget: dict, sweep: boo
     compute_bytes = {"cpu": 0 if on_gpu else compute, "gpu": compute if on_gpu else 0}
     config = dict(args, model_path=paths[0], draft_model_path=paths[1], n_ubatch=cfg.session["n_ubatch"],
                   n_rollback=cfg.session["n_rollback"], tree_budget=cfg.tree_budget, block_size=cfg.block,
-                  n_layer=core_model.n_layer, proposers=("mtp",) if mtp else args["proposers"] or ())
+                  n_layer=core_model.n_layer,
+                  proposers=args["proposers"] or (("mtp",) if mtp and args["proposers"] is None else ()))
     cpu_experts, gpu_experts = core_model.expert_memory
     return MemoryPlan(config=config,
                       bytes=by_category(core_model, session, core_draft, draft_session, compute_bytes, mtp),

@@ -259,7 +259,12 @@ def test_model_sessions_in_threads_batch_through_the_models_batcher(pair):
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda k: sessions[k].generate(PROMPTS[k], max_tokens=24, seed=k,
                                                                 temperature=0.7 * (k % 2)).tokens, range(4)))
-    assert together == alone
+    for k, (t, a) in enumerate(zip(together, alone)):
+        # auto's choices follow the times each session measured (`pair` has learnt, the new sessions have not), and
+        # a verify of another shape rounds the logits otherwise: the runs part only at a near-tie
+        if t != a:
+            sampling = {"seed": k, "temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05} if k % 2 else None
+            _assert_near_tie(pair, {"prompt": pair.tokenize(PROMPTS[k]), "sampling": sampling}, t, a)
     assert pair._batcher.stats["batches"] > before
 
 

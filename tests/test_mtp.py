@@ -234,8 +234,6 @@ def test_model_speculates_with_its_head_by_default(checkpoint):
 
 def test_engine_arguments_are_checked(checkpoint):
     _, path = checkpoint
-    with pytest.raises(ValueError, match="MTP head drafts alone"):
-        pydflash.Model(path, proposers=("mtp", "ngram"))
     with pytest.raises(ValueError, match="an MTP chain drafts at most block_size - 1 = 3"):
         pydflash.Model(path, proposers=("mtp",), spec_mode="chain", block_size=4, tree_budget=5)
     with pytest.raises(ValueError, match=r"drafts with the model's own MTP head, without the drafter"):

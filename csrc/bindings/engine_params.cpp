@@ -21,7 +21,7 @@ static py::dict as_dict(const engine_params & p, const std::string & kv_type) {
     py::object mtp        = py::none();
     if (p.mtp) {
         py::dict g;
-        g["block_size"]  = p.block;
+        g["block_size"]  = p.mtp_block > 0 ? p.mtp_block : p.block;
         g["spec_mode"]   = spec_mode_name(p.mode);
         g["max_verify"]  = p.max_verify;
         g["tree_budget"] = p.tree_budget;

@@ -104,7 +104,8 @@ py::dict logprobs_dict(const std::vector<token_logprobs> & lps) {
     return d;
 }
 
-// proposer: what drafted ("dflash", "ngram", "dflash+ngram"; nullptr: plain decoding, no speculative counts)
+// proposer: what drafted ("dflash", "ngram", "mtp", or those merged: "dflash+ngram", "dflash+ngram+mtp", ...;
+// nullptr: plain decoding, no speculative counts)
 static py::dict timings_dict(const generate_timings & t, const char * proposer, const auto_stats * a) {
     const bool speculative = proposer != nullptr;
     py::dict   d;
@@ -131,14 +132,19 @@ static py::dict timings_dict(const generate_timings & t, const char * proposer, 
             d["auto_chain"]   = a->n_chain;
             d["auto_tree"]    = a->n_tree;
         }
-        if (a && std::string(proposer) == "dflash+ngram") {
+        if (a && std::string(proposer).find('+') != std::string::npos) {
             py::dict by;
-            for (int k : {0, 1}) {
+            for (int k : {0, 1, 2}) {  // (auto_stats' order)
+                const char * name = k == 0 ? "dflash" : k == 1 ? "ngram" : "mtp";
+                if (std::string(proposer).find(name) == std::string::npos) {
+                    continue;
+                }
                 py::dict one;
+                one["ran"]      = a->ran_by[k];
                 one["rounds"]   = a->rounds_by[k];
                 one["drafted"]  = a->drafted_by[k];
                 one["accepted"] = a->accepted_by[k];
-                by[k == 0 ? "dflash" : "ngram"] = one;
+                by[name]        = one;
             }
             d["by_proposer"] = by;
         }
@@ -219,9 +225,12 @@ static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, 
     }
     const spec_params * used      = spec ? &spec->params : lookup ? &lookup->params : head ? &head->params : nullptr;
     const bool          automatic = used && used->mode == spec_mode::automatic;
-    const char *        proposer  = spec && lookup ? "dflash+ngram" : spec ? "dflash" : lookup ? "ngram"
-                                                                                        : head ? "mtp" : nullptr;
-    d["timings"]                  = timings_dict(r.timings, proposer, automatic ? &stats : nullptr);
+    std::string         names;  // what drafted: "dflash", "ngram", "mtp", or those merged ("dflash+ngram+mtp")
+    for (const auto & [given, name] : {std::pair<bool, const char *>{spec.has_value(), "dflash"},
+                                       {lookup.has_value(), "ngram"}, {head.has_value(), "mtp"}}) {
+        names += given ? (names.empty() ? "" : "+") + std::string(name) : "";
+    }
+    d["timings"] = timings_dict(r.timings, names.empty() ? nullptr : names.c_str(), automatic ? &stats : nullptr);
     return d;
 }
 
@@ -233,7 +242,7 @@ void register_generate(py::module_ & m) {
             py::arg("tree_budget") = py::none(), py::arg("tree_seed") = py::none(), py::arg("sampling") = py::none(),
             py::arg("batcher") = nullptr,
             "Generation, greedy or sampled (sampling: a dict of llama-cpp-python's sampling parameters and seed), "
-            "speculative with a DraftSession, an NgramDrafter, an MtpDrafter (alone), or the first two "
+            "speculative with a DraftSession, an NgramDrafter, an MtpDrafter, or two or three of them "
             "together (spec_mode 'auto' only: one tree of their "
             "candidates, decode/union_proposer.h), each as it was created to speculate (spec_mode 'chain', 'tree' or "
             "'auto', tree_budget and tree_seed given here override it for this call); callback(list[int]) -> bool is "

@@ -26,7 +26,7 @@ std::vector<double> time_prefill_microbatches(session & s, proposer & p, const s
             s.truncate(0);
             p.before_eval(0, n);
             const auto t0 = clock_type::now();
-            s.eval(tokens.data(), n, whole, read_logits_last, p.capture(), p.ring());
+            s.eval(tokens.data(), n, whole, read_logits_last, p.capture(), p.rings());
             if (r > 0) {
                 best = std::min(best, ms_since(t0));
             }
@@ -81,7 +81,7 @@ generate_result generate(session & s, proposer & p, const std::vector<int32_t> &
             stream.evaluated(batcher->eval(part));
         } else {
             const auto t0 = clock_type::now();
-            s.eval(part.tokens, part.n, part.layout, part.what, part.capture, part.ring);
+            s.eval(part.tokens, part.n, part.layout, part.what, part.capture, part.rings);
             stream.evaluated(ms_since(t0));
         }
     }

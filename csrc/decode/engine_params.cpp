@@ -105,23 +105,30 @@ engine_params resolve_engine_params(const target_model & target, const dflash_dr
         // a micro-batch never holds more than the context (nor sizes the feature ring beyond it)
         p.n_ubatch = std::min(o.n_ubatch, o.n_ctx);
     }
-    if (draft && o.ngram && o.mode != spec_mode::automatic) {
-        throw std::invalid_argument("proposers=('dflash', 'ngram') merges both into one tree, which spec_mode='auto' "
-                                    "cuts each round: chain and tree modes take one proposer");
+    const bool head = o.mtp == mtp_use::on;
+    if ((draft != nullptr) + o.ngram + head > 1 && o.mode != spec_mode::automatic) {
+        std::string given;  // as pydflash names them
+        for (const auto & [on, name] : {std::pair<bool, const char *>{draft != nullptr, "'dflash'"},
+                                        {o.ngram, "'ngram'"}, {head, "'mtp'"}}) {
+            given += on ? (given.empty() ? "" : ", ") + std::string(name) : "";
+        }
+        throw std::invalid_argument(format("proposers=(%s) merges %s into one tree, which spec_mode='auto' cuts each "
+                                           "round: chain and tree modes take one proposer", given.c_str(),
+                                           draft && o.ngram && head ? "all three" : "both"));
     }
-    const bool others = draft || o.ngram;
-    if (o.mtp == mtp_use::on && others) {
-        throw std::invalid_argument("proposers=('mtp', ...): the MTP head drafts alone, not with a DFlash drafter or "
-                                    "n-gram lookup");
-    }
-    if (o.mtp == mtp_use::on && !target.has_mtp()) {
+    if (head && !target.has_mtp()) {
         throw unsupported_error(target.mtp_missing() + "; proposers=('mtp',) needs one");
     }
-    if (o.mtp != mtp_use::off && !others && target.has_mtp()) {
-        resolve_mtp(target, o, p);
-    } else if (draft) {
+    if (draft) {
         resolve_drafter(target, *draft, o, p);
-        p.ngram = o.ngram;  // its candidates merged into the drafter's tree, within the drafter's block and budget
+        // merged into the drafter's tree, within its budget: the lookup's candidates within its block; the head
+        // runs while its drafts are worth verifying, at most its own block deep (unless one is asked for)
+        p.ngram     = o.ngram;
+        p.mtp       = head;
+        p.mtp_block = head ? (o.block_size > 0 ? o.block_size : MTP_DEFAULT_TREE_BLOCK) : 0;
+    } else if (o.mtp != mtp_use::off && target.has_mtp() && (head || !o.ngram)) {
+        resolve_mtp(target, o, p);
+        p.ngram = o.ngram;  // merged into the head's tree, within its block and budget
     } else if (o.ngram) {
         resolve_ngram(target, o, p);
     } else if (o.block_size > 0 || o.tree_budget > 0) {

@@ -59,13 +59,14 @@ struct engine_params {
     int              n_ubatch   = 0;
     std::vector<int> ubatch_candidates;  // n_ubatch "auto": the sizes to time (else empty)
     int              n_rollback = DEFAULT_ROLLBACK;
-    // the proposers (speculative: either): DFlash's drafter and / or n-gram lookup (block, tree_budget, mode)
+    // the proposers (speculative: any): DFlash's drafter, n-gram lookup, the MTP head (block, tree_budget, mode)
     bool      speculative   = false;
     bool      drafter       = false;
     bool      ngram         = false;
     bool      mtp           = false;
     int       block         = 0;  // tokens per drafted block (the drafter's trained one unless asked)
     int       block_request = 0;  // what the draft session is asked for (0: the trained block)
+    int       mtp_block     = 0;  // the MTP head's block merged with a drafter (0: `block`, the head alone)
     int       tree_budget   = 0;  // draft nodes per verify (chain: block - 1)
     int       draft_window  = 0;
     int       ring_capacity = 0;  // feature ring rows: a prefill micro-batch or the widest verify
@@ -75,8 +76,8 @@ struct engine_params {
     spec_mode mode          = spec_mode::automatic;
 };
 
-// throws std::invalid_argument for a drafter's option given without a proposer, for n-gram lookup merged with a
-// drafter's candidates outside auto mode, or for the MTP head with another proposer or in tree mode;
+// throws std::invalid_argument for a drafter's option given without a proposer, or for several proposers (merged
+// into one tree each round) outside auto mode;
 // unsupported_error when the MTP head is asked for and the file has none
 engine_params resolve_engine_params(const target_model & target, const dflash_draft * draft,
                                     const engine_options & options);

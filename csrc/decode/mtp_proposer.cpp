@@ -58,37 +58,51 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
     } else if (params_.mode == spec_mode::tree) {
         build_draft_tree(head_.draft(anchor, start, h_row_, max_depth), anchor,
                          tree_node_limit(max_nodes, state_.costs, params_.tree_budget), max_depth, params_.seed, out);
-    } else {
-        choose_auto(anchor, start, max_depth, max_nodes, out);
+    } else if (candidates(anchor, start, max_depth, max_nodes, state_.costs, full_)) {
+        const int b = verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
+        out         = full_;
+        out.truncate(1 + b);
+        speculative_ = b > 0;
+        (b == 0 ? stats_.n_plain : out.is_chain() ? stats_.n_chain : stats_.n_tree)++;
     }
 }
 
-void mtp_proposer::choose_auto(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
+bool mtp_proposer::candidates(int32_t anchor, int start, int max_depth, int max_nodes, const cost_model & costs,
+                              draft_tree & out) {
     // the head runs while its newest greedy draft is worth verifying (a deeper one is accepted less often still,
     // and each step costs a run of the head); then its candidates at those positions make a tree, best first by
-    // learnt acceptance, that the cost model cuts
+    // learnt acceptance, that the caller cuts
+    out.reset(anchor);
+    max_depth = std::min({max_depth, head_.block() - 1, max_nodes - 1});
+    drafted_  = max_depth > 0;
+    if (!drafted_) {
+        return false;
+    }
     const draft_proposals * p = &head_.begin(anchor, start, h_row_);
     chain_.reset(anchor);
     for (int i = 0;; ++i) {
         chain_.add(p->id(i, 0), i, 0, p->logprob(i, 0));
-        const int b = choose_verify_budget(chain_, state_.costs, state_.acceptance, s_.is_recurrent());
+        const int b = choose_verify_budget(chain_, costs, state_.acceptance, s_.is_recurrent());
         if (b < i + 1 || i + 1 >= max_depth) {
             break;
         }
         p = &head_.next();
     }
     learnt_scores(*p, state_.acceptance, scores_);
-    build_draft_tree(*p, anchor, tree_node_limit(max_nodes, state_.costs, params_.tree_budget), p->n_positions,
-                     tree_seed::best_first, full_, &scores_);
-    const int b = verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
-    out         = full_;
-    out.truncate(1 + b);
-    speculative_ = b > 0;
-    (b == 0 ? stats_.n_plain : out.is_chain() ? stats_.n_chain : stats_.n_tree)++;
+    build_draft_tree(*p, anchor, tree_node_limit(max_nodes, costs, params_.tree_budget), p->n_positions,
+                     tree_seed::best_first, out, &scores_);
+    return true;
 }
 
-void mtp_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
-                                const std::vector<float> & accept_prob) {
+double mtp_proposer::p_accept(const draft_tree & t, int b) const {
+    return state_.acceptance.p_accept(t.depth[b], t.rank[b], std::exp((double) t.logp[b]));
+}
+
+void mtp_proposer::learn(int depth, int rank, float logp, double accepted) {
+    state_.acceptance.observe(depth, rank, std::exp((double) logp), accepted);
+}
+
+void mtp_proposer::follow(const session & s, const draft_tree & t, int start, const std::vector<int> & rows) {
     // the committed path's rows: its token at start + i with the target's state at the node before it
     const feature_ring & ring = head_.ring();
     if (head_.n_valid() == start) {  // a round that did not draft: the root's row too
@@ -98,13 +112,26 @@ void mtp_proposer::after_verify(const session & s, const draft_tree & t, int sta
         head_.queue(t.tokens[rows[i]], start + (int) i, ring.slot(start + s.eval_slot(rows[i - 1])));
     }
     h_row_ = ring.slot(start + s.eval_slot(rows.back()));
+}
+
+void mtp_proposer::after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
+                                const std::vector<float> & accept_prob) {
+    follow(s, t, start, rows);
     if (!drafted_) {
         return;
     }
     learn_from_verify(state_.acceptance, t, accept_prob);
+    judge_round();
+}
+
+void mtp_proposer::judge_round() {
     if (params_.mode == spec_mode::automatic && judges_itself(batch())) {
         judge_speculation(state_);
     }
+}
+
+int mtp_proposer::node_limit(int max_nodes) {
+    return tree_node_limit(std::min(max_nodes, head_.ring().capacity()), state_.costs, params_.tree_budget);
 }
 
 }  // namespace pdf

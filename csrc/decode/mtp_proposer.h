@@ -20,7 +20,7 @@ class mtp_proposer : public proposer {
     mtp_proposer(const session & s, mtp_session & head, speculation_state & state, const spec_params & params);
 
     const std::vector<int> & capture() const override { return head_.capture_layers(); }
-    feature_ring *           ring() override { return &head_.ring(); }
+    ring_set                 rings() override { return &head_.ring(); }
     int    before_prefill(int reusable) override;
     void   before_eval(int first, int n) override { head_.protect(first, n); }
     void   after_prefill_chunk(int first, int n) override;
@@ -34,8 +34,27 @@ class mtp_proposer : public proposer {
 
     const auto_stats & stats() const { return stats_; }
 
+    // The parts a proposer that merges other candidates with the head's (decode/union_proposer.h) runs:
+    // auto's candidate tree of this round (no cool-down: the caller judges), the head run while its newest
+    // greedy draft is worth verifying at `costs`, best first by learnt acceptance (false, and only the root: no
+    // room to draft)
+    bool   candidates(int32_t anchor, int start, int max_depth, int max_nodes, const cost_model & costs,
+                      draft_tree & out);
+    // P(accepted | parent accepted) of node b of a tree candidates() built, as learnt
+    double p_accept(const draft_tree & t, int b) const;
+    // after a verify: the committed path's rows become the head's context (whether it drafted or not)
+    void   follow(const session & s, const draft_tree & t, int start, const std::vector<int> & rows);
+    // after a verify: what the target made of one of the head's nodes (as dflash_proposer::learn)
+    void   learn(int depth, int rank, float logp, double accepted);
+    // auto, before drafting: whether this round decodes plainly (sits_out_round on the head's state)
+    bool   sits_out() { return sits_out_round(state_, batch()); }
+    speculation_state & state() { return state_; }
+    // after a round that drafted: a cool-down when speculation runs behind plain decoding (auto)
+    void   judge_round();
+    // tree nodes below the root a round may verify: the budget, within the session, ring and cost model
+    int    node_limit(int max_nodes);
+
   private:
-    void choose_auto(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
 
     const session &     s_;
     mtp_session &       head_;

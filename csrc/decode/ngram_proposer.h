@@ -19,7 +19,7 @@ class ngram_proposer : public proposer {
                    int block);
 
     const std::vector<int> & capture() const override { return none_; }
-    feature_ring *           ring() override { return nullptr; }
+    ring_set                 rings() override { return {}; }
     int    before_prefill(int reusable) override;
     void   before_eval(int, int) override {}
     void   after_prefill_chunk(int, int) override {}

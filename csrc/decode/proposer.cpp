@@ -39,16 +39,24 @@ void dflash_proposer::after_prefill_chunk(int first, int n) {
 bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
     drafted_ = false;
     out.reset(anchor);
-    max_depth = std::min({max_depth, d_.block() - 1, max_nodes - 1});
-    if (max_depth <= 0) {
+    if (std::min({max_depth, d_.block() - 1, max_nodes - 1}) <= 0) {
         return false;
     }
     if (sits_out_round(state_, batch())) {
         stats_.n_skipped++;
         return false;
     }
+    return candidates(anchor, start, max_depth, max_nodes, out);
+}
+
+bool dflash_proposer::candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
+    out.reset(anchor);
+    max_depth = std::min({max_depth, d_.block() - 1, max_nodes - 1});
+    drafted_  = max_depth > 0;
+    if (!drafted_) {
+        return false;
+    }
     const draft_proposals & p = draft_block(d_, anchor, start, max_depth + 1);
-    drafted_                  = true;
     learnt_scores(p, acceptance_, scores_);
     build_draft_tree(p, anchor, node_limit(max_nodes), max_depth, tree_seed::best_first, out, &scores_);
     return true;

@@ -17,6 +17,7 @@
 #include "state/eval_batcher.h"
 #include "state/session.h"
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -36,9 +37,9 @@ class proposer {
   public:
     virtual ~proposer() = default;
 
-    // the target layers to capture during evaluations and the ring they go to (none: empty / nullptr)
+    // the target layers to capture during evaluations and the rings they go to (none: empty), in order
     virtual const std::vector<int> & capture() const = 0;
-    virtual feature_ring *           ring()          = 0;
+    virtual ring_set                 rings()         = 0;
     // before prefill: the session will continue from its first `reusable` committed tokens; returns how many of
     // them this proposer can continue from (`reusable`, or 0), having cut its own state back to that
     virtual int before_prefill(int reusable) = 0;
@@ -89,7 +90,7 @@ class proposer {
 class plain_proposer : public proposer {
   public:
     const std::vector<int> & capture() const override { return none_; }
-    feature_ring *           ring() override { return nullptr; }
+    ring_set                 rings() override { return {}; }
     int    before_prefill(int reusable) override { return reusable; }
     void   before_eval(int, int) override {}
     void         after_prefill_chunk(int, int) override {}
@@ -114,14 +115,27 @@ struct spec_params {
     tree_seed seed        = tree_seed::best_first;
 };
 
+// What auto over merged proposers (decode/union_proposer.h) learns of which models to run: each model's drafting
+// time, and each set of them's rate relative to every model's, apart for rounds where n-gram lookup matched or not
+struct model_set_rates {
+    static constexpr int N_MODELS = 2;  // a DFlash drafter, the MTP head
+    std::array<double, N_MODELS>                       model_ms{};
+    std::array<int, N_MODELS>                          model_runs{};
+    std::array<std::array<double, 1 << N_MODELS>, 2>   relative{};
+    std::array<bool, 2>                                rated{};
+    int                                                rounds = 0;  // rounds that could draft
+};
+
 // What the decode loop learns about a drafter on this machine, kept across generations: the costs, how far the
-// drafter's probabilities can be trusted, and auto's cool-down (plain rounds before it drafts again)
+// drafter's probabilities can be trusted, and auto's cool-down (plain rounds before it drafts again); merged with
+// other proposers, which of them to run
 struct speculation_state {
     explicit speculation_state(int max_verify) : costs(max_verify) {}
     cost_model       costs;
     acceptance_model acceptance;
     int              cooldown = 0;  // rounds left to decode plainly before drafting again
     int              cool_len = 0;  // the next cool-down's length (0: the shortest)
+    model_set_rates  merged;
 };
 
 // auto, after a round that drafted: a cool-down of plain rounds when speculation runs behind plain decoding, the
@@ -153,11 +167,13 @@ struct auto_stats {
     int n_plain   = 0;  // rounds that drafted but verified nothing (the drafter was not sure enough)
     int n_chain   = 0;  // rounds that verified a chain
     int n_tree    = 0;  // rounds that verified a branching tree
-    // merged proposers (decode/union_proposer.h), by proposer (0: the drafter, 1: n-gram lookup; a node both
-    // proposed counts for both): verified rounds with a node of it, its nodes verified, its nodes accepted
-    int rounds_by[2]   = {0, 0};
-    int drafted_by[2]  = {0, 0};
-    int accepted_by[2] = {0, 0};
+    // merged proposers (decode/union_proposer.h), by proposer (0: the DFlash drafter, 1: n-gram lookup, 2: the
+    // MTP head; a node several proposed counts for each): rounds it drafted in (a model's run; the lookup's
+    // matches), verified rounds with a node of it, its nodes verified, its nodes accepted
+    int ran_by[3]      = {0, 0, 0};
+    int rounds_by[3]   = {0, 0, 0};
+    int drafted_by[3]  = {0, 0, 0};
+    int accepted_by[3] = {0, 0, 0};
 };
 
 class dflash_proposer : public proposer {
@@ -165,7 +181,7 @@ class dflash_proposer : public proposer {
     dflash_proposer(draft_session & d, speculation_state & state, const spec_params & params, bool recurrent_target);
 
     const std::vector<int> & capture() const override { return d_.model().capture_layers(); }
-    feature_ring *           ring() override { return &d_.ring(); }
+    ring_set                 rings() override { return &d_.ring(); }
     int    before_prefill(int reusable) override;
     void   before_eval(int first, int n) override { d_.protect(first, n); }
     void         after_prefill_chunk(int first, int n) override;
@@ -183,6 +199,11 @@ class dflash_proposer : public proposer {
     // auto's candidate tree of this round, best first by learnt acceptance, at most max_nodes nodes (false, and
     // only the root: a cool-down round, or no room to draft)
     bool   draft_candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
+    // the same without the cool-down (the caller judges): drafts unless there is no room to
+    bool   candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
+    // auto, before drafting: whether this round decodes plainly (sits_out_round on this drafter's state)
+    bool   sits_out() { return sits_out_round(state_, batch()); }
+    speculation_state & state() { return state_; }
     // P(accepted | parent accepted) of node b of a tree draft_candidates built, as learnt
     double p_accept(const draft_tree & t, int b) const;
     // after a verify: the accepted nodes' features become the drafter's context rows

@@ -1,7 +1,8 @@
 // Which proposer a generation runs (decode/proposer.h): DFlash's, in the mode its spec_params say, when a
 // drafter is given; n-grams' (decode/ngram_proposer.h) when a lookup index is; the target's MTP head's
-// (decode/mtp_proposer.h) when its session is; plain decoding otherwise. The bindings only say which of them a
-// call has.
+// (decode/mtp_proposer.h) when its session is; two or three of them merged into one tree each round when they are
+// given together (decode/union_proposer.h); plain decoding otherwise. The bindings only say which of them a call
+// has.
 #pragma once
 
 #include "decode/driver.h"
@@ -45,7 +46,7 @@ struct call_proposers {
     const mtp_speculation *   mtp    = nullptr;
 };
 
-// generate() with the proposer `with` calls for: one of them, or the drafter and n-gram lookup merged (auto);
+// generate() with the proposer `with` calls for: one of them, or two or three merged (auto: decode/union_proposer.h);
 // none: plain decoding. `stats`: what auto decided; batcher: as generate's
 generate_result generate_with(session & s, const call_proposers & with, const std::vector<int32_t> & prompt,
                               const generate_params & params, const token_callback & on_tokens, auto_stats & stats,

@@ -89,9 +89,9 @@ void count_round(const draft_tree & tree, const std::vector<int> & rows, const s
 generation_stream::generation_stream(session & s, proposer & p, const std::vector<int32_t> & prompt,
                                      const generate_params & params, const token_callback & on_tokens)
     : s_(s), p_(p), prompt_(prompt), params_(params), on_tokens_(on_tokens), round_(std::make_unique<round_state>()) {
-    if (p.ring() && (int) s.n_ubatch() > p.ring()->capacity()) {
+    if (!p.rings().empty() && (int) s.n_ubatch() > p.rings().capacity()) {
         throw std::invalid_argument(format("n_ubatch = %u exceeds the feature ring's %d rows", s.n_ubatch(),
-                                           p.ring()->capacity()));
+                                           p.rings().capacity()));
     }
     if (prompt.empty()) {
         throw std::invalid_argument("prompt is empty");
@@ -116,7 +116,7 @@ bool generation_stream::next(session_batch::part & out) {
         p_.before_eval(next_chunk_, chunk_n_);
         // committed whole: a hybrid target keeps no per-token states. The last row's logits stay on the device
         // unless read (the last micro-batch's: a sampled first token).
-        out = {&s_, prompt_.data() + next_chunk_, chunk_n_, {}, read_logits_last, p_.capture(), p_.ring()};
+        out = {&s_, prompt_.data() + next_chunk_, chunk_n_, {}, read_logits_last, p_.capture(), p_.rings()};
         out.layout.whole = true;
         return true;
     }
@@ -211,7 +211,7 @@ bool generation_stream::next_round(session_batch::part & out) {
     r_.timings.draft_ms += round.draft_ms;
     const int n = round.tree.size();
     p_.before_eval(start_, n);
-    out = {&s_, round.tree.tokens.data(), n, {}, read_logits_all, p_.capture(), p_.ring()};
+    out = {&s_, round.tree.tokens.data(), n, {}, read_logits_all, p_.capture(), p_.rings()};
     out.layout.parents = round.tree.is_chain() ? nullptr : round.tree.parents.data();
     return true;
 }

@@ -38,7 +38,7 @@ eval_batcher::member::~member() {
 
 static double eval_alone(const session_batch::part & p) {
     const auto t0 = clock_type::now();
-    p.s->eval(p.tokens, p.n, p.layout, p.what, p.capture, p.ring);
+    p.s->eval(p.tokens, p.n, p.layout, p.what, p.capture, p.rings);
     return ms_since(t0);
 }
 

@@ -2,6 +2,7 @@
 #include "core/error.h"
 #include "core/graph_cache.h"
 
+#include <algorithm>
 #include <atomic>
 
 namespace pdf {
@@ -72,6 +73,61 @@ void feature_ring::write(const float * feats, const int32_t * positions, int m) 
     for (int i = 0; i < m; ++i) {
         ggml_backend_tensor_set(rows_, feats + (size_t) i * row_width(), (size_t) slot(positions[i]) * row_bytes,
                                 row_bytes);
+    }
+}
+
+void ring_set::add(feature_ring * ring) {
+    if (ring) {
+        if (n_ == MAX_RINGS) {
+            throw std::logic_error("ring_set: more than two feature rings");
+        }
+        rings_[n_++] = ring;
+    }
+}
+
+int64_t ring_set::row_width() const {
+    int64_t w = 0;
+    for (int i = 0; i < n_; ++i) {
+        w += rings_[i]->row_width();
+    }
+    return w;
+}
+
+int ring_set::capacity() const {
+    int c = 0;
+    for (int i = 0; i < n_; ++i) {
+        c = i == 0 ? rings_[i]->capacity() : std::min(c, rings_[i]->capacity());
+    }
+    return c;
+}
+
+std::array<uint64_t, ring_set::MAX_RINGS> ring_set::ids() const {
+    std::array<uint64_t, MAX_RINGS> ids{};
+    for (int i = 0; i < n_; ++i) {
+        ids[i] = rings_[i]->id();
+    }
+    return ids;
+}
+
+ring_set::writes ring_set::add_writes(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ggml_tensor *> & captured,
+                                      int n_tokens) const {
+    writes w;
+    size_t first = 0;
+    for (int i = 0; i < n_; ++i) {
+        const size_t n = rings_[i]->n_capture();
+        if (first + n > captured.size()) {
+            throw std::logic_error(format("ring_set: %zu captured layers do not fill the rings' columns",
+                                          captured.size()));
+        }
+        w.rows[i] = rings_[i]->add_writes(ctx, gf, {captured.begin() + first, captured.begin() + first + n}, n_tokens);
+        first += n;
+    }
+    return w;
+}
+
+void ring_set::set_inputs(const writes & w, int n_past, int n) const {
+    for (int i = 0; i < n_; ++i) {
+        rings_[i]->set_inputs(w.rows[i], n_past, n);
     }
 }
 

@@ -9,6 +9,7 @@
 #include "core/backend.h"
 #include "state/state_buffers.h"
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -30,6 +31,7 @@ class feature_ring {
     uint64_t      id() const { return id_; }
     int           slot(int64_t position) const { return (int) (position % capacity_); }
     int64_t       row_width() const { return rows_->ne[0]; }
+    int           n_capture() const { return (int) (row_width() / n_embd_); }  // capture layers per row
     size_t        n_bytes() const;  // its buffer's, alignment included
     device_bytes  memory() const;
 
@@ -51,6 +53,49 @@ class feature_ring {
     int                   capacity_;
     int64_t               n_embd_;
     uint64_t              id_;
+};
+
+// The rings one target evaluation writes its captured layers into, side by side in the list of capture layers:
+// the first ring takes as many of them as its rows hold, the next the ones after those (a DFlash drafter's and the
+// target's MTP head's, when both draft). Empty: the captures are read back to the host instead.
+class ring_set {
+  public:
+    static constexpr int MAX_RINGS = 2;
+    ring_set() = default;
+    ring_set(feature_ring * ring) { add(ring); }  // (implicit: one ring or none)
+    ring_set(feature_ring * first, feature_ring * second) {
+        add(first);
+        add(second);
+    }
+
+    ring_set & operator+=(const ring_set & more) {  // more's rings after these
+        for (int i = 0; i < more.n_; ++i) {
+            add(more.rings_[i]);
+        }
+        return *this;
+    }
+
+    bool    empty() const { return n_ == 0; }
+    int64_t row_width() const;  // the rings' columns together
+    int     capacity() const;   // the smallest ring's rows
+    // the rings' ids (0: none), which name the graphs that write into them
+    std::array<uint64_t, MAX_RINGS> ids() const;
+
+    // the row inputs of each ring a graph writes (nullptr past the last)
+    struct writes {
+        std::array<ggml_tensor *, MAX_RINGS> rows{};
+        bool any() const { return rows[0] != nullptr; }
+    };
+    // feature_ring::add_writes of each ring, with its share of `captured`
+    writes add_writes(ggml_context * ctx, ggml_cgraph * gf, const std::vector<ggml_tensor *> & captured,
+                      int n_tokens) const;
+    // feature_ring::set_inputs of each ring
+    void   set_inputs(const writes & w, int n_past, int n) const;
+
+  private:
+    void add(feature_ring * ring);
+    std::array<feature_ring *, MAX_RINGS> rings_{};
+    int                                   n_ = 0;
 };
 
 }  // namespace pdf

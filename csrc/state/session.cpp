@@ -65,7 +65,7 @@ session::session(std::shared_ptr<const target_model> model, const session_params
 
 session::~session() = default;
 
-void session::prepare_graph(const graph_key & key, feature_ring * ring) {
+void session::prepare_graph(const graph_key & key, const ring_set & rings) {
     ++uses_;
     for (auto & g : graphs_) {
         if (g->cache.ready() && g->key == key) {
@@ -77,12 +77,12 @@ void session::prepare_graph(const graph_key & key, feature_ring * ring) {
     }
     cur_ = &entry_for_new_graph(graphs_, MAX_CACHED_GRAPHS, [&] { return std::make_unique<compiled_graph>(arena_); });
     cur_->last_use = uses_;
-    build_graph(*cur_, key, ring);
+    build_graph(*cur_, key, rings);
     cur_->cache.allocate(
         format("the compute graph for %d tokens over %d cache slots", key.n_tokens, key.n_kv).c_str());
 }
 
-void session::build_graph(compiled_graph & g, const graph_key & key, feature_ring * ring) {
+void session::build_graph(compiled_graph & g, const graph_key & key, const ring_set & rings) {
     ggml_context * ctx = g.cache.begin(model_->max_graph_nodes((int) key.tree_levels.size(), key.n_tokens));
     ggml_cgraph *  gf  = g.cache.graph();
     g.in               = new_inputs(ctx, key);
@@ -93,10 +93,10 @@ void session::build_graph(compiled_graph & g, const graph_key & key, feature_rin
     for (ggml_tensor * t : g.out.captured) {
         GGML_ASSERT(t != nullptr);
     }
-    // the captured features: written into the ring by the graph itself, else read back
-    g.ring_slots = nullptr;
-    if (ring && !g.out.captured.empty()) {
-        g.ring_slots = ring->add_writes(ctx, gf, g.out.captured, key.n_tokens);
+    // the captured features: written into the rings by the graph itself, else read back
+    g.ring_slots = {};
+    if (!rings.empty() && !g.out.captured.empty()) {
+        g.ring_slots = rings.add_writes(ctx, gf, g.out.captured, key.n_tokens);
     } else {
         for (ggml_tensor * t : g.out.captured) {
             ggml_set_output(t);
@@ -151,7 +151,7 @@ void session::add_head(ggml_context * ctx, ggml_cgraph * gf, compiled_graph & g,
 
 session::graph_key session::key_for(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
                                     const readout & what, const std::vector<int> & capture_layers,
-                                    const feature_ring * ring) const {
+                                    const ring_set & rings) const {
     graph_key key;
     key.n_tokens      = n_tokens;
     key.n_kv          = n_kv;
@@ -159,17 +159,20 @@ session::graph_key session::key_for(int n_tokens, int n_kv, const std::vector<in
     // a tree computes every row, reordered: the caller's last row need not be the last slot
     key.what.all_rows = what.all_rows || !tree_levels.empty();
     key.capture       = capture_layers;
-    key.ring_id       = capture_layers.empty() || !ring ? 0 : ring->id();
+    if (!capture_layers.empty()) {
+        key.ring_ids = rings.ids();
+    }
     key.tree_levels   = tree_levels;
     key.whole         = rs_ && tree_levels.empty() && whole;
     return key;
 }
 
 size_t session::measure_eval(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
-                             const readout & what, const std::vector<int> & capture_layers, feature_ring * ring) {
+                             const readout & what, const std::vector<int> & capture_layers,
+                             const ring_set & rings) {
     compiled_graph g(arena_);
-    build_graph(g, key_for(n_tokens, n_kv, tree_levels, whole, what, capture_layers, ring),
-                capture_layers.empty() ? nullptr : ring);
+    build_graph(g, key_for(n_tokens, n_kv, tree_levels, whole, what, capture_layers, rings),
+                capture_layers.empty() ? ring_set{} : rings);
     return g.cache.measure();
 }
 
@@ -189,25 +192,25 @@ void session::rollback_pending() {
 }
 
 void session::eval(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
-                   const std::vector<int> & capture_layers, feature_ring * ring) {
+                   const std::vector<int> & capture_layers, const ring_set & rings) {
     batch_order     order;
-    const graph_key key = stage(tokens, n, layout, what, capture_layers, ring, order);
-    prepare_graph(key, capture_layers.empty() ? nullptr : ring);
+    const graph_key key = stage(tokens, n, layout, what, capture_layers, rings, order);
+    prepare_graph(key, capture_layers.empty() ? ring_set{} : rings);
     const row_inputs where{cur_->in.tokens, cur_->in.positions, 0, n, &cur_->in.kv, &cur_->in.recurrent,
                            cur_->ring_slots};
-    std::vector<int32_t> tokens_by_slot = set_inputs(tokens, n, layout, order, ring, where);
+    std::vector<int32_t> tokens_by_slot = set_inputs(tokens, n, layout, order, rings, where);
     cur_->cache.compute("the target graph");
     result_tensors r{cur_->argmax, cur_->logits, cur_->top_ids, cur_->top_logprobs, {}, 0, cur_->argmax->ne[0], 0};
-    if (!cur_->ring_slots) {
+    if (!cur_->ring_slots.any()) {
         r.captured = cur_->out.captured;
     }
     take_results(std::move(tokens_by_slot), order.tree(), key.whole, n, what, std::move(r));
 }
 
 session::graph_key session::stage(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
-                                  const std::vector<int> & capture_layers, const feature_ring * ring,
+                                  const std::vector<int> & capture_layers, const ring_set & rings,
                                   batch_order & order) {
-    check_batch(tokens, n, layout, what, capture_layers, ring);
+    check_batch(tokens, n, layout, what, capture_layers, rings);
     order = order_batch(n, layout.parents, rs_ != nullptr);
     if (order.tree() && (uint32_t) n > rs_->n_rollback()) {
         throw std::invalid_argument(format("eval: a tree of %d nodes needs n_rollback >= %d (the session keeps the "
@@ -222,7 +225,7 @@ session::graph_key session::stage(const int32_t * tokens, int n, const batch_lay
     pending_parents_ = layout.parents != nullptr;
     n_outputs_       = 0;  // no results to read until it has run
     return key_for(n, (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP)), order.levels,
-                   layout.whole, what, capture_layers, ring);
+                   layout.whole, what, capture_layers, rings);
 }
 
 void session::take_results(std::vector<int32_t> tokens_by_slot, bool tree, bool whole, int n, const readout & what,
@@ -235,7 +238,7 @@ void session::take_results(std::vector<int32_t> tokens_by_slot, bool tree, bool 
 }
 
 void session::check_batch(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
-                          const std::vector<int> & capture_layers, const feature_ring * ring) const {
+                          const std::vector<int> & capture_layers, const ring_set & rings) const {
     const model_info & info = model_->info();
     if (n <= 0) {
         throw std::invalid_argument("eval: no tokens");
@@ -256,10 +259,11 @@ void session::check_batch(const int32_t * tokens, int n, const batch_layout & la
             throw std::out_of_range(format("eval: capture layer %d is outside [0, %d]", c, info.n_layer));
         }
     }
-    if (ring && (ring->row_width() != (int64_t) capture_layers.size() * info.n_embd || n > ring->capacity())) {
+    if (!rings.empty() && (rings.row_width() != (int64_t) capture_layers.size() * info.n_embd ||
+                           n > rings.capacity())) {
         throw std::invalid_argument(format("eval: %d tokens x %zu capture layers do not fit the feature ring "
-                                           "(%d rows of %lld floats)", n, capture_layers.size(), ring->capacity(),
-                                           (long long) ring->row_width()));
+                                           "(%d rows of %lld floats)", n, capture_layers.size(), rings.capacity(),
+                                           (long long) rings.row_width()));
     }
     if (what.top_k < 0 || what.top_k > info.n_vocab) {
         throw std::invalid_argument(format("eval: top_k = %d is outside [0, %lld]", what.top_k,
@@ -274,7 +278,8 @@ void session::check_batch(const int32_t * tokens, int n, const batch_layout & la
 }
 
 std::vector<int32_t> session::set_inputs(const int32_t * tokens, int n, const batch_layout & layout,
-                                         const batch_order & order, feature_ring * ring, const row_inputs & where) {
+                                         const batch_order & order, const ring_set & rings,
+                                         const row_inputs & where) {
     const int            n_pos = model_->info().n_pos_per_token;
     std::vector<int32_t> tokens_by_slot(n);
     std::vector<int32_t> pos_host((size_t) n * n_pos, 0);
@@ -297,8 +302,8 @@ std::vector<int32_t> session::set_inputs(const int32_t * tokens, int n, const ba
     if (rs_) {
         rs_->set_inputs(*where.recurrent, parent_slot_);
     }
-    if (where.ring_rows) {
-        ring->set_inputs(where.ring_rows, n_past_, n);
+    if (where.ring_rows.any()) {
+        rings.set_inputs(where.ring_rows, n_past_, n);
     }
     return tokens_by_slot;
 }

@@ -67,10 +67,10 @@ class session {
 
     // Evaluate n tokens into the cache slots after n_past (every token sees the committed past). capture_layers:
     // layer-input indices whose hidden states are kept: read back to the host ([n, n_embd] each, captured()) or,
-    // with a ring, written by the graph itself into ring rows ring->slot(n_past + eval_slot(i)) (the layers side
-    // by side in each row), never leaving the device.
+    // with rings, written by the graph itself into ring rows ring->slot(n_past + eval_slot(i)) (the layers side
+    // by side in each row; several rings take consecutive layers of the list), never leaving the device.
     void eval(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
-              const std::vector<int> & capture_layers = {}, feature_ring * ring = nullptr);
+              const std::vector<int> & capture_layers = {}, const ring_set & rings = {});
     // keep the first n tokens of the last eval as committed (a chain prefix)
     void commit(int n);
     // keep the batch rows `rows` of the last eval, in order, as the next committed tokens: a path from a
@@ -106,10 +106,10 @@ class session {
     // Compute buffer bytes an evaluation of n_tokens over a window of n_kv cache slots (a multiple of
     // KV_WINDOW_STEP, or n_ctx) would need (ggml's allocator over its graph, nothing allocated): a chain
     // (tree_levels empty; `whole`: committed whole) or a tree of those levels, reading `what`, capturing into
-    // `ring` as eval() would. For memory plans: the allocator packs each window's graph differently, so the
+    // `rings` as eval() would. For memory plans: the allocator packs each window's graph differently, so the
     // largest need is not always the widest window's.
     size_t measure_eval(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
-                        const readout & what, const std::vector<int> & capture_layers, feature_ring * ring);
+                        const readout & what, const std::vector<int> & capture_layers, const ring_set & rings);
     // the attended window grows in steps of this many cache slots (one graph per step)
     static constexpr int KV_WINDOW_STEP = 64;
     // the compute buffer its graphs share, as allocated so far
@@ -166,24 +166,24 @@ class session {
         int              n_kv     = 0;
         readout          what;
         std::vector<int> capture;
-        uint64_t         ring_id = 0;  // the feature ring written (0: none)
+        std::array<uint64_t, ring_set::MAX_RINGS> ring_ids{};  // the feature rings written (0: none)
         std::vector<int> tree_levels;
         bool             whole = false;  // hybrid chains: committed whole (no steps kept for a partial commit)
         bool operator==(const graph_key & o) const {
             return n_tokens == o.n_tokens && n_kv == o.n_kv && what.all_rows == o.what.all_rows &&
                    what.logits == o.what.logits && what.top_k == o.what.top_k && capture == o.capture &&
-                   ring_id == o.ring_id && tree_levels == o.tree_levels && whole == o.whole;
+                   ring_ids == o.ring_ids && tree_levels == o.tree_levels && whole == o.whole;
         }
     };
     struct compiled_graph;
     // what an evaluation of n_tokens over n_kv slots computes (tree_levels: nodes per depth of a recurrent tree,
     // else empty; whole: a chain committed whole), which names its graph
     graph_key key_for(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole, const readout & what,
-                      const std::vector<int> & capture_layers, const feature_ring * ring) const;
-    // makes cur_ the graph for `key` (writing captures into `ring`), building it if no cached one has it
-    void prepare_graph(const graph_key & key, feature_ring * ring);
+                      const std::vector<int> & capture_layers, const ring_set & rings) const;
+    // makes cur_ the graph for `key` (writing captures into `rings`), building it if no cached one has it
+    void prepare_graph(const graph_key & key, const ring_set & rings);
     // builds the graph for `key` into g
-    void build_graph(compiled_graph & g, const graph_key & key, feature_ring * ring);
+    void build_graph(compiled_graph & g, const graph_key & key, const ring_set & rings);
     // the graph inputs for `key`: the batch's (tokens, positions), the KV cache's and the recurrent state's
     eval_inputs new_inputs(ggml_context * ctx, const graph_key & key) const;
     // the KV cache's and the recurrent state's inputs for `key`, and the tensors of both (state_tensors)
@@ -201,7 +201,7 @@ class session {
         int                      n_total   = 0;
         const kv_inputs *        kv        = nullptr;
         const recurrent_inputs * recurrent = nullptr;
-        ggml_tensor *            ring_rows = nullptr;  // the feature-ring rows written (none: nullptr)
+        ring_set::writes         ring_rows;  // the feature-ring rows written (none: nullptr)
     };
     // Where the results of the last eval are: the head outputs of its graph (a batch's: this session's n_rows
     // rows from first_row on; tokens from first_token on in the captured layers, read back unless a ring took
@@ -220,11 +220,11 @@ class session {
     // eval rolled back and its results forgotten (returns the key of the graph); the inputs of its rows (returns
     // the tokens by slot); after the compute, its rows pending and its results read back
     graph_key stage(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
-                    const std::vector<int> & capture_layers, const feature_ring * ring, batch_order & order);
+                    const std::vector<int> & capture_layers, const ring_set & rings, batch_order & order);
     void check_batch(const int32_t * tokens, int n, const batch_layout & layout, const readout & what,
-                     const std::vector<int> & capture_layers, const feature_ring * ring) const;
+                     const std::vector<int> & capture_layers, const ring_set & rings) const;
     std::vector<int32_t> set_inputs(const int32_t * tokens, int n, const batch_layout & layout,
-                                    const batch_order & order, feature_ring * ring, const row_inputs & where);
+                                    const batch_order & order, const ring_set & rings, const row_inputs & where);
     void take_results(std::vector<int32_t> tokens_by_slot, bool tree, bool whole, int n, const readout & what,
                       result_tensors results);
     void read_outputs(int n, const readout & what);
@@ -261,7 +261,7 @@ class session {
         ggml_tensor * logits       = nullptr;  // F32 [V, n_outputs]
         ggml_tensor * top_ids      = nullptr;  // I32 [k, n_outputs]
         ggml_tensor * top_logprobs = nullptr;  // F32 [k, n_outputs]
-        ggml_tensor * ring_slots   = nullptr;  // I64 [n_tokens]: feature-ring rows written (with a ring)
+        ring_set::writes ring_slots;           // I64 [n_tokens] each: feature-ring rows written (with rings)
         uint64_t      last_use     = 0;
     };
     std::vector<std::unique_ptr<compiled_graph>> graphs_;

@@ -23,7 +23,7 @@ struct session_batch::compiled {
     std::vector<int>       first_row;       // by part: its first row in output_rows (and the head's outputs)
     std::vector<int>       n_rows;          // by part: its rows there
     std::vector<std::vector<ggml_tensor *>> captured;   // by part: its capture layers, every token of the batch
-    std::vector<ggml_tensor *>              ring_rows;  // by part: the feature-ring rows it writes (or nullptr)
+    std::vector<ring_set::writes>           ring_rows;  // by part: the feature-ring rows it writes (or none)
     uint64_t                                last_use = 0;
 };
 
@@ -62,7 +62,7 @@ void session_batch::eval(const std::vector<part> & parts) {
     std::vector<key_entry>   keys;
     for (size_t i = 0; i < parts.size(); ++i) {
         const part & p = parts[i];
-        keys.push_back({p.s->id_, p.s->stage(p.tokens, p.n, p.layout, p.what, p.capture, p.ring, orders[i])});
+        keys.push_back({p.s->id_, p.s->stage(p.tokens, p.n, p.layout, p.what, p.capture, p.rings, orders[i])});
     }
     compiled & g = graph_for(parts, keys);
     g.cache.allocate(format("the compute graph of a batch of %zu sessions, %d tokens", parts.size(),
@@ -73,7 +73,7 @@ void session_batch::eval(const std::vector<part> & parts) {
         const sequence_inputs & q = g.in.sequences[i];
         const session::row_inputs where{g.in.tokens, g.in.positions,  q.first,       g.in.n_tokens,
                                         &q.kv,       &q.recurrent,    g.ring_rows[i]};
-        tokens_by_slot[i] = p.s->set_inputs(p.tokens, p.n, p.layout, orders[i], p.ring, where);
+        tokens_by_slot[i] = p.s->set_inputs(p.tokens, p.n, p.layout, orders[i], p.rings, where);
     }
     set_graph_input(g.in.output_rows, g.output_rows.data(), 0, sizeof(int32_t) * g.output_rows.size());
     {
@@ -92,7 +92,7 @@ void session_batch::hand_out(compiled & g, const std::vector<part> & parts, std:
         r.logits       = p.what.logits ? g.head.logits : nullptr;
         r.top_ids      = p.what.top_k > 0 ? g.head.top_ids : nullptr;
         r.top_logprobs = p.what.top_k > 0 ? g.head.top_logprobs : nullptr;
-        if (!g.ring_rows[i]) {
+        if (!g.ring_rows[i].any()) {
             r.captured = g.captured[i];
         }
         r.first_row   = g.first_row[i];
@@ -183,7 +183,7 @@ void session_batch::add_parts(ggml_context * ctx, compiled & g, const std::vecto
 void session_batch::add_captures(ggml_context * ctx, ggml_cgraph * gf, compiled & g, const std::vector<part> & parts) {
     const std::vector<int> & capture = g.in.capture_layers;  // (sorted)
     g.captured.assign(parts.size(), {});
-    g.ring_rows.assign(parts.size(), nullptr);
+    g.ring_rows.assign(parts.size(), {});
     for (size_t i = 0; i < parts.size(); ++i) {
         const session::graph_key & key = g.keys[i].key;
         for (int c : key.capture) {
@@ -193,12 +193,12 @@ void session_batch::add_captures(ggml_context * ctx, ggml_cgraph * gf, compiled 
         if (key.capture.empty()) {
             continue;
         }
-        if (key.ring_id != 0) {
+        if (key.ring_ids[0] != 0) {
             std::vector<ggml_tensor *> mine;
             for (ggml_tensor * t : g.captured[i]) {
                 mine.push_back(token_range(ctx, t, 1, g.in.sequences[i].first, key.n_tokens));
             }
-            g.ring_rows[i] = parts[i].ring->add_writes(ctx, gf, mine, key.n_tokens);
+            g.ring_rows[i] = parts[i].rings.add_writes(ctx, gf, mine, key.n_tokens);
         } else {
             for (ggml_tensor * t : g.captured[i]) {
                 ggml_set_output(t);

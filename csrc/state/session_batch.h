@@ -32,8 +32,8 @@ class session_batch {
         int              n      = 0;
         batch_layout     layout;
         readout          what;
-        std::vector<int> capture;  // layer-input indices kept (into `ring`, else read back)
-        feature_ring *   ring = nullptr;
+        std::vector<int> capture;  // layer-input indices kept (into `rings`, else read back)
+        ring_set         rings;
     };
     // evaluates every part in one graph. The sessions are distinct, over this batch's model; parts that read
     // top-k read the same k. Each session's results are readable until this batch evaluates again. A typed error

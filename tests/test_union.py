@@ -1,0 +1,131 @@
+"""auto over several proposers at once (decode/union_proposer.h): a DFlash drafter's candidates, the target's MTP
+head's and n-gram lookup's merged into one tree each round. Output equal to plain decoding's (greedy and same-seed
+sampling) for every mix on qwen35 and qwen35moe; the models a round runs are the ones whose drafts pay (a drafter or
+head whose drafts are never accepted runs in the probe rounds alone); the engine's arguments; the plan counts what
+the load allocates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pydflash
+from export_pairs import pair_file, prompt_rows
+from gguf_edit import rewrite
+from pydflash.convert.inflate import inflate_gguf
+from pydflash.errors import UnsupportedModelError
+
+# the committed targets with their trained MTP heads, and the trained drafters of the same targets
+HEADS = {"qwen35": pair_file("qwen35", "target-mtp", "q8_0"), "qwen35moe": pair_file("qwen35moe", "target-mtp", "q8_0")}
+MIXES = [("dflash", "ngram", "mtp"), ("dflash", "mtp"), ("ngram", "mtp")]
+PROBE_EVERY = 8  # (decode/union_proposer.h: every model drafts in one round of this many)
+
+
+def _repeating_prompt() -> str:
+    text = prompt_rows("code")[1]["text"]
+    return text + text[:300]  # the continuation repeats what the prompt holds
+
+
+def _model(target, proposers, **kw):
+    draft = pair_file("qwen35moe" if "moe" in str(target) else "qwen35", "dflash", "q8_0")
+    return pydflash.Model(target, n_ctx=2048, proposers=proposers,
+                          draft_model_path=draft if "dflash" in proposers else None, **kw)
+
+
+@pytest.mark.parametrize("kind", sorted(HEADS))
+@pytest.mark.parametrize("proposers", MIXES, ids=["+".join(m) for m in MIXES])
+def test_merged_proposers_are_lossless(kind, proposers):
+    """Greedy and sampled output equal to plain decoding's; the timings name what drafted and count each
+    proposer's rounds, nodes and accepted nodes (a node several proposed counts for each)."""
+    prompts = [_repeating_prompt(), prompt_rows("code")[4]["text"]]
+    with pydflash.Model(HEADS[kind], n_ctx=2048, proposers=()) as plain:
+        greedy = [plain.generate(p, max_tokens=64).tokens for p in prompts]
+        sampled = [plain.generate(p, max_tokens=48, temperature=0.8, seed=7).tokens for p in prompts]
+    with _model(HEADS[kind], proposers) as m:
+        assert m.proposers == tuple(p for p in ("dflash", "ngram", "mtp") if p in proposers)
+        for p, g, s in zip(prompts, greedy, sampled):
+            c = m.generate(p, max_tokens=64)
+            assert c.tokens == g
+            assert m.generate(p, max_tokens=48, temperature=0.8, seed=7).tokens == s
+            t = c.timings
+            assert t["proposer"] == "+".join(m.proposers) and set(t["by_proposer"]) == set(proposers)
+            rounds = t["auto_skipped"] + t["auto_plain"] + t["auto_chain"] + t["auto_tree"]
+            for by in t["by_proposer"].values():
+                assert by["accepted"] <= by["drafted"] and by["rounds"] <= min(by["ran"], t["n_rounds"])
+                assert by["ran"] <= rounds
+            assert sum(by["drafted"] for by in t["by_proposer"].values()) >= t["draft_n"]
+            assert sum(by["accepted"] for by in t["by_proposer"].values()) >= t["draft_n_accepted"]
+
+
+def _scrambled(src, dst, tensor, seed=0):
+    """A copy of the GGUF `src` whose `tensor` (2-D) is random: a drafter or head whose drafts are not accepted."""
+    import gguf
+
+    shape = next(t.shape for t in gguf.GGUFReader(src).tensors if t.name == tensor)
+    noise = np.random.default_rng(seed).normal(0.0, 0.5, (int(shape[1]), int(shape[0])))
+    return rewrite(src, dst, drop_tensors=[tensor], add_tensors={tensor: noise})
+
+
+@pytest.fixture(scope="module")
+def costly_targets(tmp_path_factory):
+    """The committed qwen35 target with its trained head, and with its head scrambled, each inflated so that a
+    verify costs what drafting saves (speculation pays: ~1.3x plain decoding here)."""
+    d = tmp_path_factory.mktemp("union")
+    head = HEADS["qwen35"]
+    useless_head = _scrambled(head, d / "useless-head.gguf", "blk.4.nextn.eh_proj.weight")
+    return {name: inflate_gguf(src, d / f"{name}.gguf", "q4mix", n_ff=16384, extra_layers=12, progress=False)
+            for name, src in (("head", head), ("useless head", useless_head))}
+
+
+@pytest.mark.parametrize("useless", ["dflash", "mtp"])
+def test_the_models_that_run_are_those_whose_drafts_pay(costly_targets, tmp_path, useless):
+    """A drafter (or head) whose drafts are never accepted drafts in the probe rounds only, beside a trained head
+    (or drafter) that drafts in most rounds; together with the lookup, on held-out code prompts."""
+    draft = pair_file("qwen35", "dflash", "q8_0")
+    if useless == "dflash":
+        target = costly_targets["head"]
+        draft = _scrambled(draft, tmp_path / "useless-dflash.gguf", "fc.weight")
+    else:
+        target = costly_targets["useless head"]
+    ran, rounds = {"dflash": 0, "mtp": 0}, 0
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=2048, proposers=("dflash", "mtp")) as m:
+        for row in prompt_rows("code")[:3]:
+            t = m.generate(row["text"], max_tokens=64).timings
+            rounds += t["auto_skipped"] + t["auto_plain"] + t["auto_chain"] + t["auto_tree"]
+            for k in ran:
+                ran[k] += t["by_proposer"][k]["ran"]
+    useful = "mtp" if useless == "dflash" else "dflash"
+    print(f"{rounds} rounds, drafted in: {ran}")
+    assert ran[useless] <= rounds // PROBE_EVERY + 3  # (one probe per generation's first round too)
+    assert ran[useful] >= rounds // 2
+
+
+def test_engine_arguments_for_merged_proposers():
+    head, draft = HEADS["qwen35"], pair_file("qwen35", "dflash", "q8_0")
+    with pytest.raises(ValueError, match=r"proposers=\('dflash', 'mtp'\) merges both into one tree, which "
+                                         "spec_mode='auto' cuts"):
+        pydflash.Model(head, draft_model_path=draft, proposers=("dflash", "mtp"), spec_mode="chain")
+    with pytest.raises(ValueError, match=r"proposers=\('ngram', 'mtp'\) merges both"):
+        pydflash.Model(head, proposers=("ngram", "mtp"), spec_mode="tree")
+    with pytest.raises(ValueError, match=r"proposers=\('dflash', 'ngram', 'mtp'\) merges all three"):
+        pydflash.Model(head, draft_model_path=draft, proposers=("mtp", "ngram", "dflash"), spec_mode="tree")
+    with pytest.raises(ValueError, match=r"drafts with the model's own MTP head and n-gram lookup, without the drafter"):
+        pydflash.Model(head, draft_model_path=draft, proposers=("mtp", "ngram"))
+    with pytest.raises(UnsupportedModelError, match=r"qwen35-target-q8_0\.gguf.*no multi-token-prediction head"):
+        pydflash.Model(pair_file("qwen35", "target", "q8_0"), draft_model_path=draft, proposers=("dflash", "mtp"))
+
+
+def test_plan_counts_the_drafter_and_the_head():
+    """The drafter's and the head's caches and rings, planned as the load allocates them."""
+    head, draft = HEADS["qwen35"], pair_file("qwen35", "dflash", "q8_0")
+    kw = dict(draft_model_path=draft, n_ctx=512, proposers=("dflash", "ngram", "mtp"))
+    plan = pydflash.plan(head, **kw)
+    assert plan.config["proposers"] == ("dflash", "ngram", "mtp") and "mtp round" in plan.graphs
+    assert "draft round" in plan.graphs
+    with pydflash.Model(head, **kw) as m:
+        assert m.block_size == m._draft.block_size and m._mtp.block_size == 8
+        m.create_completion("def main():", max_tokens=12, temperature=0.0)
+        used = m.memory()
+    for category in ("draft", "ring"):
+        assert plan.bytes[category] == used[category] and used[category]["cpu"] > 0, category
+    assert plan.bytes["compute"]["cpu"] >= used["compute"]["cpu"]
