@@ -268,9 +268,10 @@ def _proposers_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposers", type=lambda text: tuple(x.strip() for x in text.split(",") if x.strip()),
                    default=None, metavar="NAMES",
                    help="what drafts each round: dflash (the default with --draft), ngram (prompt lookup: what "
-                        "followed earlier occurrences of the last tokens; no draft model needed), dflash,ngram "
-                        "(both in one tree; --spec-mode auto) or mtp (the model's own multi-token-prediction head, "
-                        "the default without --draft where the GGUF has one)")
+                        "followed earlier occurrences of the last tokens; no draft model needed), mtp (the model's "
+                        "own multi-token-prediction head, the default without --draft where the GGUF has one), or "
+                        "two or three of them, e.g. dflash,ngram,mtp (merged in one tree each round; --spec-mode "
+                        "auto, which also chooses which models run)")
 
 
 def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:

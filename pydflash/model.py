@@ -232,11 +232,12 @@ class Model:
     (llama.cpp's --tensor-split; None or all zero: in proportion to each device's free memory). proposers: what
     drafts each round, ("dflash",) (the default with a draft_model_path) or ("ngram",): n-gram (prompt lookup)
     drafting, with no drafter file, which proposes what followed earlier occurrences of the context's last tokens
-    (block_size 8 unless given; spec_mode and tree_budget as for a drafter), or ("dflash", "ngram"): both, their
-    candidates merged into one tree that spec_mode="auto" cuts each round, or ("mtp",): the target's own
+    (block_size 8 unless given; spec_mode and tree_budget as for a drafter), or ("mtp",): the target's own
     multi-token-prediction head (Qwen3.5's nextn block, kept by llama.cpp's converter), block_size - 1 drafts a
     round (block 4 for a chain, 8 for trees and auto, unless given): a chain, a tree of its top candidates, or
-    (spec_mode="auto") what of that tree pays. With no proposers and no
+    (spec_mode="auto") what of that tree pays; or two or three of them, e.g. ("dflash", "ngram", "mtp"): their
+    candidates merged into one tree that spec_mode="auto" cuts each round, which also chooses which models
+    (drafter, head) run from what their rounds reach. With no proposers and no
     draft_model_path, a file that ships an MTP head speculates with it (speculative=False decodes plainly).
     """
 
@@ -482,8 +483,8 @@ class Model:
 
     @property
     def proposers(self) -> tuple[str, ...]:
-        """What drafts each round: ("dflash",), ("ngram",), both (one tree of their candidates, auto), ("mtp",) (the
-        target's own MTP head) or () (plain decoding)."""
+        """What drafts each round: ("dflash",), ("ngram",), ("mtp",) (the target's own MTP head), two or three of them
+        (one tree of their candidates, auto), or () (plain decoding)."""
         return (("dflash",) if self._draft is not None else ()) + (("ngram",) if self._ngram is not None else ()) + \
             (("mtp",) if self._mtp is not None else ())
 

@@ -12,6 +12,7 @@ import pytest
 import pydflash
 from export_pairs import pair_file, prompt_rows
 from gguf_edit import rewrite
+from near_ties import TIE, first_difference, tie_gap
 from pydflash.convert.inflate import inflate_gguf
 from pydflash.errors import UnsupportedModelError
 
@@ -113,6 +114,36 @@ def test_engine_arguments_for_merged_proposers():
         pydflash.Model(head, draft_model_path=draft, proposers=("mtp", "ngram"))
     with pytest.raises(UnsupportedModelError, match=r"qwen35-target-q8_0\.gguf.*no multi-token-prediction head"):
         pydflash.Model(pair_file("qwen35", "target", "q8_0"), draft_model_path=draft, proposers=("dflash", "mtp"))
+
+
+def test_merged_in_a_batch_of_sessions():
+    """Two sessions of one Model generating at once (their target evaluations batched, decode/driver.h): each
+    commits what plain decoding does (but for a near-tie that a batched verify rounds apart)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [_repeating_prompt(), prompt_rows("code")[2]["text"]]
+    with pydflash.Model(HEADS["qwen35"], n_ctx=2048, proposers=()) as plain:
+        expected = [plain.generate(p, max_tokens=48).tokens for p in prompts]
+    with _model(HEADS["qwen35"], ("dflash", "ngram", "mtp")) as m:
+        sessions = [m, m.new_session()]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda k: sessions[k].generate(prompts[k], max_tokens=48), range(2)))
+        assert m._batcher.stats["batches"] > 0
+        for k, c in enumerate(got):
+            assert c.timings["proposer"] == "dflash+ngram+mtp"
+            if c.tokens != expected[k]:
+                at = first_difference(c.tokens, expected[k])
+                assert tie_gap(m, m.tokenize(prompts[k]), c.tokens, expected[k], at) < TIE, (k, at)
+
+
+def test_cli_takes_every_proposer(capsys):
+    from pydflash.cli import main
+
+    head, draft = str(HEADS["qwen35"]), str(pair_file("qwen35", "dflash", "q8_0"))
+    assert main(["run", head, "--draft", draft, "-p", "def f(x):", "-n", "24", "--proposers", "dflash,ngram,mtp"]) == 0
+    printed = capsys.readouterr().out
+    with pydflash.Model(head, n_ctx=4096, proposers=()) as m:
+        assert printed == m.generate("def f(x):", max_tokens=24).text + "\n"
 
 
 def test_plan_counts_the_drafter_and_the_head():
