@@ -101,8 +101,10 @@ int union_proposer::choose_models() {
     if (rates_.rounds++ % PROBE_EVERY == 0 || !rates_.rated[m]) {
         return all;
     }
+    // (a set of no model is not chosen here: the lookup's acceptance is learnt where models drafted beside it, and
+    // overrates it alone; plain rounds are the cool-down's)
     int best = all;
-    for (int set = 0; set < all; ++set) {
+    for (int set = 1; set < all; ++set) {
         best = (set & ~all) == 0 && rates_.relative[m][set] > rates_.relative[m][best] ? set : best;
     }
     return best;
@@ -164,10 +166,25 @@ void union_proposer::merge(int32_t anchor, int max_depth) {
     build_ngram_tree(lookup_, anchor, max_depth * (int) lookup_.size(), lookup_tree_);
     absorb(lookup_tree_, LOOKUP, [&](const draft_tree & t, int j, origin & o) {
         // a model drafted here but another token: the lookup's node stands against the model's
-        o.against = o.rank[DFLASH] < 0 && o.rank[MTP] < 0 && t.depth[j] <= models_depth;
-        const acceptance_model & learnt = o.against ? lookup_source_->against_drafter : lookup_source_->acceptance;
-        return learnt.p_accept(t.depth[j], t.rank[j], std::exp((double) t.logp[j]));
+        o.against      = o.rank[DFLASH] < 0 && o.rank[MTP] < 0 && t.depth[j] <= models_depth;
+        const double q = std::exp((double) t.logp[j]);
+        o.p_against    = lookup_source_->against_drafter.p_accept(t.depth[j], t.rank[j], q);
+        return lookup_source_->acceptance.p_accept(t.depth[j], t.rank[j], q);
     });
+}
+
+double union_proposer::lookup_p(int b, int models) const {
+    // against the set's models where one of them drafted that deep but none this token
+    const origin & o     = origins_[b];
+    int            depth = 0;
+    bool           any   = false;
+    for (int k = 0; k < N_MODELS; ++k) {
+        if ((models >> k & 1) && drafted_[k]) {
+            depth = std::max(depth, trees_[k].max_depth());
+            any   = any || o.rank[k] >= 0;
+        }
+    }
+    return !any && merged_.depth[b] <= depth ? o.p_against : o.p[LOOKUP];
 }
 
 void union_proposer::node_p(int models, std::vector<double> & p) const {
@@ -176,7 +193,7 @@ void union_proposer::node_p(int models, std::vector<double> & p) const {
     for (int b = 1; b < merged_.size(); ++b) {
         for (int k = 0; k < N_SOURCES; ++k) {
             if (origins_[b].rank[k] >= 0 && (k == LOOKUP || (models >> k & 1))) {
-                p[b] = std::max(p[b], origins_[b].p[k]);
+                p[b] = std::max(p[b], k == LOOKUP ? lookup_p(b, models) : origins_[b].p[k]);
             }
         }
     }
@@ -234,15 +251,15 @@ void union_proposer::order_best_first(const std::vector<double> & p, int limit, 
 }
 
 void union_proposer::rate_model_sets(int limit) {
-    // each subset of the models (the empty one too: the lookup alone, or plain decoding), as if only its nodes had
-    // been proposed: the round's expected committed tokens over its models' drafting time and the verify's, at the
-    // cut auto would have made; relative to every model's together in the same round (rates of different rounds
-    // differ by what the context makes easy far more than by the set)
+    // each non-empty subset of the models, as if only its nodes (and the lookup's) had been proposed: the round's
+    // expected committed tokens over its models' drafting time and the verify's, at the cut auto would have made;
+    // relative to every model's together in the same round (rates of different rounds differ by what the context
+    // makes easy far more than by the set)
     const int           all   = all_models();
     const cost_model &  costs = *this->costs();
     std::vector<double> p, reach;
     std::array<double, 1 << N_MODELS> rate{};
-    for (int set = all;; set = (set - 1) & all) {
+    for (int set = all; set != 0; set = (set - 1) & all) {
         node_p(set, p);
         order_best_first(p, limit, trial_, trial_origins_, trial_p_);
         const int b = choose_verify_budget(trial_, trial_p_, costs, s_.is_recurrent());
@@ -259,12 +276,9 @@ void union_proposer::rate_model_sets(int limit) {
             ms += (set >> k & 1) ? rates_.model_ms[k] : 0.0;
         }
         rate[set] = expected / ms;
-        if (set == 0) {
-            break;
-        }
     }
     const int m = !lookup_.empty();
-    for (int set = 0; set <= all; ++set) {
+    for (int set = 1; set <= all; ++set) {
         const double relative = rate[set] / rate[all];
         rates_.relative[m][set] =
             rates_.rated[m] ? (1.0 - NEW_ROUND_WEIGHT) * rates_.relative[m][set] + NEW_ROUND_WEIGHT * relative : relative;

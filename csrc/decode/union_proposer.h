@@ -9,12 +9,14 @@
 //
 // Which models draft a round: each costs a run, timed per round (waits for other sessions left out), so a round
 // runs the set of them whose rounds would reach the best rate. A round in which every model drafted rates each
-// subset of them: the cut that subset's nodes alone (with the lookup's) give, its expected committed tokens over
-// its drafting time and the verify's, relative to every model's together (so that sets are compared within a
-// round, not across rounds whose contexts differ), apart for rounds where the lookup matched and where it did not
-// (it runs first, at no cost, so a round knows which it is). Every PROBE_EVERY rounds all of them draft, so that
-// the sets are rated again. The cool-down (decode/proposer.cpp) is the first model's (the drafter's, else the head's):
-// while it waits, the lookup, which costs nothing to draft, still proposes.
+// non-empty subset of them: the cut that subset's nodes alone (with the lookup's) give, its expected committed
+// tokens over its drafting time and the verify's, relative to every model's together (so that sets are compared
+// within a round, not across rounds whose contexts differ), apart for rounds where the lookup matched and where
+// it did not (it runs first, at no cost, so a round knows which it is). Every PROBE_EVERY rounds all of them
+// draft, so that the sets are rated again. Rounds without any model are the cool-down's (decode/proposer.cpp; the
+// first model's, the drafter's, else the head's), not a set chosen here: the lookup's acceptance is learnt beside
+// models that drafted too, and overrates it alone. While the cool-down waits, the lookup, which costs nothing,
+// still proposes.
 #pragma once
 
 #include "decode/mtp_proposer.h"
@@ -67,7 +69,8 @@ class union_proposer : public proposer {
         std::array<int, N_SOURCES>    rank{-1, -1, -1};
         std::array<float, N_SOURCES>  logp{};
         std::array<double, N_SOURCES> p{};
-        bool against = false;  // the lookup's, no model's, where a model drafted another token
+        bool   against   = false;  // the lookup's, no model's, where a model drafted another token
+        double p_against = 0.0;    // the lookup's acceptance if it were (the drafted models left out)
     };
     bool has(int model) const { return model == DFLASH ? dflash_ != nullptr : mtp_ != nullptr; }
     // the set of every model given, and the set of models that draft this round
@@ -79,6 +82,8 @@ class union_proposer : public proposer {
     template <class P> void absorb(const draft_tree & t, int k, P p);
     // every proposed tree merged into merged_ (origins_)
     void merge(int32_t anchor, int max_depth);
+    // the lookup's acceptance of merged node b if only the models of `models` (a set) had drafted
+    double lookup_p(int b, int models) const;
     // per merged node, the acceptance that nodes of `models` (a set) and the lookup's give it (0: none of theirs),
     // each node's children capped to sum to at most 1 (the target picks one token)
     void node_p(int models, std::vector<double> & p) const;
