@@ -27,6 +27,7 @@ Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workl
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -88,6 +89,35 @@ def run_llama_mtp(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
         for n in LLAMA_MTP])
 
 
+def run_all(pair: dict, prompts: list[str], engines, args, tmp: Path) -> dict:
+    """One run of every row: ours, then llama.cpp's."""
+    rows = bench_tree.run_ours(pair, prompts, args, engines=engines)
+    if not args.skip_peer:
+        rows.update(bench_tree.run_llama(pair, prompts, args, tmp))
+        rows.update(run_llama_ngram(pair, prompts, args, tmp))
+        if pair.get("mtp"):
+            rows.update(run_llama_mtp(pair, prompts, args, tmp))
+    return rows
+
+
+def mean_rows(runs: list[dict]) -> dict:
+    """Each row's numbers averaged over the runs (counts summed: same outputs, auto's choices, rounds drafted)."""
+    rows = {}
+    for label, first in runs[0].items():
+        if "error" in first:
+            rows[label] = first
+            continue
+        rs = [r[label] for r in runs]
+        row = {k: statistics.mean(r[k] for r in rs) for k in ("tok_s", "tau", "verified_per_token") if k in first}
+        for k in ("auto", "ran"):
+            if k in first:
+                row[k] = {name: sum(r[k][name] for r in rs) for name in first[k]}
+        if "same_as_plain" in first:
+            row["same_as_plain"] = sum(r["same_as_plain"] for r in rs)
+        rows[label] = row
+    return rows
+
+
 def mtp_pairs(cache: Path, archs) -> list[dict]:
     """The committed qwen35 / qwen35moe targets with their trained MTP heads, inflated to q4mix (built once into
     `cache`)."""
@@ -116,6 +146,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="code,repeat")
     ap.add_argument("--engines", default=None, help="comma-separated labels of ours to run (default: all; plain "
                                                       "always)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every row, ours and llama.cpp's alternating (the "
+                                                          "machine's speed drifts); means reported")
     args = ap.parse_args()
     chosen = lambda label: label == "plain" or args.engines is None or label in args.engines.split(",")  # noqa: E731
     archs, kinds = args.archs.split(","), args.pairs.split(",")
@@ -131,13 +163,10 @@ def main() -> None:
             for workload, prompts in workloads(args.n_prompts).items():
                 if workload not in args.workloads.split(","):
                     continue
-                rows = bench_tree.run_ours(pair, prompts, args, engines=engines)
-                if not args.skip_peer:
-                    rows.update(bench_tree.run_llama(pair, prompts, args, Path(tmp)))
-                    rows.update(run_llama_ngram(pair, prompts, args, Path(tmp)))
-                    if pair.get("mtp"):
-                        rows.update(run_llama_mtp(pair, prompts, args, Path(tmp)))
-                bench_tree.print_pair(f"{pair['name']}, {workload}", rows, best_of="llama.cpp")
+                runs = [run_all(pair, prompts, engines, args, Path(tmp)) for _ in range(args.rounds)]
+                bench_tree.print_pair(f"{pair['name']}, {workload}" + (f" (means of {args.rounds} runs)" if
+                                                                        args.rounds > 1 else ""), mean_rows(runs),
+                                      best_of="llama.cpp")
 
 
 if __name__ == "__main__":
