@@ -122,7 +122,7 @@ struct model_set_rates {
     std::array<double, N_MODELS>                       model_ms{};
     std::array<int, N_MODELS>                          model_runs{};
     std::array<std::array<double, 1 << N_MODELS>, 2>   relative{};
-    std::array<bool, 2>                                rated{};
+    std::array<int, 2>                                 rated{};  // rounds that rated them
     int                                                rounds = 0;  // rounds that could draft
 };
 

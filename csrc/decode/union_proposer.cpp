@@ -98,7 +98,7 @@ int union_proposer::all_models() const {
 int union_proposer::choose_models() {
     const int all = all_models();
     const int m   = !lookup_.empty();
-    if (rates_.rounds++ % PROBE_EVERY == 0 || !rates_.rated[m]) {
+    if (rates_.rounds++ % PROBE_EVERY == 0 || rates_.rated[m] < FIRST_PROBES) {
         return all;
     }
     // (a set of no model is not chosen here: the lookup's acceptance is learnt where models drafted beside it, and
@@ -112,18 +112,17 @@ int union_proposer::choose_models() {
 
 bool union_proposer::draft_model(int k, int32_t anchor, int start, int max_depth, int max_nodes) {
     // waits for other sessions' computes (a batch's drafter graph) are not this model's cost
-    const auto   waited = [&] { return s_.compute()->waited_ms() + eval_batcher::waited_ms(); };
-    const auto   t0     = clock_type::now();
-    const double w0     = waited();
-    const bool   drafted =
-        k == DFLASH ? dflash_->candidates(anchor, start, max_depth, max_nodes, trees_[k])
-                    : mtp_->candidates(anchor, start, max_depth, max_nodes, *costs(), trees_[k]);
-    const double ms = std::max(0.0, ms_since(t0) - (waited() - w0));
+    const auto   waited  = [&] { return s_.compute()->waited_ms() + eval_batcher::waited_ms(); };
+    const auto   t0      = clock_type::now();
+    const double w0      = waited();
+    const bool   drafted = k == DFLASH ? dflash_->candidates(anchor, start, max_depth, max_nodes, trees_[k])
+                                       : mtp_->candidates(anchor, start, max_depth, max_nodes, *costs(), trees_[k]);
+    const double ms      = std::max(0.0, ms_since(t0) - (waited() - w0));
     if (drafted) {
         // the faster of its first two runs (the first also builds its graphs), then a running average
-        const int n  = rates_.model_runs[k]++;
-        rates_.model_ms[k] = n == 0 ? ms : n == 1 ? std::min(rates_.model_ms[k], ms)
-                                            : (1.0 - NEW_ROUND_WEIGHT) * rates_.model_ms[k] + NEW_ROUND_WEIGHT * ms;
+        const int n     = rates_.model_runs[k]++;
+        double &  usual = rates_.model_ms[k];
+        usual = n == 0 ? ms : n == 1 ? std::min(usual, ms) : (1.0 - NEW_ROUND_WEIGHT) * usual + NEW_ROUND_WEIGHT * ms;
     }
     return drafted;
 }
@@ -280,10 +279,11 @@ void union_proposer::rate_model_sets(int limit) {
     const int m = !lookup_.empty();
     for (int set = 1; set <= all; ++set) {
         const double relative = rate[set] / rate[all];
-        rates_.relative[m][set] =
-            rates_.rated[m] ? (1.0 - NEW_ROUND_WEIGHT) * rates_.relative[m][set] + NEW_ROUND_WEIGHT * relative : relative;
+        // the mean of the first ratings (the acceptance models are learning too), a running average after them
+        const double weight = std::max(NEW_ROUND_WEIGHT, 1.0 / (rates_.rated[m] + 1));
+        rates_.relative[m][set] += weight * (relative - rates_.relative[m][set]);
     }
-    rates_.rated[m] = true;
+    rates_.rated[m]++;
 }
 
 void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {

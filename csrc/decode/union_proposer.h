@@ -13,7 +13,7 @@
 // tokens over its drafting time and the verify's, relative to every model's together (so that sets are compared
 // within a round, not across rounds whose contexts differ), apart for rounds where the lookup matched and where
 // it did not (it runs first, at no cost, so a round knows which it is). Every PROBE_EVERY rounds all of them
-// draft, so that the sets are rated again. Rounds without any model are the cool-down's (decode/proposer.cpp; the
+// draft (and in the first few rounds), so that the sets are rated again. Rounds without any model are the cool-down's (decode/proposer.cpp; the
 // first model's, the drafter's, else the head's), not a set chosen here: the lookup's acceptance is learnt beside
 // models that drafted too, and overrates it alone. While the cool-down waits, the lookup, which costs nothing,
 // still proposes.
@@ -57,8 +57,10 @@ class union_proposer : public proposer {
 
     const auto_stats & stats() const { return stats_; }
 
-    // rounds between two in which every model drafts (the others run the best-rated set)
-    static constexpr int PROBE_EVERY = 8;
+    // rounds between two in which every model drafts (the others run the best-rated set), after the first
+    // FIRST_PROBES rounds (of those where the lookup matched, and of the others), in which every model drafts
+    static constexpr int PROBE_EVERY  = 8;
+    static constexpr int FIRST_PROBES = 4;
 
   private:
     static constexpr int DFLASH = 0, MTP = 1, N_MODELS = model_set_rates::N_MODELS;  // (bit k of a set: model k)
