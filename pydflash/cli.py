@@ -171,11 +171,33 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
     template = _chat_template_file(args.chat_template_file, args.chat_format)
+    if args.parallel > 1:
+        _refuse_parallel_if_short(args)
     with _open_model(args) as model:
         serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_key,
               alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout, chat_template=template,
               chat_format=args.chat_format)
     return 0
+
+
+def _refuse_parallel_if_short(args: argparse.Namespace) -> None:
+    """`serve --parallel N`: the plan of N sessions over one copy of the weights (pydflash.plan(parallel=N)) must
+    fit, or nothing loads (the Model itself plans one session)."""
+    from . import _core
+    from .errors import InsufficientMemoryError
+    from .memory_plan import plan
+
+    memory = plan(args.model, args.draft, n_ctx=args.n_ctx, kv_type=args.kv_type,
+                  n_gpu_layers=_core.usable_gpu_layers(args.n_gpu_layers), n_cpu_moe=args.n_cpu_moe,
+                  tensor_split=args.tensor_split, rpc_servers=args.rpc, proposers=args.proposers,
+                  spec_mode=args.spec_mode, block_size=args.block_size, tree_budget=args.tree_budget,
+                  parallel=args.parallel, suggest=False, sweep=False)
+    if memory.fits is False:
+        short = ", ".join(f"{d.upper()} needs {memory.needed(d) / 2**20:.1f} MiB, {memory.budget[d] / 2**20:.1f} MiB "
+                          f"available ({n / 2**20:.1f} MiB short)" for d, n in memory.shortfall().items())
+        raise InsufficientMemoryError(f"{args.model}: --parallel {args.parallel} sessions do not fit: {short}; fewer "
+                                      f"slots or a smaller -c would (pydflash plan --parallel N shows each part)",
+                                      memory)
 
 
 def _chat_template_file(path: str | None, chat_format: str | None) -> str | None:
@@ -203,7 +225,7 @@ def _plan(args: argparse.Namespace) -> int:
                   n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split, rpc_servers=args.rpc,
                   proposers=args.proposers, n_ubatch=args.n_ubatch, spec_mode=args.spec_mode,
                   block_size=args.block_size, tree_budget=args.tree_budget, draft_window=args.draft_window,
-                  vram=args.vram, ram=args.ram, largest=args.largest)
+                  vram=args.vram, ram=args.ram, largest=args.largest, parallel=args.parallel)
     if args.json:
         print(json.dumps(memory.as_dict(), indent=2))
     else:
@@ -212,7 +234,8 @@ def _plan(args: argparse.Namespace) -> int:
               f": n_ctx {c['n_ctx']}, kv {c['kv_type']}, n_gpu_layers {c['n_gpu_layers']}"
               + (f", n_cpu_moe {c['n_cpu_moe']}" if c["n_cpu_moe"] else "") + f", n_ubatch {c['n_ubatch']}"
               + (f", {'/'.join(c['proposers'])} {c['spec_mode']} (block {c['block_size']}, tree budget "
-                 f"{c['tree_budget']})" if c["proposers"] else ""))
+                 f"{c['tree_budget']})" if c["proposers"] else "") + (f", {c['parallel']} sessions in parallel"
+                                                                      if c["parallel"] > 1 else ""))
         print(memory.table())
     return 0 if memory.fits is not False else 2
 
@@ -326,6 +349,8 @@ def _add_plan_command(sub) -> None:
     plan_cmd.add_argument("--vram", default=None, help="GPU memory to fit in, e.g. 24GiB (default: the GPU's free "
                                                        "memory, when this machine has one)")
     plan_cmd.add_argument("--ram", default=None, help="system memory to fit in (default: what is available)")
+    plan_cmd.add_argument("-np", "--parallel", type=int, default=1,
+                          help="sessions serving at once over one copy of the weights (serve --parallel)")
     plan_cmd.add_argument("--largest", action="store_true",
                           help="when it fits, also find the largest context and tree budget that would")
     plan_cmd.add_argument("--json", action="store_true", help="one JSON object instead of a table")

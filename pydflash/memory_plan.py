@@ -226,21 +226,61 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def by_category(core_model, session, core_draft, draft_session, compute: dict, mtp=None) -> dict:
+def _verify_shapes(core_model, session, draft_session, cfg: EngineConfig, spec_mode: str) -> list[tuple[int, list]]:
+    """The widest verify this configuration runs, (width, []), and on a hybrid target's trees the deepest and the
+    widest tree of that width, (width, nodes per depth); none without a proposer."""
+    if draft_session is None and cfg.ngram is None and cfg.mtp is None:
+        return []
+    width = cfg.block if spec_mode == "chain" else 1 + cfg.tree_budget
+    # a verify never holds more than the ring's rows, the context, or (hybrid) the states kept
+    ring_rows = draft_session.ring_capacity if draft_session is not None else width
+    width = min(width, ring_rows, cfg.session["n_ctx"], session.n_rollback if core_model.is_recurrent else width)
+    shapes = [(width, [])]
+    if spec_mode != "chain" and core_model.is_recurrent and width >= 3:
+        # a hybrid target runs trees depth by depth: the deepest tree and the widest (all nodes at depth 1)
+        shapes += [(width, levels) for levels in (_tree_levels(width, cfg.block), [1, width - 1])]
+    return shapes
+
+
+def _measure_batch(core_model, session, draft_session, cfg: EngineConfig, spec_mode: str, n: int) -> dict:
+    """Compute bytes of the graphs of the Model's batcher (state/eval_batcher.h) with n sessions generating at once
+    (`pydflash serve --parallel n`), over the whole context: a step holds every decoding session's part (at most
+    the widest verify, or one token) and prompt micro-batches up to two (eval_batcher::next_step), so each mix of
+    0, 1 or 2 micro-batches and verifies; and the drafter's, every session's block in one graph."""
+    n_ubatch = cfg.session["n_ubatch"]
+    shapes = _verify_shapes(core_model, session, draft_session, cfg, spec_mode) or [(1, [])]
+    graphs = {}
+    for prompts in range(min(2, n) + 1):
+        for width, levels in shapes:
+            label = f"batch: {prompts} x prefill {n_ubatch} + {n - prompts} x " + \
+                (f"tree {width} over {len(levels)} depths" if levels else f"verify {width}")
+            graphs[label] = session.measure_batch(prompts, n - prompts, n_ubatch=n_ubatch, width=width,
+                                                  tree_levels=levels, draft=draft_session)
+    if draft_session is not None:
+        graphs[f"draft batch: {n} blocks"] = max(
+            draft_session.measure_batch(n, rows, draft_session.block_size, draft_session.n_slots)
+            for rows in draft_session.append_row_counts)
+    return graphs
+
+
+def by_category(core_model, session, core_draft, draft_session, compute: dict, mtp=None, sessions: int = 1) -> dict:
     """{category: {"cpu": bytes, "gpu": bytes}} from the buffers of a target (`_core.Model`), its `_core.Session`,
     the drafter (`_core.DraftModel`, `_core.DraftSession`, or None) and the target's MTP head (`_core.MtpDrafter`
     or None: its cache counts as the draft's, its trunk-state ring as the ring); `compute` as given (a plan
-    measures it, a load reports what it allocated). What `MemoryPlan.bytes` and `Model.memory()` hold."""
+    measures it, a load reports what it allocated). What `MemoryPlan.bytes` and `Model.memory()` hold. sessions:
+    how many sessions of this configuration (`pydflash serve --parallel`): each has caches, rings and a recurrent
+    state of its own over the one copy of the weights."""
 
-    def add(*pairs) -> dict:
-        return {"cpu": sum(p[0] for p in pairs), "gpu": sum(p[1] for p in pairs)}
+    def add(*pairs, times: int = 1) -> dict:
+        return {"cpu": times * sum(p[0] for p in pairs), "gpu": times * sum(p[1] for p in pairs)}
 
     ring = ([draft_session.ring_memory] if draft_session is not None else []) + ([mtp.ring_memory] if mtp else [])
-    draft = ([core_draft.weight_memory, draft_session.kv_memory] if draft_session is not None else []) + \
-        ([mtp.kv_memory] if mtp else [])
-    return {"weights": add(core_model.weight_memory), "kv": add(session.kv_memory),
-            "recurrent": add(session.recurrent_memory), "ring": add(*ring), "draft": add(*draft),
-            "compute": compute}
+    caches = add(*([draft_session.kv_memory] if draft_session is not None else []) +
+                 ([mtp.kv_memory] if mtp else []), times=sessions)
+    weights = add(core_draft.weight_memory) if draft_session is not None else add()
+    return {"weights": add(core_model.weight_memory), "kv": add(session.kv_memory, times=sessions),
+            "recurrent": add(session.recurrent_memory, times=sessions), "ring": add(*ring, times=sessions),
+            "draft": {d: weights[d] + caches[d] for d in ("cpu", "gpu")}, "compute": compute}
 
 
 def _tree_levels(width: int, block: int) -> list[int]:
@@ -276,18 +316,9 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
     graphs = {}
     n_ubatch = cfg.session["n_ubatch"]
     graphs[f"prefill {n_ubatch}"] = target(n_ubatch, whole=True, all_rows=False)
-    if draft_session is None and cfg.ngram is None and cfg.mtp is None:
-        graphs["decode 1"] = target(1)
-        return graphs
-    width = cfg.block if spec_mode == "chain" else 1 + cfg.tree_budget
-    # a verify never holds more than the ring's rows, the context, or (hybrid) the states kept
-    ring_rows = draft_session.ring_capacity if draft_session is not None else width
-    width = min(width, ring_rows, n_ctx, session.n_rollback if core_model.is_recurrent else width)
-    graphs[f"verify {width}"] = target(width)
-    if spec_mode != "chain" and core_model.is_recurrent and width >= 3:
-        # a hybrid target runs trees depth by depth: the deepest tree and the widest (all nodes at depth 1)
-        for levels in (_tree_levels(width, cfg.block), [1, width - 1]):
-            graphs[f"tree {width} over {len(levels)} depths"] = target(width, tree_levels=levels)
+    for width, levels in _verify_shapes(core_model, session, draft_session, cfg, spec_mode):
+        label = f"tree {width} over {len(levels)} depths" if levels else f"verify {width}"
+        graphs[label] = target(width, tree_levels=levels)
     if draft_session is None:
         graphs["decode 1"] = target(1)
         return graphs
@@ -304,7 +335,7 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
          n_cpu_moe: int = 0, tensor_split=None, rpc_servers=None, n_ubatch: int | str = "auto", spec_mode: str = "auto",
          block_size: int | None = None, tree_budget: int | None = None, draft_window: int = 4096, vram=None, ram=None,
          suggest: bool = True, sweep: bool = True, delta_net: str = "auto", proposers=None,
-         largest: bool = False) -> MemoryPlan:
+         largest: bool = False, parallel: int = 1) -> MemoryPlan:
     """The memory plan of `Model(model_path, draft_model_path=..., ...)` with these arguments (the same names and
     defaults). vram / ram: the budgets to check against (bytes or '24GiB'); by default the GPU's free memory when
     this machine has the GPU, and the system's available memory. suggest: when it does not fit, also find the
@@ -312,13 +343,17 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
     each graph over every attended window the engine can build (ggml's allocator packs each differently; ~1-2 ms
     per graph for a 27B model, 2048 windows at 128K), else over the whole context only (a few percent of the
     compute buffer may be missed). largest: when it fits, also find the largest n_ctx (up to the model's trained
-    context) and tree_budget (speculative trees) that would, each alone (plan.largest)."""
+    context) and tree_budget (speculative trees) that would, each alone (plan.largest). parallel: sessions
+    generating at once over the one copy of the weights (`pydflash serve --parallel`, llama-server's -np): each
+    has its own caches, rings, recurrent state and compute buffers, and the Model's batcher (one evaluation per
+    step over all of them) its own compute buffers, measured over its largest steps at the whole context."""
     paths = checked_paths(model_path, draft_model_path)
     rpc.add_servers(rpc_servers)  # the device its layers are placed on and whose memory is the budget
     args = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
                           tensor_split=tensor_split, n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
                           tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net,
                           proposers=proposers_arg(proposers, draft_model_path))
+    args["parallel"] = int_arg("parallel", parallel, 1, 1024)
     return plan_checked(paths, args, device_budget(vram, ram), suggest=suggest, sweep=sweep, largest=largest)
 
 
@@ -405,21 +440,27 @@ def _plan_of(core_model, core_draft, paths, args: dict, budget: dict, sweep: boo
                                                                            mtp.window_step, sweep))
     if core_model.is_recurrent:
         graphs["state commit"] = session.measure_commit()
-    # the target's graphs share one compute buffer; the drafter's (or the MTP head's) and a hybrid's commit graphs
-    # have one each: each the size of its largest graph
+    n = args.get("parallel", 1)
+    batch = _measure_batch(core_model, session, draft_session, cfg, args["spec_mode"], n) if n > 1 else {}
+    # each session's target graphs share one compute buffer; the drafter's (or the MTP head's) and a hybrid's commit
+    # graphs have one each: each the size of its largest graph; with sessions in parallel, the batcher's target
+    # and drafter graphs one each too
     own_buffers = ("draft round", "mtp round", "state commit")
     target_compute = max(v for k, v in graphs.items() if k not in own_buffers)
-    compute = target_compute + sum(graphs.get(k, 0) for k in own_buffers)
+    compute = n * (target_compute + sum(graphs.get(k, 0) for k in own_buffers))
+    compute += max((v for k, v in batch.items() if k.startswith("batch")), default=0)
+    compute += max((v for k, v in batch.items() if k.startswith("draft batch")), default=0)
+    graphs.update(batch)
     # measured with the CPU's allocator; counted where the layers are
     on_gpu = core_model.n_gpu_layers > 0
     compute_bytes = {"cpu": 0 if on_gpu else compute, "gpu": compute if on_gpu else 0}
     config = dict(args, model_path=paths[0], draft_model_path=paths[1], n_ubatch=cfg.session["n_ubatch"],
                   n_rollback=cfg.session["n_rollback"], tree_budget=cfg.tree_budget, block_size=cfg.block,
-                  n_layer=core_model.n_layer,
+                  n_layer=core_model.n_layer, parallel=n,
                   proposers=args["proposers"] or (("mtp",) if mtp and args["proposers"] is None else ()))
     cpu_experts, gpu_experts = core_model.expert_memory
     return MemoryPlan(config=config,
-                      bytes=by_category(core_model, session, core_draft, draft_session, compute_bytes, mtp),
+                      bytes=by_category(core_model, session, core_draft, draft_session, compute_bytes, mtp, n),
                       budget=dict(budget), graphs=graphs, experts={"cpu": cpu_experts, "gpu": gpu_experts})
 
 

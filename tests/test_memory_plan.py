@@ -330,3 +330,47 @@ def test_a_smaller_micro_batch_gives_back_compute_memory():
     s.truncate(0)
     s.eval(tokens[:64], whole=True, all_logits=False)
     assert 0 < s.compute_memory[0] < big
+
+
+def test_plan_of_sessions_in_parallel_bounds_what_they_allocate():
+    """plan(parallel=4): four sessions' caches, rings and recurrent states over one copy of the weights, as four
+    sessions of a Model allocate them; their compute buffers and the batcher's (one evaluation and one drafter
+    graph per step over all of them) within the plan, four long prompts prefilled and decoded at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, draft = pair_file("qwen35", "target-mtp", "q8_0"), pair_file("qwen35", "dflash", "q8_0")
+    config = dict(n_ctx=1024, n_ubatch=64, proposers=("dflash", "ngram", "mtp"))
+    one, four = pydflash.plan(path, draft, **config), pydflash.plan(path, draft, parallel=4, **config)
+    assert four.config["parallel"] == 4 and any(k.startswith("batch: 2 x prefill 64 + 2 x") for k in four.graphs)
+    text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    with pydflash.Model(path, draft_model_path=draft, **config) as m:
+        sessions = [m] + [m.new_session() for _ in range(3)]
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda k: sessions[k].generate(f"# {k}\n" + text * (3 + k), max_tokens=32), range(4)))
+        used = [s.memory() for s in sessions]
+        batcher = m._batcher.compute_memory
+        drafter_weights = m._draft_model.weight_memory
+    assert m._batcher.stats["batches"] > 0
+    for c in ("kv", "recurrent", "ring"):
+        assert four.bytes[c]["cpu"] == sum(u[c]["cpu"] for u in used) == 4 * one.bytes[c]["cpu"] > 0, c
+    assert four.bytes["weights"] == one.bytes["weights"] == used[0]["weights"]
+    # each session's draft category holds the drafter's weights (one copy) and its own caches
+    assert four.bytes["draft"]["cpu"] == sum(u["draft"]["cpu"] for u in used) - 3 * drafter_weights[0]
+    assert sum(u["compute"]["cpu"] for u in used) + batcher[0] <= four.bytes["compute"]["cpu"]
+    assert batcher[0] > 0
+
+
+def test_serve_refuses_parallel_sessions_that_do_not_fit(shapes, capsys):
+    """`serve --parallel N` plans N sessions before anything loads: the 8B's 32K context fits once in 20 GiB, not
+    eight times."""
+    from pydflash.cli import main
+
+    one = pydflash.plan(shapes["8b"], n_ctx=32768, ram="20GiB")
+    eight = pydflash.plan(shapes["8b"], n_ctx=32768, ram="20GiB", parallel=8)
+    assert one.fits is True and eight.fits is False
+    assert eight.bytes["kv"]["cpu"] == 8 * one.bytes["kv"]["cpu"]
+    assert main(["plan", str(shapes["8b"]), "-c", "32768", "--ram", "20GiB", "-np", "8"]) == 2
+    assert "8 sessions in parallel" in capsys.readouterr().out
+    assert main(["serve", str(shapes["8b"]), "-c", "32768", "-np", "100"]) == 1
+    err = capsys.readouterr().err
+    assert "--parallel 100 sessions do not fit" in err and "CPU needs" in err

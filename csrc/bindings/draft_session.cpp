@@ -1,6 +1,7 @@
 // DraftSession: a DFlash drafter for one target session (its context cache and the feature ring the target
 // captures into), how it speculates, and what the decode loop learns about it
 #include "bindings/common.h"
+#include "state/draft_batch.h"
 
 namespace pdf::bindings {
 
@@ -90,6 +91,17 @@ static void register_memory(py::class_<py_draft> & cls) {
              }, py::arg("n_rows"), py::arg("n_block"), py::arg("n_kv"),
              "Compute buffer bytes of the graph appending n_rows context rows (0 or one of append_row_counts) and "
              "drafting n_block positions over n_kv cache slots (ggml's allocator; nothing allocated).")
+        .def("measure_batch", [](py_draft & d, int64_t n_sessions, int64_t n_rows, int64_t n_block, int64_t n_kv) {
+                 const std::vector<draft_session *> sessions((size_t) checked("n_sessions", n_sessions, 1, 1024),
+                                                             d.session.get());
+                 draft_batch batch(d.session->shared_model());
+                 return batch.measure(sessions, (int) checked("n_rows", n_rows, 0, INT32_MAX),
+                                      (int) checked("n_block", n_block, 1, INT32_MAX),
+                                      (int) checked("n_kv", n_kv, 1, INT32_MAX));
+             }, py::arg("n_sessions"), py::arg("n_rows"), py::arg("n_block"), py::arg("n_kv"),
+             "Compute buffer bytes of one batched drafter graph (an EvalBatcher's) over n_sessions sessions of this "
+             "one's configuration, each appending n_rows context rows and drafting n_block positions over n_kv "
+             "cache slots (ggml's allocator; nothing allocated).")
         .def_property_readonly_static("append_row_counts",
                                       [](py::object) { return draft_session::append_row_counts(); })
         .def_property_readonly_static("window_step", [](py::object) { return draft_session::window_step(); })

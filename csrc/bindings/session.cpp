@@ -1,6 +1,7 @@
 // Session: a target's evaluation state (KV cache, recurrent state, prompt cache, compute buffers) over a
 // Model, and its low-level calls (evaluate, commit, truncate); generation is bindings/generate.cpp
 #include "bindings/common.h"
+#include "state/session_batch.h"
 
 #include <algorithm>
 #include <cstring>
@@ -30,8 +31,9 @@ static std::vector<double> time_prefill(session & s, py::object tokens_in, std::
     return time_prefill_with(s, nullptr, tokens, sizes, (int) reps);
 }
 
-static size_t measure_eval(session & s, int64_t n_tokens, int64_t n_kv, std::vector<int> tree_levels, bool whole,
-                           bool all_rows, bool logits, const py::object & draft) {
+// an evaluation's shape as measure_eval and measure_batch take it, checked
+static session_batch::shape eval_shape(session & s, int64_t n_tokens, int64_t n_kv, std::vector<int> tree_levels,
+                                       bool whole, bool all_rows, bool logits, const py::object & draft) {
     checked("n_tokens", n_tokens, 1, (int64_t) s.n_ctx());
     if (n_kv == 0) {
         n_kv = s.n_ctx();
@@ -46,16 +48,40 @@ static size_t measure_eval(session & s, int64_t n_tokens, int64_t n_kv, std::vec
         throw std::invalid_argument(format("tree_levels hold %lld nodes, n_tokens = %lld",
                                            (long long) in_levels, (long long) n_tokens));
     }
-    std::vector<int> capture;
-    feature_ring *   ring = nullptr;
+    session_batch::shape shape{&s, (int) n_tokens, (int) n_kv, std::move(tree_levels), whole, {all_rows, logits, 0}};
     if (!draft.is_none()) {
         py_draft & d = draft.cast<py_draft &>();
-        capture      = d.session->model().capture_layers();
-        ring         = &d.session->ring();
+        shape.capture = d.session->model().capture_layers();
+        shape.rings   = &d.session->ring();
     }
-    const readout what{all_rows, logits, 0};
+    return shape;
+}
+
+static size_t measure_eval(session & s, int64_t n_tokens, int64_t n_kv, std::vector<int> tree_levels, bool whole,
+                           bool all_rows, bool logits, const py::object & draft) {
+    const session_batch::shape e = eval_shape(s, n_tokens, n_kv, std::move(tree_levels), whole, all_rows, logits,
+                                              draft);
     py::gil_scoped_release nogil;
-    return s.measure_eval((int) n_tokens, (int) n_kv, tree_levels, whole, what, capture, ring);
+    return s.measure_eval(e.n_tokens, e.n_kv, e.tree_levels, e.whole, e.what, e.capture, e.rings);
+}
+
+static size_t measure_batch(session & s, int64_t prompt_parts, int64_t verify_parts, int64_t n_ubatch, int64_t width,
+                            std::vector<int> tree_levels, int64_t n_kv, const py::object & draft) {
+    checked("prompt_parts", prompt_parts, 0, 1024);
+    checked("verify_parts", verify_parts, 0, 1024);
+    if (prompt_parts + verify_parts == 0) {
+        throw std::invalid_argument("measure_batch: no parts");
+    }
+    std::vector<session_batch::shape> parts;
+    for (int64_t i = 0; i < prompt_parts; ++i) {
+        parts.push_back(eval_shape(s, n_ubatch, n_kv, {}, true, false, true, draft));
+    }
+    for (int64_t i = 0; i < verify_parts; ++i) {
+        parts.push_back(eval_shape(s, width, n_kv, tree_levels, false, true, true, draft));
+    }
+    py::gil_scoped_release nogil;
+    session_batch batch(s.shared_model());
+    return batch.measure(parts);
 }
 
 // what an eval read back: logits, captured hidden states and (top_k > 0) the top ids and log-probabilities
@@ -113,7 +139,14 @@ static void register_memory(py::class_<session> & cls) {
             py::arg("all_rows") = true, py::arg("logits") = true, py::arg("draft") = py::none(),
             "Compute buffer bytes of an evaluation of n_tokens over a window of n_kv cache slots (0: the whole "
             "context; a chain, or a tree of tree_levels nodes per depth), capturing into `draft`'s ring as a "
-            "speculative eval does: ggml's allocator over its graph, nothing allocated.");
+            "speculative eval does: ggml's allocator over its graph, nothing allocated.")
+        .def("measure_batch", &measure_batch, py::arg("prompt_parts"), py::arg("verify_parts"),
+            py::arg("n_ubatch") = 1, py::arg("width") = 1, py::arg("tree_levels") = std::vector<int>{},
+            py::arg("n_kv") = 0, py::arg("draft") = py::none(),
+            "Compute buffer bytes of one batched evaluation (an EvalBatcher's step) of sessions of this one's "
+            "configuration: prompt_parts prefill micro-batches of n_ubatch tokens and verify_parts verifies of width "
+            "tokens (a chain, or a tree of tree_levels nodes per depth), each over n_kv cache slots (0: the whole "
+            "context), capturing as measure_eval does.");
 }
 
 static void register_eval(py::class_<session> & cls) {

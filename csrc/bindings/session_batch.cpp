@@ -79,6 +79,8 @@ void register_session_batch(py::module_ & m) {
                              "pass it to each Session.generate, and every step's target evaluations run as one.")
         .def(py::init([](const py_model & m) { return std::make_unique<eval_batcher>(m.model); }), py::arg("model"),
              py::keep_alive<1, 2>())
+        .def_property_readonly("compute_memory", [](const eval_batcher & b) { return as_pair(b.compute_memory()); },
+                               "(CPU bytes, GPU bytes) of its batched graphs' compute buffers, as allocated so far.")
         .def_property_readonly("stats", [](const eval_batcher & b) {
                 const eval_batcher::counts c = b.stats();
                 py::dict d;

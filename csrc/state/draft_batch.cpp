@@ -119,6 +119,26 @@ void draft_batch::build(compiled & g, const std::vector<part> & parts, const std
     }
 }
 
+size_t draft_batch::measure(const std::vector<draft_session *> & sessions, int n_rows, int n_block, int n_kv) {
+    std::vector<part>                parts;
+    std::vector<draft_session::call> calls;
+    for (draft_session * d : sessions) {
+        if (!d || d->draft_ != draft_ || n_block <= 0 || n_block > d->block() || n_rows < 0 || n_kv < n_block ||
+            n_kv > d->n_slots_) {
+            throw std::invalid_argument(format("draft_batch::measure: %d rows and a block of %d over %d cache slots "
+                                               "(a session of this batch's drafter)", n_rows, n_block, n_kv));
+        }
+        parts.push_back({d, 0, 0, n_block});
+        calls.push_back({n_rows, n_rows, n_block, n_kv, n_rows, 0, 0});
+    }
+    if (parts.empty()) {
+        throw std::invalid_argument("draft_batch::measure: no sessions");
+    }
+    compiled g(arena_);
+    build(g, parts, calls);
+    return g.cache.measure();
+}
+
 void draft_batch::add_parts(ggml_context * ctx, compiled & g, const std::vector<part> & parts,
                             const std::vector<draft_session::call> & calls) {
     const int64_t S = (int64_t) parts.size(), R = calls[0].n_rows, B = calls[0].n_block;

@@ -40,6 +40,12 @@ class draft_batch {
     // drafts every part in one graph (batches(parts) must hold); each session's proposals are then its own, as
     // after its draft(). A typed error (as draft()'s) leaves the sessions to draft alone.
     void draft(const std::vector<part> & parts);
+    // Compute buffer bytes of one graph over these sessions of this batch's drafter (ggml's allocator, nothing
+    // allocated; for memory plans), each appending n_rows context rows and drafting n_block positions over n_kv
+    // of its cache slots. A session may stand for several of its shape.
+    size_t measure(const std::vector<draft_session *> & sessions, int n_rows, int n_block, int n_kv);
+    // the compute buffer its graphs share, as allocated so far
+    device_bytes compute_memory() const { return arena_.memory(); }
 
   private:
     struct compiled;

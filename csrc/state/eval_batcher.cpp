@@ -91,6 +91,17 @@ double eval_batcher::eval(const session_batch::part & part) {
     return me.ms;
 }
 
+device_bytes eval_batcher::compute_memory() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    device_bytes                total = batch_.compute_memory();
+    for (const auto & [drafter, batch] : draft_batches_) {
+        const device_bytes more = batch->compute_memory();
+        total.cpu += more.cpu;
+        total.gpu += more.gpu;
+    }
+    return total;
+}
+
 std::vector<bool> eval_batcher::next_step() const {
     // Every decoding stream's part (a token, a chain, a tree: at most a verify's width each), and prompt
     // micro-batches up to two of them (their rows within 2 x n_ubatch), the longest-waiting first: a step's

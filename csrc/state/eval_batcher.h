@@ -50,6 +50,8 @@ class eval_batcher {
     // throws what evaluating this part alone would throw (a batch
     // that fails is evaluated part by part, so one part's error is its member's alone).
     double eval(const session_batch::part & part);
+    // the compute buffers of its batched graphs (the target's and each drafter's), as allocated so far
+    device_bytes compute_memory() const;
 
     // The batch's choice for a member running auto (state/step_plan.h): gains[b] = P(the accepted path of its
     // round's candidate tree reaches node b+1), best first. Waits until every other member has handed in its

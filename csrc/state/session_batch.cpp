@@ -179,6 +179,33 @@ void session_batch::add_parts(ggml_context * ctx, compiled & g, const std::vecto
     }
 }
 
+size_t session_batch::measure(const std::vector<shape> & shapes) {
+    if (shapes.empty()) {
+        throw std::invalid_argument("session_batch::measure: no parts");
+    }
+    compiled          g(arena_);
+    std::vector<part> parts;
+    for (const shape & p : shapes) {
+        if (!p.s || &p.s->model() != model_.get() || p.n_tokens <= 0 || p.n_kv < p.n_tokens ||
+            (uint32_t) p.n_kv > p.s->kv_->n_ctx()) {
+            throw std::invalid_argument(format("session_batch::measure: a part of %d tokens over %d cache slots (a "
+                                               "session over this batch's model, n_tokens <= n_kv <= n_ctx)",
+                                               p.n_tokens, p.n_kv));
+        }
+        g.keys.push_back({p.s->id_, p.s->key_for(p.n_tokens, p.n_kv, p.tree_levels, p.whole, p.what, p.capture,
+                                                 p.rings)});
+        part q;
+        q.s       = p.s;
+        q.n       = p.n_tokens;
+        q.what    = g.keys.back().key.what;
+        q.capture = p.capture;
+        q.rings   = p.capture.empty() ? ring_set{} : p.rings;
+        parts.push_back(q);
+    }
+    build(g, parts);
+    return g.cache.measure();
+}
+
 // each part's captures: written into its ring by the graph, else read back from the whole batch's
 void session_batch::add_captures(ggml_context * ctx, ggml_cgraph * gf, compiled & g, const std::vector<part> & parts) {
     const std::vector<int> & capture = g.in.capture_layers;  // (sorted)

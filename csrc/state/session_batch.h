@@ -40,6 +40,22 @@ class session_batch {
     // (as session::eval's) leaves every session with nothing pending.
     void eval(const std::vector<part> & parts);
 
+    // Compute buffer bytes one evaluation of these parts would need (ggml's allocator over its graph, nothing
+    // allocated; for memory plans): each part n_tokens rows of session s over n_kv of its cache slots, a chain
+    // (tree_levels empty; whole: committed whole) or a tree of those levels, reading `what`, capturing into
+    // `rings`. A session may stand for several parts of its shape.
+    struct shape {
+        session *        s        = nullptr;
+        int              n_tokens = 0;
+        int              n_kv     = 0;
+        std::vector<int> tree_levels;
+        bool             whole = false;
+        readout          what;
+        std::vector<int> capture;
+        ring_set         rings;
+    };
+    size_t measure(const std::vector<shape> & shapes);
+
     const std::shared_ptr<compute_backends> & compute() const { return compute_; }
     device_bytes                              compute_memory() const { return arena_.memory(); }
 
