@@ -48,6 +48,7 @@ class mtp_proposer : public proposer {
     void   learn(int depth, int rank, float logp, double accepted);
     // auto, before drafting: whether this round decodes plainly (sits_out_round on the head's state)
     bool   sits_out() { return sits_out_round(state_, batch()); }
+    // what the decode loop learns about the head (a merge keeps its own choices in the first model's)
     speculation_state & state() { return state_; }
     // after a round that drafted: a cool-down when speculation runs behind plain decoding (auto)
     void   judge_round();
@@ -55,7 +56,6 @@ class mtp_proposer : public proposer {
     int    node_limit(int max_nodes);
 
   private:
-
     const session &     s_;
     mtp_session &       head_;
     speculation_state & state_;

@@ -203,6 +203,7 @@ class dflash_proposer : public proposer {
     bool   candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
     // auto, before drafting: whether this round decodes plainly (sits_out_round on this drafter's state)
     bool   sits_out() { return sits_out_round(state_, batch()); }
+    // what the decode loop learns about this drafter (a merge keeps its choices of models here)
     speculation_state & state() { return state_; }
     // P(accepted | parent accepted) of node b of a tree draft_candidates built, as learnt
     double p_accept(const draft_tree & t, int b) const;
