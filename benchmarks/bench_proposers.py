@@ -108,10 +108,12 @@ def mean_rows(runs: list[dict]) -> dict:
             rows[label] = first
             continue
         rs = [r[label] for r in runs]
-        row = {k: statistics.mean(r[k] for r in rs) for k in ("tok_s", "tau", "verified_per_token") if k in first}
+        # (tau and the rest: over the runs that had speculative rounds)
+        row = {k: statistics.mean(r[k] for r in rs if k in r) for k in ("tok_s", "tau", "verified_per_token")
+               if any(k in r for r in rs)}
         for k in ("auto", "ran"):
             if k in first:
-                row[k] = {name: sum(r[k][name] for r in rs) for name in first[k]}
+                row[k] = {name: sum(r.get(k, {}).get(name, 0) for r in rs) for name in first[k]}
         if "same_as_plain" in first:
             row["same_as_plain"] = sum(r["same_as_plain"] for r in rs)
         rows[label] = row
