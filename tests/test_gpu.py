@@ -104,6 +104,19 @@ def test_speculative_equals_plain_on_the_gpu(kind, mode):
         _speculative_equals_plain(m, prompt_rows("code")[:4], 64)
 
 
+@pytest.mark.parametrize("kind", ["qwen35", "qwen35moe"])
+def test_every_proposer_merged_equals_plain_on_the_gpu(kind):
+    """The drafter, the MTP head and n-gram lookup in one tree each round (decode/union_proposer.h), all layers on
+    the GPU: plain decoding's output but at a near-tie, and each model drafts."""
+    target, draft = pair_file(kind, "target-mtp", "q8_0"), pair_file(kind, "dflash", "q8_0")
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, n_gpu_layers=-1,
+                        proposers=("dflash", "ngram", "mtp")) as m:
+        # a fresh model's first drafting rounds are probes: every model drafts
+        by = m.generate(prompt_rows("code")[3]["text"], max_tokens=64).timings["by_proposer"]
+        _speculative_equals_plain(m, prompt_rows("code")[:3], 64)
+    assert by["dflash"]["ran"] > 0 and by["mtp"]["ran"] > 0, by
+
+
 @pytest.mark.parametrize("n_gpu_layers", [2, 3])
 @pytest.mark.parametrize("kind", KINDS)
 def test_partial_offload(kind, n_gpu_layers):
