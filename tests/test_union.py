@@ -19,7 +19,8 @@ from pydflash.errors import UnsupportedModelError
 # the committed targets with their trained MTP heads, and the trained drafters of the same targets
 HEADS = {"qwen35": pair_file("qwen35", "target-mtp", "q8_0"), "qwen35moe": pair_file("qwen35moe", "target-mtp", "q8_0")}
 MIXES = [("dflash", "ngram", "mtp"), ("dflash", "mtp"), ("ngram", "mtp")]
-PROBE_EVERY, FIRST_PROBES = 8, 4  # (decode/union_proposer.h: every model drafts in the first rounds, then in one of 8)
+PROBE_EVERY, FIRST_PROBES = 8, 4  # (decode/union_proposer.h: every model drafts in the first rounds, then in one
+#                                     of 8 at the most)
 
 
 def _repeating_prompt() -> str:
@@ -97,8 +98,10 @@ def test_the_models_that_run_are_those_whose_drafts_pay(costly_targets, tmp_path
                 ran[k] += t["by_proposer"][k]["ran"]
     useful = "mtp" if useless == "dflash" else "dflash"
     print(f"{rounds} rounds, drafted in: {ran}")
-    assert ran[useless] <= FIRST_PROBES + rounds // PROBE_EVERY + 1
-    assert ran[useful] >= rounds // 2
+    # the useful model drafts in every round where a model drafts (rounds of the cool-down draft nothing), the
+    # useless one in the probe rounds among them only: the first few, then at most one in PROBE_EVERY
+    assert ran[useful] >= 12
+    assert ran[useless] <= FIRST_PROBES + ran[useful] // PROBE_EVERY + 1
 
 
 def test_engine_arguments_for_merged_proposers():

@@ -124,6 +124,10 @@ struct model_set_rates {
     std::array<std::array<double, 1 << N_MODELS>, 2>   relative{};
     std::array<int, 2>                                 rated{};  // rounds that rated them
     int                                                rounds = 0;  // rounds that could draft
+    // the probes' schedule: the round of the next, the rounds between two, the set each kind's last one rated best
+    int                                                next_probe  = 0;
+    int                                                probe_every = 0;
+    std::array<int, 2>                                 probe_best{-1, -1};
 };
 
 // What the decode loop learns about a drafter on this machine, kept across generations: the costs, how far the

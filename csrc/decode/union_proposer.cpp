@@ -95,19 +95,31 @@ int union_proposer::all_models() const {
     return (dflash_ ? 1 << DFLASH : 0) | (mtp_ ? 1 << MTP : 0);
 }
 
-int union_proposer::choose_models() {
-    const int all = all_models();
-    const int m   = !lookup_.empty();
-    if (rates_.rounds++ % PROBE_EVERY == 0 || rates_.rated[m] < FIRST_PROBES) {
-        return all;
-    }
+int union_proposer::best_set(int m) const {
     // (a set of no model is not chosen here: the lookup's acceptance is learnt where models drafted beside it, and
     // overrates it alone; plain rounds are the cool-down's)
-    int best = all;
+    const int all  = all_models();
+    int       best = all;
     for (int set = 1; set < all; ++set) {
         best = (set & ~all) == 0 && rates_.relative[m][set] > rates_.relative[m][best] ? set : best;
     }
     return best;
+}
+
+int union_proposer::choose_models() {
+    const int m = !lookup_.empty();
+    probing_    = rates_.rounds++ >= rates_.next_probe || rates_.rated[m] < FIRST_PROBES;
+    return probing_ ? all_models() : best_set(m);
+}
+
+void union_proposer::schedule_probe(int m) {
+    // while probes keep rating the same set best, they come half as often (each costs every model's run and a
+    // wider tree), the first ones aside; a change brings them back to every PROBE_EVERY rounds
+    const int  best   = best_set(m);
+    const bool stable = rates_.rated[m] > FIRST_PROBES && best == rates_.probe_best[m];
+    rates_.probe_every = stable ? std::min(2 * rates_.probe_every, PROBE_EVERY_MAX) : PROBE_EVERY;
+    rates_.probe_best[m] = best;
+    rates_.next_probe    = rates_.rounds + rates_.probe_every - 1;
 }
 
 bool union_proposer::draft_model(int k, int32_t anchor, int start, int max_depth, int max_nodes) {
@@ -284,6 +296,9 @@ void union_proposer::rate_model_sets(int limit) {
         rates_.relative[m][set] += weight * (relative - rates_.relative[m][set]);
     }
     rates_.rated[m]++;
+    if (probing_) {
+        schedule_probe(m);
+    }
 }
 
 void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {

@@ -12,8 +12,9 @@
 // non-empty subset of them: the cut that subset's nodes alone (with the lookup's) give, its expected committed
 // tokens over its drafting time and the verify's, relative to every model's together (so that sets are compared
 // within a round, not across rounds whose contexts differ), apart for rounds where the lookup matched and where
-// it did not (it runs first, at no cost, so a round knows which it is). Every PROBE_EVERY rounds all of them
-// draft (and in the first few rounds), so that the sets are rated again. Rounds without any model are the cool-down's (decode/proposer.cpp; the
+// it did not (it runs first, at no cost, so a round knows which it is). All of them draft in the first few rounds
+// and then every PROBE_EVERY rounds (probes), less often while probes keep rating the same set best, so that
+// the sets are rated again. Rounds without any model are the cool-down's (decode/proposer.cpp; the
 // first model's, the drafter's, else the head's), not a set chosen here: the lookup's acceptance is learnt beside
 // models that drafted too, and overrates it alone. While the cool-down waits, the lookup, which costs nothing,
 // still proposes.
@@ -58,9 +59,11 @@ class union_proposer : public proposer {
     const auto_stats & stats() const { return stats_; }
 
     // rounds between two in which every model drafts (the others run the best-rated set), after the first
-    // FIRST_PROBES rounds (of those where the lookup matched, and of the others), in which every model drafts
-    static constexpr int PROBE_EVERY  = 8;
-    static constexpr int FIRST_PROBES = 4;
+    // FIRST_PROBES rounds (of those where the lookup matched, and of the others), in which every model drafts;
+    // up to PROBE_EVERY_MAX while probes keep rating the same set best
+    static constexpr int PROBE_EVERY     = 8;
+    static constexpr int PROBE_EVERY_MAX = 64;
+    static constexpr int FIRST_PROBES    = 4;
 
   private:
     static constexpr int DFLASH = 0, MTP = 1, N_MODELS = model_set_rates::N_MODELS;  // (bit k of a set: model k)
@@ -75,9 +78,12 @@ class union_proposer : public proposer {
         double p_against = 0.0;    // the lookup's acceptance if it were (the drafted models left out)
     };
     bool has(int model) const { return model == DFLASH ? dflash_ != nullptr : mtp_ != nullptr; }
-    // the set of every model given, and the set of models that draft this round
+    // the set of every model given; the best-rated set (where the lookup matched: m 1, else 0); the set of models
+    // that draft this round (every model in a probe round); after a probe, when the next one comes
     int  all_models() const;
+    int  best_set(int m) const;
     int  choose_models();
+    void schedule_probe(int m);
     // model k's candidate tree into trees_[k], timed; whether it drafted
     bool draft_model(int k, int32_t anchor, int start, int max_depth, int max_nodes);
     // source k's tree t merged into merged_ (p(t, j, its merged node's origin): the acceptance learnt for node j)
@@ -108,6 +114,7 @@ class union_proposer : public proposer {
     bool                       synced_      = false;
     std::array<bool, N_MODELS> drafted_{};
     bool                       speculative_ = false;
+    bool                       probing_     = false;  // every model drafts this round
     std::vector<ngram_candidate> lookup_;
     std::array<draft_tree, N_MODELS> trees_;
     draft_tree                 lookup_tree_, merged_, ordered_, trial_;
