@@ -67,7 +67,7 @@ class union_proposer : public proposer {
 
   private:
     static constexpr int DFLASH = 0, MTP = 1, N_MODELS = model_set_rates::N_MODELS;  // (bit k of a set: model k)
-    static constexpr int LOOKUP = 2, N_SOURCES = 3;          // every source of nodes
+    static constexpr int LOOKUP = 2, N_SOURCES = 3;  // every source of nodes
     // what proposed a node of the merged tree: per source, its rank and log-probability (rank -1: not it), and
     // the acceptance it has learnt for such a node
     struct origin {
@@ -77,7 +77,6 @@ class union_proposer : public proposer {
         bool   against   = false;  // the lookup's, no model's, where a model drafted another token
         double p_against = 0.0;    // the lookup's acceptance if it were (the drafted models left out)
     };
-    bool has(int model) const { return model == DFLASH ? dflash_ != nullptr : mtp_ != nullptr; }
     // the set of every model given; the best-rated set (where the lookup matched: m 1, else 0); the set of models
     // that draft this round (every model in a probe round); after a probe, when the next one comes
     int  all_models() const;
@@ -92,15 +91,15 @@ class union_proposer : public proposer {
     void merge(int32_t anchor, int max_depth);
     // the lookup's acceptance of merged node b if only the models of `models` (a set) had drafted
     double lookup_p(int b, int models) const;
-    // per merged node, the acceptance that nodes of `models` (a set) and the lookup's give it (0: none of theirs),
-    // each node's children capped to sum to at most 1 (the target picks one token)
+    // per merged node, the acceptance that nodes of `models` (a set) and the lookup's give it (-1: none of
+    // theirs), each node's children capped to sum to at most 1 (the target picks one token)
     void node_p(int models, std::vector<double> & p) const;
-    // merged_ reordered best first by path probability (p per node; p 0: left out) into out, at most `limit`
+    // merged_ reordered best first by path probability (p per node; p < 0: left out) into out, at most `limit`
     // nodes below the root; origins and probabilities with it
     void order_best_first(const std::vector<double> & p, int limit, draft_tree & out, std::vector<origin> & origins,
                           std::vector<double> & out_p) const;
-    // after every model drafted: each subset of them rated by the cut its nodes alone would have given
-    // (relative_rate_)
+    // after every model drafted: each non-empty subset of them rated by the cut its nodes alone would have given
+    // (rates_.relative; a probe's also schedules the next)
     void rate_model_sets(int limit);
     // a verified round's nodes and accepted nodes by proposer (stats_)
     void count(const draft_tree & t, const std::vector<int> & rows);
