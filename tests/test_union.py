@@ -12,7 +12,7 @@ import pytest
 import pydflash
 from export_pairs import pair_file, prompt_rows
 from gguf_edit import rewrite
-from near_ties import TIE, first_difference, tie_gap
+from near_ties import TIE, draw_is_fragile, first_difference, tie_gap
 from pydflash.convert.inflate import inflate_gguf
 from pydflash.errors import UnsupportedModelError
 
@@ -34,6 +34,18 @@ def _model(target, proposers, **kw):
                           draft_model_path=draft if "dflash" in proposers else None, **kw)
 
 
+def _assert_same_but_at_a_near_tie(m, prompt: str, tokens: list, expected: list, sampling: dict | None) -> None:
+    """Speculative output is plain decoding's; a verify rounds the logits otherwise than a single-token step, so
+    the two may part only where the target's choice (greedy) or the draw (sampling) is a near-tie
+    (tests/near_ties.py), as every batched test here allows."""
+    if tokens != expected:
+        at = first_difference(tokens, expected)
+        if sampling is None:
+            assert tie_gap(m, m.tokenize(prompt), tokens, expected, at) < TIE, at
+        else:
+            assert draw_is_fragile(m, m.tokenize(prompt), tokens, at, sampling), at
+
+
 @pytest.mark.parametrize("kind", sorted(HEADS))
 @pytest.mark.parametrize("proposers", MIXES, ids=["+".join(m) for m in MIXES])
 def test_merged_proposers_are_lossless(kind, proposers):
@@ -47,8 +59,9 @@ def test_merged_proposers_are_lossless(kind, proposers):
         assert m.proposers == tuple(p for p in ("dflash", "ngram", "mtp") if p in proposers)
         for p, g, s in zip(prompts, greedy, sampled):
             c = m.generate(p, max_tokens=64)
-            assert c.tokens == g
-            assert m.generate(p, max_tokens=48, temperature=0.8, seed=7).tokens == s
+            _assert_same_but_at_a_near_tie(m, p, c.tokens, g, None)
+            _assert_same_but_at_a_near_tie(m, p, m.generate(p, max_tokens=48, temperature=0.8, seed=7).tokens, s,
+                                           {"seed": 7, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05})
             t = c.timings
             assert t["proposer"] == "+".join(m.proposers) and set(t["by_proposer"]) == set(proposers)
             rounds = t["auto_skipped"] + t["auto_plain"] + t["auto_chain"] + t["auto_tree"]
@@ -89,18 +102,22 @@ def test_the_models_that_run_are_those_whose_drafts_pay(costly_targets, tmp_path
         draft = _scrambled(draft, tmp_path / "useless-dflash.gguf", "fc.weight")
     else:
         target = costly_targets["useless head"]
+    useful = "mtp" if useless == "dflash" else "dflash"
     ran, rounds = {"dflash": 0, "mtp": 0}, 0
     with pydflash.Model(target, draft_model_path=draft, n_ctx=2048, proposers=("dflash", "mtp")) as m:
-        for row in prompt_rows("code")[:3]:
+        # prompts until the models have drafted in 24 rounds (the cool-down's rounds draft nothing: how many it
+        # takes follows this machine's timings)
+        for row in prompt_rows("code")[:8]:
             t = m.generate(row["text"], max_tokens=64).timings
             rounds += t["auto_skipped"] + t["auto_plain"] + t["auto_chain"] + t["auto_tree"]
             for k in ran:
                 ran[k] += t["by_proposer"][k]["ran"]
-    useful = "mtp" if useless == "dflash" else "dflash"
+            if ran[useful] >= 24:
+                break
     print(f"{rounds} rounds, drafted in: {ran}")
-    # the useful model drafts in every round where a model drafts (rounds of the cool-down draft nothing), the
-    # useless one in the probe rounds among them only: the first few, then at most one in PROBE_EVERY
-    assert ran[useful] >= 12
+    # the useful model drafts in every round where a model drafts, the useless one in the probe rounds among them
+    # only: the first few, then at most one in PROBE_EVERY
+    assert ran[useful] >= 24
     assert ran[useless] <= FIRST_PROBES + ran[useful] // PROBE_EVERY + 1
 
 
@@ -135,9 +152,7 @@ def test_merged_in_a_batch_of_sessions():
         assert m._batcher.stats["batches"] > 0
         for k, c in enumerate(got):
             assert c.timings["proposer"] == "dflash+ngram+mtp"
-            if c.tokens != expected[k]:
-                at = first_difference(c.tokens, expected[k])
-                assert tie_gap(m, m.tokenize(prompts[k]), c.tokens, expected[k], at) < TIE, (k, at)
+            _assert_same_but_at_a_near_tie(m, prompts[k], c.tokens, expected[k], None)
 
 
 def test_cli_takes_every_proposer(capsys):

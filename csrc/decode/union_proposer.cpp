@@ -108,7 +108,8 @@ int union_proposer::best_set(int m) const {
 
 int union_proposer::choose_models() {
     const int m = !lookup_.empty();
-    probing_    = rates_.rounds++ >= rates_.next_probe || rates_.rated[m] < FIRST_PROBES;
+    // (one model: nothing to choose)
+    probing_ = dflash_ && mtp_ && (rates_.rounds++ >= rates_.next_probe || rates_.rated[m] < FIRST_PROBES);
     return probing_ ? all_models() : best_set(m);
 }
 
@@ -303,6 +304,7 @@ void union_proposer::rate_model_sets(int limit) {
 
 void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
     speculative_ = false;
+    probing_     = false;
     drafted_.fill(false);
     lookup_.clear();
     const int depth = std::min({max_depth, this->max_depth(), max_nodes - 1});
@@ -385,7 +387,8 @@ void union_proposer::after_verify(const session & s, const draft_tree & t, int s
                 .observe(t.depth[b], o.rank[LOOKUP], std::exp((double) o.logp[LOOKUP]), accept_prob[b]);
         }
     }
-    if (drafted_[DFLASH] || drafted_[MTP]) {
+    // a probe explores (every model drafts, the useless ones too): the cool-down judges the rounds auto chose
+    if ((drafted_[DFLASH] || drafted_[MTP]) && !probing_) {
         dflash_ ? dflash_->judge_round() : mtp_->judge_round();
     }
 }
