@@ -59,16 +59,19 @@ ENGINES = [("plain", None),
 WIDTHS = (1, 2, 4, 8, 16)
 
 
-def pairs_of(kinds, types, cache: Path) -> list[dict]:
+def pairs_of(kinds, types, cache: Path, drafter: str = "dflash", archs=ARCHS) -> list[dict]:
     """The cost-realistic MoE pairs (inflated from the committed q8_0 targets: the MoE pairs are committed in q8_0
-    only) and the tiny ones, as bench_tree's pairs."""
+    only) and the tiny ones, as bench_tree's pairs, with the committed q8_0 drafter of that kind (dflash or
+    dflash2)."""
     pairs = []
-    for arch in ARCHS:
+    for arch in archs:
         if "realistic" in kinds:
             pairs += bench_tree.cost_realistic_pairs(cache, [arch], types, source="q8_0", label="0.3B active")
         if "tiny" in kinds:
-            pairs.append({"name": f"{arch} q8_0 (tiny)", "arch": arch, "target": pair_file(arch, "target", "q8_0"),
-                          "draft": pair_file(arch, "dflash", "q8_0")})
+            pairs.append({"name": f"{arch} q8_0 (tiny)", "arch": arch, "target": pair_file(arch, "target", "q8_0")})
+    for pair in pairs:
+        pair["draft"] = pair_file(pair["arch"], drafter, "q8_0")
+        pair["name"] += f", {drafter} drafter" if drafter != "dflash" else ""
     return pairs
 
 
@@ -142,13 +145,17 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
     ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
     ap.add_argument("--json", type=Path, default=None, help="also write tables 1 and 2 here")
+    ap.add_argument("--archs", default=",".join(ARCHS))
+    ap.add_argument("--drafter", default="dflash", choices=("dflash", "dflash2"),
+                    help="table 2's committed drafter kind (tests/data/pairs/<arch>-<kind>-q8_0.gguf)")
     args = ap.parse_args()
     tables = set(args.tables.split(","))
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens, greedy, {args.threads} threads")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for pair in pairs_of(args.pairs.split(","), args.types.split(","), args.cache_dir) if tables & {"1", "2"} else []:
+        for pair in pairs_of(args.pairs.split(","), args.types.split(","), args.cache_dir,
+                             args.drafter, args.archs.split(",")) if tables & {"1", "2"} else []:
             out = results.setdefault(pair["name"], {})
             if "1" in tables:
                 out["experts"] = experts_per_width(pair["target"], prompts, args.max_tokens)

@@ -102,7 +102,7 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
                 acc["committed"] += t["draft_n_accepted"] + t["n_rounds"]
                 acc["rounds"] += t["n_rounds"]
                 acc["verified"] += t["verify_n"]
-            if label.endswith("auto"):
+            if "auto" in label.split():
                 acc.setdefault("auto", {})
                 for k in ("auto_skipped", "auto_plain", "auto_chain", "auto_tree"):
                     acc["auto"][k] = acc["auto"].get(k, 0) + t[k]
@@ -193,11 +193,17 @@ def main() -> None:
                     help="only plain and tree mode at these budgets, e.g. 22,63,127,255 (tau by budget)")
     ap.add_argument("--engines", default=None, help="comma-separated labels of ours to run (default: all; plain "
                                                       "always)")
+    ap.add_argument("--auto-budgets", default=None,
+                    help="also auto with these tree budgets, e.g. 127,255 (rows 'auto 127', ...: what the cost model "
+                         "takes when a larger budget is allowed)")
     ap.add_argument("--kinds", default="q8_0,q4mix", help="the cost-realistic pairs' types")
     ap.add_argument("--draft", type=Path, default=None, help="this drafter GGUF for every pair (e.g. a DFlash2 one)")
     args = ap.parse_args()
     engines = OURS if args.budgets is None else [("plain", None)] + [
         (f"tree {b}", dict(spec_mode="tree", tree_budget=int(b))) for b in args.budgets.split(",")]
+    if args.auto_budgets:
+        engines = engines + [(f"auto {b}", dict(spec_mode="auto", tree_budget=int(b)))
+                             for b in args.auto_budgets.split(",")]
     if args.engines:
         engines = [e for e in engines if e[0] == "plain" or e[0] in args.engines.split(",")]
     archs = args.archs.split(",")

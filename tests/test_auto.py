@@ -63,3 +63,31 @@ def test_recurrent_trees_cost_their_own_time():
     assert _core.choose_verify_budget(parents, rank, logp, chain_ms, costs(lambda w: 30.0), recurrent=True) == 1
     # an attention-only target verifies a tree with the chain's graph: the tree's times do not apply
     assert _core.choose_verify_budget(parents, rank, logp, chain_ms, costs(lambda w: 30.0), recurrent=False) == 3
+
+
+# auto's cool-down (decode/proposer.h judge_speculation): a plain step costs 10 ms here (0.1 tokens/ms)
+PLAIN_MS = {1: 10.0, 2: 12.0, 4: 16.0}
+PLAIN = (1, False, 1, 10.0)
+BAD = (2, True, 1, 30.0)  # a drafted round at a third of plain's rate
+
+
+def after_a_bad_round(probe):
+    """(plain rounds left, next cool-down length) after a load that restored a cool-down length of 1024 (which
+    the tests use as the kept one), a bad round, the cool-down it set off, then `probe`"""
+    cooldown, cool_len = _core.judge_rounds([BAD], PLAIN_MS, cool_len=1024)[-1]
+    assert cooldown == 1024 and cool_len == 2048  # the bad round cools down, the next one 8x as long (control)
+    return _core.judge_rounds([BAD] + [PLAIN] * cooldown + [probe], PLAIN_MS, cool_len=1024)[-1]
+
+
+def test_a_probe_that_clearly_wins_ends_a_long_cool_down():
+    # the probe commits 4 tokens in 25 ms (1.6x plain): no cool-down follows, and the next one (kept across
+    # processes) is the shortest again, although the running rate, half the bad round's, is below plain
+    assert after_a_bad_round((4, True, 4, 25.0)) == (0, 4)
+
+
+def test_a_probe_no_faster_than_plain_keeps_the_cool_down_length():
+    # a probe at plain's rate (2 tokens in 20 ms) ends no failure; one as bad as the stretch before cools down
+    # again, for the length reached
+    even = after_a_bad_round((2, True, 2, 20.0))
+    assert even[1] >= 2048
+    assert after_a_bad_round(BAD) == (2048, 2048)

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 
 namespace pdf::bindings {
 
@@ -118,6 +119,36 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
     costs.set_spec_rate(spec_rate);
     acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
     return choose_verify_budget(t, costs, acceptance, recurrent);
+}
+
+// auto's cool-down (decode/proposer.h judge_speculation) over rounds, each (width, drafted, committed, ms: the
+// whole round, its verify alone), from a state whose cool-down length was restored as cool_len and whose widths
+// up to max_width are measured at verify_ms; after each round: (plain rounds left, the next cool-down's length)
+static std::vector<std::pair<int, int>> judge_rounds(const std::vector<std::tuple<int, bool, int, double>> & rounds,
+                                                     const std::map<int, double> & verify_ms, int cool_len) {
+    if (verify_ms.empty()) {
+        throw std::invalid_argument("judge_rounds: verify_ms needs the measured widths, 1 included");
+    }
+    speculation_state state(verify_ms.rbegin()->first);
+    for (const auto & [w, ms] : verify_ms) {
+        state.costs.calibrate_verify(w, false, ms);
+    }
+    state.cool_len = cool_len;
+    std::vector<std::pair<int, int>> out;
+    for (const auto & [width, drafted, committed, ms] : rounds) {
+        // a plain round counts the cool-down down; a drafted one must be allowed to draft
+        if (sits_out_round(state) == drafted) {
+            throw std::invalid_argument(format("judge_rounds: round %zu %s, but the cool-down has %d rounds left",
+                                               out.size(), drafted ? "drafts" : "does not draft", state.cooldown));
+        }
+        state.costs.observe({width, false, drafted ? state.costs.verify_ms(width, false) : ms, drafted,
+                             drafted ? ms - state.costs.verify_ms(width, false) : 0.0, committed, ms});
+        if (drafted) {
+            judge_speculation(state);
+        }
+        out.emplace_back(state.cooldown, state.cool_len);
+    }
+    return out;
 }
 
 // steps measured before, each (its parts' rows, its ms[, learn]), into a batch's step times (state/step_times.h)
@@ -290,6 +321,9 @@ static void register_functions(py::module_ & m) {
           py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
           py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
           "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model.");
+    m.def("judge_rounds", &judge_rounds, py::arg("rounds"), py::arg("verify_ms"), py::arg("cool_len") = 0,
+          "auto's cool-down after each of these rounds [(width, drafted, committed, round ms)], widths measured at "
+          "verify_ms, the cool-down length restored as cool_len: [(plain rounds left, next cool-down length)].");
     m.def("split_step", &split_step, py::arg("measured"), py::arg("rows"), py::arg("ms"), py::arg("learn") = true,
           "The ms a batched step of parts with these rows, taking ms, charges each part (state/step_times.h), after "
           "the steps `measured` ([(rows, ms[, learn]), ...]); learn=False: a step holding a prompt micro-batch.");

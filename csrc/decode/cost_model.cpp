@@ -150,6 +150,8 @@ void cost_model::observe_spec_round(int committed, double ms, bool fresh) {
     // round is a noisy witness, and what came before may be stale
     const double rate = committed / std::max(ms, 1e-6);
     const double w    = fresh ? FRESH_WEIGHT : AVERAGE_WEIGHT;
+    last_rate_        = rate;
+    last_fresh_       = fresh;
     spec_rate_        = spec_rate_ > 0 ? (1 - w) * spec_rate_ + w * rate : rate;
 }
 

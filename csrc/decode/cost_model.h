@@ -55,6 +55,10 @@ class cost_model {
     double spec_rate() const { return spec_rate_; }
     // whether the last observed round moved spec_rate (auto judges speculation on such rounds only)
     bool   rated_last_round() const { return rated_last_; }
+    // that round's own rate (tokens per ms, the whole round), and whether it began a fresh run of speculation (a
+    // probe after plain decoding): a probe is judged on its own rate too, spec_rate being half the stretch before
+    double last_round_rate() const { return last_rate_; }
+    bool   last_round_fresh() const { return last_fresh_; }
     // a speculative rate as if measured (a test's hand-made costs)
     void   set_spec_rate(double rate) { spec_rate_ = rate; }
 
@@ -84,6 +88,8 @@ class cost_model {
     double              spec_rate_    = 0.0;
     bool                last_drafted_ = false;
     bool                rated_last_   = false;
+    double              last_rate_    = 0.0;
+    bool                last_fresh_   = false;
 };
 
 }  // namespace pdf
