@@ -121,9 +121,10 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
     return choose_verify_budget(t, costs, acceptance, recurrent);
 }
 
-// auto's cool-down (decode/proposer.h judge_speculation) over rounds, each (width, drafted, committed, ms: the
-// whole round, its verify alone), from a state whose cool-down length was restored as cool_len and whose widths
-// up to max_width are measured at verify_ms; after each round: (plain rounds left, the next cool-down's length)
+// auto's cool-down (decode/proposer.h judge_speculation) over rounds, each (width, drafted, committed, ms: a
+// drafted round's whole time, its verify taking the measured time of its width; a plain round's step), from a
+// state whose cool-down length was restored as cool_len and whose chain widths are measured at verify_ms; after
+// each round: (plain rounds left, the next cool-down's length)
 static std::vector<std::pair<int, int>> judge_rounds(const std::vector<std::tuple<int, bool, int, double>> & rounds,
                                                      const std::map<int, double> & verify_ms, int cool_len) {
     if (verify_ms.empty()) {
