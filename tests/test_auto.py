@@ -72,10 +72,11 @@ BAD = (2, True, 1, 30.0)  # a drafted round at a third of plain's rate
 
 
 def after_a_bad_round(probe):
-    """(plain rounds left, next cool-down length) after a load that restored a cool-down length of 1024 (which
-    the tests use as the kept one), a bad round, the cool-down it set off, then `probe`"""
+    """(plain rounds left, next cool-down length) from a state whose next cool-down is 1024 rounds long (as
+    failures earlier in the process, or a cost cache, left it), after a bad round, the cool-down it set off, then
+    `probe`"""
     cooldown, cool_len = _core.judge_rounds([BAD], PLAIN_MS, cool_len=1024)[-1]
-    assert cooldown == 1024 and cool_len == 2048  # the bad round cools down, the next one 8x as long (control)
+    assert cooldown == 1024 and cool_len == 2048  # the bad round cools down; the next one longer, to the cap
     return _core.judge_rounds([BAD] + [PLAIN] * cooldown + [probe], PLAIN_MS, cool_len=1024)[-1]
 
 
