@@ -92,3 +92,15 @@ def test_a_probe_no_faster_than_plain_keeps_the_cool_down_length():
     even = after_a_bad_round((2, True, 2, 20.0))
     assert even[1] >= 2048
     assert after_a_bad_round(BAD) == (2048, 2048)
+
+
+def test_rounds_chosen_before_acceptance_is_learnt_set_off_no_cool_down():
+    # a fresh process's first rounds follow the drafter's own probabilities (the acceptance model still at its
+    # prior): bad as they are, they start no cool-down, which would otherwise grow 8x a failure before auto has
+    # learnt what to verify; once it has tried enough nodes, the same round does
+    def cooled_after(k):
+        return _core.judge_rounds([BAD] * k, PLAIN_MS, learnt=False)[-1][0] > 0
+
+    first = next(k for k in range(1, 65) if cooled_after(k))
+    assert 4 <= first <= 32
+    assert _core.judge_rounds([BAD], PLAIN_MS, learnt=True)[-1][0] > 0  # control: learnt, the first one does

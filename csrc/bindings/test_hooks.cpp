@@ -121,18 +121,25 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
     return choose_verify_budget(t, costs, acceptance, recurrent);
 }
 
-// auto's cool-down (decode/proposer.h judge_speculation) over rounds, each (width, drafted, committed, ms: a
-// drafted round's whole time, its verify taking the measured time of its width; a plain round's step), from a
-// state whose cool-down length was restored as cool_len and whose chain widths are measured at verify_ms; after
-// each round: (plain rounds left, the next cool-down's length)
+// auto's cool-down (decode/proposer.h judge_speculation) over chain rounds, each (width, drafted, committed, ms:
+// a drafted round's whole time, its verify taking the measured time of its width; a plain round's step), from a
+// state whose cool-down length was restored as cool_len and whose chain widths are measured at verify_ms. Each
+// drafted round is chosen while the acceptance model is learnt or not (acceptance_model::learnt), as the
+// proposers report it, and then learns from its chain (its accepted drafts, and the first rejected one);
+// learnt=True starts with a model that has tried 64 nodes. After each round: (plain rounds left, the next
+// cool-down's length)
 static std::vector<std::pair<int, int>> judge_rounds(const std::vector<std::tuple<int, bool, int, double>> & rounds,
-                                                     const std::map<int, double> & verify_ms, int cool_len) {
+                                                     const std::map<int, double> & verify_ms, int cool_len,
+                                                     bool learnt) {
     if (verify_ms.empty()) {
         throw std::invalid_argument("judge_rounds: verify_ms needs the measured widths, 1 included");
     }
     speculation_state state(verify_ms.rbegin()->first);
     for (const auto & [w, ms] : verify_ms) {
         state.costs.calibrate_verify(w, false, ms);
+    }
+    for (int i = 0; learnt && i < 64; ++i) {
+        state.acceptance.observe(1, 0, 0.5, 0.5);
     }
     state.cool_len = cool_len;
     std::vector<std::pair<int, int>> out;
@@ -142,8 +149,11 @@ static std::vector<std::pair<int, int>> judge_rounds(const std::vector<std::tupl
             throw std::invalid_argument(format("judge_rounds: round %zu %s, but the cool-down has %d rounds left",
                                                out.size(), drafted ? "drafts" : "does not draft", state.cooldown));
         }
-        state.costs.observe({width, false, drafted ? state.costs.verify_ms(width, false) : ms, drafted,
-                             drafted ? ms - state.costs.verify_ms(width, false) : 0.0, committed, ms});
+        const double verify = drafted ? state.costs.verify_ms(width, false) : ms;
+        state.costs.observe({width, false, verify, drafted, ms - verify, committed, ms, !state.acceptance.learnt()});
+        for (int d = 1; drafted && d < width && d <= committed; ++d) {
+            state.acceptance.observe(d, 0, 0.5, d < committed ? 1.0 : 0.0);
+        }
         if (drafted) {
             judge_speculation(state);
         }
@@ -323,8 +333,10 @@ static void register_functions(py::module_ & m) {
           py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
           "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model.");
     m.def("judge_rounds", &judge_rounds, py::arg("rounds"), py::arg("verify_ms"), py::arg("cool_len") = 0,
-          "auto's cool-down after each of these rounds [(width, drafted, committed, round ms)], widths measured at "
-          "verify_ms, the cool-down length restored as cool_len: [(plain rounds left, next cool-down length)].");
+          py::arg("learnt") = true,
+          "auto's cool-down after each of these chain rounds [(width, drafted, committed, round ms)], widths "
+          "measured at verify_ms, the cool-down length restored as cool_len, the acceptance model learnt at the "
+          "start or not: [(plain rounds left, next cool-down length)].");
     m.def("split_step", &split_step, py::arg("measured"), py::arg("rows"), py::arg("ms"), py::arg("learn") = true,
           "The ms a batched step of parts with these rows, taking ms, charges each part (state/step_times.h), after "
           "the steps `measured` ([(rows, ms[, learn]), ...]); learn=False: a step holding a prompt micro-batch.");

@@ -8,6 +8,8 @@ namespace pdf {
 static constexpr double PRIOR_TRIALS = 2.0;
 // every observation of a cell ages its earlier ones by this factor (about the last 200 count)
 static constexpr double DECAY = 0.995;
+// nodes tried before the model counts as learnt (a few rounds: a round tries the accepted path's children)
+static constexpr double LEARNT_TRIED = 16.0;
 
 int acceptance_model::cell(int depth, int rank, double q) {
     const int d = depth <= 1 ? 0 : depth <= 3 ? 1 : depth <= 7 ? 2 : 3;
@@ -29,6 +31,14 @@ void acceptance_model::observe(int depth, int rank, double q, double accepted) {
     const int c  = cell(depth, rank, q);
     tried_[c]    = DECAY * tried_[c] + 1.0;
     accepted_[c] = DECAY * accepted_[c] + accepted;
+}
+
+bool acceptance_model::learnt() const {
+    double tried = 0.0;
+    for (double t : tried_) {
+        tried += t;
+    }
+    return tried >= LEARNT_TRIED;
 }
 
 std::pair<double, double> acceptance_model::observed(int depth, int rank) const {

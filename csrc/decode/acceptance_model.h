@@ -22,6 +22,9 @@ class acceptance_model {
     // the decayed (tried, accepted) counts of the cells of `depth` and `rank`, summed over the drafter's
     // probability bins
     std::pair<double, double> observed(int depth, int rank) const;
+    // whether it has tried enough nodes to stand for what the target accepts: before, p_accept is mostly its
+    // prior, the drafter's own probabilities, which a drafter can overstate at first
+    bool                      learnt() const;
 
   private:
     static constexpr int N_DEPTH = 4;   // depths 1, 2-3, 4-7, 8+

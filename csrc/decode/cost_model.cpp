@@ -90,7 +90,7 @@ void cost_model::observe(const round & r) {
     observe_draft(r.draft_ms);
     const bool fresh = !last_drafted_;
     last_drafted_    = true;
-    if (!explored) {
+    if (!explored && !r.learning) {
         observe_spec_round(r.committed, r.round_ms, fresh);
         rated_last_ = true;
     }

@@ -28,6 +28,7 @@ class ngram_proposer : public proposer {
                         const std::vector<float> & accept_prob) override;
     bool         drafted() const override { return drafted_; }
     cost_model * costs() override { return &state_.costs; }
+    bool         learning() const override { return !state_.acceptance.learnt(); }
     int          max_depth() const override { return block_ - 1; }
     bool         speculative_round() const override { return speculative_; }
 

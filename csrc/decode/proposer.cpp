@@ -231,18 +231,20 @@ void judge_speculation(speculation_state & state) {
     if (!costs.rated_last_round()) {
         return;
     }
-    // A probe that clearly wins on its own ends the failures before it, whatever the stretch that set off the
-    // cool-down left in spec_rate: the probe is what is known now. (Judged on the blend alone, such a probe
-    // could end neither: a cool-down of 1024 set off by one hard prompt stayed for every later prompt, kept
-    // across processes; the qwen35moe pair with its DFlash2 drafter decoded plainly after probes at 1.3x plain.)
-    const bool probe_won = costs.last_round_fresh() &&
-                           costs.last_round_rate() > (1.0 + CLEARLY_FASTER) * costs.plain_rate();
-    if (!probe_won && costs.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs.plain_rate()) {
+    // A probe that clearly wins on its own ends the failures before it and starts the rate afresh from its own,
+    // whatever the stretch that set off the cool-down left in spec_rate: the probe is what is known now. (Judged
+    // on the blend alone, such a probe could end neither: a cool-down of 1024 set off by one hard prompt stayed
+    // for every later prompt, kept across processes; the qwen35moe pair with its DFlash2 drafter decoded plainly
+    // after probes at 1.3x plain.)
+    if (costs.last_round_fresh() && costs.last_round_rate() > (1.0 + CLEARLY_FASTER) * costs.plain_rate()) {
+        state.costs.set_spec_rate(costs.last_round_rate());
+    }
+    if (costs.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs.plain_rate()) {
         // the next cool-down doubles, or grows 8x when speculation runs far behind (a model too small for it)
         const int growth = costs.spec_rate() < FAR_BEHIND * costs.plain_rate() ? 8 : 2;
         state.cooldown   = std::max(state.cool_len, COOLDOWN_MIN);
         state.cool_len   = std::min(growth * state.cooldown, COOLDOWN_MAX);
-    } else if (probe_won || costs.spec_rate() > (1.0 + CLEARLY_FASTER) * costs.plain_rate()) {
+    } else if (costs.spec_rate() > (1.0 + CLEARLY_FASTER) * costs.plain_rate()) {
         state.cool_len = COOLDOWN_MIN;  // only a clear win forgets the failures before it
     }
 }

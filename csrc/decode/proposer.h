@@ -59,6 +59,9 @@ class proposer {
     virtual bool drafted() const = 0;
     // where the decode loop reports what each round cost (what auto weighs); nullptr: nothing weighs it
     virtual cost_model * costs() = 0;
+    // whether auto chose the last round before its acceptance model was learnt (acceptance_model::learnt): such
+    // a round says little of what speculation reaches, and is not rated (cost_model::round::learning)
+    virtual bool learning() const { return false; }
     // the deepest draft a round can verify (0: no drafter)
     virtual int max_depth() const = 0;
     // whether the last propose() began a speculative round (counted in n_rounds / tau): chain and tree modes
@@ -194,6 +197,7 @@ class dflash_proposer : public proposer {
                               const std::vector<float> & accept_prob) override;
     bool         drafted() const override { return drafted_; }
     cost_model * costs() override { return &costs_; }
+    bool         learning() const override { return !acceptance_.learnt(); }
     int          max_depth() const override { return d_.block() - 1; }
     bool         speculative_round() const override { return speculative_; }
 

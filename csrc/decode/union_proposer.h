@@ -52,6 +52,7 @@ class union_proposer : public proposer {
                         const std::vector<float> & accept_prob) override;
     bool         drafted() const override { return drafted_[0] || drafted_[1] || !lookup_.empty(); }
     cost_model * costs() override { return dflash_ ? dflash_->costs() : mtp_->costs(); }
+    bool         learning() const override { return dflash_ ? dflash_->learning() : mtp_->learning(); }
     void         plan_in(eval_batcher * batch) override;
     int          max_depth() const override;
     bool         speculative_round() const override { return speculative_; }
