@@ -104,3 +104,10 @@ def test_rounds_chosen_before_acceptance_is_learnt_set_off_no_cool_down():
     first = next(k for k in range(1, 65) if cooled_after(k))
     assert 4 <= first <= 32
     assert _core.judge_rounds([BAD], PLAIN_MS, learnt=True)[-1][0] > 0  # control: learnt, the first one does
+
+
+def test_drafting_to_verify_nothing_is_judged_while_acceptance_is_learnt():
+    # rounds that draft and then verify no draft (width 1: the drafter's prior says none is worth it) teach the
+    # acceptance model nothing, so they would never end its learning: their cost, the drafting, is judged as
+    # before (here 1 token in 15 ms against 10 ms a plain step)
+    assert _core.judge_rounds([(1, True, 1, 15.0)], PLAIN_MS, learnt=False)[-1][0] > 0

@@ -90,7 +90,9 @@ void cost_model::observe(const round & r) {
     observe_draft(r.draft_ms);
     const bool fresh = !last_drafted_;
     last_drafted_    = true;
-    if (!explored && !r.learning) {
+    // (a round that verified no draft is rated all the same: what it cost, the drafting, is known without
+    // acceptance, and such rounds teach acceptance nothing)
+    if (!explored && !(r.learning && r.width > 1)) {
         observe_spec_round(r.committed, r.round_ms, fresh);
         rated_last_ = true;
     }

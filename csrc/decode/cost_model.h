@@ -44,14 +44,15 @@ class cost_model {
         double draft_ms;   // the proposal: drafting and choosing
         int    committed;  // tokens the round committed
         double round_ms;   // the whole round
-        bool   learning = false;  // chosen while what the target accepts was not learnt yet (not rated)
+        bool   learning = false;  // chosen while what the target accepts was not learnt yet (not rated if it
+                                  // verified drafts)
     };
     // The verify moves the times of the grid widths around its width (a running average, through the shape
     // between them, so the widths rounds use stay current); a grid width is measured by the faster of its first
     // two evaluations (the first also builds the graph). A drafted
-    // round moves the speculative rate, unless it explored a width beyond those measured or was chosen before
-    // acceptance was learnt (neither was chosen for a rate known to it); the first after a plain round starts a
-    // new run of speculation and counts more.
+    // round moves the speculative rate, unless it explored a width beyond those measured or verified drafts
+    // chosen before acceptance was learnt (neither was chosen for a rate known to it); the first after a plain
+    // round starts a new run of speculation and counts more.
     void observe(const round & r);
     // realised speculative rate (tokens per ms, the whole round), exponentially averaged; 0 before any
     double spec_rate() const { return spec_rate_; }
