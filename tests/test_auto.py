@@ -111,3 +111,16 @@ def test_drafting_to_verify_nothing_is_judged_while_acceptance_is_learnt():
     # acceptance model nothing, so they would never end its learning: their cost, the drafting, is judged as
     # before (here 1 token in 15 ms against 10 ms a plain step)
     assert _core.judge_rounds([(1, True, 1, 15.0)], PLAIN_MS, learnt=False)[-1][0] > 0
+
+
+def test_speculation_is_judged_on_tokens_over_time_not_on_a_mean_of_round_rates():
+    # a wide round commits 16 tokens in 100 ms, then ten rounds draft and verify nothing (1 token in 12 ms):
+    # 26 tokens in 220 ms, 1.18x plain decoding's 0.1 tokens/ms, so no cool-down; a mean of the rounds' own
+    # rates, where each 12 ms round weighs as much as the 100 ms one, falls below plain by the eighth
+    verify_ms = {1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0, 16: 40.0}
+    rounds = [(16, True, 16, 100.0)] + [(1, True, 1, 12.0)] * 10
+    assert all(cooldown == 0 for cooldown, _ in _core.judge_rounds(rounds, verify_ms))
+    # control: where the short rounds go on, speculation does fall behind plain, and a cool-down starts
+    rounds = [(16, True, 16, 100.0)] + [(1, True, 1, 12.0)] * 40
+    first = next((k for k in range(2, 42) if _core.judge_rounds(rounds[:k], verify_ms)[-1][0] > 0), None)
+    assert first is not None and first > 11

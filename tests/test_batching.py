@@ -282,14 +282,20 @@ def test_memory_stays_flat_over_a_thousand_batched_requests(pair):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
+    def compute_kib() -> int:
+        # the compute buffers grow to the largest graph run so far (bounded by the plan): not a leak
+        return (sum(s.memory()["compute"]["cpu"] for s in sessions) + pair._batcher.compute_memory[0]) // 1024
+
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda k: run(k, 50), range(4)))  # warm-up: graphs, allocator pools
-        before = rss_kib()
+        before, compute_before = rss_kib(), compute_kib()
         list(pool.map(lambda k: run(k, 250), range(4)))
-        after = rss_kib()
+        after, compute_after = rss_kib(), compute_kib()
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
-    print(f"RSS {before / 1024:.1f} MiB after 200 requests, {after / 1024:.1f} MiB after 1200")
-    assert after - before < 8 * 1024, f"RSS grew by {(after - before) / 1024:.1f} MiB over 1000 requests"
+    print(f"RSS {before / 1024:.1f} MiB after 200 requests, {after / 1024:.1f} MiB after 1200; compute buffers "
+          f"{compute_before / 1024:.1f} -> {compute_after / 1024:.1f} MiB")
+    grown = (after - before) - max(0, compute_after - compute_before)
+    assert grown < 8 * 1024, f"RSS grew by {grown / 1024:.1f} MiB over 1000 requests, beside the compute buffers"
 
 
 def test_generate_batch_gives_each_prompt_its_own_completion(pair):

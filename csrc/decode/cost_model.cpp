@@ -149,12 +149,23 @@ void cost_model::observe_draft(double ms) {
 
 void cost_model::observe_spec_round(int committed, double ms, bool fresh) {
     // a fresh run of speculation (after plain decoding) weighs its first round as much as all before it: one
-    // round is a noisy witness, and what came before may be stale
-    const double rate = committed / std::max(ms, 1e-6);
-    const double w    = fresh ? FRESH_WEIGHT : AVERAGE_WEIGHT;
-    last_rate_        = rate;
-    last_fresh_       = fresh;
-    spec_rate_        = spec_rate_ > 0 ? (1 - w) * spec_rate_ + w * rate : rate;
+    // round is a noisy witness, and what came before may be stale. Tokens and time are averaged apart, so a
+    // round weighs by its time: a 140 ms round of a wide verify counts as the ten plain-sized rounds it takes the
+    // time of (averaged per round, rates of a few short rounds that drafted and verified nothing outweighed it)
+    const double w = fresh ? FRESH_WEIGHT : AVERAGE_WEIGHT;
+    ms             = std::max(ms, 1e-6);
+    last_rate_     = committed / ms;
+    last_ms_       = ms;
+    last_fresh_    = fresh;
+    spec_tokens_   = spec_ms_ > 0 ? (1 - w) * spec_tokens_ + w * committed : committed;
+    spec_ms_       = spec_ms_ > 0 ? (1 - w) * spec_ms_ + w * ms : ms;
+}
+
+void cost_model::set_spec_rate(double rate) {
+    // in the last round's units of time, so that the rounds after it average with it as with a measured one
+    const double scale = last_ms_ > 0 ? last_ms_ : 1.0;
+    spec_tokens_       = rate * scale;
+    spec_ms_           = scale;
 }
 
 std::vector<cost_model::measurement> cost_model::measured() const {

@@ -54,8 +54,9 @@ class cost_model {
     // chosen before acceptance was learnt (neither was chosen for a rate known to it); the first after a plain
     // round starts a new run of speculation and counts more.
     void observe(const round & r);
-    // realised speculative rate (tokens per ms, the whole round), exponentially averaged; 0 before any
-    double spec_rate() const { return spec_rate_; }
+    // realised speculative rate (tokens per ms, the whole round): committed tokens over time, each exponentially
+    // averaged over rounds; 0 before any
+    double spec_rate() const { return spec_ms_ > 0 ? spec_tokens_ / spec_ms_ : 0.0; }
     // whether the last observed round moved spec_rate (auto judges speculation on such rounds only)
     bool   rated_last_round() const { return rated_last_; }
     // that round's own rate (tokens per ms, the whole round), and whether it began a fresh run of speculation (a
@@ -63,7 +64,7 @@ class cost_model {
     double last_round_rate() const { return last_rate_; }
     bool   last_round_fresh() const { return last_fresh_; }
     // a speculative rate as if measured (a test's hand-made costs; a probe that starts speculation afresh)
-    void   set_spec_rate(double rate) { spec_rate_ = rate; }
+    void   set_spec_rate(double rate);
 
     // the measured grid widths and their times, chain and tree, to save and restore() later
     struct measurement {
@@ -88,10 +89,12 @@ class cost_model {
     int                 max_width_;
     double              draft_ms_     = 0.0;
     bool                draft_seen_   = false;
-    double              spec_rate_    = 0.0;
+    double              spec_tokens_  = 0.0;  // committed tokens and ms of speculative rounds, averaged
+    double              spec_ms_      = 0.0;
     bool                last_drafted_ = false;
     bool                rated_last_   = false;
     double              last_rate_    = 0.0;
+    double              last_ms_      = 0.0;
     bool                last_fresh_   = false;
 };
 
