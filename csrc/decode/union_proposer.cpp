@@ -330,7 +330,7 @@ void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_n
     merge(anchor, depth);
     const int limit   = node_limit(max_nodes);
     const int drafted = (drafted_[DFLASH] ? 1 << DFLASH : 0) | (drafted_[MTP] ? 1 << MTP : 0);
-    if (dflash_ && mtp_ && drafted == all_models()) {  // (one model: no sets to rate)
+    if (drafted_[DFLASH] && drafted_[MTP]) {  // every model drafted (one model alone: no sets to rate)
         rate_model_sets(limit);
     }
     node_p(drafted, p_);
