@@ -248,14 +248,15 @@ def _eog_ids() -> list[int]:
     return sorted(Tokenizer.from_gguf(PAIRS / "qwen3-target-q8_0.gguf").eog_token_ids)
 
 
-def _stream_chat_tokens(client, messages, seed, temperature: float) -> list[tuple[str, float, dict[str, float]]]:
-    """The streamed reply's tokens as (text, logprob, its two best alternatives' logprobs)."""
+def _stream_completion_tokens(client, prompt: str, seed: int) -> list[tuple[str, float, dict[str, float]]]:
+    """A greedy streamed completion's tokens as (text, logprob, its two best candidates' logprobs)."""
     out = []
-    for chunk in client.chat.completions.create(model="m", messages=messages, max_tokens=48, temperature=temperature,
-                                                seed=seed, stream=True, logprobs=True, top_logprobs=2):
+    for chunk in client.completions.create(model="m", prompt=prompt, max_tokens=48, temperature=0.0, seed=seed,
+                                           stream=True, logprobs=2):
         for choice in chunk.choices:
-            for entry in (choice.logprobs.content if choice.logprobs else None) or []:
-                out.append((entry.token, entry.logprob, {x.token: x.logprob for x in entry.top_logprobs}))
+            if choice.logprobs:
+                lp = choice.logprobs
+                out += zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)
     return out
 
 
@@ -282,16 +283,17 @@ def test_parallel_slots_batch_and_each_equals_alone(tmp_path, arch, parallel):
     s = Server(tmp_path, arch, "--parallel", str(parallel), "-c", "1024")
     try:
         client = s.client(key="none")
-        jobs = [([{"role": "user", "content": f"Explain item {i} of a list in Python."}], i, 0.0)
-                for i in range(parallel + 2)]
-        alone = [_stream_chat_tokens(client, *job) for job in jobs]
+        from export_pairs import prompt_rows
+
+        jobs = [(row["text"], i) for i, row in enumerate(prompt_rows("code")[:parallel + 2])]
+        alone = [_stream_completion_tokens(client, *job) for job in jobs]
         assert s.health()["batched_steps"] == 0
         with ThreadPoolExecutor(len(jobs)) as pool:
-            together = list(pool.map(lambda job: _stream_chat_tokens(client, *job), jobs))
-        assert all(alone) and len({tuple(x[0] for x in a) for a in alone}) > 1
+            together = list(pool.map(lambda job: _stream_completion_tokens(client, *job), jobs))
+        assert all(alone) and len({tuple(x[0] for x in a) for a in alone}) > 1  # real, varied replies
         for k, (t, a) in enumerate(zip(together, alone)):
             if [x[0] for x in t] != [x[0] for x in a]:
-                _assert_greedy_near_tie(t, a, f"chat {k}")
+                _assert_greedy_near_tie(t, a, f"completion {k}")
         health = s.health()
         assert health["batched_steps"] > 0 and health["batched_evaluations"] >= 2 * health["batched_steps"], health
     finally:
