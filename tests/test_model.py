@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -215,3 +216,35 @@ def test_vocab_only_file_is_not_a_model(llama_cpp_dir, tmp_path):
     shutil.copy(src, p)
     with pytest.raises(UnsupportedModelError, match="qwen2"):
         load(p)
+
+
+HUGE_PAGE_PROBE = """
+import re, sys
+import pydflash
+
+def advised_kib():  # VMAs the process asked huge pages for (VmFlags "hg")
+    total = 0
+    for block in re.split(r"\\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
+        if re.search(r"^VmFlags:.* hg", block, re.M):
+            total += int(re.search(r"^Size:\\s+(\\d+) kB", block, re.M).group(1))
+    return total
+
+before = advised_kib()
+with pydflash.Model(sys.argv[1], n_ctx=64) as m:
+    print(before, advised_kib())
+"""
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+                    reason="no transparent huge pages (Linux only)")
+def test_weights_in_system_memory_ask_for_huge_pages():
+    """A decode step reads every active weight: their buffers ask the kernel for 2 MiB pages (madvise), as the
+    process's memory map shows (the weights of the f32 pair: one CPU buffer the size of the file)."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).parent / "data" / "pairs" / "qwen3-target-f32.gguf"
+    out = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE, str(path)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    before, loaded = int(out[0]), int(out[1])
+    assert loaded - before >= 0.9 * path.stat().st_size / 1024, (before, loaded, path.stat().st_size)
