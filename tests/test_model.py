@@ -237,14 +237,17 @@ with pydflash.Model(sys.argv[1], n_ctx=64) as m:
 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
                     reason="no transparent huge pages (Linux only)")
-def test_weights_in_system_memory_ask_for_huge_pages():
+def test_weights_in_system_memory_ask_for_huge_pages(tmp_path):
     """A decode step reads every active weight: their buffers ask the kernel for 2 MiB pages (madvise), as the
     process's memory map shows (the weights of the f32 pair: one CPU buffer the size of the file)."""
     import subprocess
     import sys
 
     path = Path(__file__).parent / "data" / "pairs" / "qwen3-target-f32.gguf"
-    out = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE, str(path)], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
+    # its own cwd, so the installed package is imported (not the source tree's, which has no extension)
+    res = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE, str(path)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout.split()
     before, loaded = int(out[0]), int(out[1])
     assert loaded - before >= 0.9 * path.stat().st_size / 1024, (before, loaded, path.stat().st_size)
