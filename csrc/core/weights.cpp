@@ -140,11 +140,9 @@ void weights::allocate() {
                                        ggml_backend_buft_name(kv.first)));
         }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        if (!be_.plan_only()) {
-            advise_huge_pages(kv.first, buf);
-        }
         buffers_.push_back(buf);
         if (!be_.plan_only()) {
+            advise_huge_pages(kv.first, buf);
             PDF_LOG_INFO("%s: %.2f MiB of weights in %s", file_.path().c_str(),
                          ggml_backend_buffer_get_size(buf) / 1048576.0, ggml_backend_buft_name(kv.first));
         }
