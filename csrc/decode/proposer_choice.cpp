@@ -2,6 +2,7 @@
 #include "decode/union_proposer.h"
 
 #include <optional>
+#include <stdexcept>
 
 namespace pdf {
 
