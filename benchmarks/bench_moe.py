@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                    help="tables 2's layers on the GPU (-1: all), ours and llama.cpp's alike (a GPU build of each)")
     ap.add_argument("--n-prompt", type=int, default=512, help="table 3's prefill")
     ap.add_argument("--n-gen", type=int, default=64, help="table 3's decode steps")
     ap.add_argument("--reps", type=int, default=3, help="table 3's interleaved runs")

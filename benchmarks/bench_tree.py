@@ -86,7 +86,8 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
     for label, kw in engines:
         # (plain: no proposer at all, not even a target's own MTP head)
         kw = {"draft_model_path": None, "proposers": ()} if kw is None else {"draft_model_path": pair["draft"], **kw}
-        models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads, **kw)
+        models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads,
+                                       n_gpu_layers=getattr(args, "n_gpu_layers", 0), **kw)
         # warm-up: pages, graphs, auto's calibration
         models[label].generate(prompts[0], max_tokens=8, **generate_kwargs(0))
     totals = {label: {"tokens": 0, "ms": 0.0, "committed": 0, "rounds": 0, "verified": 0, "outputs": []}
@@ -129,17 +130,19 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
 
 def run_llama(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
     files = [peer.prompt_file(tmp / f"p{i}.txt", t) for i, t in enumerate(prompts)]
+    ngl = getattr(args, "n_gpu_layers", 0)
     rows = {}
     try:
-        ar = [peer.llama_ar(pair["target"], f, args.max_tokens, args.threads, 2048) for f in files]
+        ar = [peer.llama_ar(pair["target"], f, args.max_tokens, args.threads, 2048, n_gpu_layers=ngl)
+              for f in files]
         rows["llama.cpp plain"] = {"tok_s": 1000.0 * sum(r["tokens"] for r in ar) / sum(r["ms"] for r in ar)}
     except peer.PeerError as e:
         rows["llama.cpp plain"] = {"error": str(e)}
     for n in LLAMA_DRAFT:
         label = f"llama.cpp dflash {n}"
         try:
-            rs = [peer.llama_dflash(pair["target"], pair["draft"], f, args.max_tokens, args.threads, 2048, n)
-                  for f in files]
+            rs = [peer.llama_dflash(pair["target"], pair["draft"], f, args.max_tokens, args.threads, 2048, n,
+                                    n_gpu_layers=ngl) for f in files]
         except peer.PeerError as e:
             rows[label] = {"error": str(e)}
             continue
@@ -186,6 +189,8 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                    help="layers on the GPU (-1: all), ours and llama.cpp's alike (a GPU build of each)")
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
     ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")

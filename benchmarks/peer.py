@@ -117,12 +117,19 @@ def sampling_flags(temp: float, seed: int) -> list[str]:
     return ["--temp", str(temp), "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05", "--seed", str(seed)]
 
 
+def gpu_flags(n_gpu_layers: int, draft: bool = False) -> list[str]:
+    """-ngl (and -ngld for the drafter) as our n_gpu_layers: -1 all layers, 0 none, N the last N. Always passed:
+    a GPU build's own default ("auto") would offload what fits."""
+    n = "all" if n_gpu_layers < 0 else str(n_gpu_layers)
+    return ["-ngl", n, *(["-ngld", "all" if n_gpu_layers else "0"] if draft else [])]
+
+
 def llama_ar(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int, temp: float = 0.0,
-             seed: int = 0) -> dict:
+             seed: int = 0, n_gpu_layers: int = 0) -> dict:
     """llama-completion (greedy unless temp > 0): (decode steps, decode ms) from its `eval time = T ms / N runs`
     line."""
     cmd = [str(_exe("llama-completion")), "-m", str(target), "-f", str(prompt), "-n", str(max_tokens),
-           *sampling_flags(temp, seed), "-t", str(threads), "-c", str(n_ctx), "-no-cnv"]
+           *sampling_flags(temp, seed), "-t", str(threads), "-c", str(n_ctx), "-no-cnv", *gpu_flags(n_gpu_layers)]
 
     def parse(out: str) -> dict:
         m = _search(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs", out, "'eval time ... runs'")
@@ -133,7 +140,7 @@ def llama_ar(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: i
 
 def llama_dflash(target: Path, draft: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int,
                  n_draft: int, temp: float = 0.0, seed: int = 0, n_batch: int | None = None,
-                 per_round: bool = False) -> dict:
+                 per_round: bool = False, n_gpu_layers: int = 0) -> dict:
     """llama-speculative-simple --spec-type draft-dflash (greedy unless temp > 0), -lv 4 for its statistics line;
     "output" holds what it printed (the prompt and the continuation among the log lines). It evaluates the
     prompt in one batch: n_batch (-b) must hold it (its default is 2048). per_round: -lv 5 for its debug lines,
@@ -146,7 +153,8 @@ def llama_dflash(target: Path, draft: Path, prompt: Path, max_tokens: int, threa
     cmd = [str(_exe("llama-speculative-simple")), "-m", str(target), "-md", str(draft), "--spec-type",
            "draft-dflash", "--spec-draft-n-max", str(n_draft), "-f", str(prompt), "-n", str(max_tokens),
            *sampling_flags(temp, seed), "-t", str(threads), "-td", str(threads), "-c", str(n_ctx),
-           "-lv", "5" if per_round else "4", *(["-b", str(n_batch)] if n_batch else [])]
+           "-lv", "5" if per_round else "4", *(["-b", str(n_batch)] if n_batch else []),
+           *gpu_flags(n_gpu_layers, draft=True)]
     return _run_and_parse(cmd, lambda out: _parse_dflash(out, per_round))
 
 
