@@ -48,3 +48,69 @@ def draw_is_fragile(model, prompt_ids, tokens, k, sampling: dict) -> bool:
         if not np.array_equal(noisy_ids, ids):
             return True
     return False
+
+
+# MoE routers: a token's k-th and (k+1)-th experts whose router logits nearly tie may swap under the same rounding
+# differences (the device's f16 flash attention, a verify's batched kernels against a decode step's), and the
+# token then takes another expert: its hidden state, and every later token's, changes by far more than TIE.
+# Random test routers are near-uniform, so such ties are common there (measured: k-th/(k+1)-th probability gaps
+# down to 1.6e-7 over 36 tokens x 5 layers).
+ROUTER_TIE = 1e-2  # relative to the token's largest |router logit|
+
+
+def traced_routers(session, tokens, prefix: str = "ffn_moe_logits-") -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """(every token's logits, {layer: traced node [n, ...]}) of evaluating tokens in one batch after what the
+    session holds. The router logits are traced before the routing nodes, so that a fused routing kernel
+    (CUDA's top-k MoE) still runs whole."""
+    session.trace_nodes(prefix)
+    session.take_trace()
+    logits, _ = session.eval(np.asarray(tokens, dtype=np.int32), all_logits=True)
+    trace = session.take_trace()
+    session.trace_nodes("")
+    return logits, {int(name.rsplit("-", 1)[1]): node for name, node in trace.items()}
+
+
+def stepped_routers(session, tokens) -> dict[int, np.ndarray]:
+    """{layer: router logits [n, X]} of evaluating tokens one at a time (decode steps), each committed."""
+    rows: dict[int, list] = {}
+    session.trace_nodes("ffn_moe_logits-")
+    for t in tokens:
+        session.take_trace()
+        session.eval(np.array([t], dtype=np.int32), all_logits=True)
+        session.commit(1)
+        for name, z in session.take_trace().items():
+            rows.setdefault(int(name.rsplit("-", 1)[1]), []).append(z.reshape(1, -1))
+    session.trace_nodes("")
+    return {layer: np.concatenate(z) for layer, z in rows.items()}
+
+
+def router_gap(z: np.ndarray, k: int) -> np.ndarray:
+    """Per token (row of router logits z [n, X]): the gap between its k-th and (k+1)-th logits over its largest
+    |logit|."""
+    s = -np.sort(-z, axis=-1)
+    return (s[:, k - 1] - s[:, k]) / np.abs(z).max(axis=-1)
+
+
+def router_flips(a: dict, b: dict, k: int) -> list[tuple[int, int]]:
+    """(layer, token) where router logits a and b pick different top-k sets of experts."""
+    flips = []
+    for layer in sorted(a):
+        top_a, top_b = np.argsort(-a[layer], axis=-1)[:, :k], np.argsort(-b[layer], axis=-1)[:, :k]
+        flips += [(layer, t) for t in range(len(top_a)) if set(top_a[t]) != set(top_b[t])]
+    return flips
+
+
+def routing_parts_at_a_tie(model, prompt_ids, tokens, k: int, n_expert_used: int) -> bool:
+    """The MoE counterpart of tie_gap: whether one batched evaluation of tokens[:k] after the prompt (as a verify
+    sees them) routes some token to other experts than one-token steps do (as plain decoding sees them), at a
+    router near-tie (its gap, in the steps' logits, under ROUTER_TIE)."""
+    if k == 0:  # the first token comes from the prompt's pass in both
+        return False
+    routes = []
+    for steps in (False, True):
+        s = _core.Session(model._model, n_ctx=model.n_ctx)
+        s.eval(np.array(prompt_ids, dtype=np.int32), all_logits=False)
+        s.commit(len(prompt_ids))
+        routes.append(stepped_routers(s, tokens[:k]) if steps else traced_routers(s, tokens[:k])[1])
+    return any(router_gap(routes[1][layer], n_expert_used)[t] < ROUTER_TIE
+               for layer, t in router_flips(routes[0], routes[1], n_expert_used))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 
+import gguf
 import numpy as np
 import pytest
 
@@ -23,7 +24,8 @@ import pydflash
 from pydflash import _core
 
 from export_pairs import pair_file, prompt_rows  # noqa: E402
-from near_ties import TIE, first_difference, tie_gap  # noqa: E402
+from near_ties import (ROUTER_TIE, TIE, first_difference, router_flips, router_gap,  # noqa: E402
+                        routing_parts_at_a_tie, tie_gap, traced_routers)
 
 pytestmark = pytest.mark.gpu
 
@@ -153,33 +155,56 @@ def test_gpu_allocations_are_the_plan(kind):
 # --------------------------------------------------------------------------------------------------
 # MoE targets, their experts on the device or kept in system memory (n_cpu_moe, llama.cpp's --n-cpu-moe)
 
-MOE_SHAPES = {"qwen3moe": "x5k2_tied", "qwen35moe": "x8k4"}  # 3 and 5 layers
+MOE_ARCHS = ["qwen3moe", "qwen35moe"]
 
 
 @pytest.fixture(scope="module")
 def moe_pairs(tmp_path_factory):
-    """{arch: (f32 target, f32 random DFlash drafter)}: tiny random MoE targets (tests/hf_models.py)."""
-    pytest.importorskip("torch")
-    from hf_models import make_qwen3moe_shape, make_qwen35moe_shape
-    from test_qwen3moe import random_pair
+    """{arch: (f32 target, q8_0 target, q8_0 drafter)}: the committed trained MoE pairs (32 experts, top 4), the
+    target also dequantized to f32. Trained, not random, routers and weights: an H200 ran these tests on tiny
+    random MoE checkpoints first, whose near-uniform routers and untrained layers amplified the device's rounding
+    (its f16 flash attention: 2e-3 relative at layer 0's output) fivefold per layer, to 5% of the logits by the
+    fifth, with one expert swapped in 36 tokens x 5 layers (docs/benchmarks.md, "On an H200")."""
+    from test_qwen3moe import dequantized_copy
 
-    return {arch: random_pair(tmp_path_factory.mktemp(arch), make, MOE_SHAPES[arch], [0, 1])
-            for arch, make in (("qwen3moe", make_qwen3moe_shape), ("qwen35moe", make_qwen35moe_shape))}
+    out = {}
+    for arch in MOE_ARCHS:
+        target = pair_file(arch, "target", "q8_0")
+        f32 = dequantized_copy(target, tmp_path_factory.mktemp(arch) / "target-f32.gguf")
+        out[arch] = (f32, target, pair_file(arch, "dflash", "q8_0"))
+    return out
+
+
+def _experts_used(target, arch) -> int:
+    return int(gguf.GGUFReader(target).fields[f"{arch}.expert_used_count"].contents())
 
 
 @pytest.mark.parametrize("n_cpu_moe", [0, 2, -1])
-@pytest.mark.parametrize("arch", sorted(MOE_SHAPES))
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_logits_with_experts_on_either_side(moe_pairs, arch, n_cpu_moe):
     """Every layer on the device, the experts of the first n_cpu_moe layers in system memory (the graph goes to
-    the CPU for those mul_mat_ids and back): the all-CPU logits; the experts' buffers where asked, as planned."""
-    target, _ = moe_pairs[arch]
-    tokens = np.array([3, 17, 200, 45, 9, 311, 77, 5, 128, 64, 400, 12] * 3, dtype=np.int32)
-    # f32 K/V: the device's flash attention rounds an f16 cache differently from the CPU's path, which the routers
-    # then amplify (measured 3.7e-3 relative with f16 on an RPC device)
-    cpu, _ = _core.Session(_core.Model(str(target)), n_ctx=256, type_k="f32", type_v="f32").eval(tokens)
+    the CPU for those mul_mat_ids and back): the all-CPU logits up to the first token the two route to other
+    experts, which they may only at a router near-tie (tests/near_ties.py); layer 0's output on every token it
+    routes alike; the experts' buffers where asked, as planned."""
+    target, _, _ = moe_pairs[arch]
+    k = _experts_used(target, arch)
+    tokens = _prompt()
     model = _core.Model(str(target), n_gpu_layers=-1, n_cpu_moe=n_cpu_moe)
-    dev, _ = _core.Session(model, n_ctx=256, type_k="f32", type_v="f32").eval(tokens)
-    assert np.abs(cpu - dev).max() <= 2e-3 * np.abs(cpu).max()
+    # f32 K/V: closer to the CPU's f32 path (CUDA's flash attention still rounds Q, K and V to f16)
+    sessions = [_core.Session(m, n_ctx=256, type_k="f32", type_v="f32") for m in (_core.Model(str(target)), model)]
+    (cpu, cpu_routers), (dev, dev_routers) = (traced_routers(s, tokens) for s in sessions)
+    flips = router_flips(cpu_routers, dev_routers, k)
+    for layer, t in flips:
+        assert router_gap(cpu_routers[layer], k)[t] < ROUTER_TIE, (layer, t)
+    first = min((t for _, t in flips), default=len(tokens))
+    assert np.abs(cpu[:first] - dev[:first]).max(initial=0.0) <= 2e-3 * np.abs(cpu).max()
+    # layer 0's output of a token depends on layer 0's routing of that token only
+    same = [t for t in range(len(tokens)) if (0, t) not in flips]
+    for s in sessions:
+        s.truncate(0)
+    (_, cpu_l0), (_, dev_l0) = (traced_routers(s, tokens, "l_out-0") for s in sessions)
+    assert len(same) >= len(tokens) // 2
+    assert np.abs(cpu_l0[0][same] - dev_l0[0][same]).max() <= 2e-3 * np.abs(cpu_l0[0]).max()
     kept = model.n_layer if n_cpu_moe < 0 else n_cpu_moe
     for name, device, _ in model.placement:
         if "_exps" in name:
@@ -191,18 +216,23 @@ def test_moe_logits_with_experts_on_either_side(moe_pairs, arch, n_cpu_moe):
 
 
 @pytest.mark.parametrize("n_cpu_moe", [0, 2])
-@pytest.mark.parametrize("arch", sorted(MOE_SHAPES))
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_speculative_equals_plain_on_the_gpu(moe_pairs, arch, n_cpu_moe):
-    target, draft = moe_pairs[arch]
+    """Greedy speculation's tokens are plain decoding's, or part from them at a near-tie: of the target's logits,
+    or of a router that a verify's batch then routes otherwise than a decode step (tests/near_ties.py)."""
+    _, target, draft = moe_pairs[arch]
+    k_used = _experts_used(target, arch)
     for mode in ("chain", "tree", "auto"):
         with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, n_gpu_layers=-1, n_cpu_moe=n_cpu_moe,
                             spec_mode=mode) as m:
-            for prompt in ([5, 9, 33, 100, 7], list(range(40, 90))):
-                plain = m.generate(prompt, max_tokens=48, speculative=False).tokens
-                spec = m.generate(prompt, max_tokens=48).tokens
+            for row in prompt_rows("code")[:3]:
+                prompt = m.tokenize(row["text"])
+                plain = m.generate(prompt, max_tokens=64, speculative=False).tokens
+                spec = m.generate(prompt, max_tokens=64).tokens
                 if spec != plain:  # the device's rounding may part them at a near-tie only
                     k = first_difference(spec, plain)
-                    assert tie_gap(m, prompt, spec, plain, k) < TIE, (mode, k)
+                    assert (tie_gap(m, prompt, spec, plain, k) < TIE
+                            or routing_parts_at_a_tie(m, prompt, plain, k, k_used)), (mode, k)
 
 
 def test_speed_table(tmp_path):
