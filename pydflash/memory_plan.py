@@ -37,10 +37,11 @@ MAX_CTX, MAX_BLOCK_SIZE, MAX_TREE_BUDGET = _core.MAX_CTX, _core.MAX_BLOCK_SIZE, 
 # what a plan counts, per device
 CATEGORIES = ("weights", "kv", "recurrent", "ring", "draft", "compute")
 # A GPU backend's own memory, which none of those holds: a CUDA context with lazy module loading (the default from
-# CUDA 12.2 on Linux: 287 MB as PyTorch measured it, pytorch/pytorch#86509) and cuBLAS's workspace (32 MiB on
-# Hopper). A plan counts it against a GPU budget given as vram=, the card's size; the free memory measured on this
-# machine is what is left after this process's context already exists.
-GPU_BACKEND_OVERHEAD = 320 * 2**20
+# CUDA 12.2 on Linux; measured: 527 MiB of an H200 in use once ggml's CUDA backend had started, CUDA 13.0, driver
+# 580, before any buffer; PyTorch measured 287 MB on smaller cards, pytorch/pytorch#86509) and cuBLAS's workspace
+# (32 MiB on Hopper). A plan counts the measured one against a GPU budget given as vram=, the card's size; the
+# free memory measured on this machine is what is left after this process's context already exists.
+GPU_BACKEND_OVERHEAD = 560 * 2**20
 
 
 PROPOSERS = ("dflash", "ngram", "mtp")
