@@ -53,8 +53,8 @@ def draw_is_fragile(model, prompt_ids, tokens, k, sampling: dict) -> bool:
 # MoE routers: a token's k-th and (k+1)-th experts whose router logits nearly tie may swap under the same rounding
 # differences (the device's f16 flash attention, a verify's batched kernels against a decode step's), and the
 # token then takes another expert: its hidden state, and every later token's, changes by far more than TIE.
-# Random test routers are near-uniform, so such ties are common there (measured: k-th/(k+1)-th probability gaps
-# down to 1.6e-7 over 36 tokens x 5 layers).
+# Tiny random checkpoints' routers are near-uniform, so such ties are common there (relative gaps down to 3e-4 in
+# 36 tokens x 3 layers; an H200 swapped experts at 3e-4 and 2e-3 against the CPU, docs/benchmarks.md).
 ROUTER_TIE = 1e-2  # relative to the token's largest |router logit|
 
 
