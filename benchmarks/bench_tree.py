@@ -90,8 +90,8 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
                                        n_gpu_layers=getattr(args, "n_gpu_layers", 0), **kw)
         # warm-up: pages, graphs, auto's calibration
         models[label].generate(prompts[0], max_tokens=8, **generate_kwargs(0))
-    totals = {label: {"tokens": 0, "ms": 0.0, "committed": 0, "rounds": 0, "verified": 0, "outputs": []}
-              for label, _ in engines}
+    totals = {label: {"tokens": 0, "ms": 0.0, "committed": 0, "rounds": 0, "verified": 0, "draft_ms": 0.0,
+                      "verify_ms": 0.0, "outputs": []} for label, _ in engines}
     for i, text in enumerate(prompts):
         for label, _ in engines:  # interleaved
             c = models[label].generate(text, max_tokens=args.max_tokens, **generate_kwargs(i))
@@ -103,6 +103,8 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
                 acc["committed"] += t["draft_n_accepted"] + t["n_rounds"]
                 acc["rounds"] += t["n_rounds"]
                 acc["verified"] += t["verify_n"]
+                acc["draft_ms"] += t["draft_ms"]
+                acc["verify_ms"] += t["verify_ms"]
             if "auto" in label.split():
                 acc.setdefault("auto", {})
                 for k in ("auto_skipped", "auto_plain", "auto_chain", "auto_tree"):
@@ -117,13 +119,18 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
         if acc["rounds"]:
             row["tau"] = acc["committed"] / acc["rounds"]
             row["verified_per_token"] = acc["verified"] / acc["committed"]
+            # a speculative round's drafting and verify (the rest of the time: plain steps, commits, the walk)
+            row["round_ms"] = {"draft": acc["draft_ms"] / acc["rounds"], "verify": acc["verify_ms"] / acc["rounds"]}
         row["same_as_plain"] = sum(a == b for a, b in zip(acc["outputs"], plain_out))
         if "auto" in acc:
             row["auto"] = acc["auto"]
         if "ran" in acc:
             row["ran"] = acc["ran"]
         rows[label] = row
-    for m in models.values():
+    for label, m in models.items():
+        if m._draft is not None and "auto" in label.split():
+            # what auto learnt a verify costs, by width (ms): the times its choices rest on
+            rows[label]["learnt_verify_ms"] = {w: round(ms, 3) for w, ms in m._draft.costs()["verify_ms"].items()}
         m.close()
     return rows
 
@@ -175,6 +182,10 @@ def print_pair(name: str, rows: dict, best_of: str = "llama.cpp dflash") -> None
             notes.append(f"same output {r['same_as_plain']}/{rows['plain']['same_as_plain']}")
         if "auto" in r:
             notes.append(" ".join(f"{k[5:]} {v}" for k, v in r["auto"].items()))
+        if "round_ms" in r:
+            notes.append(f"per round draft {r['round_ms']['draft']:.2f} + verify {r['round_ms']['verify']:.2f} ms")
+        if "learnt_verify_ms" in r:
+            notes.append("learnt verify ms " + " ".join(f"{w}:{ms:.2f}" for w, ms in r["learnt_verify_ms"].items()))
         if "ran" in r:  # the share of its rounds each merged proposer drafted in
             n = sum(r["auto"].values())
             notes.append("drafted in " + ", ".join(f"{k} {v / n:.0%}" for k, v in r["ran"].items()))
