@@ -163,7 +163,7 @@ def moe_pairs(tmp_path_factory):
     """{arch: (f32 target, q8_0 target, q8_0 drafter)}: the committed trained MoE pairs (32 experts, top 4), the
     target also dequantized to f32. Trained, not random, routers and weights: an H200 ran these tests on tiny
     random MoE checkpoints first, whose near-uniform routers and untrained layers amplified the device's rounding
-    (its f16 flash attention: 2e-3 relative at layer 0's output) about fivefold per layer, to 10% of the logits by
+    (2e-3 relative at layer 0's output in a batch) about fivefold per layer, to 10% of the logits by
     the fifth, with one expert swapped in 36 tokens x 5 layers (docs/benchmarks.md, "On an H200")."""
     from test_qwen3moe import dequantized_copy
 
