@@ -9,6 +9,8 @@
 # Environment: LLAMA_SRC (the unpacked llama.cpp tree; default: vendor/ggml/fetch.py's), CUDA_ARCH (default 90),
 # GGML_PREFIX (default /tmp/ggml-cuda), LIMIT (seconds for the whole run, default 570: each stage stops at its
 # share so that what ran is logged). On 16 cores step 1 took 216 s, step 2 22 s (an H200, 2026-11-26).
+# python3 needs what `pip install --no-build-isolation` of this project needs (scikit-build-core, pybind11, gguf,
+# ...); on a machine that cannot download, bring their wheels.
 set -u
 OUT=${1:-build/gpu-check}
 mkdir -p "$OUT"
