@@ -8,7 +8,8 @@
 #
 # Environment: LLAMA_SRC (the unpacked llama.cpp tree; default: vendor/ggml/fetch.py's), CUDA_ARCH (default 90),
 # GGML_PREFIX (the ggml install, default OUT/ggml-cuda), LLAMA_BUILD (its build folder, default OUT/llama-cuda),
-# LIMIT (seconds for the whole run, default 570: each stage stops at its share so that what ran is logged). On 16 cores step 1 took 216 s, step 2 22 s (an H200, 2026-11-26).
+# LIMIT (seconds for the whole run, default 570: each stage stops at its share so that what ran is logged).
+# On 16 cores step 1 took 216 s, step 2 22 s (an H200, 2026-11-26).
 # python3 needs what `pip install --no-build-isolation` of this project needs (scikit-build-core, pybind11, gguf,
 # ...); on a machine that cannot download, bring their wheels.
 set -u
@@ -29,7 +30,8 @@ if [ ! -f "$P/lib/cmake/ggml/ggml-config.cmake" ]; then
     # (AMX tile instructions fault on the machines this project runs on: benchmarks/peer.py)
     NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     cmake -S "$L" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_CUDA=ON \
-        -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DGGML_RPC=ON -DGGML_OPENMP=OFF -DGGML_NATIVE=ON \
+        -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90}" -DGGML_RPC=ON -DGGML_OPENMP=OFF \
+        -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
         "-DCMAKE_C_FLAGS=$NOAMX" "-DCMAKE_CXX_FLAGS=$NOAMX" > "$OUT/build-peer.log" 2>&1 \
     && cmake --build "$BUILD" --target ggml ggml-rpc llama-completion llama-speculative-simple \
