@@ -58,6 +58,15 @@ def draw_is_fragile(model, prompt_ids, tokens, k, sampling: dict) -> bool:
 ROUTER_TIE = 1e-2  # relative to the token's largest |router logit|
 
 
+def moe_experts(path) -> tuple[int, int]:
+    """(experts, experts each token takes) of a MoE GGUF, from its metadata."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    arch = fields["general.architecture"].contents()
+    return int(fields[f"{arch}.expert_count"].contents()), int(fields[f"{arch}.expert_used_count"].contents())
+
+
 def traced_routers(session, tokens, prefix: str = "ffn_moe_logits-") -> tuple[np.ndarray, dict[int, np.ndarray]]:
     """(every token's logits, {layer: traced node [n, ...]}) of evaluating tokens in one batch after what the
     session holds. The router logits are traced before the routing nodes, so that a fused routing kernel

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import time
 
-import gguf
 import numpy as np
 import pytest
 
@@ -24,7 +23,7 @@ import pydflash
 from pydflash import _core
 
 from export_pairs import pair_file, prompt_rows  # noqa: E402
-from near_ties import (ROUTER_TIE, TIE, first_difference, router_flips, router_gap,  # noqa: E402
+from near_ties import (ROUTER_TIE, TIE, first_difference, moe_experts, router_flips, router_gap,  # noqa: E402
                         routing_parts_at_a_tie, tie_gap, traced_routers)
 
 pytestmark = pytest.mark.gpu
@@ -175,10 +174,6 @@ def moe_pairs(tmp_path_factory):
     return out
 
 
-def _experts_used(target, arch) -> int:
-    return int(gguf.GGUFReader(target).fields[f"{arch}.expert_used_count"].contents())
-
-
 @pytest.mark.parametrize("n_cpu_moe", [0, 2, -1])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_logits_with_experts_on_either_side(moe_pairs, arch, n_cpu_moe):
@@ -187,7 +182,7 @@ def test_moe_logits_with_experts_on_either_side(moe_pairs, arch, n_cpu_moe):
     experts, which they may only at a router near-tie (tests/near_ties.py); layer 0's output on every token it
     routes alike; the experts' buffers where asked, as planned."""
     target, _, _ = moe_pairs[arch]
-    k = _experts_used(target, arch)
+    _, k = moe_experts(target)
     tokens = _prompt()
     model = _core.Model(str(target), n_gpu_layers=-1, n_cpu_moe=n_cpu_moe)
     # f32 K/V: closer to the CPU's f32 path (CUDA's flash attention still rounds Q, K and V to f16)
@@ -221,7 +216,7 @@ def test_moe_speculative_equals_plain_on_the_gpu(moe_pairs, arch, n_cpu_moe):
     """Greedy speculation's tokens are plain decoding's, or part from them at a near-tie: of the target's logits,
     or of a router that a verify's batch then routes otherwise than a decode step (tests/near_ties.py)."""
     _, target, draft = moe_pairs[arch]
-    k_used = _experts_used(target, arch)
+    _, k_used = moe_experts(target)
     for mode in ("chain", "tree", "auto"):
         with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, n_gpu_layers=-1, n_cpu_moe=n_cpu_moe,
                             spec_mode=mode) as m:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import gguf
 import pydflash
 from pydflash import _core
 
 from export_pairs import pair_file, prompt_rows  # noqa: E402
-from near_ties import (ROUTER_TIE, router_flips, router_gap, routing_parts_at_a_tie, stepped_routers,  # noqa: E402
-                       traced_routers)
+from near_ties import (ROUTER_TIE, moe_experts, router_flips, router_gap, routing_parts_at_a_tie,  # noqa: E402
+                       stepped_routers, traced_routers)
 
 
 def test_router_gap_is_the_kth_margin_over_the_largest_logit():
@@ -36,16 +35,15 @@ def test_router_flips_compare_sets_not_order():
 @pytest.fixture(scope="module")
 def moe_model():
     path = pair_file("qwen35moe", "target", "q8_0")
-    k = int(gguf.GGUFReader(path).fields["qwen35moe.expert_used_count"].contents())
     with pydflash.Model(path, n_ctx=512, n_threads=2) as m:
         prompt = m.tokenize(prompt_rows("code")[0]["text"])[:40]
-        yield m, prompt, m.generate(prompt, max_tokens=12).tokens, k
+        yield m, prompt, m.generate(prompt, max_tokens=12).tokens, moe_experts(path)
 
 
 def test_traced_routers_batched_and_stepped_agree_on_the_cpu(moe_model):
     """The router logits of every MoE layer, traced in one batch and in committed one-token steps after the
     prompt: one row per token and expert, the same up to the CPU's rounding between batch widths."""
-    m, prompt, tokens, k = moe_model
+    m, prompt, tokens, (n_expert, k) = moe_model
     sessions = []
     for _ in range(2):
         s = _core.Session(m._model, n_ctx=512)
@@ -54,8 +52,6 @@ def test_traced_routers_batched_and_stepped_agree_on_the_cpu(moe_model):
         sessions.append(s)
     logits, batched = traced_routers(sessions[0], tokens)
     stepped = stepped_routers(sessions[1], tokens)
-    n_expert = int(gguf.GGUFReader(pair_file("qwen35moe", "target", "q8_0")).fields["qwen35moe.expert_count"]
-                   .contents())
     assert logits.shape[0] == len(tokens) and sorted(batched) == sorted(stepped) == list(range(m._model.n_layer))
     for layer, z in batched.items():
         assert z.shape == stepped[layer].shape == (len(tokens), n_expert)

@@ -1,7 +1,7 @@
 """PYDFLASH_USE_SYSTEM_GGML (docs/building.md, "ggml"): pydflash built against an installed ggml of the pinned
 version (the pinned llama.cpp tree's ggml, shared, for the CPU, installed into a temporary prefix) loads that
 ggml's libraries and computes what the default build (one static ggml inside the extension) computes. Slow: two
-builds, ~10 minutes on 2 cores."""
+builds, 2.5 minutes on 2 cores."""
 
 from __future__ import annotations
 
