@@ -13,6 +13,8 @@ import pytest
 import pydflash
 from pydflash import _core
 
+from near_ties import TIE, draw_is_fragile, first_difference, tie_gap  # noqa: E402
+
 PAIRS = Path(__file__).resolve().parent / "data" / "pairs"
 PROMPTS = ["def quicksort(items):\n", "class LinkedList:\n    def __init__(self):\n", "import os\n\ndef walk(",
            "def parse_args(argv):\n", "# binary search\ndef search(a, x):\n", "def merge(a, b):\n"]
@@ -45,9 +47,24 @@ def _job(m: pydflash.Model, i: int) -> tuple:
     return out.text, out.tokens, out.finish_reason
 
 
+def _assert_same_or_near_tie(m: pydflash.Model, i: int, got: tuple, alone: tuple) -> None:
+    """Job i's output as alone, or parted from it at a near-tie only (tests/near_ties.py): auto's widths follow the
+    times each session measures, slower while threads contend, and a verify of another shape rounds the logits
+    otherwise (seen in a fresh-clone run: qwen3, job 3, output 35, logits 0.004 apart). A garbled computation
+    parts far from any tie."""
+    if got == alone:
+        return
+    prompt, at = m.tokenize(PROMPTS[i % len(PROMPTS)]), first_difference(got[1], alone[1])
+    if i % 2:
+        assert tie_gap(m, prompt, got[1], alone[1], at) < TIE, (i, at)
+    else:  # generate()'s sampling defaults (llama-cpp-python's) at the job's seed and temperature
+        sampling = {"seed": 100 + i, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+        assert draw_is_fragile(m, prompt, got[1], at, sampling), (i, at)
+
+
 def test_sessions_generate_in_parallel_threads_as_alone(model):
     """Speculative generations (greedy and sampled) on 4 sessions at once, three times over, equal the same calls
-    made one by one on one session (a shared CPU work buffer or graph would garble them)."""
+    made one by one on one session but at a near-tie (a shared CPU work buffer or graph would garble them)."""
     alone = [_job(model, i) for i in range(len(PROMPTS))]
     sessions = [model] + [model.new_session() for _ in range(3)]
     for _ in range(3):
@@ -55,7 +72,8 @@ def test_sessions_generate_in_parallel_threads_as_alone(model):
         with ThreadPoolExecutor(n) as pool:  # session k runs jobs k, k + n, ... in turn
             runs = list(pool.map(lambda k: [_job(sessions[k], i) for i in range(k, len(PROMPTS), n)], range(n)))
         together = {i: out for k in range(n) for i, out in zip(range(k, len(PROMPTS), n), runs[k])}
-        assert [together[i] for i in range(len(PROMPTS))] == alone
+        for i in range(len(PROMPTS)):
+            _assert_same_or_near_tie(model, i, together[i], alone[i])
 
 
 def test_the_prompt_cache_is_per_session(model):
