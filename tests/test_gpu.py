@@ -84,6 +84,26 @@ def test_draft_proposals_cpu_vs_gpu(kind):
         np.testing.assert_allclose(lp0[pos][0], lp1[pos][0], atol=1e-2)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_decoding_over_long_windows_cpu_vs_gpu(kind):
+    # One-token steps over windows of 256 slots and more, each step replaying the captured decode graph: CUDA's
+    # flash-attention vector kernel runs there (a window a multiple of 256, one query) and read the previous
+    # step's Q while Q was placed right before attention in the graph (models/attention.cpp, on an H100: qwen3's
+    # greedy tokens wrong from the third on, right with GGML_CUDA_DISABLE_GRAPHS=1 or a 200-slot window).
+    path = str(pair_file(kind, "target", "f32"))
+    text = prompt_rows("code")[0]["text"]
+    out = {}
+    for ngl in (0, -1):
+        with pydflash.Model(path, n_ctx=1024, n_gpu_layers=ngl, draft_model_path=None, proposers=()) as m:
+            out[ngl] = m.generate(text, max_tokens=400, speculative=False).tokens
+            prompt = m.tokenize(text)
+    assert len(prompt) + len(out[-1]) > 256 + 64  # through the 256-slot window and past it
+    if out[0] != out[-1]:
+        k = first_difference(out[0], out[-1])
+        with pydflash.Model(path, n_ctx=1024, draft_model_path=None, proposers=()) as cpu:
+            assert tie_gap(cpu, prompt, out[0], out[-1], k) < TIE, k
+
+
 def _speculative_equals_plain(m, rows, max_tokens: int) -> None:
     for row in rows:
         plain = m.generate(row["text"], max_tokens=max_tokens, speculative=False)

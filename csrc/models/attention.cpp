@@ -139,7 +139,17 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const kv_
     ggml_tensor * k_cache = st.k[il];  // [hd*Hkv, n_ctx]
     ggml_tensor * v_cache = st.v[il];  // [hdv*Hkv, n_ctx]
 
-    // the writes come first in the graph so the reads below see them
+    // Q first, then the cache writes, so that the reads below see them. Q must be complete before attention
+    // starts: CUDA launches each kernel before the one before it ends (programmatic dependent launch, on by
+    // default on Hopper), the fused Q norm+rope kernel lets its successor start before it writes Q, and the
+    // flash-attention vector kernel (a window a multiple of 256 slots, one query) reads Q through __restrict__
+    // (non-coherent) loads that may be scheduled before its wait for the kernel before it. The writes between,
+    // whose kernels wait for their predecessors before letting theirs start, keep them apart, as llama.cpp
+    // orders them (llama-graph.cpp, build_attn). With Q placed right before attention, greedy decoding on an
+    // H100 went wrong from its third token over a 256-slot window, only with CUDA graphs (qwen3; qwen35's Q rope
+    // is not fused); that this order fixes it is read from ggml's code, not yet run on a GPU (tests/test_gpu.py,
+    // plain decoding over long windows).
+    ggml_build_forward_expand(gf, q);
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, hd * Hkv, n_new), in.slots));
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, ggml_reshape_2d(ctx, v, hdv * Hkv, n_new), in.slots));
 

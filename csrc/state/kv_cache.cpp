@@ -60,6 +60,9 @@ kv_cache::kv_cache(const model_info & info, const backends & be, uint32_t n_ctx,
                                             ggml_backend_buft_name(failed)),
                                      0, n_ctx);
     }
+    // slots past the committed ones are read masked: attention weighs them by 0, which keeps a NaN (whatever a
+    // fresh allocation held) a NaN
+    buffers_.clear();
 }
 
 kv_cache::~kv_cache() = default;
