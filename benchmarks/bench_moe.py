@@ -147,11 +147,16 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
     ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
     ap.add_argument("--json", type=Path, default=None, help="also write tables 1 and 2 here")
+    ap.add_argument("--engines", default=None, help="table 2: comma-separated labels of ours to run (default: all; "
+                                                      "plain always)")
+    ap.add_argument("--warm-costs", action="store_true",
+                    help="table 2's engines share the user's cost cache (default: each its own, fresh)")
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--drafter", default="dflash", choices=("dflash", "dflash2"),
                     help="table 2's committed drafter kind (tests/data/pairs/<arch>-<kind>-q8_0.gguf)")
     args = ap.parse_args()
     tables = set(args.tables.split(","))
+    engines = [e for e in ENGINES if args.engines is None or e[0] == "plain" or e[0] in args.engines.split(",")]
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens, greedy, {args.threads} threads")
     results = {}
@@ -163,7 +168,7 @@ def main() -> None:
                 out["experts"] = experts_per_width(pair["target"], prompts, args.max_tokens)
                 print_experts(pair["name"], pair["target"], out["experts"])
             if "2" in tables:
-                rows = bench_tree.run_ours(pair, prompts, args, engines=ENGINES)
+                rows = bench_tree.run_ours(pair, prompts, args, engines=engines)
                 if not args.skip_peer:
                     rows.update(bench_tree.run_llama(pair, prompts, args, Path(tmp)))
                 out["engines"] = rows

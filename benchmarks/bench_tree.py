@@ -29,7 +29,11 @@ ratio to our plain decoding and to llama.cpp's best DFlash row of the same pair.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
+import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +47,7 @@ import peer  # noqa: E402
 from export_pairs import PAIRS_DIR, pair_file, prompt_rows  # noqa: E402
 
 import pydflash  # noqa: E402
+from pydflash import _core  # noqa: E402
 from pydflash.convert.inflate import inflate_gguf  # noqa: E402
 
 # (label, Model keyword arguments); None = plain decoding
@@ -78,24 +83,63 @@ def tiny_pairs(archs) -> list[dict]:
              "draft": pair_file(arch, "dflash", t)} for arch in archs for t in ("f16", "q8_0")]
 
 
+def own_cost_caches(warm: bool):
+    """A context per engine label in which pydflash reads and writes its cost cache (cost_cache.py): each engine's
+    own, empty at the start of the run, so that what one engine (or an earlier run) measured does not steer
+    another's auto; warm: the user's cache, shared (what a machine's second run sees)."""
+    root = Path(tempfile.mkdtemp(prefix="pydflash-costs-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def own(label: str):
+        if warm:
+            yield
+            return
+        before = os.environ.get("PYDFLASH_CACHE")
+        os.environ["PYDFLASH_CACHE"] = str(root / label.replace(" ", "_"))
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["PYDFLASH_CACHE"]
+            else:
+                os.environ["PYDFLASH_CACHE"] = before
+    return own
+
+
+def measured_widths(traced: list[dict]) -> dict:
+    """Traced rounds' mean verify ms by chain width (trees apart, as "<w>t"): what the cost model's learnt times
+    should come near."""
+    by = {}
+    for r in traced:
+        by.setdefault(f"{r['width']}{'t' if r['tree'] else ''}", []).append(r["verify_ms"])
+    return {w: (sum(v) / len(v), len(v)) for w, v in sorted(by.items(), key=lambda kv: int(kv[0].rstrip("t")))}
+
+
 def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs=lambda i: {}) -> dict:
     """Each engine (label, Model keyword arguments, with the pair's drafter unless they say draft_model_path; the
     first: plain) over the prompts, interleaved; generate_kwargs(i): what prompt i's generate() takes besides the
     prompt and max_tokens."""
     models = {}
+    own = own_cost_caches(getattr(args, "warm_costs", False))
     for label, kw in engines:
         # (plain: no proposer at all, not even a target's own MTP head)
         kw = {"draft_model_path": None, "proposers": ()} if kw is None else {"draft_model_path": pair["draft"], **kw}
-        models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads,
-                                       n_gpu_layers=getattr(args, "n_gpu_layers", 0), **kw)
-        # warm-up: pages, graphs, auto's calibration
-        models[label].generate(prompts[0], max_tokens=8, **generate_kwargs(0))
+        with own(label):
+            models[label] = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads,
+                                           n_gpu_layers=getattr(args, "n_gpu_layers", 0), **kw)
+            # warm-up: pages, graphs, auto's calibration
+            models[label].generate(prompts[0], max_tokens=8, **generate_kwargs(0))
     totals = {label: {"tokens": 0, "ms": 0.0, "committed": 0, "rounds": 0, "verified": 0, "draft_ms": 0.0,
-                      "verify_ms": 0.0, "outputs": []} for label, _ in engines}
+                      "verify_ms": 0.0, "outputs": [], "traced": []} for label, _ in engines}
+    _core.trace_rounds(True)  # every round's width, verify time and graph builds (decode/round_trace.h)
+    _core.traced_rounds()
     for i, text in enumerate(prompts):
         for label, _ in engines:  # interleaved
-            c = models[label].generate(text, max_tokens=args.max_tokens, **generate_kwargs(i))
+            with own(label):
+                c = models[label].generate(text, max_tokens=args.max_tokens, **generate_kwargs(i))
             t, acc = c.timings, totals[label]
+            acc["traced"] += _core.traced_rounds()
             acc["tokens"] += max(0, len(c.tokens) - 1)
             acc["ms"] += t["predicted_ms"]
             acc["outputs"].append(c.tokens)
@@ -112,6 +156,7 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
             for name, by in t.get("by_proposer", {}).items():  # merged proposers: the rounds each drafted in
                 acc.setdefault("ran", {})
                 acc["ran"][name] = acc["ran"].get(name, 0) + by["ran"]
+    _core.trace_rounds(False)
     rows = {}
     plain_out = totals[engines[0][0]]["outputs"]
     for label, acc in totals.items():
@@ -122,8 +167,11 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
             # a speculative round's drafting and verify (the rest of the time: plain steps, commits, the walk)
             row["round_ms"] = {"draft": acc["draft_ms"] / acc["rounds"], "verify": acc["verify_ms"] / acc["rounds"]}
         row["same_as_plain"] = sum(a == b for a, b in zip(acc["outputs"], plain_out))
+        if acc["traced"]:
+            row["builds_per_eval"] = sum(r["builds"] for r in acc["traced"]) / len(acc["traced"])
         if "auto" in acc:
             row["auto"] = acc["auto"]
+            row["measured_verify_ms"] = measured_widths(acc["traced"])
         if "ran" in acc:
             row["ran"] = acc["ran"]
         rows[label] = row
@@ -186,6 +234,10 @@ def print_pair(name: str, rows: dict, best_of: str = "llama.cpp dflash") -> None
             notes.append(f"per round draft {r['round_ms']['draft']:.2f} + verify {r['round_ms']['verify']:.2f} ms")
         if "learnt_verify_ms" in r:
             notes.append("learnt verify ms " + " ".join(f"{w}:{ms:.2f}" for w, ms in r["learnt_verify_ms"].items()))
+        if "measured_verify_ms" in r:  # width: mean ms (rounds)
+            notes.append("measured " + " ".join(f"{w}:{ms:.2f}({n})" for w, (ms, n) in r["measured_verify_ms"].items()))
+        if r.get("builds_per_eval"):
+            notes.append(f"graph builds/eval {r['builds_per_eval']:.2f}")
         if "ran" in r:  # the share of its rounds each merged proposer drafted in
             n = sum(r["auto"].values())
             notes.append("drafted in " + ", ".join(f"{k} {v / n:.0%}" for k, v in r["ran"].items()))
@@ -205,6 +257,9 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
     ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--warm-costs", action="store_true",
+                    help="every engine reads and writes the user's cost cache (default: each its own, fresh: what "
+                         "earlier runs and other engines measured does not steer auto)")
     ap.add_argument("--budgets", default=None,
                     help="only plain and tree mode at these budgets, e.g. 22,63,127,255 (tau by budget)")
     ap.add_argument("--engines", default=None, help="comma-separated labels of ours to run (default: all; plain "

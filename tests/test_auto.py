@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from pydflash import _core
 
 GRID = (1, 2, 4, 8, 16, 32, 64)
@@ -51,6 +53,19 @@ def test_flat_costs_take_the_whole_tree():
     rank = [0, 0, 1, 0, 1, 0, 0]
     logp = [0.0] + [math.log(p) for p in (0.6, 0.3, 0.7, 0.2, 0.9, 0.5)]
     assert _core.choose_verify_budget(parents, rank, logp, costs(lambda w: 10.0)) == 6
+
+
+def test_on_a_gpu_rounds_verify_grid_widths_or_every_node():
+    # On a GPU each verify width is a captured graph (decode/cost_model.h): a round verifies 1, 2, 4, 8, ... tokens
+    # or all it was offered. Costs 10 + 2 (w - 1), R = 1/10, chain of 0.55 (module docstring): the gain of b
+    # drafts, 1 + sum_{d<=b} 0.55^d - (10 + 2 b) / 10, is 0.35, 0.4525, 0.4189, 0.3104, 0.1607 for b = 1..5.
+    verify = costs(lambda w: 10.0 + 2.0 * (w - 1))
+    assert _core.choose_verify_budget(*chain(0.55, 5), verify) == 2  # 3 tokens: off the grid
+    assert _core.choose_verify_budget(*chain(0.55, 5), verify, grid_widths=True) == 3  # 4 tokens
+    # b = 5 (all six tokens) is offered whatever its width: with 0.95 it is the best
+    assert _core.choose_verify_budget(*chain(0.95, 5), verify, grid_widths=True) == 5
+    # nothing worth a draft stays plain
+    assert _core.choose_verify_budget(*chain(0.15, 5), verify, grid_widths=True) == 0
 
 
 def test_recurrent_trees_cost_their_own_time():
@@ -124,3 +139,24 @@ def test_speculation_is_judged_on_tokens_over_time_not_on_a_mean_of_round_rates(
     rounds = [(16, True, 16, 100.0)] + [(1, True, 1, 12.0)] * 40
     first = next((k for k in range(2, 42) if _core.judge_rounds(rounds[:k], verify_ms)[-1][0] > 0), None)
     assert first is not None and first > 11
+
+
+def test_a_guessed_shape_does_not_move_a_measured_width():
+    # Plain steps at 10 ms and 4-token verifies at 16 ms measured, then 6-token verifies at 25 ms while width 8 is
+    # not measured yet: the shape between 4 and 8 is unknown, so the 6-token times bound width 8 from below (25
+    # ms, optimistic) and leave width 4 as measured. (Carried flat onto width 4, as before, they raised it to
+    # 25 ms's side: on the CPU a width-4 verify measured at 25 ms was learnt as 36.6 ms and no longer chosen.)
+    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(4, 16.0)] * 3 + [(6, 25.0)] * 2, 16)
+    assert learnt[1] == 10.0 and learnt[4] == 16.0 and learnt[8] == 25.0
+    # once both are measured, later 6-token times move both through the shape between them (linear: 20.5 ms
+    # at 6 tokens, so 25 ms is 22% above it): width 8 more, as 6 tokens lie midway
+    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(4, 16.0)] * 3 + [(6, 25.0)] * 3, 16)
+    assert learnt[4] == pytest.approx(16.0 + 0.2 * 0.5 * (25.0 * 16.0 / 20.5 - 16.0))
+    assert learnt[8] == pytest.approx(25.0 + 0.2 * 0.5 * (25.0 * 25.0 / 20.5 - 25.0))
+
+
+def test_an_unmeasured_narrower_width_gets_its_share_by_width():
+    # nothing measured between plain steps and 6 tokens: width 4 is bounded below by 4/6 of a 6-token verify,
+    # width 8 by all of it; both optimistic, to be measured when a round explores them
+    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(6, 24.0)] * 2, 16)
+    assert learnt[4] == pytest.approx(16.0) and learnt[8] == pytest.approx(24.0)

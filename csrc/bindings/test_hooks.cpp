@@ -2,6 +2,8 @@
 // builder, auto's per-round choice, one draw of the sampler, a drafter's block), and reads of a session's
 // committed state. pydflash itself never calls them.
 #include "bindings/common.h"
+#include "core/graph_cache.h"
+#include "decode/round_trace.h"
 #include "decode/tree.h"
 #include "models/argmax.h"
 #include "state/recurrent_state.h"
@@ -96,7 +98,8 @@ static py::tuple draft_tree_of(i32_array ids, f32_array logprobs, int64_t root, 
 // costs: ms per verify width, calibrated (widths of a power-of-two grid)
 static int verify_budget(const std::vector<int32_t> & parents, const std::vector<int32_t> & rank,
                          const std::vector<float> & logp, const std::map<int, double> & verify_ms,
-                         const std::map<int, double> & tree_verify_ms, double spec_rate, bool recurrent) {
+                         const std::map<int, double> & tree_verify_ms, double spec_rate, bool recurrent,
+                         bool grid_widths) {
     if (parents.empty() || rank.size() != parents.size() || logp.size() != parents.size()) {
         throw std::invalid_argument("choose_verify_budget: parents, rank and logp need one entry per node");
     }
@@ -117,6 +120,7 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
         costs.calibrate_verify(kv.first, true, kv.second);
     }
     costs.set_spec_rate(spec_rate);
+    costs.set_grid_widths(grid_widths);
     acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
     return choose_verify_budget(t, costs, acceptance, recurrent);
 }
@@ -319,6 +323,43 @@ static py::object draft_block(py_draft & pd, f32_array feats, py::object positio
 }
 
 static void register_functions(py::module_ & m) {
+    m.def("graph_counters", [] {
+        const graph_counts c = graph_counters();
+        return py::dict(py::arg("builds") = c.builds, py::arg("placements") = c.placements);
+    }, "Graphs built and made resident so far, process-wide (every session's and drafter's).");
+    m.def("learnt_verify_ms", [](const std::vector<std::pair<int, double>> & rounds, int max_width) {
+        if (max_width < 1) {
+            throw std::invalid_argument("learnt_verify_ms: max_width must be positive");
+        }
+        cost_model costs(max_width);
+        for (const auto & [width, ms] : rounds) {
+            costs.observe({width, false, ms, false, 0.0, 1, ms});
+        }
+        std::map<int, double> out;
+        for (int w : costs.grid()) {
+            out[w] = costs.verify_ms(w, false);
+        }
+        return out;
+    }, py::arg("rounds"), py::arg("max_width"),
+       "A fresh cost model's chain verify times at its grid widths after observing these plain or undrafted "
+       "rounds [(width, ms)], in order (decode/cost_model.h).");
+    m.def("trace_rounds", [](bool on) { set_round_tracing(on); }, py::arg("on"),
+          "Record every decode round from now on (decode/round_trace.h); traced_rounds() hands them over.");
+    m.def("traced_rounds", [] {
+        py::list out;
+        for (const traced_round & r : take_traced_rounds()) {
+            out.append(py::dict(py::arg("width") = r.width, py::arg("tree") = r.tree, py::arg("drafted") = r.drafted,
+                                py::arg("committed") = r.committed, py::arg("draft_ms") = r.draft_ms,
+                                py::arg("verify_ms") = r.verify_ms, py::arg("builds") = r.builds,
+                                py::arg("placements") = r.placements));
+        }
+        return out;
+    }, "The rounds traced since the last call: width, tree, drafted, committed, draft_ms, verify_ms, and the graphs "
+       "built and made resident during the verify.");
+    m.def("force_grid_widths", [](const py::object & on) {
+        cost_model::force_grid_widths(on.is_none() ? -1 : on.cast<bool>() ? 1 : 0);
+    }, py::arg("on"), "Every generation from now on verifies only its cost grid's widths (True) or any width "
+                      "(False); None: as its target computes (grid widths on a GPU).");
     m.def("argmax_rows", &argmax_rows,
           py::arg("logits"), py::arg("n_threads"), py::arg("stock") = false,
           "The greedy pick of the CPU graphs (stock=True: ggml_argmax) on a float32 (n_rows, n_vocab) array.");
@@ -331,7 +372,9 @@ static void register_functions(py::module_ & m) {
     m.def("choose_verify_budget", &verify_budget,
           py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
           py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
-          "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model.");
+          py::arg("grid_widths") = false,
+          "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model "
+          "(grid_widths: as on a GPU, decode/cost_model.h).");
     m.def("judge_rounds", &judge_rounds, py::arg("rounds"), py::arg("verify_ms"), py::arg("cool_len") = 0,
           py::arg("learnt") = true,
           "auto's cool-down after each of these chain rounds [(width, drafted, committed, round ms)], widths "

@@ -2,8 +2,15 @@
 #include "core/error.h"
 
 #include <algorithm>
+#include <atomic>
 
 namespace pdf {
+
+static std::atomic<uint64_t> n_builds{0}, n_placements{0};
+
+graph_counts graph_counters() {
+    return {n_builds.load(), n_placements.load()};
+}
 
 graph_arena::graph_arena(const compute_backends & compute) : compute_(compute) {}
 
@@ -75,6 +82,7 @@ ggml_context * graph_cache::begin(size_t n_nodes) {
         ctx_ = nullptr;
     }
     n_nodes_ = n_nodes;
+    ++n_builds;
     sources_.clear();
     meta_.resize(ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false));
     ggml_init_params params = {meta_.size(), meta_.data(), true};
@@ -120,6 +128,7 @@ void graph_cache::allocate(const char * what) {
         arena_.set_resident(nullptr);
         throw backend_error(format("could not allocate %s", what));
     }
+    ++n_placements;
     arena_.set_resident(this);
 }
 

@@ -118,6 +118,14 @@ T & entry_for_new_graph(std::vector<std::unique_ptr<T>> & entries, size_t max_en
                               [](const auto & a, const auto & b) { return a->last_use < b->last_use; });
 }
 
+// how many graphs were built and made resident (placed in their arena), process-wide: what switching between
+// graphs costs is a rebuild or a re-placement each, and on a GPU a re-captured CUDA graph (benchmarks read these)
+struct graph_counts {
+    uint64_t builds     = 0;
+    uint64_t placements = 0;
+};
+graph_counts graph_counters();
+
 // copies `size` bytes into graph input t at `offset` once its graph is resident; an input the graph does not
 // read (positions and masks of a model with no attention layer) got no buffer and is skipped
 inline void set_graph_input(ggml_tensor * t, const void * data, size_t offset, size_t size) {

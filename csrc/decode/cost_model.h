@@ -26,6 +26,19 @@ class cost_model {
     // every grid width's chain time is measured
     bool                     calibrated() const;
 
+    // Whether a round may verify n of its n_max proposed nodes. Each width is a graph of its own, kept among a
+    // few (state/session.cpp); on a GPU a graph runs fast once the backend has captured it (CUDA graphs: after
+    // two identical evaluations), and a rebuilt one starts over. auto choosing among every width rebuilt a graph
+    // in 41% of its evaluations on an H100 (a 0.3B hybrid), 5% with grid widths. So on a GPU (grid_widths)
+    // rounds verify the grid's widths or all n_max nodes: there a few more nodes cost next to nothing. On the
+    // CPU, time grows with the width and any width is taken.
+    void set_grid_widths(bool on) { grid_widths_ = on; }
+    bool verifiable(int n, int n_max) const;
+    // tests and benchmarks: every generation from now on with grid widths (1) or without (0); -1: as its target
+    // computes (decode/stream.cpp)
+    static void force_grid_widths(int on);
+    static int  forced_grid_widths();
+
     // ms of one target evaluation of n tokens: a chain, or a tree (recurrent targets run trees depth by depth)
     double verify_ms(int n, bool tree) const;
     double draft_ms() const { return draft_ms_; }
@@ -76,6 +89,7 @@ class cost_model {
     void                     restore(const std::vector<measurement> & table);
 
   private:
+    bool                grid_widths_ = false;
     int                 grid_index(int n) const;
     void                observe_verify(int n, bool tree, double ms);
     void                observe_draft(double ms);

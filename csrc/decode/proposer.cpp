@@ -193,6 +193,9 @@ int choose_verify_budget(const draft_tree & full, const std::vector<double> & p_
         reach[b] = reach[full.parents[b]] * p_accept[b];
         expected += reach[b];
         chain             = chain && full.parents[b] == b - 1;
+        if (!costs.verifiable(1 + b, n_max)) {
+            continue;
+        }
         const double gain = 1.0 + expected - rate * costs.verify_ms(1 + b, recurrent_target && !chain);
         if (gain > best) {
             best   = gain;

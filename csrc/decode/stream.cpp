@@ -1,6 +1,8 @@
 #include "decode/stream.h"
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/graph_cache.h"
+#include "decode/round_trace.h"
 
 #include <algorithm>
 
@@ -14,6 +16,7 @@ struct generation_stream::round_state {
     std::vector<int32_t>   committed;    // the accepted drafts and the target's bonus token
     double                 propose_ms = 0.0;  // the proposer's choice and drafting
     double                 draft_ms   = 0.0;  // the same when it ran the drafter, else 0
+    graph_counts           graphs_before;     // traced rounds (decode/round_trace.h): the counts before the verify
 };
 
 namespace {
@@ -173,6 +176,10 @@ void generation_stream::start_decoding() {
         finish("abort");
         return;
     }
+    if (cost_model * costs = p_.costs()) {
+        const int forced = cost_model::forced_grid_widths();
+        costs->set_grid_widths(forced >= 0 ? forced == 1 : s_.computes_on_gpu());
+    }
     anchor_ = choose_->first(s_.prefill_cache());  // the first generated token, at position start_
     start_  = s_.n_past();
     t0_     = clock_type::now();
@@ -213,6 +220,9 @@ bool generation_stream::next_round(session_batch::part & out) {
     p_.before_eval(start_, n);
     out = {&s_, round.tree.tokens.data(), n, {}, read_logits_all, p_.capture(), p_.rings()};
     out.layout.parents = round.tree.is_chain() ? nullptr : round.tree.parents.data();
+    if (round_tracing()) {
+        round.graphs_before = graph_counters();
+    }
     return true;
 }
 
@@ -231,6 +241,12 @@ void generation_stream::round_evaluated(double eval_ms) {
     if (cost_model * costs = p_.costs()) {
         costs->observe({n, s_.is_recurrent() && !tree.is_chain(), verify_ms, p_.drafted(), round.draft_ms,
                         (int) round.rows.size(), round.propose_ms + verify_ms, p_.learning()});
+    }
+    if (round_tracing()) {
+        const graph_counts now = graph_counters();
+        trace_round({n, s_.is_recurrent() && !tree.is_chain(), p_.drafted(), (int) round.rows.size(), round.draft_ms,
+                     verify_ms, now.builds - round.graphs_before.builds,
+                     now.placements - round.graphs_before.placements});
     }
     p_.after_verify(s_, tree, start_, round.rows, round.accept_prob);
     s_.commit(round.rows);

@@ -65,6 +65,10 @@ session::session(std::shared_ptr<const target_model> model, const session_params
 
 session::~session() = default;
 
+bool session::computes_on_gpu() const {
+    return model_->devices().n_gpu_layers() > 0;
+}
+
 void session::prepare_graph(const graph_key & key, const ring_set & rings) {
     ++uses_;
     for (auto & g : graphs_) {

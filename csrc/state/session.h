@@ -121,6 +121,9 @@ class session {
     device_bytes kv_memory() const { return kv_->memory(); }
     device_bytes recurrent_memory() const { return rs_ ? rs_->memory() : device_bytes{}; }
     bool   is_recurrent() const { return rs_ != nullptr; }
+    // some of the target's layers compute on a GPU (or an RPC device): evaluation graphs are captured there, and
+    // a verify's time hardly grows with its width (decode/cost_model.h, grid widths)
+    bool   computes_on_gpu() const;
     size_t recurrent_bytes() const { return rs_ ? rs_->n_bytes() : 0; }
 
     int      n_past() const { return n_past_; }
