@@ -87,9 +87,10 @@ def test_draft_proposals_cpu_vs_gpu(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_plain_decoding_over_long_windows_cpu_vs_gpu(kind):
     # One-token steps over windows of 256 slots and more, each step replaying the captured decode graph: CUDA's
-    # flash-attention vector kernel runs there (a window a multiple of 256, one query) and read the previous
-    # step's Q while Q was placed right before attention in the graph (models/attention.cpp, on an H100: qwen3's
-    # greedy tokens wrong from the third on, right with GGML_CUDA_DISABLE_GRAPHS=1 or a 200-slot window).
+    # flash-attention vector kernel runs there (a window a multiple of 256, one query). With Q placed right
+    # before attention in the graph, an H100 decoded qwen3's greedy tokens wrong from the third on, right with
+    # GGML_CUDA_DISABLE_GRAPHS=1 or a 200-slot window (models/attention.cpp: read from ggml's code, the kernel
+    # loaded a stale Q).
     path = str(pair_file(kind, "target", "f32"))
     text = prompt_rows("code")[0]["text"]
     out = {}
