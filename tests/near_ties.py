@@ -50,6 +50,16 @@ def draw_is_fragile(model, prompt_ids, tokens, k, sampling: dict) -> bool:
     return False
 
 
+def parts_at_a_near_tie(model, prompt_ids, tokens, other, sampling: dict | None = None) -> tuple[int, bool]:
+    """(k, whether it is a near-tie) for the first output position k where tokens and other differ: greedy
+    (sampling None) by tie_gap < TIE, sampled (generate()'s sampling keywords, seed included) by
+    draw_is_fragile."""
+    k = first_difference(tokens, other)
+    if sampling is None:
+        return k, tie_gap(model, prompt_ids, tokens, other, k) < TIE
+    return k, draw_is_fragile(model, prompt_ids, tokens, k, sampling)
+
+
 # MoE routers: a token's k-th and (k+1)-th experts whose router logits nearly tie may swap under the same rounding
 # differences (the device's f16 flash attention, a verify's batched kernels against a decode step's), and the
 # token then takes another expert: its hidden state, and every later token's, changes by far more than TIE.

@@ -18,7 +18,7 @@ import pytest
 import pydflash
 from pydflash import _core
 
-from near_ties import TIE, draw_is_fragile, first_difference, tie_gap
+from near_ties import parts_at_a_near_tie
 
 PAIRS = Path(__file__).resolve().parent / "data" / "pairs"
 PROMPTS = ["def quicksort(items):\n", "class LinkedList:\n    def __init__(self):\n", "import os\n\ndef walk(",
@@ -137,11 +137,8 @@ def _generate(m, job: dict, batcher=None, callback=None) -> dict:
 
 
 def _assert_near_tie(model, job: dict, tokens: list[int], expected: list[int]) -> None:
-    at = first_difference(tokens, expected)
-    if job["sampling"] is None:
-        assert tie_gap(model, job["prompt"], tokens, expected, at) < TIE, f"output {at}: {job}"
-    else:
-        assert draw_is_fragile(model, job["prompt"], tokens, at, job["sampling"]), f"output {at}: {job}"
+    at, near_tie = parts_at_a_near_tie(model, job["prompt"], tokens, expected, job["sampling"])
+    assert near_tie, f"output {at}: {job}"
 
 
 def _started_together(n: int, run) -> list:
@@ -222,8 +219,8 @@ def test_auto_generations_verify_what_the_batch_plans_and_commit_the_targets_tok
         prompts[k], max_tokens=40, stop_tokens=stops, draft=sessions[k]._draft, spec_mode="auto", batcher=batcher))
     for k, (a, t) in enumerate(zip(plain, together)):
         if t["tokens"] != a["tokens"]:  # only where a batched verify and a single token round a near-tie apart
-            at = first_difference(t["tokens"], a["tokens"])
-            assert tie_gap(pair, prompts[k], t["tokens"], a["tokens"], at) < TIE, f"prompt {k}, output {at}"
+            at, near_tie = parts_at_a_near_tie(pair, prompts[k], t["tokens"], a["tokens"])
+            assert near_tie, f"prompt {k}, output {at}"
     stats = batcher.stats
     assert stats["planned"] > 0, stats
 

@@ -13,7 +13,7 @@ import pytest
 import pydflash
 from pydflash import _core
 
-from near_ties import TIE, draw_is_fragile, first_difference, tie_gap  # noqa: E402
+from near_ties import parts_at_a_near_tie  # noqa: E402
 
 PAIRS = Path(__file__).resolve().parent / "data" / "pairs"
 PROMPTS = ["def quicksort(items):\n", "class LinkedList:\n    def __init__(self):\n", "import os\n\ndef walk(",
@@ -54,12 +54,11 @@ def _assert_same_or_near_tie(m: pydflash.Model, i: int, got: tuple, alone: tuple
     parts far from any tie."""
     if got == alone:
         return
-    prompt, at = m.tokenize(PROMPTS[i % len(PROMPTS)]), first_difference(got[1], alone[1])
-    if i % 2:
-        assert tie_gap(m, prompt, got[1], alone[1], at) < TIE, (i, at)
-    else:  # generate()'s sampling defaults (llama-cpp-python's) at the job's seed and temperature
-        sampling = {"seed": 100 + i, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
-        assert draw_is_fragile(m, prompt, got[1], at, sampling), (i, at)
+    # odd jobs are greedy; even ones sample with generate()'s defaults (llama-cpp-python's) at the job's seed and
+    # temperature
+    sampling = None if i % 2 else {"seed": 100 + i, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+    at, near_tie = parts_at_a_near_tie(m, m.tokenize(PROMPTS[i % len(PROMPTS)]), got[1], alone[1], sampling)
+    assert near_tie, (i, at)
 
 
 def test_sessions_generate_in_parallel_threads_as_alone(model):
