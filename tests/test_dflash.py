@@ -208,12 +208,14 @@ def test_draft_keys_out_of_range(pair, tmp_path):
         pydflash.Model(target, draft_model_path=no_mask)
 
 
-@pytest.mark.parametrize("window,ring", [(4096, 512), (16, 8)])
-def test_draft_proposals_match_the_pytorch_reference(pair, window, ring):
+@pytest.mark.parametrize("window,ring,skipped", [(4096, 512, ()), (16, 8, ()), (4096, 512, (10, 30)),
+                                                 (4096, 8, (20, 50)), (16, 8, (40, 45))])
+def test_draft_proposals_match_the_pytorch_reference(pair, window, ring, skipped):
     """One draft call of ours against the reference drafter (tools/dflash_ref.py, written from the algorithm
     reference) on the same HF weights and the transformers target's features. With a sliding window shorter
     than the prompt (and a feature ring and draft cache that wrap around), the reference is given only the
-    last `window` context positions."""
+    last `window` context positions. With positions skipped (evaluated without capture: auto's plain rounds far
+    from a draft, DraftSession skip), only the others, at their positions."""
     import torch
     import transformers
 
@@ -229,11 +231,13 @@ def test_draft_proposals_match_the_pytorch_reference(pair, window, ring):
         feats = extract_features(out.hidden_states, draft.target_layer_ids)  # [1, P, n_ext*E]
         anchor = int(out.logits[0, -1].argmax())
         block = torch.tensor([[anchor] + [draft.mask_token_id] * n])
-        lo = max(0, P - window)
-        h = draft(target.get_input_embeddings()(block), feats[:, lo:], torch.arange(lo, P + n + 1)[None])
+        kept = [p for p in range(P) if not (skipped and skipped[0] <= p < skipped[1])]
+        seen = [p for p in kept if p >= P - window]
+        h = draft(target.get_input_embeddings()(block), feats[:, seen], torch.tensor([seen + list(range(P, P + n + 1))]))
         ref_logits = target.get_output_embeddings()(h)[0, 1:]  # slots 1..n
     ours = _core.DraftSession(_core.Model(str(target_gguf)), str(draft_gguf), n_ctx=256, window=window,
-                              ring_capacity=ring).draft(feats[0].numpy(), np.arange(P, dtype=np.int32), anchor, P)
+                              ring_capacity=ring).draft(feats[0, kept].numpy(), np.array(kept, dtype=np.int32),
+                                                        anchor, P)
     top2 = torch.topk(ref_logits, 2).values
     for k, (a, b) in enumerate(zip(ours, ref_logits.argmax(-1).tolist())):
         # a different choice only where the reference itself is tied

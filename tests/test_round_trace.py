@@ -62,3 +62,35 @@ def test_grid_widths_verify_powers_of_two_or_the_whole_block(tracing):
                 assert r["width"] & (r["width"] - 1) == 0, r
             produced += r["committed"]
     assert len(widths - {1}) >= 1  # it speculated
+
+
+def test_a_long_cool_down_captures_features_only_for_its_last_rounds(tracing):
+    """auto decoding plainly through a cool-down (as restored from a cost cache where speculation stopped paying)
+    evaluates without the drafter's feature capture until its last 256 rounds; the drafter then drafts around the
+    skipped positions (DraftSession skip; its drafts against the reference: test_dflash). The output stays plain
+    decoding's, the probes' drafts are accepted, and the prompt cache is reused as before."""
+    import near_ties
+
+    cool_len, n = 450, 500
+    target, draft = pair_file("qwen3", "target", "q8_0"), pair_file("qwen3", "dflash", "q8_0")
+    accepted = 0
+    with pydflash.Model(target, n_ctx=1024) as plain:
+        for row in prompt_rows("code")[:3]:
+            prompt = row["text"]
+            expected = plain.generate(prompt, max_tokens=n).tokens
+            with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, spec_mode="auto") as m:
+                # (the widths measured: the probes verify what pays rather than exploring wide trees)
+                m._draft.restore_costs({1: 0.2, 2: 0.25, 4: 0.3, 8: 0.4, 16: 0.6}, {}, cool_len=cool_len)
+                _core.traced_rounds()  # (plain's)
+                c = m.generate(prompt, max_tokens=n)
+                rounds = _core.traced_rounds()
+                again = m.generate(prompt, max_tokens=8)
+            if c.tokens != expected:
+                k, tie = near_ties.parts_at_a_near_tie(plain, plain.tokenize(prompt), expected, c.tokens)
+                assert tie, f"auto parted from plain decoding at output {k}, not at a near-tie"
+            # round k (from 1) sits out with cool_len - k plain rounds still to come; the last 256 capture
+            assert not any(r["drafted"] for r in rounds[:cool_len]) and rounds[cool_len]["drafted"]
+            assert [r["captured"] for r in rounds[:cool_len]] == [False] * (cool_len - 256) + [True] * 256
+            accepted += c.timings["draft_n_accepted"]
+            assert again.timings["cached_n"] == len(plain.tokenize(prompt))
+    assert accepted > 0

@@ -295,9 +295,16 @@ static py::object draft_block(py_draft & pd, f32_array feats, py::object positio
     draft_proposals out;
     {
         py::gil_scoped_release nogil;
-        // through the ring, in pieces it can hold, like the target's own writes
-        for (int i = 0; i < m; i += d.ring().capacity()) {
-            const int k = std::min(d.ring().capacity(), m - i);
+        // through the ring, in pieces it can hold, like the target's own writes; positions missing between two
+        // given ones or before start are skipped (draft_session::skip: evaluated without capture)
+        for (int i = 0, k = 0; i < m; i += k) {
+            if (positions[i] > d.n_valid()) {
+                d.skip(d.n_valid(), positions[i] - d.n_valid());
+            }
+            k = 1;
+            while (i + k < m && k < d.ring().capacity() && positions[i + k] == positions[i + k - 1] + 1) {
+                ++k;
+            }
             d.flush();
             d.ring().write(feats.data() + (size_t) i * feats.shape(1), positions.data() + i, k);
             std::vector<int32_t> rows(k);
@@ -305,6 +312,9 @@ static py::object draft_block(py_draft & pd, f32_array feats, py::object positio
                 rows[j] = d.ring().slot(positions.data()[i + j]);
             }
             d.queue(rows.data(), positions.data() + i, k);
+        }
+        if (start > d.n_valid()) {
+            d.skip(d.n_valid(), (int) start - d.n_valid());
         }
         out = d.draft((int32_t) anchor, (int) start);
     }
@@ -349,6 +359,7 @@ static void register_functions(py::module_ & m) {
         py::list out;
         for (const traced_round & r : take_traced_rounds()) {
             out.append(py::dict(py::arg("width") = r.width, py::arg("tree") = r.tree, py::arg("drafted") = r.drafted,
+                                py::arg("captured") = r.captured,
                                 py::arg("committed") = r.committed, py::arg("draft_ms") = r.draft_ms,
                                 py::arg("verify_ms") = r.verify_ms, py::arg("builds") = r.builds,
                                 py::arg("placements") = r.placements));
@@ -406,8 +417,10 @@ void register_test_hooks(py::module_ & m) {
     draft_cls.def("draft", &draft_block,
                   py::arg("feats"), py::arg("positions"), py::arg("anchor"), py::arg("start"),
                   py::arg("with_logprobs") = false,
-                  "Append context rows and draft one block [anchor, MASK x (B-1)] at start; returns the B-1 proposals, "
-                  "or with_logprobs: (ids, logprobs) [B-1, top_k], most likely first.")
+                  "Append context rows (a position missing between two given ones or before start: skipped, as a "
+                  "target evaluation without capture leaves it) and draft one block [anchor, MASK x (B-1)] at "
+                  "start; returns the B-1 proposals, or with_logprobs: (ids, logprobs) [B-1, top_k], most likely "
+                  "first.")
         .def("acceptance_observed",
              [](const py_draft & d, int64_t depth, int64_t rank) {
                  const auto [tried, accepted] = d.state->acceptance.observed(

@@ -55,6 +55,9 @@ class proposer {
     // costs are in costs() by now.
     virtual void after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
                               const std::vector<float> & accept_prob) = 0;
+    // whether the evaluation of the round the last propose() began captures (capture(), rings()); else it
+    // captures nothing and after_verify knows it
+    virtual bool captures_round() const { return true; }
     // whether the last propose() ran the drafter
     virtual bool drafted() const = 0;
     // where the decode loop reports what each round cost (what auto weighs); nullptr: nothing weighs it
@@ -195,6 +198,8 @@ class dflash_proposer : public proposer {
     void         propose(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) override;
     void         after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
                               const std::vector<float> & accept_prob) override;
+    // auto's plain rounds far from its next draft capture nothing: no draft reads their features
+    bool         captures_round() const override { return captures_; }
     bool         drafted() const override { return drafted_; }
     cost_model * costs() override { return &costs_; }
     bool         learning() const override { return !acceptance_.learnt(); }
@@ -238,6 +243,7 @@ class dflash_proposer : public proposer {
     std::vector<float>                    scores_;  // auto: log P(accepted | parent accepted) by position, rank
     bool                                  drafted_     = false;
     bool                                  speculative_ = false;
+    bool                                  captures_    = true;
     auto_stats                            stats_;
     std::vector<int32_t>                  ring_rows_, positions_;  // after_verify's context rows
 };

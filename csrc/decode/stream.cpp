@@ -16,6 +16,7 @@ struct generation_stream::round_state {
     std::vector<int32_t>   committed;    // the accepted drafts and the target's bonus token
     double                 propose_ms = 0.0;  // the proposer's choice and drafting
     double                 draft_ms   = 0.0;  // the same when it ran the drafter, else 0
+    bool                   captures   = true;  // its evaluation captures the proposer's features
     graph_counts           graphs_before;     // traced rounds (decode/round_trace.h): the counts before the verify
 };
 
@@ -216,9 +217,13 @@ bool generation_stream::next_round(session_batch::part & out) {
     round.propose_ms    = std::max(0.0, ms_since(t0) - waited);
     round.draft_ms      = p_.drafted() ? round.propose_ms : 0.0;
     r_.timings.draft_ms += round.draft_ms;
-    const int n = round.tree.size();
-    p_.before_eval(start_, n);
-    out = {&s_, round.tree.tokens.data(), n, {}, read_logits_all, p_.capture(), p_.rings()};
+    const int n    = round.tree.size();
+    round.captures = p_.captures_round();
+    if (round.captures) {
+        p_.before_eval(start_, n);
+    }
+    out = {&s_, round.tree.tokens.data(), n, {}, read_logits_all,
+           round.captures ? p_.capture() : std::vector<int>{}, round.captures ? p_.rings() : ring_set{}};
     out.layout.parents = round.tree.is_chain() ? nullptr : round.tree.parents.data();
     if (round_tracing()) {
         round.graphs_before = graph_counters();
@@ -244,8 +249,8 @@ void generation_stream::round_evaluated(double eval_ms) {
     }
     if (round_tracing()) {
         const graph_counts now = graph_counters();
-        trace_round({n, s_.is_recurrent() && !tree.is_chain(), p_.drafted(), (int) round.rows.size(), round.draft_ms,
-                     verify_ms, now.builds - round.graphs_before.builds,
+        trace_round({n, s_.is_recurrent() && !tree.is_chain(), p_.drafted(), round.captures,
+                     (int) round.rows.size(), round.draft_ms, verify_ms, now.builds - round.graphs_before.builds,
                      now.placements - round.graphs_before.placements});
     }
     p_.after_verify(s_, tree, start_, round.rows, round.accept_prob);

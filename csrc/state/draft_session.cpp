@@ -170,8 +170,11 @@ void draft_session::set_inputs(const call & c, const call_inputs & in) {
         set_context_rows(in, c.m, c.n_rows, c.pad_from);
     }
     if (c.m > 0) {
-        // rows are appended in position order; a gap would leave missing rows below n_valid
-        n_valid_ = queued_pos_[0] <= n_valid_ ? queued_pos_[c.m - 1] + 1 : std::min(n_valid_, queued_pos_[0]);
+        // rows are appended in position order, through the skipped stretches between them; a gap would leave
+        // missing rows below n_valid
+        const bool all = c.m == (int) queued_pos_.size();
+        n_valid_ = queued_pos_[0] <= n_valid_ ? (all ? queued_end_ : queued_pos_[c.m])
+                                              : std::min(n_valid_, queued_pos_[0]);
     }
     if (c.n_block > 0) {
         set_block(in, c.n_block, c.n_kv, c.anchor, c.start);
@@ -179,10 +182,11 @@ void draft_session::set_inputs(const call & c, const call_inputs & in) {
 }
 
 void draft_session::after_compute(const call & c) {
-    // the block's slots and the padding rows hold transient rows: they become context only once appended
+    // the block's slots and the padding rows hold transient rows: they become context only once appended (every
+    // real row sits before pad_from; positions after it may be skipped ones, below n_valid)
     for (int i = 0; i < std::min(std::max(c.n_rows - c.m, c.n_block), block_); ++i) {
         const int s = slot(c.pad_from + i);
-        if (slot_pos_[s] >= n_valid_) {
+        if (slot_pos_[s] >= c.pad_from) {
             slot_pos_[s] = -1;
         }
     }
@@ -379,13 +383,13 @@ void draft_session::queue(const int32_t * ring_rows, const int32_t * positions, 
         if (ring_rows[i] < 0 || ring_rows[i] >= ring_->capacity()) {
             throw std::out_of_range(format("draft: ring row %d is outside [0, %d)", ring_rows[i], ring_->capacity()));
         }
-        if (positions[i] < 0 || positions[i] > MAX_POSITION ||
-            (!queued_pos_.empty() && positions[i] != queued_pos_.back() + 1)) {
+        if (positions[i] < 0 || positions[i] > MAX_POSITION || (!queued_pos_.empty() && positions[i] != queued_end_)) {
             throw std::invalid_argument(format("draft: context position %d does not follow the queued ones",
                                                positions[i]));
         }
         queued_rows_.push_back(ring_rows[i]);
         queued_pos_.push_back(positions[i]);
+        queued_end_ = positions[i] + 1;
     }
 }
 
@@ -398,6 +402,40 @@ void draft_session::queue_positions(int first, int m) {
     queue(rows.data(), pos.data(), m);
 }
 
+void draft_session::skip(int first, int m) {
+    if (m <= 0) {
+        return;
+    }
+    if (first != n_valid() || (!queued_pos_.empty() && first != queued_end_) || first > MAX_POSITION - m) {
+        throw std::invalid_argument(format("draft: skipped positions [%d, %d) do not follow the context rows, "
+                                           "which end at %d", first, first + m, n_valid()));
+    }
+    for (int p = std::max(first, first + m - n_slots_); p < first + m; ++p) {
+        slot_pos_[slot(p)] = -1;  // what a slot held before is outside every window that reaches p
+    }
+    if (!skipped_.empty() && skipped_.back().second == first) {
+        skipped_.back().second = first + m;
+    } else {
+        skipped_.emplace_back(first, first + m);
+    }
+    // older stretches no truncation's window check can reach
+    while (skipped_.size() > 1 && skipped_.front().second < first - 2 * n_slots_) {
+        skipped_.erase(skipped_.begin());
+    }
+    // behind queued rows, the stretch waits in the queue's gaps (appending them would cost a graph, and rows a
+    // later prompt does not reuse are never appended)
+    (queued_pos_.empty() ? n_valid_ : queued_end_) = first + m;
+}
+
+bool draft_session::skipped(int position) const {
+    for (const auto & [from, to] : skipped_) {
+        if (position >= from && position < to) {
+            return true;
+        }
+    }
+    return false;
+}
+
 void draft_session::flush() {
     while (!queued_rows_.empty()) {
         const int n = append_rows((int) queued_rows_.size());
@@ -406,8 +444,9 @@ void draft_session::flush() {
 }
 
 int draft_session::n_valid() const {
-    // queued rows count when they continue the appended ones (what flush() would make of them)
-    return !queued_pos_.empty() && queued_pos_.front() <= n_valid_ ? queued_pos_.back() + 1 : n_valid_;
+    // queued rows (and skipped stretches between and after them) count when they continue the appended ones
+    // (what flush() would make of them)
+    return !queued_pos_.empty() && queued_pos_.front() <= n_valid_ ? queued_end_ : n_valid_;
 }
 
 void draft_session::protect(int first, int n) {
@@ -435,9 +474,9 @@ draft_session::call draft_session::prepare_draft(int32_t anchor, int start, int 
         const int n = append_rows((int) queued_rows_.size() - block_);
         run(std::min<int>(n, (int) queued_rows_.size() - block_), n, 0, 0, 0);
     }
-    if (!queued_pos_.empty() && queued_pos_.back() >= start) {
+    if (!queued_pos_.empty() && queued_end_ > start) {
         throw std::invalid_argument(format("draft: queued context reaches position %d, the block starts at %d",
-                                           queued_pos_.back(), start));
+                                           queued_end_ - 1, start));
     }
     return shape((int) queued_rows_.size(), block_, n_block, anchor, start);
 }
@@ -446,6 +485,13 @@ void draft_session::truncate(int n_past) {
     while (!queued_pos_.empty() && queued_pos_.back() >= n_past) {
         queued_pos_.pop_back();
         queued_rows_.pop_back();
+    }
+    queued_end_ = std::min(queued_end_, n_past);
+    while (!skipped_.empty() && skipped_.back().first >= n_past) {
+        skipped_.pop_back();
+    }
+    if (!skipped_.empty()) {
+        skipped_.back().second = std::min(skipped_.back().second, n_past);
     }
     if (n_past >= n_valid_) {
         return;  // the queue (rows below n_past) stays for a later append
@@ -456,11 +502,13 @@ void draft_session::truncate(int n_past) {
         }
     }
     n_valid_ = n_past;
-    // the window before n_past must be whole; later positions may have overwritten its slots
+    // the window before n_past must be whole but for skipped positions; later positions may have overwritten its
+    // slots
     for (int p = std::max(0, n_past - window_); p < n_past; ++p) {
-        if (slot_pos_[slot(p)] != p) {
+        if (slot_pos_[slot(p)] != p && !skipped(p)) {
             n_valid_ = 0;
             std::fill(slot_pos_.begin(), slot_pos_.end(), -1);
+            skipped_.clear();
             break;
         }
     }

@@ -74,6 +74,10 @@ class draft_session {
     void queue(const int32_t * ring_rows, const int32_t * positions, int m);
     // queue the ring rows of positions [first, first + m) (rows written at ring slot(position))
     void queue_positions(int first, int m);
+    // positions [first, first + m) have no context rows: the target evaluated them without capturing (auto's
+    // plain rounds far from its next draft, decode/proposer.h). Drafts attend around them (their slots are
+    // masked), as a drafter given only the other positions would. first must be n_valid().
+    void skip(int first, int m);
     // append everything queued to the context cache now
     void flush();
     // a target evaluation is about to write the ring rows of positions [first, first + n): flush first if that
@@ -86,8 +90,8 @@ class draft_session {
     // forget context rows at positions >= n_past (the target cut its cache back), queued ones included
     void truncate(int n_past);
 
-    // context rows exist (appended or queued) for the window before n_valid: the target's reused prefix must
-    // not go beyond it
+    // context rows exist (appended, queued or skipped) for the window before n_valid: the target's reused prefix
+    // must not go beyond it
     int                  n_valid() const;
     const dflash_draft & model() const { return *draft_; }
     const std::shared_ptr<const dflash_draft> & shared_model() const { return draft_; }
@@ -176,7 +180,13 @@ class draft_session {
     int                                 n_slots_;   // window + block
     int                                 n_valid_ = 0;
     std::vector<int32_t>                slot_pos_;  // position held by each cache slot (-1: none)
+    // rows to append, in position order; positions between two of them, and from the last to queued_end_, are
+    // skipped ones
     std::vector<int32_t>                queued_rows_, queued_pos_;
+    int                                 queued_end_ = 0;
+    // skipped positions ([from, to), in order, disjoint): missing from the cache on purpose, not overwritten
+    std::vector<std::pair<int, int>>    skipped_;
+    bool skipped(int position) const;
 
     graph_arena     arena_;         // the compute buffer the three graphs below share
     graph           draft_graph_;   // append a round's rows + draft
