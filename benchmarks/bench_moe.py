@@ -151,6 +151,9 @@ def main() -> None:
                                                       "plain always)")
     ap.add_argument("--warm-costs", action="store_true",
                     help="table 2's engines share the user's cost cache (default: each its own, fresh)")
+    ap.add_argument("--warm-passes", type=int, default=0,
+                    help="table 2: untimed passes over the prompts before the timed one, each engine keeping what it "
+                         "learnt (auto's costs and cool-down: a process past its first tokens; default 0: a fresh one)")
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--drafter", default="dflash", choices=("dflash", "dflash2"),
                     help="table 2's committed drafter kind (tests/data/pairs/<arch>-<kind>-q8_0.gguf)")

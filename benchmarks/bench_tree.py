@@ -130,6 +130,11 @@ def run_ours(pair: dict, prompts: list[str], args, engines=OURS, generate_kwargs
                                            n_gpu_layers=getattr(args, "n_gpu_layers", 0), **kw)
             # warm-up: pages, graphs, auto's calibration
             models[label].generate(prompts[0], max_tokens=8, **generate_kwargs(0))
+    for _ in range(getattr(args, "warm_passes", 0)):  # untimed: what auto learns over them stays in its Model
+        for i, text in enumerate(prompts):
+            for label, _ in engines:
+                with own(label):
+                    models[label].generate(text, max_tokens=args.max_tokens, **generate_kwargs(i))
     totals = {label: {"tokens": 0, "ms": 0.0, "committed": 0, "rounds": 0, "verified": 0, "draft_ms": 0.0,
                       "verify_ms": 0.0, "outputs": [], "traced": []} for label, _ in engines}
     _core.trace_rounds(True)  # every round's width, verify time and graph builds (decode/round_trace.h)
@@ -260,6 +265,9 @@ def main() -> None:
     ap.add_argument("--warm-costs", action="store_true",
                     help="every engine reads and writes the user's cost cache (default: each its own, fresh: what "
                          "earlier runs and other engines measured does not steer auto)")
+    ap.add_argument("--warm-passes", type=int, default=0,
+                    help="untimed passes over the prompts before the timed one, each engine keeping what it learnt "
+                         "(auto's costs and cool-down: a process past its first tokens; default 0: a fresh one)")
     ap.add_argument("--budgets", default=None,
                     help="only plain and tree mode at these budgets, e.g. 22,63,127,255 (tau by budget)")
     ap.add_argument("--engines", default=None, help="comma-separated labels of ours to run (default: all; plain "
