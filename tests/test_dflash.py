@@ -208,14 +208,15 @@ def test_draft_keys_out_of_range(pair, tmp_path):
         pydflash.Model(target, draft_model_path=no_mask)
 
 
-@pytest.mark.parametrize("window,ring,skipped", [(4096, 512, ()), (16, 8, ()), (4096, 512, (10, 30)),
-                                                 (4096, 8, (20, 50)), (16, 8, (40, 45))])
+@pytest.mark.parametrize("window,ring,skipped", [(4096, 512, ()), (16, 8, ()), (16, 512, ()), (4096, 512, (10, 30)),
+                                                 (4096, 8, (20, 50)), (16, 8, (40, 45)), (16, 512, (20, 30))])
 def test_draft_proposals_match_the_pytorch_reference(pair, window, ring, skipped):
     """One draft call of ours against the reference drafter (tools/dflash_ref.py, written from the algorithm
     reference) on the same HF weights and the transformers target's features. With a sliding window shorter
     than the prompt (and a feature ring and draft cache that wrap around), the reference is given only the
-    last `window` context positions. With positions skipped (evaluated without capture: auto's plain rounds far
-    from a draft, DraftSession skip), only the others, at their positions."""
+    last `window` context positions (a ring that holds the whole prompt: rows a cache slot apart are queued
+    together, and each must land alone). With positions skipped (evaluated without capture: auto's plain rounds
+    far from a draft, DraftSession skip), only the others, at their positions."""
     import torch
     import transformers
 

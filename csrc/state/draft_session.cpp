@@ -439,8 +439,20 @@ bool draft_session::skipped(int position) const {
 void draft_session::flush() {
     while (!queued_rows_.empty()) {
         const int n = append_rows((int) queued_rows_.size());
-        run(std::min<int>(n, (int) queued_rows_.size()), n, 0, 0, 0);
+        run(appendable(n), n, 0, 0, 0);
     }
+}
+
+int draft_session::appendable(int limit) const {
+    // one graph's rows, padding included (up to a block past the last), must land in distinct cache slots: with
+    // skipped stretches between queued rows, or a window shorter than a graph's rows, two of them could lie a
+    // whole n_slots apart, and one set_rows would write both into one slot, either winning (on the CPU the later
+    // one, by the way rows are shared among threads; not so on a GPU)
+    int m = 1;
+    while (m < std::min<int>(limit, (int) queued_pos_.size()) && queued_pos_[m] - queued_pos_[0] < window_) {
+        ++m;
+    }
+    return m;
 }
 
 int draft_session::n_valid() const {
@@ -470,9 +482,15 @@ draft_session::call draft_session::prepare_draft(int32_t anchor, int start, int 
         throw std::out_of_range(format("draft: anchor token %d is outside the vocabulary [0, %lld)", anchor,
                                        (long long) draft_->target().info().n_vocab));
     }
-    while ((int) queued_rows_.size() > block_) {  // more than this graph appends: the oldest first, alone
-        const int n = append_rows((int) queued_rows_.size() - block_);
-        run(std::min<int>(n, (int) queued_rows_.size() - block_), n, 0, 0, 0);
+    // more than this graph appends, or rows before the block's window (whose slots its block may share): the
+    // oldest first, alone
+    while (!queued_rows_.empty() && ((int) queued_rows_.size() > block_ || queued_pos_.front() < start - window_)) {
+        int k = std::max((int) queued_rows_.size() - block_, 1);
+        while (k < (int) queued_rows_.size() && queued_pos_[k] < start - window_) {
+            ++k;
+        }
+        const int n = append_rows(k);
+        run(appendable(std::min(n, k)), n, 0, 0, 0);
     }
     if (!queued_pos_.empty() && queued_end_ > start) {
         throw std::invalid_argument(format("draft: queued context reaches position %d, the block starts at %d",

@@ -187,6 +187,8 @@ class draft_session {
     // skipped positions ([from, to), in order, disjoint): missing from the cache on purpose, not overwritten
     std::vector<std::pair<int, int>>    skipped_;
     bool skipped(int position) const;
+    // how many of the oldest queued rows (at most limit) one append graph takes
+    int  appendable(int limit) const;
 
     graph_arena     arena_;         // the compute buffer the three graphs below share
     graph           draft_graph_;   // append a round's rows + draft
