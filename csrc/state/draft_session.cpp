@@ -446,8 +446,8 @@ void draft_session::flush() {
 int draft_session::appendable(int limit) const {
     // one graph's rows, padding included (up to a block past the last), must land in distinct cache slots: with
     // skipped stretches between queued rows, or a window shorter than a graph's rows, two of them could lie a
-    // whole n_slots apart, and one set_rows would write both into one slot, either winning (on the CPU the later
-    // one, by the way rows are shared among threads; not so on a GPU)
+    // whole n_slots apart, and one set_rows would write both into one slot at once (the CPU's threads take
+    // contiguous row ranges, a GPU's blocks any order): either row, or a mix
     int m = 1;
     while (m < std::min<int>(limit, (int) queued_pos_.size()) && queued_pos_[m] - queued_pos_[0] < window_) {
         ++m;
