@@ -234,7 +234,8 @@ def test_draft_proposals_match_the_pytorch_reference(pair, window, ring, skipped
         block = torch.tensor([[anchor] + [draft.mask_token_id] * n])
         kept = [p for p in range(P) if not (skipped and skipped[0] <= p < skipped[1])]
         seen = [p for p in kept if p >= P - window]
-        h = draft(target.get_input_embeddings()(block), feats[:, seen], torch.tensor([seen + list(range(P, P + n + 1))]))
+        positions = torch.tensor([seen + list(range(P, P + n + 1))])
+        h = draft(target.get_input_embeddings()(block), feats[:, seen], positions)
         ref_logits = target.get_output_embeddings()(h)[0, 1:]  # slots 1..n
     ours = _core.DraftSession(_core.Model(str(target_gguf)), str(draft_gguf), n_ctx=256, window=window,
                               ring_capacity=ring).draft(feats[0, kept].numpy(), np.array(kept, dtype=np.int32),
