@@ -160,3 +160,19 @@ def test_an_unmeasured_narrower_width_gets_its_share_by_width():
     # width 8 by all of it; both optimistic, to be measured when a round explores them
     learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(6, 24.0)] * 2, 16)
     assert learnt[4] == pytest.approx(16.0) and learnt[8] == pytest.approx(24.0)
+
+
+def test_on_the_cpu_a_width_past_the_widest_measured_costs_more_with_the_width():
+    # Only plain steps measured (10 ms). On the CPU a wider verify is taken to cost 10 ms x sqrt(width / 1) until
+    # a round measures it; on a GPU the same as the widest measured (decode/cost_model.h)
+    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3, 16)
+    assert learnt == pytest.approx({1: 10.0, 2: 10.0 * math.sqrt(2), 4: 20.0, 8: 10.0 * math.sqrt(8), 16: 40.0})
+    assert _core.learnt_verify_ms([(1, 10.0)] * 3, 16, grid_widths=True) == {w: 10.0 for w in (1, 2, 4, 8, 16)}
+    # from the widest measured one: width 4 at 16 ms makes 8 cost 16 sqrt(2) and 16 cost 32
+    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(4, 16.0)] * 3, 16)
+    assert learnt[8] == pytest.approx(16.0 * math.sqrt(2)) and learnt[16] == pytest.approx(32.0)
+    # what a round then chooses: 15 drafts of 0.55 each (module docstring), R = 1/10; the gain of b drafts,
+    # 1 + sum_{d<=b} 0.55^d - sqrt(1 + b), is 0.136, 0.120, 0.019 for b = 1..3 and falls after: one draft. Taken
+    # flat, the whole chain (1.55 tokens more for a plain step's time), as on a GPU
+    assert _core.choose_verify_budget(*chain(0.55, 15), {1: 10.0}, max_width=16) == 1
+    assert _core.choose_verify_budget(*chain(0.55, 15), {1: 10.0}, max_width=16, grid_widths=True) == 15

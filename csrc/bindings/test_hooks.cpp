@@ -99,7 +99,7 @@ static py::tuple draft_tree_of(i32_array ids, f32_array logprobs, int64_t root, 
 static int verify_budget(const std::vector<int32_t> & parents, const std::vector<int32_t> & rank,
                          const std::vector<float> & logp, const std::map<int, double> & verify_ms,
                          const std::map<int, double> & tree_verify_ms, double spec_rate, bool recurrent,
-                         bool grid_widths) {
+                         bool grid_widths, int max_width) {
     if (parents.empty() || rank.size() != parents.size() || logp.size() != parents.size()) {
         throw std::invalid_argument("choose_verify_budget: parents, rank and logp need one entry per node");
     }
@@ -111,7 +111,9 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
         }
         t.add(0, parents[i], rank[i], logp[i]);
     }
-    const int  max_width = verify_ms.empty() ? 1 : verify_ms.rbegin()->first;
+    if (max_width <= 0) {
+        max_width = verify_ms.empty() ? 1 : verify_ms.rbegin()->first;
+    }
     cost_model costs(max_width);
     for (const auto & kv : verify_ms) {
         costs.calibrate_verify(kv.first, false, kv.second);
@@ -337,11 +339,12 @@ static void register_functions(py::module_ & m) {
         const graph_counts c = graph_counters();
         return py::dict(py::arg("builds") = c.builds, py::arg("placements") = c.placements);
     }, "Graphs built and made resident so far, process-wide (every session's and drafter's).");
-    m.def("learnt_verify_ms", [](const std::vector<std::pair<int, double>> & rounds, int max_width) {
+    m.def("learnt_verify_ms", [](const std::vector<std::pair<int, double>> & rounds, int max_width, bool grid_widths) {
         if (max_width < 1) {
             throw std::invalid_argument("learnt_verify_ms: max_width must be positive");
         }
         cost_model costs(max_width);
+        costs.set_grid_widths(grid_widths);
         for (const auto & [width, ms] : rounds) {
             costs.observe({width, false, ms, false, 0.0, 1, ms});
         }
@@ -350,9 +353,9 @@ static void register_functions(py::module_ & m) {
             out[w] = costs.verify_ms(w, false);
         }
         return out;
-    }, py::arg("rounds"), py::arg("max_width"),
+    }, py::arg("rounds"), py::arg("max_width"), py::arg("grid_widths") = false,
        "A fresh cost model's chain verify times at its grid widths after observing these plain or undrafted "
-       "rounds [(width, ms)], in order (decode/cost_model.h).");
+       "rounds [(width, ms)], in order (decode/cost_model.h; grid_widths: as on a GPU).");
     m.def("trace_rounds", [](bool on) { set_round_tracing(on); }, py::arg("on"),
           "Record every decode round from now on (decode/round_trace.h); traced_rounds() hands them over.");
     m.def("traced_rounds", [] {
@@ -384,9 +387,9 @@ static void register_functions(py::module_ & m) {
     m.def("choose_verify_budget", &verify_budget,
           py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
           py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
-          py::arg("grid_widths") = false,
+          py::arg("grid_widths") = false, py::arg("max_width") = 0,
           "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model "
-          "(grid_widths: as on a GPU, decode/cost_model.h).");
+          "(grid_widths: as on a GPU, decode/cost_model.h; max_width: the widest verify, 0: verify_ms's widest).");
     m.def("judge_rounds", &judge_rounds, py::arg("rounds"), py::arg("verify_ms"), py::arg("cool_len") = 0,
           py::arg("learnt") = true,
           "auto's cool-down after each of these chain rounds [(width, drafted, committed, round ms)], widths "

@@ -70,9 +70,17 @@ double cost_model::verify_ms(int n, bool tree) const {
         return ms[hi] * n / grid_[hi];
     }
     if (hi < 0) {
-        // past the widest measured (optimistic: a round there measures it): a chain as the widest, a tree as the
-        // chain there in the ratio measured at its widest
-        return tree ? verify_ms(n, false) * ms[lo] / verify_ms(grid_[lo], false) : ms[lo];
+        // past the widest measured (optimistic: a round there measures it): a chain as the widest on a GPU, where
+        // a few more rows cost next to nothing, and on the CPU as the widest scaled by the square root of the
+        // widths. There time grows with the rows (as n^0.75 on the cost-realistic MoE pairs, n^0.6-0.75 on the
+        // dense ones); taken flat, auto on the qwen35moe q8_0 pair explored wide verifies that lost and cooled
+        // down (1.03-1.06x plain decoding against 1.13-1.16x), and a fresh process's first round on the tiny
+        // pairs verified a 64-node tree (30 plain steps). A tree: the chain there in the ratio measured at its
+        // widest.
+        if (tree) {
+            return verify_ms(n, false) * ms[lo] / verify_ms(grid_[lo], false);
+        }
+        return grid_widths_ ? ms[lo] : ms[lo] * std::sqrt(double(n) / grid_[lo]);
     }
     if (lo == hi) {
         return ms[lo];

@@ -5,11 +5,12 @@
 //
 // Nothing is measured up front: the decode loop (decode/driver.cpp) times every round it runs and reports it
 // here, so a fresh process decodes at once. Widths are learnt as rounds use them, from plain decoding up: a width
-// wider than every measured one is taken, optimistically, to cost what the widest measured one does (one between
-// measured widths is interpolated), so auto tries the widths that would pay most and measures them in the rounds
-// that run them; an exploring round is not counted in the speculative rate. (A cap at one grid step past the
-// widest measured width let auto stall at narrow widths, where a draft costs more than it saves.) What was learnt
-// can be saved (measured()) and given to a later process (restore()).
+// wider than every measured one is taken, optimistically, to cost what the widest measured one does on a GPU and
+// that times the square root of the widths' ratio on the CPU (one between measured widths is interpolated), so
+// auto tries the widths that would pay most and measures them in the rounds that run them; an exploring round is
+// not counted in the speculative rate. (A cap at one grid step past the widest measured width let auto stall at
+// narrow widths, where a draft costs more than it saves.) What was learnt can be saved (measured()) and given to
+// a later process (restore()).
 #pragma once
 
 #include <vector>
