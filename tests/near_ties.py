@@ -133,3 +133,21 @@ def routing_parts_at_a_tie(model, prompt_ids, tokens, k: int, n_expert_used: int
         routes.append(stepped_routers(s, tokens[:k]) if steps else traced_routers(s, tokens[:k])[1])
     return any(router_gap(routes[1][layer], n_expert_used)[t] < ROUTER_TIE
                for layer, t in router_flips(routes[0], routes[1], n_expert_used))
+
+
+# A verify's batch and a decode step round a router's logits differently only in the last bits (f32 on the CPU,
+# ~1e-6 relative), yet a random checkpoint's router can tie closer: the qwen3moe x5k2_tied pair's sampled
+# continuation (seed 1) routes its 29th token at a relative gap of 1e-4, and an auto run whose verify covered
+# it parted at the next draw.
+CPU_ROUTER_TIE = 1e-3
+
+
+def routes_at_a_tie_before(model, prompt_ids, tokens, k: int, n_expert_used: int, window: int) -> bool:
+    """Whether one of the `window` tokens before tokens[k] (those a verify reaching k evaluates in one batch)
+    routes at a router near-tie (under CPU_ROUTER_TIE) in some layer, as decode steps evaluate them."""
+    s = _core.Session(model._model, n_ctx=model.n_ctx)
+    s.eval(np.array(prompt_ids, dtype=np.int32), all_logits=False)
+    s.commit(len(prompt_ids))
+    routes = stepped_routers(s, tokens[:k])
+    first = max(0, k - window)
+    return any(router_gap(z, n_expert_used)[first:k].min() < CPU_ROUTER_TIE for z in routes.values() if k > first)

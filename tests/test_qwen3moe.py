@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from gguf_edit import rewrite  # noqa: E402
 from hf_models import QWEN3MOE_SHAPES, make_dflash_checkpoint, make_qwen3moe_shape  # noqa: E402
-from near_ties import draw_is_fragile, first_difference  # noqa: E402
+from near_ties import draw_is_fragile, first_difference, moe_experts, routes_at_a_tie_before  # noqa: E402
 from test_qwen3 import assert_greedy_matches_transformers, kl_divergence, ref_logits  # noqa: E402
 
 import gguf  # noqa: E402
@@ -272,7 +272,8 @@ SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0
 
 
 def assert_sampling_equals_plain(target, draft, mode: str, budget) -> None:
-    """Same seed, same tokens: or else they part at a draw that logit noise of near_ties.TIE could change."""
+    """Same seed, same tokens: or else they part at a draw that logit noise of near_ties.TIE could change, or
+    after a token a verify reaching the parting evaluated whose router nearly ties (near_ties.CPU_ROUTER_TIE)."""
     prompt = [5, 9, 33, 100, 7]
     with pydflash.Model(target, n_ctx=512, draft_model_path=draft, spec_mode=mode, tree_budget=budget) as m:
         for seed in (1, 77):
@@ -280,8 +281,9 @@ def assert_sampling_equals_plain(target, draft, mode: str, budget) -> None:
             spec = m.generate(prompt, max_tokens=48, seed=seed, **SAMPLING).tokens
             if spec != plain:
                 k = first_difference(spec + [-1], plain + [-2])
-                assert k < min(len(spec), len(plain)) and draw_is_fragile(m, prompt, plain, k, {**SAMPLING,
-                                                                                                 "seed": seed}), k
+                assert k < min(len(spec), len(plain)), k
+                assert (draw_is_fragile(m, prompt, plain, k, {**SAMPLING, "seed": seed}) or
+                        routes_at_a_tie_before(m, prompt, plain, k, moe_experts(target)[1], m._draft.block_size)), k
 
 
 @pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 20), ("auto", None)])
