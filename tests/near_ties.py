@@ -135,10 +135,10 @@ def routing_parts_at_a_tie(model, prompt_ids, tokens, k: int, n_expert_used: int
                for layer, t in router_flips(routes[0], routes[1], n_expert_used))
 
 
-# A verify's batch and a decode step round a router's logits differently only in the last bits (f32 on the CPU,
-# ~1e-6 relative), yet a random checkpoint's router can tie closer: the qwen3moe x5k2_tied pair's sampled
-# continuation (seed 1) routes its 29th token at a relative gap of 1e-4, and an auto run whose verify covered
-# it parted at the next draw.
+# A verify's batch and decode steps round a router's logits apart (other kernels, the cache's f16 rows read by
+# another attention path): slightly, but a random checkpoint's near-uniform router can tie closer still. The
+# qwen3moe x5k2_tied pair's sampled continuation (seed 1) routes token 29 (0-based) at a relative gap of 1e-4, and
+# an auto run whose verify covered it parted at the next draw on the CPU; the threshold is ten times that gap.
 CPU_ROUTER_TIE = 1e-3
 
 
