@@ -89,6 +89,14 @@ def traced_routers(session, tokens, prefix: str = "ffn_moe_logits-") -> tuple[np
     return logits, {int(name.rsplit("-", 1)[1]): node for name, node in trace.items()}
 
 
+def session_after(model, prompt_ids):
+    """A fresh session of the Model's weights holding the prompt, committed."""
+    s = _core.Session(model._model, n_ctx=model.n_ctx)
+    s.eval(np.array(prompt_ids, dtype=np.int32), all_logits=False)
+    s.commit(len(prompt_ids))
+    return s
+
+
 def stepped_routers(session, tokens) -> dict[int, np.ndarray]:
     """{layer: router logits [n, X]} of evaluating tokens one at a time (decode steps), each committed."""
     rows: dict[int, list] = {}
@@ -127,9 +135,7 @@ def routing_parts_at_a_tie(model, prompt_ids, tokens, k: int, n_expert_used: int
         return False
     routes = []
     for steps in (False, True):
-        s = _core.Session(model._model, n_ctx=model.n_ctx)
-        s.eval(np.array(prompt_ids, dtype=np.int32), all_logits=False)
-        s.commit(len(prompt_ids))
+        s = session_after(model, prompt_ids)
         routes.append(stepped_routers(s, tokens[:k]) if steps else traced_routers(s, tokens[:k])[1])
     return any(router_gap(routes[1][layer], n_expert_used)[t] < ROUTER_TIE
                for layer, t in router_flips(routes[0], routes[1], n_expert_used))
@@ -145,9 +151,6 @@ CPU_ROUTER_TIE = 1e-3
 def routes_at_a_tie_before(model, prompt_ids, tokens, k: int, n_expert_used: int, window: int) -> bool:
     """Whether one of the `window` tokens before tokens[k] (those a verify reaching k evaluates in one batch)
     routes at a router near-tie (under CPU_ROUTER_TIE) in some layer, as decode steps evaluate them."""
-    s = _core.Session(model._model, n_ctx=model.n_ctx)
-    s.eval(np.array(prompt_ids, dtype=np.int32), all_logits=False)
-    s.commit(len(prompt_ids))
-    routes = stepped_routers(s, tokens[:k])
+    routes = stepped_routers(session_after(model, prompt_ids), tokens[:k])
     first = max(0, k - window)
     return any(router_gap(z, n_expert_used)[first:k].min() < CPU_ROUTER_TIE for z in routes.values() if k > first)
