@@ -790,7 +790,7 @@ def print_table(results: dict) -> None:
 # driver
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "pairs")
     ap.add_argument("--prompts-dir", type=Path, default=None,
@@ -804,7 +804,13 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a setting, e.g. --set draft_steps=50 --set qwen3.steps=20")
     args = ap.parse_args(argv)
+    if args.threads is None:
+        args.threads = 1 if args.quick else 2
+    return args
 
+
+def settings(args) -> dict:
+    """FULL (or QUICK) with the --set overrides applied (KEY: dotted path into the settings)."""
     cfg = json.loads(json.dumps(QUICK if args.quick else FULL))
     for kv in args.set:
         k, v = kv.split("=", 1)
@@ -813,21 +819,12 @@ def main(argv=None) -> int:
         for h in head:
             d = d[h]
         d[last] = json.loads(v)
-    if args.threads is None:
-        args.threads = 1 if args.quick else 2
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)        # AdamW second moments go denormal; that costs ~2x on CPU
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    pdir = args.prompts_dir or out
-    pairs = [p for p in args.pairs.split(",") if p]
-    t_all = time.time()
-    timings: dict[str, float] = {}
-    log_rows: list[dict] = []
-    log(f"settings: {json.dumps(cfg)}")
+    return cfg
 
-    # 1. corpus
-    t = time.time()
+
+def build_corpus(cfg: dict, out: Path, pdir: Path):
+    """Training documents and held-out ones (code, prose); writes the held-out prompt files and corpus.json.
+    Returns (train, held, prompts), each a dict by genre."""
     code, prose = code_documents(), prose_documents()
     if "max_docs" in cfg:
         code = sorted(code, key=lambda kv: stable_hash(kv[0]))[: cfg["max_docs"] * 4]
@@ -858,62 +855,98 @@ def main(argv=None) -> int:
         f"{len(prose_train)} docs / {corpus_info['prose']['train_chars'] / 1e6:.1f} MB; held out "
         f"{len(code_held)} + {len(prose_held)} docs -> {len(prompts['code'])} code + {len(prompts['prose'])} "
         f"prose prompts in {pdir}")
+    return {"code": code_train, "prose": prose_train}, {"code": code_held, "prose": prose_held}, prompts
+
+
+def tokenizer_for(train: dict, cfg: dict, tok_dir: Path, reuse: bool):
+    """The tokenizer trained on the training documents (or, with reuse, the one saved in tok_dir)."""
+    if reuse and (tok_dir / "tokenizer.json").exists():
+        return load_tokenizer(tok_dir)
+    tok = train_tokenizer([t_ for _, t_ in train["code"] + train["prose"]], cfg["vocab"])
+    save_tokenizer(tok, tok_dir)
+    return tok
+
+
+def target_for(kind: str, c: dict, tok, ids, cfg: dict, streams, seed: int, log_rows: list, pair_dir: Path,
+               reuse: bool):
+    """The pair's target, trained (evaluated as saved: loaded back) or, with reuse, loaded; frozen."""
+    if reuse and (pair_dir / "target" / "config.json").exists():
+        target = load_target(pair_dir / "target")
+        log(f"[{kind}] target loaded from {pair_dir / 'target'}")
+    else:
+        target = train_target(kind, c, ids, cfg, streams["train"], streams["held"], seed, log_rows)
+        save_target(target, tok, ids, pair_dir / "target")
+        target = load_target(pair_dir / "target")       # evaluate exactly what was saved
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target
+
+
+def draft_for(kind: str, target, tok, ids, cfg: dict, streams, seed: int, log_rows: list, pair_dir: Path,
+              reuse: bool, timings: dict):
+    """The pair's DFlash drafter, distilled from the target's continuations (or, with reuse, loaded); its phases'
+    times go into timings."""
+    t = time.time()
+    if reuse and (pair_dir / "draft" / "config.json").exists():
+        draft = R.DFlashDraftModel.from_pretrained(pair_dir / "draft", dtype=torch.float32).eval()
+        log(f"[{kind}] draft loaded from {pair_dir / 'draft'}")
+        timings[f"{kind}-distill-data"] = 0.0
+        timings[f"{kind}-draft"] = time.time() - t
+        return draft
+    data = make_distill_data(kind, target, tok, ids, cfg, streams["train"], cfg["target_layer_ids"],
+                             cfg["n_cont"], seed + 10, "train")
+    val = make_distill_data(kind, target, tok, ids, cfg, streams["train"], cfg["target_layer_ids"],
+                            cfg["n_cont_val"], seed + 20, "val")
+    timings[f"{kind}-distill-data"] = time.time() - t
+    t = time.time()
+    rep = float(np.mean([R.repeat_share(s[:p].tolist(), s[p:].tolist(), 4)
+                         for s, p in zip(data[0][:256], data[1][:256].tolist())]))
+    log(f"[{kind}] continuations: repeat4 share {rep:.2f} (first 256)")
+    draft = train_draft(kind, target, ids, cfg, data, val, seed + 30, log_rows)
+    del data, val
+    draft.save_pretrained(pair_dir / "draft")
+    draft = R.DFlashDraftModel.from_pretrained(pair_dir / "draft", dtype=torch.float32).eval()
+    timings[f"{kind}-draft"] = time.time() - t
+    return draft
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = settings(args)
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)        # AdamW second moments go denormal; that costs ~2x on CPU
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    t_all = time.time()
+    timings: dict[str, float] = {}
+    log_rows: list[dict] = []
+    log(f"settings: {json.dumps(cfg)}")
+
+    # 1. corpus
+    t = time.time()
+    train, held, prompts = build_corpus(cfg, out, args.prompts_dir or out)
     if args.prompts_only:
         return 0
-
     # 2. tokenizer
-    tok_dir = out / "tokenizer"
-    if args.reuse and (tok_dir / "tokenizer.json").exists():
-        tok = load_tokenizer(tok_dir)
-    else:
-        tok = train_tokenizer([t_ for _, t_ in code_train + prose_train], cfg["vocab"])
-        save_tokenizer(tok, tok_dir)
+    tok = tokenizer_for(train, cfg, out / "tokenizer", args.reuse)
     ids = Ids(tok)
-    train_streams = {"code": encode_stream(tok, code_train, ids.eot), "prose": encode_stream(tok, prose_train, ids.eot)}
-    held_streams = {"code": encode_stream(tok, code_held, ids.eot), "prose": encode_stream(tok, prose_held, ids.eot)}
+    streams = {split: {g: encode_stream(tok, docs[g], ids.eot) for g in ("code", "prose")}
+               for split, docs in (("train", train), ("held", held))}
     timings["corpus+tokenizer"] = time.time() - t
     log(f"tokenizer: {ids.n_tokens} tokens (model rows {ids.n_model}), mask {ids.mask}, eot {ids.eot}; train "
-        f"tokens code {len(train_streams['code'])}, prose {len(train_streams['prose'])}  "
+        f"tokens code {len(streams['train']['code'])}, prose {len(streams['train']['prose'])}  "
         f"({timings['corpus+tokenizer']:.0f}s)")
 
     results: dict[str, dict] = {}
-    for i, kind in enumerate(pairs):
-        c = cfg[kind]
+    for i, kind in enumerate(p for p in args.pairs.split(",") if p):
         seed = args.seed + 1000 * (i + 1)
         pair_dir = out / kind
         # 3. target
         t = time.time()
-        if args.reuse and (pair_dir / "target" / "config.json").exists():
-            target = load_target(pair_dir / "target")
-            log(f"[{kind}] target loaded from {pair_dir / 'target'}")
-        else:
-            target = train_target(kind, c, ids, cfg, train_streams, held_streams, seed, log_rows)
-            save_target(target, tok, ids, pair_dir / "target")
-            target = load_target(pair_dir / "target")       # evaluate exactly what was saved
+        target = target_for(kind, cfg[kind], tok, ids, cfg, streams, seed, log_rows, pair_dir, args.reuse)
         timings[f"{kind}-target"] = time.time() - t
-        for p in target.parameters():
-            p.requires_grad_(False)
         # 4.+5. drafter
-        t = time.time()
-        if args.reuse and (pair_dir / "draft" / "config.json").exists():
-            draft = R.DFlashDraftModel.from_pretrained(pair_dir / "draft", dtype=torch.float32).eval()
-            log(f"[{kind}] draft loaded from {pair_dir / 'draft'}")
-            timings[f"{kind}-distill-data"] = 0.0
-        else:
-            data = make_distill_data(kind, target, tok, ids, cfg, train_streams, cfg["target_layer_ids"],
-                                     cfg["n_cont"], seed + 10, "train")
-            val = make_distill_data(kind, target, tok, ids, cfg, train_streams, cfg["target_layer_ids"],
-                                    cfg["n_cont_val"], seed + 20, "val")
-            timings[f"{kind}-distill-data"] = time.time() - t
-            t = time.time()
-            rep = float(np.mean([R.repeat_share(s[:p].tolist(), s[p:].tolist(), 4)
-                                 for s, p in zip(data[0][:256], data[1][:256].tolist())]))
-            log(f"[{kind}] continuations: repeat4 share {rep:.2f} (first 256)")
-            draft = train_draft(kind, target, ids, cfg, data, val, seed + 30, log_rows)
-            del data, val
-            draft.save_pretrained(pair_dir / "draft")
-            draft = R.DFlashDraftModel.from_pretrained(pair_dir / "draft", dtype=torch.float32).eval()
-        timings[f"{kind}-draft"] = time.time() - t
+        draft = draft_for(kind, target, tok, ids, cfg, streams, seed, log_rows, pair_dir, args.reuse, timings)
         # 6. measurement
         t = time.time()
         eval_prompts = {g: p[: cfg["eval_prompts"]] for g, p in prompts.items()}
