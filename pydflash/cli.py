@@ -45,10 +45,28 @@ def _sampling(args: argparse.Namespace) -> dict:
                 frequency_penalty=args.frequency_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _prompt(args: argparse.Namespace) -> str:
+    """The text to continue: -p, -f FNAME or generate's positional prompt (one of them)."""
+    given = [name for name, value in (("-p", args.prompt), ("-f", args.prompt_file), ("the prompt argument",
+                                                                                       args.prompt_text))
+             if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"two prompts: {' and '.join(given)}")
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") \
+                from None
+        return text[:-1] if text.endswith("\n") else text
     prompt = args.prompt if args.prompt is not None else args.prompt_text
     if prompt is None:
-        raise ValueError("no prompt: pass -p TEXT")
+        raise ValueError("no prompt: pass -p TEXT (or -f FNAME)")
+    return prompt
+
+
+def _run(args: argparse.Namespace) -> int:
+    prompt = _prompt(args)
     with _open_model(args) as model:
         pieces = model.pieces(prompt, args.max_tokens, **_sampling(args))
         for text, _ in pieces:
@@ -297,17 +315,17 @@ def _proposers_argument(p: argparse.ArgumentParser) -> None:
                         "auto, which also chooses which models run)")
 
 
-def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> None:
-    p.add_argument("model", help="path to a qwen3 / qwen35 / qwen3moe / qwen35moe GGUF")
-    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens)
-    p.add_argument("-c", "--n-ctx", type=int, default=4096)
+def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None, model_option: bool = True) -> None:
+    """Model's arguments, under llama.cpp's names too (-m, --ctx-size, --predict, -ctk/-ctv, --model-draft,
+    --spec-draft-n-max; _llama_spellings reconciles them)."""
+    _model_file_arguments(p, model_option)
+    p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens", type=int, default=max_tokens)
+    p.add_argument("-c", "--n-ctx", "--ctx-size", dest="n_ctx", type=int, default=4096)
     p.add_argument("-t", "--threads", type=int, default=None)
-    p.add_argument("--kv-type", default="f16")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    _kv_type_arguments(p)
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=0)
     _placement_arguments(p)
-    p.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF for speculative decoding")
-    _proposers_argument(p)
-    p.add_argument("-b", "--block-size", type=int, default=None)
+    _draft_arguments(p)
     p.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto",
                    help="with a draft: choose per round (auto), DDTree trees, or DFlash chains")
     p.add_argument("--tree-budget", type=int, default=None, help="draft nodes a tree verifies (tree: per round, "
@@ -315,9 +333,69 @@ def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None) -> N
     p.add_argument("-v", "--verbose", action="store_true")
 
 
+def _model_file_arguments(p: argparse.ArgumentParser, model_option: bool) -> None:
+    # (`generate MODEL PROMPT` keeps its model positional and required: with an optional one, argparse would
+    # take a lone positional for the prompt)
+    p.add_argument("model", nargs="?" if model_option else None, default=None,
+                   help="path to a qwen3 / qwen35 / qwen3moe / qwen35moe GGUF")
+    if model_option:
+        p.add_argument("-m", "--model", dest="model_option", default=None, metavar="FNAME",
+                       help="the model, as llama.cpp's -m (instead of the positional argument)")
+
+
+def _kv_type_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-type", default=None, help="the K and V cache type: f32, f16 (default), bf16, q8_0, q4_0")
+    p.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
+                   help="llama.cpp's K cache type (K and V share one type here: give -ctv the same)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE", help="llama.cpp's V cache type")
+
+
+def _draft_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-md", "--draft", "--model-draft", "--spec-draft-model", dest="draft", default=None,
+                   help="a dflash draft GGUF for speculative decoding")
+    _proposers_argument(p)
+    p.add_argument("-b", "--block-size", type=int, default=None)
+    p.add_argument("--spec-draft-n-max", type=int, default=None, metavar="N",
+                   help="llama.cpp's drafts per round: the same as --block-size N+1")
+
+
+def _llama_spellings(args: argparse.Namespace) -> None:
+    """Reconciles llama.cpp's spellings with ours after parsing (a ValueError naming both when they disagree):
+    -m with the positional model, -ctk / -ctv with --kv-type, --spec-draft-n-max with --block-size."""
+    if hasattr(args, "model_option"):
+        if args.model is not None and args.model_option is not None and args.model != args.model_option:
+            raise ValueError(f"two models: {args.model!r} and -m {args.model_option!r}")
+        args.model = args.model if args.model is not None else args.model_option
+        if args.model is None:
+            raise ValueError("no model: pass the GGUF's path (or -m FNAME)")
+    if hasattr(args, "cache_type_k"):
+        # llama.cpp's default for each is f16; one type for both here
+        k = args.cache_type_k or args.kv_type or "f16"
+        v = args.cache_type_v or args.kv_type or "f16"
+        given = {name: value for name, value in (("--kv-type", args.kv_type), ("-ctk", args.cache_type_k),
+                                                 ("-ctv", args.cache_type_v)) if value is not None}
+        if len(given) == 1 and k != v:
+            (name, value), = given.items()
+            raise ValueError(f"{name} {value} alone: the K and V caches share one type here, and llama.cpp's default "
+                             f"for the other is f16: give -ctk {value} -ctv {value}, or --kv-type {value}")
+        if len(set(given.values())) > 1:
+            shown = ", ".join(f"{name} {value}" for name, value in given.items())
+            raise ValueError(f"{shown} disagree: the K and V caches share one type here: give -ctk and -ctv the "
+                             f"same type, or --kv-type alone")
+        args.kv_type = k
+    if getattr(args, "spec_draft_n_max", None) is not None:
+        n = args.spec_draft_n_max
+        if n < 1:
+            raise ValueError(f"--spec-draft-n-max must be at least 1, got {n}")
+        if args.block_size is not None and args.block_size != n + 1:
+            raise ValueError(f"--spec-draft-n-max {n} drafts {n} tokens a round (block size {n + 1}), but "
+                             f"--block-size is {args.block_size}")
+        args.block_size = n + 1
+
+
 def _sampling_arguments(p: argparse.ArgumentParser, temp: float) -> None:
     samp = p.add_argument_group("sampling (llama.cpp's flags and order; the defaults are llama-cpp-python's)")
-    samp.add_argument("--temp", type=float, default=temp, help=f"temperature (0: greedy; default {temp})")
+    samp.add_argument("--temp", "--temperature", dest="temp", type=float, default=temp, help=f"temperature (0: greedy; default {temp})")
     samp.add_argument("--top-k", type=int, default=40, help="0: off")
     samp.add_argument("--top-p", type=float, default=0.95, help="1: off")
     samp.add_argument("--min-p", type=float, default=0.05, help="0: off")
@@ -333,16 +411,15 @@ def _add_plan_command(sub) -> None:
     """`pydflash plan`: Model's arguments, the budgets to fit, --largest and --json."""
     plan_cmd = sub.add_parser("plan", help="the memory a configuration needs on each device and whether it fits "
                                            "(the GGUFs' metadata only: tensor data may be absent)")
-    plan_cmd.add_argument("model", help="path to a qwen3 / qwen35 / qwen3moe / qwen35moe GGUF")
-    plan_cmd.add_argument("-md", "--draft", default=None, help="a dflash draft GGUF")
-    _proposers_argument(plan_cmd)
-    plan_cmd.add_argument("-c", "--n-ctx", type=int, default=4096)
-    plan_cmd.add_argument("--kv-type", default="f16")
-    plan_cmd.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="-1: all layers and the head")
+    _model_file_arguments(plan_cmd, model_option=True)
+    _draft_arguments(plan_cmd)
+    plan_cmd.add_argument("-c", "--n-ctx", "--ctx-size", dest="n_ctx", type=int, default=4096)
+    _kv_type_arguments(plan_cmd)
+    plan_cmd.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int, default=0,
+                          help="-1: all layers and the head")
     _placement_arguments(plan_cmd)
-    plan_cmd.add_argument("-ub", "--n-ubatch", type=_int_or_auto, default="auto",
+    plan_cmd.add_argument("-ub", "--n-ubatch", "--ubatch-size", dest="n_ubatch", type=_int_or_auto, default="auto",
                           help="prefill micro-batch (default auto: the largest Model may choose)")
-    plan_cmd.add_argument("-b", "--block-size", type=int, default=None)
     plan_cmd.add_argument("--spec-mode", choices=("auto", "tree", "chain"), default="auto")
     plan_cmd.add_argument("--tree-budget", type=int, default=None)
     plan_cmd.add_argument("--draft-window", type=int, default=4096)
@@ -363,15 +440,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("run", "one continuation of a prompt, streamed"),
                             ("generate", "the same as run, the prompt as a positional argument")):
         run = sub.add_parser(name, help=help_text)
-        _model_arguments(run, max_tokens=128)
+        _model_arguments(run, max_tokens=128, model_option=name == "run")
         if name == "generate":
             run.add_argument("prompt_text", metavar="prompt")
         run.add_argument("-p", "--prompt", default=None, help="the text to continue")
+        run.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FNAME",
+                         help="a file holding the text to continue (as llama.cpp's: one final newline dropped)")
         _sampling_arguments(run, temp=0.0)
         run.set_defaults(func=_run, **({"prompt_text": None} if name == "run" else {}))
     chat = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)")
     _model_arguments(chat, max_tokens=None)
-    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("-sys", "--system", "--system-prompt", dest="system", default=None, help="a system message")
     chat.add_argument("--no-think", action="store_true", help="thinking off (enable_thinking=False)")
     _sampling_arguments(chat, temp=0.7)
     chat.set_defaults(func=_chat)
@@ -423,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _llama_spellings(args)
         return args.func(args)
     except Exception as e:  # a clear one-line message instead of a traceback for user errors
         from .errors import PydflashError

@@ -269,3 +269,85 @@ def test_run_with_the_models_mtp_head(capsys):
         assert printed == m.generate("def f(x):", max_tokens=24, speculative=False).text + "\n"
     assert main(["run", TARGET, "-p", "x", "--proposers", "mtp"]) == 1
     assert "no multi-token-prediction head" in capsys.readouterr().err
+
+
+class _Opened(Exception):
+    """What the recording Model raises once it has the arguments the command gave it."""
+
+
+def _model_arguments(monkeypatch, argv):
+    """The keyword arguments `pydflash` hands Model for argv (the model is not loaded)."""
+    import pydflash.model
+
+    seen = {}
+
+    def record(path, **kwargs):
+        seen.update(kwargs, model_path=path)
+        raise _Opened
+
+    monkeypatch.setattr(pydflash.model, "Model", record)
+    try:
+        main(argv)
+    except _Opened:
+        return seen
+    raise AssertionError(f"{argv} did not open a model")
+
+
+def test_llama_cpp_spellings_mean_what_they_mean_there(monkeypatch):
+    """llama.cpp's names for the model's options (-m, --ctx-size, --gpu-layers, -ctk/-ctv, --model-draft,
+    --spec-draft-n-max N = N drafts a round) open the Model that the values mean in llama.cpp."""
+    got = _model_arguments(monkeypatch, ["run", "-m", TARGET, "--ctx-size", "512", "--gpu-layers", "0", "-ctk",
+                                         "q8_0", "-ctv", "q8_0", "--model-draft", DRAFT, "--spec-draft-n-max", "3",
+                                         "-p", "x"])
+    assert (got["model_path"], got["n_ctx"], got["n_gpu_layers"], got["kv_type"]) == (TARGET, 512, 0, "q8_0")
+    assert (got["draft_model_path"], got["block_size"]) == (DRAFT, 4)  # 3 drafts and the anchor
+    # the same under our own names; serve and chat take them too
+    assert _model_arguments(monkeypatch, ["run", TARGET, "-c", "512", "-ngl", "0", "--kv-type", "q8_0", "-md",
+                                          DRAFT, "-b", "4", "-p", "x"]) == got
+    for command in ("chat", "bench", "serve"):
+        assert _model_arguments(monkeypatch, [command, "--model", TARGET, "--spec-draft-model", DRAFT,
+                                              "--cache-type-k", "q4_0", "--cache-type-v", "q4_0"])["kv_type"] == "q4_0"
+
+
+def test_run_reads_the_prompt_file_as_llama_cpp_does(tmp_path, capsys):
+    """-f FNAME: the file's text, one final newline dropped; --predict and --temperature as -n and --temp."""
+    text = "def f(x):\n"
+    (tmp_path / "prompt.txt").write_text(text)
+    assert main(["run", "-m", TARGET, "-f", str(tmp_path / "prompt.txt"), "--predict", "16", "--temperature", "0.9",
+                 "-s", "3"]) == 0
+    printed = capsys.readouterr().out
+    with pydflash.Model(TARGET, n_ctx=4096) as m:
+        expected = m.generate(text[:-1], max_tokens=16, temperature=0.9, seed=3).text
+        assert expected != m.generate(text, max_tokens=16, temperature=0.9, seed=3).text  # the newline counts
+    assert printed == expected + "\n"
+
+
+def test_llama_cpp_spellings_that_disagree_are_refused(tmp_path, capsys):
+    cases = [
+        (["run", TARGET, "-ctk", "q8_0", "-p", "x"], "-ctk q8_0 alone: the K and V caches share one type here"),
+        (["run", TARGET, "-ctk", "q8_0", "-ctv", "q4_0", "-p", "x"], "-ctk q8_0, -ctv q4_0 disagree"),
+        (["run", TARGET, "--kv-type", "q4_0", "-ctk", "q8_0", "-ctv", "q8_0", "-p", "x"],
+         "--kv-type q4_0, -ctk q8_0, -ctv q8_0 disagree"),
+        (["run", TARGET, "-m", DRAFT, "-p", "x"], f"two models: '{TARGET}' and -m '{DRAFT}'"),
+        (["run", "-p", "x"], "no model: pass the GGUF's path (or -m FNAME)"),
+        (["plan", "-c", "64"], "no model"),
+        (["run", TARGET, "-md", DRAFT, "-b", "8", "--spec-draft-n-max", "3", "-p", "x"],
+         "--spec-draft-n-max 3 drafts 3 tokens a round (block size 4), but --block-size is 8"),
+        (["run", TARGET, "-md", DRAFT, "--spec-draft-n-max", "0", "-p", "x"], "--spec-draft-n-max must be at least 1"),
+        (["run", TARGET, "-p", "x", "-f", str(tmp_path / "none.txt")], "two prompts: -p and -f"),
+        (["run", TARGET, "-f", str(tmp_path / "none.txt")],
+         f"cannot read the prompt file {tmp_path / 'none.txt'}: No such file or directory"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 1, argv
+        assert message in capsys.readouterr().err, argv
+
+
+def test_plan_takes_llama_cpp_spellings(capsys):
+    import json
+
+    assert main(["plan", "-m", TARGET, "--ctx-size", "1024", "-ctk", "q4_0", "-ctv", "q4_0", "--ubatch-size", "64",
+                 "--model-draft", DRAFT, "--spec-draft-n-max", "7", "--json"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["n_ctx"], config["kv_type"], config["n_ubatch"], config["block_size"]) == (1024, "q4_0", 64, 8)
+    assert config["draft_model_path"] == DRAFT
