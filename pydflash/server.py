@@ -130,6 +130,22 @@ class CompletionRequest(_Common):
         return kw
 
 
+class TokenizeRequest(BaseModel):
+    """llama-server's /tokenize: text, or a list of texts and token ids (the ids kept as they are)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    content: Union[str, list[Union[int, str]]] = ""
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    tokens: list[int] = []
+
+
 def _validation_message(e: ValidationError) -> str:
     parts = []
     for err in e.errors()[:5]:
@@ -301,6 +317,7 @@ def create_app(model: Model, *, parallel: int = 1, api_key: str | None = None, a
     app.add_exception_handler(RequestError, _request_error)
     _add_info_routes(app, state, model)
     _add_completion_routes(app, state)
+    _add_token_routes(app, state, model)
     return app
 
 
@@ -372,6 +389,7 @@ async def _read_json(request: Request, state: ServerState) -> Any:
 def _add_info_routes(app: FastAPI, state: ServerState, model: Model) -> None:
     """/health and /v1/models."""
     @app.get("/health")
+    @app.get("/v1/health")
     async def health():
         batched = model._batcher.stats if model._batcher is not None else {"batches": 0, "batched_parts": 0}
         return {"status": "ok", "slots_idle": state.pool.n_free,
@@ -379,6 +397,7 @@ def _add_info_routes(app: FastAPI, state: ServerState, model: Model) -> None:
                 "batched_steps": batched["batches"], "batched_evaluations": batched["batched_parts"]}
 
     @app.get("/v1/models")
+    @app.get("/models")
     async def models(request: Request):
         _authorize(request, state)
         meta = {"arch": model.arch, "n_ctx": model.n_ctx, "n_vocab": model.n_vocab, "parallel": len(state.slots),
@@ -389,14 +408,74 @@ def _add_info_routes(app: FastAPI, state: ServerState, model: Model) -> None:
 
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
-    """/v1/chat/completions and /v1/completions."""
+    """/v1/chat/completions (also at /chat/completions, as llama-server) and /v1/completions."""
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
     async def chat_completions(request: Request):
         return await _complete(request, "chat", state)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _complete(request, "completion", state)
+
+
+def _add_token_routes(app: FastAPI, state: ServerState, model: Model) -> None:
+    """llama-server's /tokenize, /detokenize and /apply-template, in its shapes (its defaults: no BOS added, control
+    tokens' text parsed as those tokens; a piece that is not valid UTF-8 as its byte values)."""
+    def validated(cls, payload: Any):
+        if not isinstance(payload, dict):
+            raise RequestError(400, f"the request body must be a JSON object, got {type(payload).__name__}")
+        try:
+            return cls.model_validate(payload)
+        except ValidationError as e:
+            raise RequestError(400, _validation_message(e)) from None
+
+    def piece(token: int):
+        raw = model.tokenizer.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(raw)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        _authorize(request, state)
+        req = validated(TokenizeRequest, await _read_json(request, state))
+        parts = req.content if isinstance(req.content, list) else [req.content]
+        tokens: list[int] = []
+        for i, part in enumerate(parts):  # BOS (where the model adds one) before a first text only
+            tokens += model.tokenize(part, add_special=req.add_special and i == 0, parse_special=req.parse_special) \
+                if isinstance(part, str) else [_token_id(part, model.n_vocab, f"content[{i}]")]
+        return {"tokens": [{"id": t, "piece": piece(t)} for t in tokens] if req.with_pieces else tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        _authorize(request, state)
+        req = validated(DetokenizeRequest, await _read_json(request, state))
+        ids = [_token_id(t, model.n_vocab, f"tokens[{i}]") for i, t in enumerate(req.tokens)]
+        return {"content": model.detokenize(ids)}
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request):
+        """The prompt a chat completion of these messages would continue (the server's template)."""
+        from .completions import chat_template
+
+        _authorize(request, state)
+        req = validated(ChatRequest, await _read_json(request, state))
+        options = state.chat_options
+        template = chat_template(model, options.get("chat_template"), options.get("chat_format"))
+        try:
+            text = template.render(req.messages, tools=None if req.tool_choice == "none" else req.tools,
+                                   add_generation_prompt=True, **(req.chat_template_kwargs or {}))
+        except ValueError as e:  # (ChatTemplateError: the template raised, or a message it cannot render)
+            raise RequestError(400, str(e)) from None
+        return {"prompt": text}
+
+
+def _token_id(value: int, n_vocab: int, where: str) -> int:
+    if not 0 <= value < n_vocab:
+        raise RequestError(400, f"{where}: token id {value} is outside the vocabulary [0, {n_vocab})")
+    return value
 
 
 def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, str, Callable[[Model], Any]]:

@@ -261,3 +261,39 @@ def test_mtp_chain_tau_is_llama_cpps(kind, tmp_path):
             theirs += peer.rounds_to(n, [a + 1 for a in out["accepted_per_round"]])
     print(f"{kind} MTP: verify passes for {n} tokens x 8 prompts: ours {ours}, llama.cpp {theirs}")
     assert abs(ours - theirs) <= 0.05 * theirs
+
+
+@pytest.mark.slow
+def test_token_routes_answer_as_llama_servers(tmp_path):
+    """/tokenize (with and without pieces, control tokens' text, mixed texts and ids, a character split over byte
+    tokens), /detokenize and /apply-template give llama-server's answers for the same GGUF."""
+    pytest.importorskip("fastapi")
+    import json
+    import urllib.request
+
+    from fastapi.testclient import TestClient
+
+    from pydflash.server import create_app
+
+    if peer.binary("llama-server") is None:
+        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
+    target = pair_file("qwen3", "target", "q8_0")
+    text = "<|im_start|>user\ndef f(x):  # café, 漢字 🙂\n<|im_end|>"
+    bodies = [("/tokenize", {"content": text}), ("/tokenize", {"content": text, "with_pieces": True}),
+              ("/tokenize", {"content": text, "parse_special": False}), ("/tokenize", {"content": ["def", 7, " g"]}),
+              ("/tokenize", {"content": text, "add_special": True}), ("/detokenize", {"tokens": [7, 300, 12, 4000]}),
+              ("/apply-template", {"messages": [{"role": "system", "content": "You write Python."},
+                                                {"role": "user", "content": "Reverse a list."}]})]
+
+    def llama(url: str, path: str, body: dict) -> dict:
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
+    with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
+            peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
+        for path, body in bodies:
+            got = ours.post(path, json=body)
+            assert got.status_code == 200, got.text
+            assert got.json() == llama(url, path, body), (path, body)

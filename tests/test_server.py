@@ -337,6 +337,56 @@ def test_bad_completion_requests_get_400(server):
         assert r.status_code == 400 and where in r.json()["error"]["message"], (body, r.text)
 
 
+# ---- llama-server's other routes ----
+def test_tokenize_and_detokenize_as_llama_server(server, model):
+    """/tokenize and /detokenize in llama-server's shapes and defaults: control tokens' text parsed (as the chat
+    prompt is), no BOS added, texts and ids mixed, pieces by token; the reference is the model's own tokenizer (tested
+    against llama.cpp's in test_tokenizer), and llama-server itself in test_peer."""
+    text = "<|im_start|>user\ndef f(x): return x  # café<|im_end|>"
+    r = _post(server, "/tokenize", {"content": text})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    assert ids == model.tokenize(text, add_special=False, parse_special=True)
+    assert model.detokenize(ids[:1]) == "<|im_start|>"  # one control token
+    plain = _post(server, "/tokenize", {"content": text, "parse_special": False}).json()["tokens"]
+    assert plain == model.tokenize(text, add_special=False) and len(plain) > len(ids)
+    mixed = _post(server, "/tokenize", {"content": ["def", 7, " f"]}).json()["tokens"]
+    assert mixed == model.tokenize("def", add_special=False) + [7] + model.tokenize(" f", add_special=False)
+    pieces = _post(server, "/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    assert b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode()
+                    for p in pieces) == text.encode()
+    assert _post(server, "/detokenize", {"tokens": ids}).json() == {"content": text}
+    assert _post(server, "/tokenize", {}).json() == {"tokens": []}
+    for path, body, where in [("/detokenize", {"tokens": [1, 10**6]}, "tokens[1]: token id 1000000 is outside"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens"),
+                              ("/tokenize", {"content": ["a", -1]}, "content[1]: token id -1 is outside"),
+                              ("/tokenize", {"content": 5}, "content"), ("/tokenize", [], "JSON object")]:
+        r = _post(server, path, body)
+        assert r.status_code == 400 and where in r.json()["error"]["message"], (body, r.text)
+    assert httpx.post(server.url + "/tokenize", json={"content": "x"}).status_code == 401  # the API key
+
+
+def test_apply_template_gives_the_prompt_a_chat_completion_continues(server, client):
+    """/apply-template renders what /v1/chat/completions would continue: that prompt's tokens are the completion's
+    prompt_tokens; /chat/completions (llama-server's alias) answers as /v1/chat/completions."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = _post(server, "/apply-template", {"messages": MESSAGES, "tools": tools})
+    assert r.status_code == 200, r.text
+    prompt = r.json()["prompt"]
+    assert prompt.startswith("<|im_start|>system\nYou write Python.") and prompt.endswith("<|im_start|>assistant\n")
+    n_prompt = len(_post(server, "/tokenize", {"content": prompt}).json()["tokens"])
+    reply = client.chat.completions.create(model="m", messages=MESSAGES, tools=tools, max_tokens=4, temperature=0)
+    assert reply.usage.prompt_tokens == n_prompt
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    assert _post(server, "/chat/completions", body).json()["choices"] == \
+        _post(server, "/v1/chat/completions", body).json()["choices"]
+    assert _post(server, "/apply-template", {"messages": [{"content": "x"}]}).status_code == 400
+    assert httpx.get(server.url + "/v1/health").json()["status"] == "ok"
+    assert httpx.get(server.url + "/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == \
+        "qwen3-target-q8_0.gguf"
+
+
 def test_unknown_routes_and_methods(server):
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
     assert httpx.get(server.url + "/v1/chat/completions").status_code == 405
