@@ -94,3 +94,39 @@ def test_a_long_cool_down_captures_features_only_for_its_last_rounds(tracing):
             accepted += c.timings["draft_n_accepted"]
             assert again.timings["cached_n"] == len(plain.tokenize(prompt))
     assert accepted > 0
+
+
+def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path):
+    """auto alone drafts 3 positions past the anchor first (a block of 4: a DFlash draft's time grows with its
+    positions), then a block of a power of two covering twice the depth its last cut kept: where the drafts are
+    accepted (a continuation that repeats the prompt) it reaches the drafter's whole block, 15; where none is (the
+    drafter's fc scrambled), it drafts 3 once acceptance is learnt. Either way the output is plain decoding's."""
+    import numpy as np
+
+    import gguf
+    import near_ties
+    from gguf_edit import rewrite
+
+    target, draft = pair_file("qwen3", "target", "q8_0"), pair_file("qwen3", "dflash", "q8_0")
+    shape = next(t.shape for t in gguf.GGUFReader(draft).tensors if t.name == "fc.weight")
+    noise = np.random.default_rng(0).normal(0.0, 0.5, (int(shape[1]), int(shape[0])))
+    useless = rewrite(draft, tmp_path / "useless.gguf", drop_tensors=["fc.weight"], add_tensors={"fc.weight": noise})
+    text = prompt_rows("code")[1]["text"]
+    prompt = text + text[:300]  # the continuation repeats what the prompt holds
+    with pydflash.Model(target, n_ctx=1024) as plain:
+        expected = plain.generate(prompt, max_tokens=MAX_TOKENS).tokens
+        depths = {}
+        for name, drafter in (("trained", draft), ("useless", useless)):
+            with pydflash.Model(target, draft_model_path=drafter, n_ctx=1024, spec_mode="auto") as m:
+                _core.traced_rounds()
+                c = m.generate(prompt, max_tokens=MAX_TOKENS)
+                rounds = _core.traced_rounds()
+            if c.tokens != expected:
+                k, tie = near_ties.parts_at_a_near_tie(plain, plain.tokenize(prompt), expected, c.tokens)
+                assert tie, f"auto ({name} drafter) parted from plain decoding at output {k}, not at a near-tie"
+            depths[name] = [r["depth"] for r in rounds if r["drafted"]]
+            assert all(r["depth"] == 0 for r in rounds if not r["drafted"])
+    for name, d in depths.items():
+        assert d and d[0] == 3 and set(d) <= {3, 7, 15}, (name, d)
+    assert 15 in depths["trained"]
+    assert depths["useless"][-1] == 3

@@ -362,14 +362,14 @@ static void register_functions(py::module_ & m) {
         py::list out;
         for (const traced_round & r : take_traced_rounds()) {
             out.append(py::dict(py::arg("width") = r.width, py::arg("tree") = r.tree, py::arg("drafted") = r.drafted,
-                                py::arg("captured") = r.captured,
+                                py::arg("depth") = r.depth, py::arg("captured") = r.captured,
                                 py::arg("committed") = r.committed, py::arg("draft_ms") = r.draft_ms,
                                 py::arg("verify_ms") = r.verify_ms, py::arg("builds") = r.builds,
                                 py::arg("placements") = r.placements));
         }
         return out;
-    }, "The rounds traced since the last call: width, tree, drafted, captured (the evaluation captured the "
-       "proposer's features), committed, draft_ms, verify_ms, and the graphs built and made resident during the "
+    }, "The rounds traced since the last call: width, tree, drafted, depth (positions drafted), captured (the "
+       "evaluation captured the proposer's features), committed, draft_ms, verify_ms, and the graphs built and made resident during the "
        "verify.");
     m.def("force_grid_widths", [](const py::object & on) {
         cost_model::force_grid_widths(on.is_none() ? -1 : on.cast<bool>() ? 1 : 0);

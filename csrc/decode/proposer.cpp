@@ -23,6 +23,12 @@ static constexpr int    COOLDOWN_MAX      = 2048;
 // the last L), the accepted length against a whole context: qwen3 L = 64 0.90x, 128 0.96x, 256 0.97x; qwen35
 // and qwen3moe (the prompt skipped too) 0.97-1.06x from L = 64.
 static constexpr int    FEATURE_LEAD      = 256;
+// auto alone drafts as deep as it is likely to verify: twice the depth its last cut kept (at least
+// MIN_DRAFT_DEPTH, rounded up to a block of a power of two, so that a few graphs serve every length). A DFlash
+// draft's time grows with its positions (the tiny MoE pairs: 0.23-0.30 ms for a block of 4, 1.0 ms for 16, a
+// plain step 0.2), and the positions past the cut are never verified. Acceptance at a position does not fall
+// with a shorter block (trained pairs, chains of blocks 4, 8 and 16 cut at the same depth: the same or higher).
+static constexpr int    MIN_DRAFT_DEPTH   = 3;
 
 dflash_proposer::dflash_proposer(draft_session & d, speculation_state & state, const spec_params & params,
                                  bool recurrent_target)
@@ -55,13 +61,25 @@ bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth,
         captures_ = !(judges_itself(batch()) && state_.cooldown >= FEATURE_LEAD);
         return false;
     }
-    return candidates(anchor, start, max_depth, max_nodes, out);
+    // (beside other generations every draft covers the whole block: drafts of one length share the batch's
+    // drafter graph)
+    const int depth = judges_itself(batch()) ? std::max(state_.draft_depth, MIN_DRAFT_DEPTH) : 0;
+    return candidates(anchor, start, max_depth, max_nodes, out, depth);
 }
 
-bool dflash_proposer::candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out) {
+bool dflash_proposer::candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out,
+                                 int depth) {
     out.reset(anchor);
     max_depth = std::min({max_depth, d_.block() - 1, max_nodes - 1});
-    drafted_  = max_depth > 0;
+    if (depth > 0) {
+        int block = 2;  // the block of a power of two that covers `depth` drafts and the anchor
+        while (block < depth + 1) {
+            block *= 2;
+        }
+        max_depth = std::min(max_depth, block - 1);
+    }
+    drafted_       = max_depth > 0;
+    drafted_depth_ = max_depth;
     if (!drafted_) {
         return false;
     }
@@ -128,6 +146,7 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
         if (draft_candidates(anchor, start, max_depth, max_nodes, full_)) {
             const int b = verify_budget(full_, costs_, acceptance_, recurrent_);
             full_.truncate(1 + b);
+            state_.draft_depth = 2 * full_.max_depth();
             speculative_ = b > 0;
             (b == 0 ? stats_.n_plain : full_.is_chain() ? stats_.n_chain : stats_.n_tree)++;
         }

@@ -7,7 +7,8 @@
 //                      auto   per round, whatever maximises expected committed tokens per unit of time:
 //                             no draft at all, a chain or a tree of any size, from the learnt probability that
 //                             the target accepts each drafted path (decode/acceptance_model.h) and the measured
-//                             cost of each verify width (decode/cost_model.h)
+//                             cost of each verify width (decode/cost_model.h); it drafts only as deep as its
+//                             last cut suggests it will verify (decode/proposer.cpp, MIN_DRAFT_DEPTH)
 #pragma once
 
 #include "decode/acceptance_model.h"
@@ -60,6 +61,8 @@ class proposer {
     virtual bool captures_round() const { return true; }
     // whether the last propose() ran the drafter
     virtual bool drafted() const = 0;
+    // how many positions past the anchor the last propose() drafted (0: none; traced rounds)
+    virtual int  drafted_depth() const { return 0; }
     // where the decode loop reports what each round cost (what auto weighs); nullptr: nothing weighs it
     virtual cost_model * costs() = 0;
     // whether auto chose the last round before its acceptance model was learnt (acceptance_model::learnt): such
@@ -145,6 +148,7 @@ struct speculation_state {
     acceptance_model acceptance;
     int              cooldown = 0;  // rounds left to decode plainly before drafting again
     int              cool_len = 0;  // the next cool-down's length (0: the shortest)
+    int              draft_depth = 0;  // auto, alone: positions its next draft covers (0: none chosen yet)
     model_set_rates  merged;
 };
 
@@ -201,6 +205,7 @@ class dflash_proposer : public proposer {
     // auto's plain rounds far from its next draft capture nothing: no draft reads their features
     bool         captures_round() const override { return captures_; }
     bool         drafted() const override { return drafted_; }
+    int          drafted_depth() const override { return drafted_ ? drafted_depth_ : 0; }
     cost_model * costs() override { return &costs_; }
     bool         learning() const override { return !acceptance_.learnt(); }
     int          max_depth() const override { return d_.block() - 1; }
@@ -212,8 +217,9 @@ class dflash_proposer : public proposer {
     // auto's candidate tree of this round, best first by learnt acceptance, at most max_nodes nodes (false, and
     // only the root: a cool-down round, or no room to draft)
     bool   draft_candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
-    // the same without the cool-down (the caller judges): drafts unless there is no room to
-    bool   candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
+    // the same without the cool-down (the caller judges): drafts unless there is no room to; `depth` > 0: at
+    // most that many positions (else the whole block)
+    bool   candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out, int depth = 0);
     // auto, before drafting: whether this round decodes plainly (sits_out_round on this drafter's state)
     bool   sits_out() { return sits_out_round(state_, batch()); }
     // what the decode loop learns about this drafter (a merge keeps its choices of models here)
@@ -244,6 +250,7 @@ class dflash_proposer : public proposer {
     bool                                  drafted_     = false;
     bool                                  speculative_ = false;
     bool                                  captures_    = true;
+    int                                   drafted_depth_ = 0;
     auto_stats                            stats_;
     std::vector<int32_t>                  ring_rows_, positions_;  // after_verify's context rows
 };

@@ -12,6 +12,7 @@ struct traced_round {
     int      width;       // tokens verified, the root included (1: a plain step)
     bool     tree;        // a recurrent target's branching tree graph
     bool     drafted;     // the proposer ran its drafter
+    int      depth;       // positions past the root it drafted (proposer::drafted_depth)
     bool     captured;    // the evaluation captured the proposer's features
     int      committed;   // tokens the round committed
     double   draft_ms;    // the proposal

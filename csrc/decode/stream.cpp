@@ -249,7 +249,7 @@ void generation_stream::round_evaluated(double eval_ms) {
     }
     if (round_tracing()) {
         const graph_counts now = graph_counters();
-        trace_round({n, s_.is_recurrent() && !tree.is_chain(), p_.drafted(), round.captures,
+        trace_round({n, s_.is_recurrent() && !tree.is_chain(), p_.drafted(), p_.drafted_depth(), round.captures,
                      (int) round.rows.size(), round.draft_ms, verify_ms, now.builds - round.graphs_before.builds,
                      now.placements - round.graphs_before.placements});
     }
