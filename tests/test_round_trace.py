@@ -96,11 +96,12 @@ def test_a_long_cool_down_captures_features_only_for_its_last_rounds(tracing):
     assert accepted > 0
 
 
-def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path):
+def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch):
     """auto alone drafts 3 positions past the anchor first (a block of 4: a DFlash draft's time grows with its
     positions), then a block of a power of two covering twice the depth its last cut kept: where the drafts are
-    accepted (a continuation that repeats the prompt) it reaches the drafter's whole block, 15; where none is (the
-    drafter's fc scrambled), it drafts 3 once acceptance is learnt. Either way the output is plain decoding's."""
+    accepted (a continuation that repeats the prompt) it reaches the drafter's whole block, 15; after a round whose
+    cut kept nothing (the drafter's fc scrambled: none is accepted, once that is learnt) it drafts 3 again. Either
+    way the output is plain decoding's. On a GPU (grid widths) it drafts the whole block."""
     import numpy as np
 
     import gguf
@@ -117,6 +118,9 @@ def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path):
         expected = plain.generate(prompt, max_tokens=MAX_TOKENS).tokens
         depths = {}
         for name, drafter in (("trained", draft), ("useless", useless)):
+            # (a cost cache of its own: another test's run may have left a cool-down for this pair in the shared
+            # one, where speculation stopped paying on this tiny pair)
+            monkeypatch.setenv("PYDFLASH_CACHE", str(tmp_path / f"{name}-cache"))
             with pydflash.Model(target, draft_model_path=drafter, n_ctx=1024, spec_mode="auto") as m:
                 _core.traced_rounds()
                 c = m.generate(prompt, max_tokens=MAX_TOKENS)
@@ -124,9 +128,19 @@ def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path):
             if c.tokens != expected:
                 k, tie = near_ties.parts_at_a_near_tie(plain, plain.tokenize(prompt), expected, c.tokens)
                 assert tie, f"auto ({name} drafter) parted from plain decoding at output {k}, not at a near-tie"
-            depths[name] = [r["depth"] for r in rounds if r["drafted"]]
+            drafted = [r for r in rounds if r["drafted"]]
+            depths[name] = [r["depth"] for r in drafted]
             assert all(r["depth"] == 0 for r in rounds if not r["drafted"])
-    for name, d in depths.items():
-        assert d and d[0] == 3 and set(d) <= {3, 7, 15}, (name, d)
+            assert drafted and drafted[0]["depth"] == 3 and set(depths[name]) <= {3, 7, 15}, (name, depths[name])
+            # (width 1: the cut kept no draft)
+            assert all(b["depth"] == 3 for a, b in zip(drafted, drafted[1:]) if a["width"] == 1), (name, drafted)
     assert 15 in depths["trained"]
-    assert depths["useless"][-1] == 3
+    assert any(r == 3 for r in depths["useless"][1:]), depths["useless"]
+    # with grid widths (a GPU's: decode/cost_model.h) every draft covers the whole block
+    monkeypatch.setenv("PYDFLASH_CACHE", str(tmp_path / "grid-widths-cache"))
+    _core.force_grid_widths(True)
+    with pydflash.Model(target, draft_model_path=draft, n_ctx=1024, spec_mode="auto") as m:
+        _core.traced_rounds()
+        m.generate(prompt, max_tokens=MAX_TOKENS)
+        drafted = [r["depth"] for r in _core.traced_rounds() if r["drafted"]]
+    assert drafted and drafted[0] == 15, drafted

@@ -34,6 +34,7 @@ class cost_model {
     // rounds verify the grid's widths or all n_max nodes: there a few more nodes cost next to nothing. On the
     // CPU, time grows with the width and any width is taken.
     void set_grid_widths(bool on) { grid_widths_ = on; }
+    bool grid_widths() const { return grid_widths_; }
     bool verifiable(int n, int n_max) const;
     // tests and benchmarks: every generation from now on with grid widths (1) or without (0); -1: as its target
     // computes (decode/stream.cpp)

@@ -23,7 +23,7 @@ static constexpr int    COOLDOWN_MAX      = 2048;
 // the last L), the accepted length against a whole context: qwen3 L = 64 0.90x, 128 0.96x, 256 0.97x; qwen35
 // and qwen3moe (the prompt skipped too) 0.97-1.06x from L = 64.
 static constexpr int    FEATURE_LEAD      = 256;
-// auto alone drafts as deep as it is likely to verify: twice the depth its last cut kept (at least
+// auto alone on the CPU drafts as deep as it is likely to verify: twice the depth its last cut kept (at least
 // MIN_DRAFT_DEPTH, rounded up to a block of a power of two, so that a few graphs serve every length). A DFlash
 // draft's time grows with its positions (the tiny MoE pairs: 0.23-0.30 ms for a block of 4, 1.0 ms for 16, a
 // plain step 0.2), and the positions past the cut are never verified. Acceptance at a position does not fall
@@ -62,8 +62,10 @@ bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth,
         return false;
     }
     // (beside other generations every draft covers the whole block: drafts of one length share the batch's
-    // drafter graph)
-    const int depth = judges_itself(batch()) ? std::max(state_.draft_depth, MIN_DRAFT_DEPTH) : 0;
+    // drafter graph; so it does on a GPU, where a few positions more cost next to nothing and each block length
+    // would be a drafter graph to capture)
+    const bool shallow = judges_itself(batch()) && !costs_.grid_widths();
+    const int  depth   = shallow ? std::max(state_.draft_depth, MIN_DRAFT_DEPTH) : 0;
     return candidates(anchor, start, max_depth, max_nodes, out, depth);
 }
 
