@@ -395,7 +395,8 @@ def _llama_spellings(args: argparse.Namespace) -> None:
 
 def _sampling_arguments(p: argparse.ArgumentParser, temp: float) -> None:
     samp = p.add_argument_group("sampling (llama.cpp's flags and order; the defaults are llama-cpp-python's)")
-    samp.add_argument("--temp", "--temperature", dest="temp", type=float, default=temp, help=f"temperature (0: greedy; default {temp})")
+    samp.add_argument("--temp", "--temperature", dest="temp", type=float, default=temp,
+                      help=f"temperature (0: greedy; default {temp})")
     samp.add_argument("--top-k", type=int, default=40, help="0: off")
     samp.add_argument("--top-p", type=float, default=0.95, help="1: off")
     samp.add_argument("--min-p", type=float, default=0.05, help="0: off")

@@ -422,14 +422,6 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
 def _add_token_routes(app: FastAPI, state: ServerState, model: Model) -> None:
     """llama-server's /tokenize, /detokenize and /apply-template, in its shapes (its defaults: no BOS added, control
     tokens' text parsed as those tokens; a piece that is not valid UTF-8 as its byte values)."""
-    def validated(cls, payload: Any):
-        if not isinstance(payload, dict):
-            raise RequestError(400, f"the request body must be a JSON object, got {type(payload).__name__}")
-        try:
-            return cls.model_validate(payload)
-        except ValidationError as e:
-            raise RequestError(400, _validation_message(e)) from None
-
     def piece(token: int):
         raw = model.tokenizer.token_bytes(token)
         try:
@@ -440,7 +432,7 @@ def _add_token_routes(app: FastAPI, state: ServerState, model: Model) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         _authorize(request, state)
-        req = validated(TokenizeRequest, await _read_json(request, state))
+        req = _validated(TokenizeRequest, await _read_json(request, state))
         parts = req.content if isinstance(req.content, list) else [req.content]
         tokens: list[int] = []
         for i, part in enumerate(parts):  # BOS (where the model adds one) before a first text only
@@ -451,7 +443,7 @@ def _add_token_routes(app: FastAPI, state: ServerState, model: Model) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         _authorize(request, state)
-        req = validated(DetokenizeRequest, await _read_json(request, state))
+        req = _validated(DetokenizeRequest, await _read_json(request, state))
         ids = [_token_id(t, model.n_vocab, f"tokens[{i}]") for i, t in enumerate(req.tokens)]
         return {"content": model.detokenize(ids)}
 
@@ -461,7 +453,7 @@ def _add_token_routes(app: FastAPI, state: ServerState, model: Model) -> None:
         from .completions import chat_template
 
         _authorize(request, state)
-        req = validated(ChatRequest, await _read_json(request, state))
+        req = _validated(ChatRequest, await _read_json(request, state))
         options = state.chat_options
         template = chat_template(model, options.get("chat_template"), options.get("chat_format"))
         try:
@@ -472,6 +464,16 @@ def _add_token_routes(app: FastAPI, state: ServerState, model: Model) -> None:
         return {"prompt": text}
 
 
+def _validated(cls: type[BaseModel], payload: Any) -> Any:
+    """A request body as `cls`, or a 400 naming what is wrong with it."""
+    if not isinstance(payload, dict):
+        raise RequestError(400, f"the request body must be a JSON object, got {type(payload).__name__}")
+    try:
+        return cls.model_validate(payload)
+    except ValidationError as e:
+        raise RequestError(400, _validation_message(e)) from None
+
+
 def _token_id(value: int, n_vocab: int, where: str) -> int:
     if not 0 <= value < n_vocab:
         raise RequestError(400, f"{where}: token id {value} is outside the vocabulary [0, {n_vocab})")
@@ -480,12 +482,7 @@ def _token_id(value: int, n_vocab: int, where: str) -> int:
 
 def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, str, Callable[[Model], Any]]:
     """(stream?, the slot-affinity key, what to run on a slot's Model) for a request body."""
-    if not isinstance(payload, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {type(payload).__name__}")
-    try:
-        req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(payload)
-    except ValidationError as e:
-        raise RequestError(400, _validation_message(e)) from None
+    req = _validated(ChatRequest if kind == "chat" else CompletionRequest, payload)
     kwargs = req.kwargs()
     key = json.dumps(req.messages if kind == "chat" else req.prompt)
     if kind == "chat":
