@@ -307,6 +307,10 @@ def test_llama_cpp_spellings_mean_what_they_mean_there(monkeypatch):
     for command in ("chat", "bench", "serve"):
         assert _model_arguments(monkeypatch, [command, "--model", TARGET, "--spec-draft-model", DRAFT,
                                               "--cache-type-k", "q4_0", "--cache-type-v", "q4_0"])["kv_type"] == "q4_0"
+    from pydflash.cli import build_parser
+
+    assert build_parser().parse_args(["chat", TARGET, "-sys", "Be brief."]).system == "Be brief."
+    assert build_parser().parse_args(["chat", TARGET, "--system-prompt", "Be brief."]).system == "Be brief."
 
 
 def test_run_reads_the_prompt_file_as_llama_cpp_does(tmp_path, capsys):
