@@ -144,3 +144,15 @@ def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch):
         m.generate(prompt, max_tokens=MAX_TOKENS)
         drafted = [r["depth"] for r in _core.traced_rounds() if r["drafted"]]
     assert drafted and drafted[0] == 15, drafted
+
+
+def test_traced_depth_counts_the_mtp_heads_runs(tracing):
+    """A chain verifies every draft: each drafted round's width is its traced depth (the head's runs) plus the
+    anchor, block_size - 1 of them but near max_tokens."""
+    with pydflash.Model(pair_file("qwen35", "target-mtp", "q8_0"), n_ctx=1024, proposers=("mtp",), spec_mode="chain",
+                        block_size=4) as m:
+        _core.traced_rounds()
+        m.generate(prompt_rows("code")[0]["text"], max_tokens=48)
+        drafted = [r for r in _core.traced_rounds() if r["drafted"]]
+    assert drafted and all(r["width"] == r["depth"] + 1 for r in drafted), drafted
+    assert all(r["depth"] == 3 for r in drafted[:-2]), drafted

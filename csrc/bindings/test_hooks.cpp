@@ -369,8 +369,8 @@ static void register_functions(py::module_ & m) {
         }
         return out;
     }, "The rounds traced since the last call: width, tree, drafted, depth (positions drafted), captured (the "
-       "evaluation captured the proposer's features), committed, draft_ms, verify_ms, and the graphs built and made resident during the "
-       "verify.");
+       "evaluation captured the proposer's features), committed, draft_ms, verify_ms, and the graphs built and "
+       "made resident during the verify.");
     m.def("force_grid_widths", [](const py::object & on) {
         cost_model::force_grid_widths(on.is_none() ? -1 : on.cast<bool>() ? 1 : 0);
     }, py::arg("on"), "Every generation from now on verifies only its cost grid's widths (True) or any width "

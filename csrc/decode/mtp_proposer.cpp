@@ -52,7 +52,8 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
         stats_.n_skipped++;
         return;
     }
-    drafted_ = true;
+    drafted_       = true;
+    drafted_depth_ = max_depth;  // (auto: as many as candidates() ran the head)
     if (params_.mode == spec_mode::chain) {
         build_draft_chain(head_.draft(anchor, start, h_row_, max_depth), anchor, max_depth, out);
     } else if (params_.mode == spec_mode::tree) {
@@ -88,6 +89,7 @@ bool mtp_proposer::candidates(int32_t anchor, int start, int max_depth, int max_
         }
         p = &head_.next();
     }
+    drafted_depth_ = p->n_positions;
     learnt_scores(*p, state_.acceptance, scores_);
     build_draft_tree(*p, anchor, tree_node_limit(max_nodes, costs, params_.tree_budget), p->n_positions,
                      tree_seed::best_first, out, &scores_);

@@ -28,6 +28,7 @@ class mtp_proposer : public proposer {
     void   after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
                         const std::vector<float> & accept_prob) override;
     bool         drafted() const override { return drafted_; }
+    int          drafted_depth() const override { return drafted_ ? drafted_depth_ : 0; }
     cost_model * costs() override { return &state_.costs; }
     bool         learning() const override { return !state_.acceptance.learnt(); }
     int          max_depth() const override { return head_.block() - 1; }
@@ -62,8 +63,9 @@ class mtp_proposer : public proposer {
     speculation_state & state_;
     spec_params         params_;
     int                 h_row_       = -1;  // the ring row of the trunk state before the next anchor
-    bool                drafted_     = false;
-    bool                speculative_ = false;
+    bool                drafted_       = false;
+    int                 drafted_depth_ = 0;  // the head's runs in the last round
+    bool                speculative_   = false;
     draft_tree          chain_, full_;  // auto: the greedy chain drafted, the candidate tree
     std::vector<float>  scores_;        // auto: log P(accepted | parent accepted) by position, rank
     auto_stats          stats_;

@@ -25,6 +25,7 @@
 #include "decode/ngram_proposer.h"
 #include "decode/proposer.h"
 
+#include <algorithm>
 #include <array>
 
 namespace pdf {
@@ -51,6 +52,10 @@ class union_proposer : public proposer {
     void   after_verify(const session & s, const draft_tree & t, int start, const std::vector<int> & rows,
                         const std::vector<float> & accept_prob) override;
     bool         drafted() const override { return drafted_[0] || drafted_[1] || !lookup_.empty(); }
+    // the deepest its models drafted (the lookup's matches aside)
+    int          drafted_depth() const override {
+        return std::max(drafted_[DFLASH] ? dflash_->drafted_depth() : 0, drafted_[MTP] ? mtp_->drafted_depth() : 0);
+    }
     cost_model * costs() override { return dflash_ ? dflash_->costs() : mtp_->costs(); }
     bool         learning() const override { return dflash_ ? dflash_->learning() : mtp_->learning(); }
     void         plan_in(eval_batcher * batch) override;
