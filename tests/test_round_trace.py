@@ -146,11 +146,13 @@ def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch):
     assert drafted and drafted[0] == 15, drafted
 
 
-def test_traced_depth_counts_the_mtp_heads_runs(tracing):
-    """A chain verifies every draft: each drafted round's width is its traced depth (the head's runs) plus the
-    anchor, block_size - 1 of them but near max_tokens."""
-    with pydflash.Model(pair_file("qwen35", "target-mtp", "q8_0"), n_ctx=1024, proposers=("mtp",), spec_mode="chain",
-                        block_size=4) as m:
+@pytest.mark.parametrize("proposer", ["dflash", "mtp"])
+def test_traced_depth_of_a_chain(tracing, proposer):
+    """A chain verifies every draft: each drafted round's width is its traced depth (the drafter's positions, the
+    head's runs) plus the anchor, block_size - 1 of them but near max_tokens."""
+    kw = {"draft_model_path": pair_file("qwen35", "dflash", "q8_0")} if proposer == "dflash" else {}
+    with pydflash.Model(pair_file("qwen35", "target-mtp", "q8_0"), n_ctx=1024, proposers=(proposer,),
+                        spec_mode="chain", block_size=4, **kw) as m:
         _core.traced_rounds()
         m.generate(prompt_rows("code")[0]["text"], max_tokens=48)
         drafted = [r for r in _core.traced_rounds() if r["drafted"]]

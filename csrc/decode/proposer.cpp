@@ -163,6 +163,7 @@ void dflash_proposer::propose(int32_t anchor, int start, int max_depth, int max_
     }
     const draft_proposals & p = draft_block(d_, anchor, start, max_depth + 1);
     drafted_                  = true;
+    drafted_depth_            = max_depth;
     if (params_.mode == spec_mode::chain) {
         build_draft_chain(p, anchor, max_depth, out);
     } else {
