@@ -64,22 +64,20 @@ bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth,
     // (beside other generations every draft covers the whole block: drafts of one length share the batch's
     // drafter graph; so it does on a GPU, where a few positions more cost next to nothing and each block length
     // would be a drafter graph to capture)
-    const bool shallow = judges_itself(batch()) && !costs_.grid_widths();
-    const int  depth   = shallow ? std::max(state_.draft_depth, MIN_DRAFT_DEPTH) : 0;
-    return candidates(anchor, start, max_depth, max_nodes, out, depth);
+    int block = 0;  // (0: the whole block)
+    if (judges_itself(batch()) && !costs_.grid_widths()) {
+        block = 2;  // the smallest block of a power of two that holds the anchor and the depth wanted
+        while (block < std::max(state_.draft_depth, MIN_DRAFT_DEPTH) + 1) {
+            block *= 2;
+        }
+    }
+    return candidates(anchor, start, max_depth, max_nodes, out, block - 1);
 }
 
 bool dflash_proposer::candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out,
                                  int depth) {
     out.reset(anchor);
-    max_depth = std::min({max_depth, d_.block() - 1, max_nodes - 1});
-    if (depth > 0) {
-        int block = 2;  // the block of a power of two that covers `depth` drafts and the anchor
-        while (block < depth + 1) {
-            block *= 2;
-        }
-        max_depth = std::min(max_depth, block - 1);
-    }
+    max_depth = std::min({max_depth, d_.block() - 1, max_nodes - 1, depth > 0 ? depth : max_depth});
     drafted_       = max_depth > 0;
     drafted_depth_ = max_depth;
     if (!drafted_) {

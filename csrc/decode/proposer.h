@@ -217,8 +217,8 @@ class dflash_proposer : public proposer {
     // auto's candidate tree of this round, best first by learnt acceptance, at most max_nodes nodes (false, and
     // only the root: a cool-down round, or no room to draft)
     bool   draft_candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out);
-    // the same without the cool-down (the caller judges): drafts unless there is no room to; `depth` > 0: the
-    // positions of the smallest block of a power of two that holds that many and the anchor (else the whole block)
+    // the same without the cool-down (the caller judges): drafts unless there is no room to; `depth` > 0: at most
+    // that many positions (else the whole block)
     bool   candidates(int32_t anchor, int start, int max_depth, int max_nodes, draft_tree & out, int depth = 0);
     // auto, before drafting: whether this round decodes plainly (sits_out_round on this drafter's state)
     bool   sits_out() { return sits_out_round(state_, batch()); }
