@@ -49,6 +49,13 @@ def rewrite(src, dst, *, drop_keys=(), set_keys=None, drop_tensors=(), reshape=N
     return Path(dst)
 
 
+def scrambled(src, dst, tensor: str, seed: int = 0) -> Path:
+    """A copy of the GGUF `src` whose `tensor` (2-D) is random: a drafter or head whose drafts are not accepted."""
+    shape = next(t.shape for t in gguf.GGUFReader(src).tensors if t.name == tensor)
+    noise = np.random.default_rng(seed).normal(0.0, 0.5, (int(shape[1]), int(shape[0])))
+    return rewrite(src, dst, drop_tensors=[tensor], add_tensors={tensor: noise})
+
+
 def patch_tensor_info(src, dst, name: str, *, ggml_type: int | None = None, dim: tuple[int, int] | None = None) -> Path:
     """Copy `src` to `dst` with tensor `name`'s info changed in place (its type id, or dim = (i, ne[i])); the
     tensor data stays as it was, so the file says one thing and holds another."""

@@ -102,16 +102,11 @@ def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch):
     accepted (a continuation that repeats the prompt) it reaches the drafter's whole block, 15; after a round whose
     cut kept nothing (the drafter's fc scrambled: none is accepted, once that is learnt) it drafts 3 again. Either
     way the output is plain decoding's. On a GPU (grid widths) it drafts the whole block."""
-    import numpy as np
-
-    import gguf
     import near_ties
-    from gguf_edit import rewrite
+    from gguf_edit import scrambled
 
     target, draft = pair_file("qwen3", "target", "q8_0"), pair_file("qwen3", "dflash", "q8_0")
-    shape = next(t.shape for t in gguf.GGUFReader(draft).tensors if t.name == "fc.weight")
-    noise = np.random.default_rng(0).normal(0.0, 0.5, (int(shape[1]), int(shape[0])))
-    useless = rewrite(draft, tmp_path / "useless.gguf", drop_tensors=["fc.weight"], add_tensors={"fc.weight": noise})
+    useless = scrambled(draft, tmp_path / "useless.gguf", "fc.weight")
     text = prompt_rows("code")[1]["text"]
     prompt = text + text[:300]  # the continuation repeats what the prompt holds
     with pydflash.Model(target, n_ctx=1024) as plain:

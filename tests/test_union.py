@@ -6,12 +6,11 @@ the load allocates."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import pydflash
 from export_pairs import pair_file, prompt_rows
-from gguf_edit import rewrite
+from gguf_edit import scrambled
 from near_ties import TIE, draw_is_fragile, first_difference, tie_gap
 from pydflash.convert.inflate import inflate_gguf
 from pydflash.errors import UnsupportedModelError
@@ -72,22 +71,13 @@ def test_merged_proposers_are_lossless(kind, proposers):
             assert sum(by["accepted"] for by in t["by_proposer"].values()) >= t["draft_n_accepted"]
 
 
-def _scrambled(src, dst, tensor, seed=0):
-    """A copy of the GGUF `src` whose `tensor` (2-D) is random: a drafter or head whose drafts are not accepted."""
-    import gguf
-
-    shape = next(t.shape for t in gguf.GGUFReader(src).tensors if t.name == tensor)
-    noise = np.random.default_rng(seed).normal(0.0, 0.5, (int(shape[1]), int(shape[0])))
-    return rewrite(src, dst, drop_tensors=[tensor], add_tensors={tensor: noise})
-
-
 @pytest.fixture(scope="module")
 def costly_targets(tmp_path_factory):
     """The committed qwen35 target with its trained head, and with its head scrambled, each inflated so that a
     verify costs what drafting saves (speculation pays: ~1.3x plain decoding here)."""
     d = tmp_path_factory.mktemp("union")
     head = HEADS["qwen35"]
-    useless_head = _scrambled(head, d / "useless-head.gguf", "blk.4.nextn.eh_proj.weight")
+    useless_head = scrambled(head, d / "useless-head.gguf", "blk.4.nextn.eh_proj.weight")
     return {name: inflate_gguf(src, d / f"{name}.gguf", "q4mix", n_ff=16384, extra_layers=12, progress=False)
             for name, src in (("head", head), ("useless head", useless_head))}
 
@@ -99,7 +89,7 @@ def test_the_models_that_run_are_those_whose_drafts_pay(costly_targets, tmp_path
     draft = pair_file("qwen35", "dflash", "q8_0")
     if useless == "dflash":
         target = costly_targets["head"]
-        draft = _scrambled(draft, tmp_path / "useless-dflash.gguf", "fc.weight")
+        draft = scrambled(draft, tmp_path / "useless-dflash.gguf", "fc.weight")
     else:
         target = costly_targets["useless head"]
     useful = "mtp" if useless == "dflash" else "dflash"
