@@ -79,13 +79,14 @@ def _llama_rows(prompts: list[str], tmp: Path, runs) -> dict:
 def run_llama_ngram(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
     return _llama_rows(prompts, tmp, [
         (label, lambda f, t=spec_type, fl=flags: peer.llama_ngram(pair["target"], f, args.max_tokens, args.threads,
-                                                                   2048, t, fl))
+                                                                   2048, t, fl, n_gpu_layers=args.n_gpu_layers))
         for label, spec_type, flags in LLAMA_NGRAM])
 
 
 def run_llama_mtp(pair: dict, prompts: list[str], args, tmp: Path) -> dict:
     return _llama_rows(prompts, tmp, [
-        (f"mtp {n}", lambda f, n=n: peer.llama_mtp(pair["target"], f, args.max_tokens, args.threads, 2048, n))
+        (f"mtp {n}", lambda f, n=n: peer.llama_mtp(pair["target"], f, args.max_tokens, args.threads, 2048, n,
+                                                        n_gpu_layers=args.n_gpu_layers))
         for n in LLAMA_MTP])
 
 
@@ -143,6 +144,8 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                    help="layers on the GPU, ours and llama.cpp's (-1: all)")
     ap.add_argument("--cache-dir", type=Path, default=bench_tree.ROOT / "build" / "inflated")
     ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
     ap.add_argument("--workloads", default="code,repeat")

@@ -159,24 +159,24 @@ def llama_dflash(target: Path, draft: Path, prompt: Path, max_tokens: int, threa
 
 
 def llama_ngram(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int, spec_type: str,
-                spec_flags: tuple[str, ...] = (), temp: float = 0.0, seed: int = 0) -> dict:
+                spec_flags: tuple[str, ...] = (), temp: float = 0.0, seed: int = 0, n_gpu_layers: int = 0) -> dict:
     """llama-speculative-simple --spec-type ngram-* (no draft model; spec_flags: its --spec-ngram-* options), parsed
     as llama_dflash's (the same statistics lines)."""
     cmd = [str(_exe("llama-speculative-simple")), "-m", str(target), "--spec-type", spec_type, *spec_flags,
            "-f", str(prompt), "-n", str(max_tokens), *sampling_flags(temp, seed), "-t", str(threads),
-           "-c", str(n_ctx), "-lv", "4"]
+           "-c", str(n_ctx), "-lv", "4", *gpu_flags(n_gpu_layers)]
     return _run_and_parse(cmd, _parse_dflash)
 
 
 def llama_mtp(target: Path, prompt: Path, max_tokens: int, threads: int, n_ctx: int, n_draft: int,
-              temp: float = 0.0, seed: int = 0, per_round: bool = False) -> dict:
+              temp: float = 0.0, seed: int = 0, per_round: bool = False, n_gpu_layers: int = 0) -> dict:
     """llama-speculative-simple --spec-type draft-mtp: the target's own MTP head (its GGUF's nextn block) drafts
     n_draft tokens a round (--spec-draft-p-min 0: never fewer), parsed as llama_dflash's; its first round anchors
     on the prompt's last token as draft-dflash's does (compare with rounds_to())."""
     cmd = [str(_exe("llama-speculative-simple")), "-m", str(target), "--spec-type", "draft-mtp",
            "--spec-draft-n-max", str(n_draft), "--spec-draft-p-min", "0", "-f", str(prompt), "-n", str(max_tokens),
            *sampling_flags(temp, seed), "-t", str(threads), "-td", str(threads), "-c", str(n_ctx),
-           "-lv", "5" if per_round else "4"]
+           "-lv", "5" if per_round else "4", *gpu_flags(n_gpu_layers)]
     return _run_and_parse(cmd, lambda out: _parse_dflash(out, per_round))
 
 
