@@ -308,7 +308,7 @@ def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: s
     """Compute bytes of each graph kind this configuration runs, the largest over its windows, by name.
     ggml's allocator packs each window's graph differently (a wider window's need can be smaller), so every
     window the engine can build is measured (sweep=False: the whole context's only)."""
-    n_ctx, step = cfg.session["n_ctx"], _core.Session.kv_window_step
+    n_ctx, step = cfg.session["n_ctx"], session.kv_window_step
 
     def target(n, **kw):
         return max(session.measure_eval(n, n_kv=w, draft=draft_session, **kw)

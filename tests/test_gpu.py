@@ -105,6 +105,22 @@ def test_plain_decoding_over_long_windows_cpu_vs_gpu(kind):
             assert tie_gap(cpu, prompt, out[0], out[-1], k) < TIE, k
 
 
+@pytest.mark.parametrize("ngl,step", [(-1, 256), (0, 64)])
+def test_decode_graph_rebuilt_once_per_window_step(ngl, step):
+    # a rebuilt graph loses its CUDA graph (captured at its second run, replayed from its third), so on a GPU the
+    # attended window grows in llama.cpp's 256-slot KV padding; on the CPU in 64-slot steps (state/session.cpp)
+    path = str(pair_file("qwen3", "target", "f32"))
+    s = _core.Session(_core.Model(path, n_gpu_layers=ngl), n_ctx=1024)
+    assert s.kv_window_step == step
+    s.eval(_prompt()[:40])
+    s.commit(40)
+    before = _core.graph_counters()["builds"]
+    for pos in range(40, 300):  # windows up to 256, then 512 (or 64, 128, ..., 320)
+        s.eval(np.array([7], dtype=np.int32))
+        s.commit(1)
+    assert _core.graph_counters()["builds"] - before == len({-(-(pos + 1) // step) for pos in range(40, 300)})
+
+
 def _speculative_equals_plain(m, rows, max_tokens: int) -> None:
     for row in rows:
         plain = m.generate(row["text"], max_tokens=max_tokens, speculative=False)

@@ -223,7 +223,9 @@ void register_session(py::module_ & m) {
             py::arg("tokens"), py::arg("sizes"), py::arg("draft") = nullptr, py::arg("reps") = 1,
             "Milliseconds per token of a prefill micro-batch of each size (evaluations of the first `size` tokens "
             "into an empty cache, as a prefill with `draft` capturing runs them); the session is left empty.")
-        .def_property_readonly_static("kv_window_step", [](py::object) { return session::KV_WINDOW_STEP; })
+        .def_property_readonly("kv_window_step", &session::kv_window_step,
+                               "The attended window grows in steps of this many cache slots (one graph per step): "
+                               "64 where the target computes on the CPU, 256 on a GPU.")
         .def_property_readonly("tokens", &session::tokens)
         .def_property_readonly("argmax", &session::argmax, "The greedy pick of each row read by the last eval.");
     register_memory(cls);

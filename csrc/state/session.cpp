@@ -11,13 +11,15 @@
 
 namespace pdf {
 
-// The attended KV window grows in steps of KV_WINDOW_STEP slots (session.h): the graph is rebuilt once per
-// step. Masked slots still cost time in the CPU's small-window attention (matmul + softmax + the V transpose
-// run over the whole window), so the step is small: 64 instead of 256 took ~5% off a tiny 4-layer Qwen3's
-// decode step over 128 tokens (perf samples per token), while its rebuilds (~0.5 ms each there, a fifth of one
-// step) cost < 0.5%.
+// The attended KV window grows in steps of kv_window_step() slots: each graph is rebuilt once per step.
+// On the CPU masked slots still cost time in the small-window attention (matmul + softmax + the V transpose run
+// over the whole window), so the step is small: 64 instead of 256 took ~5% off a tiny 4-layer Qwen3's decode
+// step over 128 tokens (perf samples per token), while its rebuilds (~0.5 ms each there, a fifth of one step)
+// cost < 0.5%. On a GPU a rebuilt graph also loses its CUDA graph: ggml runs it uncaptured once, captures it
+// at its second run and replays it from the third (ggml-cuda.cu, ggml_backend_cuda_graph_compute), so every
+// shape auto verifies pays that again at each step (an H200, 2026-11-27: auto's verifies 2-4x chain 4's, with
+// 0.46 graph builds per evaluation); there the step is llama.cpp's KV padding, 256.
 // Which attention kernel runs is still decided on 256-slot windows (models/attention.cpp).
-static constexpr int KV_WINDOW_STEP = session::KV_WINDOW_STEP;
 // evaluation graphs kept built (all placed in one compute buffer, core/graph_cache.h)
 static constexpr size_t MAX_CACHED_GRAPHS = 8;
 
@@ -67,6 +69,10 @@ session::~session() = default;
 
 bool session::computes_on_gpu() const {
     return model_->devices().n_gpu_layers() > 0;
+}
+
+int session::kv_window_step() const {
+    return computes_on_gpu() ? KV_WINDOW_STEP_GPU : KV_WINDOW_STEP;
 }
 
 void session::prepare_graph(const graph_key & key, const ring_set & rings) {
@@ -228,7 +234,7 @@ session::graph_key session::stage(const int32_t * tokens, int n, const batch_lay
     pending_tree_    = false;
     pending_parents_ = layout.parents != nullptr;
     n_outputs_       = 0;  // no results to read until it has run
-    return key_for(n, (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, KV_WINDOW_STEP)), order.levels,
+    return key_for(n, (int) std::min<uint32_t>(kv_->n_ctx(), GGML_PAD(n_past_ + n, kv_window_step())), order.levels,
                    layout.whole, what, capture_layers, rings);
 }
 

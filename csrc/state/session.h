@@ -110,8 +110,11 @@ class session {
     // largest need is not always the widest window's.
     size_t measure_eval(int n_tokens, int n_kv, const std::vector<int> & tree_levels, bool whole,
                         const readout & what, const std::vector<int> & capture_layers, const ring_set & rings);
-    // the attended window grows in steps of this many cache slots (one graph per step)
-    static constexpr int KV_WINDOW_STEP = 64;
+    // the attended window grows in steps of kv_window_step() cache slots (one graph per step): KV_WINDOW_STEP
+    // where the target computes on the CPU, KV_WINDOW_STEP_GPU where it computes on a GPU (session.cpp says why)
+    static constexpr int KV_WINDOW_STEP     = 64;
+    static constexpr int KV_WINDOW_STEP_GPU = 256;
+    int                  kv_window_step() const;
     // the compute buffer its graphs share, as allocated so far
     device_bytes compute_memory() const;
     // hybrid models: the compute buffer of the graphs that recompute a commit's recurrent state (its own), as
