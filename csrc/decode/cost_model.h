@@ -33,6 +33,12 @@ class cost_model {
     // in 41% of its evaluations on an H100 (a 0.3B hybrid), 5% with grid widths. So on a GPU (grid_widths)
     // rounds verify the grid's widths or all n_max nodes: there a few more nodes cost next to nothing. On the
     // CPU, time grows with the width and any width is taken.
+    // On a GPU auto's drafter also proposes chains, not trees: a tree's shape (nodes per depth) is a graph of its
+    // own, so nearly every tree verify builds one and runs it uncaptured, and the graphs it builds push the
+    // chains' out of the few kept. Trees lost there in every run (tree 16 at 0.61-0.77x plain against chains'
+    // 1.6-2.2x, an H100 and an H200), and auto with trees lost to plain decoding (0.73x on a MoE pair, 0.87x on
+    // a dense one, an H200: 0.46 graph builds per evaluation); what a tree's build does to the chains after it is
+    // not a cost this model can see.
     void set_grid_widths(bool on) { grid_widths_ = on; }
     bool grid_widths() const { return grid_widths_; }
     bool verifiable(int n, int n_max) const;

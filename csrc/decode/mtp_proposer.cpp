@@ -90,6 +90,10 @@ bool mtp_proposer::candidates(int32_t anchor, int start, int max_depth, int max_
         p = &head_.next();
     }
     drafted_depth_ = p->n_positions;
+    if (costs.grid_widths()) {
+        out = chain_;  // on a GPU auto verifies chains (decode/cost_model.h, verifiable)
+        return true;
+    }
     learnt_scores(*p, state_.acceptance, scores_);
     build_draft_tree(*p, anchor, tree_node_limit(max_nodes, costs, params_.tree_budget), p->n_positions,
                      tree_seed::best_first, out, &scores_);

@@ -84,6 +84,11 @@ bool dflash_proposer::candidates(int32_t anchor, int start, int max_depth, int m
         return false;
     }
     const draft_proposals & p = draft_block(d_, anchor, start, max_depth + 1);
+    if (costs_.grid_widths()) {
+        // on a GPU auto verifies chains (decode/cost_model.h, verifiable)
+        build_draft_chain(p, anchor, max_depth, out);
+        return true;
+    }
     learnt_scores(p, acceptance_, scores_);
     build_draft_tree(p, anchor, node_limit(max_nodes), max_depth, tree_seed::best_first, out, &scores_);
     return true;
