@@ -147,8 +147,8 @@ ggml_tensor * build_kv_attention(ggml_context * ctx, ggml_cgraph * gf, const kv_
     // whose kernels wait for their predecessors before letting theirs start, keep them apart, as llama.cpp
     // orders them (llama-graph.cpp, build_attn). With Q placed right before attention, greedy decoding on an
     // H100 went wrong from its third token over a 256-slot window, only with CUDA graphs (qwen3; qwen35's Q rope
-    // is not fused); that this order fixes it is read from ggml's code, not yet run on a GPU (tests/test_gpu.py,
-    // plain decoding over long windows).
+    // is not fused); with this order an H200 decoded 400 tokens across 256- and 512-slot windows as the CPU does
+    // (tests/test_gpu.py, plain decoding over long windows, 2026-11-27).
     ggml_build_forward_expand(gf, q);
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_cache, ggml_reshape_2d(ctx, k, hd * Hkv, n_new), in.slots));
     ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_cache, ggml_reshape_2d(ctx, v, hdv * Hkv, n_new), in.slots));
