@@ -17,7 +17,7 @@ namespace pdf {
 // step over 128 tokens (perf samples per token), while its rebuilds (~0.5 ms each there, a fifth of one step)
 // cost < 0.5%. On a GPU a rebuilt graph also loses its CUDA graph: ggml runs it uncaptured once, captures it
 // at its second run and replays it from the third (ggml-cuda.cu, ggml_backend_cuda_graph_compute), so every
-// shape auto verifies pays that again at each step (an H200, 2026-11-27: auto's verifies 2-4x chain 4's, with
+// shape auto verifies pays that again at each step (an H200, 2026-11-27: auto's verifies 1.7-2.8x chain 4's, with
 // 0.46 graph builds per evaluation); there the step is llama.cpp's KV padding, 256.
 // Which attention kernel runs is still decided on 256-slot windows (models/attention.cpp).
 // evaluation graphs kept built (all placed in one compute buffer, core/graph_cache.h)
