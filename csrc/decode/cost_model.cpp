@@ -20,8 +20,8 @@ cost_model::cost_model(int max_width) : max_width_(std::max(1, max_width)) {
     tree_ms_.assign(grid_.size(), 0.0);
     chain_seen_.assign(grid_.size(), false);
     tree_seen_.assign(grid_.size(), false);
-    chain_tried_.assign(grid_.size(), false);
-    tree_tried_.assign(grid_.size(), false);
+    chain_runs_.assign(grid_.size(), 0);
+    tree_runs_.assign(grid_.size(), 0);
 }
 
 int cost_model::grid_index(int n) const {
@@ -124,7 +124,7 @@ void cost_model::observe(const round & r) {
 void cost_model::observe_verify(int n, bool tree, double ms) {
     std::vector<double> & v    = tree ? tree_ms_ : chain_ms_;
     std::vector<bool> &   seen  = tree ? tree_seen_ : chain_seen_;
-    std::vector<bool> &   tried = tree ? tree_tried_ : chain_tried_;
+    std::vector<int> &    runs  = tree ? tree_runs_ : chain_runs_;
     n = std::clamp(n, 1, max_width_);
     const int hi = grid_index(n);                      // grid_[hi] >= n
     const int lo = grid_[hi] == n ? hi : hi - 1;       // grid_[lo] <= n
@@ -157,14 +157,16 @@ void cost_model::observe_verify(int n, bool tree, double ms) {
         if (seen[i]) {
             // at most twice the time so far: a stall (the machine busy elsewhere) moves it by a fifth at most
             v[i] += AVERAGE_WEIGHT * w * (std::min(x, STALL_BOUND * v[i]) - v[i]);
-        } else if (!tried[i]) {
-            v[i]     = x;  // not trusted yet: the first evaluation of a shape also builds its graph
-            tried[i] = true;
         } else {
-            v[i]    = std::min(v[i], x);
-            seen[i] = true;
+            // not trusted yet: the first evaluation of a shape also builds its graph (a GPU's second captures it)
+            v[i]    = runs[i] == 0 ? x : std::min(v[i], x);
+            seen[i] = ++runs[i] >= trusted_after();
         }
     }
+}
+
+int cost_model::trusted_after() const {
+    return grid_widths_ ? 3 : 2;
 }
 
 double cost_model::plausible(const std::vector<double> & v, const std::vector<bool> & seen, int i, double ms) const {
