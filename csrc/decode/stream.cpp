@@ -193,6 +193,22 @@ void generation_stream::start_decoding() {
     }
 }
 
+// how deep a round may draft with `remaining` tokens left to produce: remaining - 1 (its path commits its drafts
+// and the bonus token). With grid widths (a GPU's, decode/cost_model.h) one less than a grid width, so that the
+// last rounds of a generation verify graphs already captured rather than a width of their own each (an H200,
+// the MoE pair: 2-3 such rounds per 96 tokens, each a graph built and run uncaptured, 6-9 ms against 2-4).
+int generation_stream::depth_cap(int remaining) const {
+    const cost_model * costs = p_.costs();
+    if (!costs || !costs->grid_widths()) {
+        return remaining - 1;
+    }
+    int width = 1;
+    for (int w : costs->grid()) {
+        width = w <= remaining ? w : width;
+    }
+    return width - 1;
+}
+
 // A round from anchor_ at position start_: the proposer drafts at most max_depth deep and max_nodes nodes; the
 // caller verifies them in one target evaluation
 bool generation_stream::next_round(session_batch::part & out) {
@@ -210,7 +226,7 @@ bool generation_stream::next_round(session_batch::part & out) {
     round_state & round     = *round_;
     const auto    t0        = clock_type::now();
     const double  waited0   = s_.compute()->waited_ms() + eval_batcher::waited_ms();
-    p_.propose(anchor_, start_, remaining - 1, std::min<int>(room, (int) s_.n_rollback()), round.tree);
+    p_.propose(anchor_, start_, depth_cap(remaining), std::min<int>(room, (int) s_.n_rollback()), round.tree);
     // without the waits for the CPU threads and for the batch's plan (batched: the other streams drafting),
     // which are not this drafter's cost: its own compute delays the batch's step, the waits do not
     const double waited = s_.compute()->waited_ms() + eval_batcher::waited_ms() - waited0;

@@ -43,6 +43,7 @@ class generation_stream {
     // the first generated token, then rounds until a stop token, max_tokens, the context limit or an abort
     void start_decoding();
     bool next_round(session_batch::part & out);
+    int  depth_cap(int remaining) const;
     void round_evaluated(double eval_ms);
     void finish(const char * reason);
 
