@@ -153,18 +153,19 @@ def test_traced_depth_of_a_chain(tracing, proposer):
     assert all(r["depth"] == 3 for r in drafted[:-2]), drafted
 
 
-@pytest.mark.parametrize("proposer", ["dflash", "mtp"])
-def test_on_a_gpu_auto_verifies_chains(tracing, tmp_path, monkeypatch, proposer):
+@pytest.mark.parametrize("proposers", [("dflash",), ("mtp",), ("dflash", "ngram", "mtp")])
+def test_on_a_gpu_auto_verifies_chains(tracing, tmp_path, monkeypatch, proposers):
     """With grid widths (a GPU's: decode/cost_model.h) auto's proposer offers a chain, never a tree (each tree
-    shape is a graph of its own there); without them, on the CPU, the same prompts verify trees too."""
-    kw = {"draft_model_path": pair_file("qwen35", "dflash", "q8_0")} if proposer == "dflash" else {}
+    shape is a graph of its own there), merged proposers their best path; without them, on the CPU, the same
+    prompts verify trees too."""
+    kw = {"draft_model_path": pair_file("qwen35", "dflash", "q8_0")} if "dflash" in proposers else {}
     rounds = {}
     for grid in (False, True):
         monkeypatch.setenv("PYDFLASH_CACHE", str(tmp_path / f"cache-{grid}"))
         _core.force_grid_widths(grid)
-        with pydflash.Model(pair_file("qwen35", "target-mtp", "q8_0"), n_ctx=1024, proposers=(proposer,),
+        with pydflash.Model(pair_file("qwen35", "target-mtp", "q8_0"), n_ctx=1024, proposers=proposers,
                             spec_mode="auto", **kw) as m:
-            cs = [m.generate(row["text"], max_tokens=MAX_TOKENS) for row in prompt_rows("code")[:6]]
+            cs = [m.generate(row["text"], max_tokens=MAX_TOKENS) for row in prompt_rows("code")[:8]]
         rounds[grid] = {k: sum(c.timings[f"auto_{k}"] for c in cs) for k in ("chain", "tree")}
     assert rounds[False]["tree"] > 0, rounds
     assert rounds[True]["tree"] == 0 and rounds[True]["chain"] > 0, rounds

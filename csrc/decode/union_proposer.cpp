@@ -231,7 +231,7 @@ void union_proposer::node_p(int models, std::vector<double> & p) const {
     }
 }
 
-void union_proposer::order_best_first(const std::vector<double> & p, int limit, draft_tree & out,
+void union_proposer::order_best_first(const std::vector<double> & p, int limit, bool chain, draft_tree & out,
                                       std::vector<origin> & origins, std::vector<double> & out_p) const {
     // best first by P(the accepted path reaches the node): a frontier of the taken nodes' children
     out.reset(merged_.tokens[0]);
@@ -241,12 +241,14 @@ void union_proposer::order_best_first(const std::vector<double> & p, int limit, 
     std::vector<int>    placed(merged_.size(), -1);  // merged node -> node of out
     std::vector<bool>   taken(merged_.size(), false);
     reach[0] = 1.0, placed[0] = 0, taken[0] = true;
+    int tip  = 0;  // the last node taken
     while (out.size() - 1 < limit) {
         int    best   = -1;
         double best_r = -1.0;
         for (int b = 1; b < merged_.size(); ++b) {
             const int parent = merged_.parents[b];
-            if (p[b] >= 0.0 && !taken[b] && taken[parent] && reach[parent] * p[b] > best_r) {
+            if (p[b] >= 0.0 && !taken[b] && taken[parent] && (!chain || parent == tip) &&
+                reach[parent] * p[b] > best_r) {
                 best   = b;  // (ties: the earlier node, the first model's order first)
                 best_r = reach[parent] * p[b];
             }
@@ -255,6 +257,7 @@ void union_proposer::order_best_first(const std::vector<double> & p, int limit, 
             break;
         }
         taken[best]  = true;
+        tip          = best;
         reach[best]  = best_r;
         placed[best] = out.add(merged_.tokens[best], placed[merged_.parents[best]], merged_.rank[best],
                                merged_.logp[best]);
@@ -274,7 +277,7 @@ void union_proposer::rate_model_sets(int limit) {
     std::array<double, 1 << N_MODELS> rate{};
     for (int set = all; set != 0; set = (set - 1) & all) {
         node_p(set, p);
-        order_best_first(p, limit, trial_, trial_origins_, trial_p_);
+        order_best_first(p, limit, costs.grid_widths(), trial_, trial_origins_, trial_p_);
         const int b = choose_verify_budget(trial_, trial_p_, costs, s_.is_recurrent());
         reach.assign(1 + b, 1.0);
         double expected = 1.0;
@@ -335,7 +338,7 @@ void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_n
         rate_model_sets(limit);
     }
     node_p(drafted, p_);
-    order_best_first(p_, limit, ordered_, ordered_origins_, ordered_p_);
+    order_best_first(p_, limit, costs()->grid_widths(), ordered_, ordered_origins_, ordered_p_);
     const int b = verify_budget(ordered_, ordered_p_, *costs(), s_.is_recurrent());
     out         = ordered_;
     out.truncate(1 + b);

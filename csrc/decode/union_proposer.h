@@ -101,9 +101,10 @@ class union_proposer : public proposer {
     // theirs), each node's children capped to sum to at most 1 (the target picks one token)
     void node_p(int models, std::vector<double> & p) const;
     // merged_ reordered best first by path probability (p per node; p < 0: left out) into out, at most `limit`
-    // nodes below the root; origins and probabilities with it
-    void order_best_first(const std::vector<double> & p, int limit, draft_tree & out, std::vector<origin> & origins,
-                          std::vector<double> & out_p) const;
+    // nodes below the root; origins and probabilities with it. chain: one path, the likeliest child of the last
+    // node taken at each step (on a GPU auto verifies chains: decode/cost_model.h)
+    void order_best_first(const std::vector<double> & p, int limit, bool chain, draft_tree & out,
+                          std::vector<origin> & origins, std::vector<double> & out_p) const;
     // after every model drafted: each non-empty subset of them rated by the cut its nodes alone would have given
     // (rates_.relative; a probe's also schedules the next)
     void rate_model_sets(int limit);
