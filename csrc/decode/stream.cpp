@@ -206,7 +206,7 @@ int generation_stream::depth_cap(int remaining) const {
     for (int w : costs->grid()) {
         width = w <= remaining ? w : width;
     }
-    return width - 1;
+    return std::min(width, remaining) - 1;
 }
 
 // A round from anchor_ at position start_: the proposer drafts at most max_depth deep and max_nodes nodes; the
