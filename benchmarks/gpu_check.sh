@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_check.sh [OUT]      # logs in OUT (default build/gpu-check)
 #
 # Environment: LLAMA_SRC (the unpacked llama.cpp tree; default: vendor/ggml/fetch.py's), CUDA_ARCH (default 90),
-# GGML_PREFIX (the ggml install, default OUT/ggml-cuda; one built ahead elsewhere skips step 1: docs/contributing.md),
+# GGML_PREFIX (the ggml install, default OUT/ggml-cuda; one built ahead skips step 1: docs/contributing.md),
 # LLAMA_BUILD (its build folder, default OUT/llama-cuda; without bin/llama-speculative-simple our rows only),
 # LIMIT (seconds for the whole run, default 570: each stage stops at its share so that what ran is logged).
 # On 16 cores step 1 took 216 s, step 2 22 s (an H200, 2026-11-26).
@@ -51,7 +51,7 @@ timeout "$(budget 170)" python3 -m pytest -m gpu -s -q -p no:cacheprovider tests
     | tee "$OUT/pytest-gpu.log" | grep -v "^E  " | tail -40
 export PYDFLASH_PEER_BUILD=$BUILD
 PEER=()
-[ -x "$BUILD/bin/llama-speculative-simple" ] || { ts "no llama.cpp in $BUILD/bin: our rows only"; PEER=(--skip-peer); }
+[ -x "$BUILD/bin/llama-speculative-simple" ] || { ts "no llama.cpp in $BUILD/bin: ours only"; PEER=(--skip-peer); }
 ts "bench_moe (qwen35moe q4mix)"
 timeout "$(budget 120)" python3 benchmarks/bench_moe.py --pairs realistic --types q4mix --archs qwen35moe \
     --tables 2 --threads 8 -ngl -1 --cache-dir "$OUT/inflated" --n-prompts 6 --engines "chain 4,chain 8,auto" \

@@ -69,8 +69,8 @@ class cost_model {
                                   // verified drafts)
     };
     // The verify moves the times of the grid widths around its width (a running average, through the shape
-    // between them, so the widths rounds use stay current); a grid width is measured by the fastest of its first
-    // two evaluations (the first also builds the graph), on a GPU (grid widths) of its first three (a CUDA graph
+    // between them, so the widths rounds use stay current); a grid width is measured by the faster of its first
+    // two evaluations (the first also builds the graph), on a GPU (grid widths) the fastest of three (a CUDA graph
     // is captured at its second identical evaluation and replayed from the third: on an H200 a MoE verify of 8
     // took 95.7, 12.1 and 3.7 ms, a verify of 4 6.0, 9.9 and 2.0). A drafted
     // round moves the speculative rate, unless it explored a width beyond those measured or verified drafts
