@@ -112,6 +112,43 @@ def test_the_models_that_run_are_those_whose_drafts_pay(costly_targets, tmp_path
     assert ran[useless] <= FIRST_PROBES + ran[useful] // PROBE_EVERY + 1
 
 
+def test_after_a_cool_down_every_model_drafts(costly_targets):
+    """A cool-down is set off by the set of models auto chose (decode/union_proposer.h): the round after it is a
+    probe in which every model drafts, so that the sets are rated again (a fresh-clone CI once chose the useless
+    head alone after the first probes, and the cool-downs it set off kept the trained drafter out for 2000
+    rounds). Sampled prompts of random tokens, which no model drafts well, set off cool-downs."""
+    import random
+
+    from pydflash import _core
+
+    rng = random.Random(0)
+    draft = pair_file("qwen35", "dflash", "q8_0")
+    _core.traced_rounds()  # whatever an earlier test left
+    _core.trace_rounds(True)
+    try:
+        with pydflash.Model(costly_targets["useless head"], draft_model_path=draft, n_ctx=2048,
+                            proposers=("dflash", "mtp")) as m:
+            for seed in range(3):
+                prompt = [rng.randrange(100, m.n_vocab) for _ in range(40)]
+                m.generate(prompt, max_tokens=64, temperature=1.0, seed=seed)
+            for row in prompt_rows("code")[:2]:
+                m.generate(row["text"], max_tokens=64)
+    finally:
+        rounds = _core.traced_rounds()
+        _core.trace_rounds(False)
+    drafted = [r["models"] if r["drafted"] else () for r in rounds]
+    # a cool-down: COOLDOWN_MIN (4) or more rounds in a row without a model, after one that drafted (the rounds
+    # of the first prompts aside); then the first round with a model
+    after_cooldowns, undrafted = [], 0
+    for k, models in enumerate(drafted):
+        if models and undrafted >= 4 and any(drafted[:k - undrafted]):
+            after_cooldowns.append(models)
+        undrafted = 0 if models else undrafted + 1
+    print("".join({(): ".", ("dflash",): "d", ("mtp",): "m", ("dflash", "mtp"): "B"}[d] for d in drafted))
+    assert len(after_cooldowns) >= 2
+    assert all(models == ("dflash", "mtp") for models in after_cooldowns), after_cooldowns
+
+
 def test_engine_arguments_for_merged_proposers():
     head, draft = HEADS["qwen35"], pair_file("qwen35", "dflash", "q8_0")
     with pytest.raises(ValueError, match=r"proposers=\('dflash', 'mtp'\) merges both into one tree, which "

@@ -127,6 +127,17 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
     return choose_verify_budget(t, costs, acceptance, recurrent);
 }
 
+// a traced round's models (decode/proposer.h drafted_models) by name
+static py::tuple drafted_model_names(int models) {
+    py::list names;
+    for (const auto & [bit, name] : {std::pair{1, "dflash"}, std::pair{2, "mtp"}}) {
+        if (models & bit) {
+            names.append(name);
+        }
+    }
+    return py::tuple(names);
+}
+
 // auto's cool-down (decode/proposer.h judge_speculation) over chain rounds, each (width, drafted, committed, ms:
 // a drafted round's whole time, its verify taking the measured time of its width; a plain round's step), from a
 // state whose cool-down length was restored as cool_len and whose chain widths are measured at verify_ms. Each
@@ -362,15 +373,16 @@ static void register_functions(py::module_ & m) {
         py::list out;
         for (const traced_round & r : take_traced_rounds()) {
             out.append(py::dict(py::arg("width") = r.width, py::arg("tree") = r.tree, py::arg("drafted") = r.drafted,
-                                py::arg("depth") = r.depth, py::arg("captured") = r.captured,
-                                py::arg("committed") = r.committed, py::arg("draft_ms") = r.draft_ms,
+                                py::arg("depth") = r.depth, py::arg("models") = drafted_model_names(r.models),
+                                py::arg("captured") = r.captured, py::arg("committed") = r.committed,
+                                py::arg("draft_ms") = r.draft_ms,
                                 py::arg("verify_ms") = r.verify_ms, py::arg("builds") = r.builds,
                                 py::arg("placements") = r.placements));
         }
         return out;
-    }, "The rounds traced since the last call: width, tree, drafted, depth (positions drafted), captured (the "
-       "evaluation captured the proposer's features), committed, draft_ms, verify_ms, and the graphs built and "
-       "made resident during the verify.");
+    }, "The rounds traced since the last call: width, tree, drafted, depth (positions drafted), models (merged "
+       "proposers: the names of the models that drafted), captured (the evaluation captured the proposer's "
+       "features), committed, draft_ms, verify_ms, and the graphs built and made resident during the verify.");
     m.def("force_grid_widths", [](const py::object & on) {
         cost_model::force_grid_widths(on.is_none() ? -1 : on.cast<bool>() ? 1 : 0);
     }, py::arg("on"), "Every generation from now on verifies only its cost grid's widths (True) or any width "

@@ -63,6 +63,9 @@ class proposer {
     virtual bool drafted() const = 0;
     // how many positions past the anchor the last propose() drafted (0: none; traced rounds)
     virtual int  drafted_depth() const { return 0; }
+    // merged proposers: which of their models the last propose() ran, bit 0 the DFlash drafter, bit 1 the MTP
+    // head (traced rounds; a lone proposer: 0)
+    virtual int  drafted_models() const { return 0; }
     // where the decode loop reports what each round cost (what auto weighs); nullptr: nothing weighs it
     virtual cost_model * costs() = 0;
     // whether auto chose the last round before its acceptance model was learnt (acceptance_model::learnt): such
@@ -137,6 +140,10 @@ struct model_set_rates {
     int                                                next_probe  = 0;
     int                                                probe_every = 0;
     std::array<int, 2>                                 probe_best{-1, -1};
+    // after a cool-down: its next round probes (the set chosen before it set it off), and the first set chosen
+    // after that probe is judged as a fresh run of speculation (on its own rate, as a lone model's first round)
+    enum class after_cooldown { no, probe, judge_fresh };
+    after_cooldown                                     cooled = after_cooldown::no;
 };
 
 // What the decode loop learns about a drafter on this machine, kept across generations: the costs, how far the
@@ -154,7 +161,8 @@ struct speculation_state {
 
 // auto, after a round that drafted: a cool-down of plain rounds when speculation runs behind plain decoding, the
 // next one longer each time it fails again
-void judge_speculation(speculation_state & state);
+// (fresh_run: the round is judged as one that began a fresh run of speculation, whatever drafted before it)
+void judge_speculation(speculation_state & state, bool fresh_run = false);
 // auto, before drafting: whether this round decodes plainly instead (a cool-down round, counted down; or a fresh
 // process's first round, which measures a plain step). Beside other generations (`batch` shared), the batch's
 // cool-down instead of the generation's own: its generations stop drafting and resume together, so the batch's
@@ -231,8 +239,9 @@ class dflash_proposer : public proposer {
     // after a verify: what the target made of one of the drafter's nodes (its depth, rank and log-probability;
     // `accepted`: the probability that the target chose it after its parent)
     void   learn(int depth, int rank, float logp, double accepted);
-    // after a round that drafted: a cool-down when speculation runs behind plain decoding (auto)
-    void   judge_round();
+    // after a round that drafted: a cool-down when speculation runs behind plain decoding (auto; fresh_run:
+    // judge_speculation's)
+    void   judge_round(bool fresh_run = false);
 
     // tree nodes below the root a round may verify: the budget, within the session, feature ring and cost model
     int    node_limit(int max_nodes);

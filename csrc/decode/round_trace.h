@@ -13,6 +13,7 @@ struct traced_round {
     bool     tree;        // a recurrent target's branching tree graph
     bool     drafted;     // the proposer ran its drafter
     int      depth;       // positions past the root it drafted (proposer::drafted_depth)
+    int      models;      // merged proposers: the models that drafted (proposer::drafted_models)
     bool     captured;    // the evaluation captured the proposer's features
     int      committed;   // tokens the round committed
     double   draft_ms;    // the proposal

@@ -265,9 +265,9 @@ void generation_stream::round_evaluated(double eval_ms) {
     }
     if (round_tracing()) {
         const graph_counts now = graph_counters();
-        trace_round({n, s_.is_recurrent() && !tree.is_chain(), p_.drafted(), p_.drafted_depth(), round.captures,
-                     (int) round.rows.size(), round.draft_ms, verify_ms, now.builds - round.graphs_before.builds,
-                     now.placements - round.graphs_before.placements});
+        trace_round({n, s_.is_recurrent() && !tree.is_chain(), p_.drafted(), p_.drafted_depth(), p_.drafted_models(),
+                     round.captures, (int) round.rows.size(), round.draft_ms, verify_ms,
+                     now.builds - round.graphs_before.builds, now.placements - round.graphs_before.placements});
     }
     p_.after_verify(s_, tree, start_, round.rows, round.accept_prob);
     s_.commit(round.rows);
