@@ -121,12 +121,18 @@ def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch):
             if c.tokens != expected:
                 k, tie = near_ties.parts_at_a_near_tie(plain, plain.tokenize(prompt), expected, c.tokens)
                 assert tie, f"auto ({name} drafter) parted from plain decoding at output {k}, not at a near-tie"
+            # near max_tokens a round drafts at most the tokens left but one (the prefill gave the first token)
+            made = 1
+            for r in rounds:
+                r["cap"], made = MAX_TOKENS - made - 1, made + r["committed"]
             drafted = [r for r in rounds if r["drafted"]]
             depths[name] = [r["depth"] for r in drafted]
             assert all(r["depth"] == 0 for r in rounds if not r["drafted"])
-            assert drafted and drafted[0]["depth"] == 3 and set(depths[name]) <= {3, 7, 15}, (name, depths[name])
+            assert drafted and drafted[0]["depth"] == 3, (name, depths[name])
+            assert all(r["depth"] in (3, 7, 15) or r["depth"] == r["cap"] < 15 for r in drafted), (name, drafted)
             # (width 1: the cut kept no draft)
-            assert all(b["depth"] == 3 for a, b in zip(drafted, drafted[1:]) if a["width"] == 1), (name, drafted)
+            assert all(b["depth"] == min(3, b["cap"]) for a, b in zip(drafted, drafted[1:]) if a["width"] == 1), \
+                (name, drafted)
     assert 15 in depths["trained"]
     assert any(r == 3 for r in depths["useless"][1:]), depths["useless"]
     # with grid widths (a GPU's: decode/cost_model.h) every draft covers the whole block

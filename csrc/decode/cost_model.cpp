@@ -111,13 +111,13 @@ void cost_model::observe(const round & r) {
         return;
     }
     observe_draft(r.draft_ms);
-    const bool fresh = !last_drafted_;
-    last_drafted_    = true;
     // (a round that verified no draft is rated all the same: what it cost, the drafting, is known without
     // acceptance, and such rounds teach acceptance nothing)
-    if (!explored && !(r.learning && r.width > 1)) {
-        observe_spec_round(r.committed, r.round_ms, fresh);
-        rated_last_ = true;
+    if (!explored && !(r.learning && r.width > 1) && !r.probe) {
+        // (the first rated one is fresh: after a cool-down merged proposers probe before the set they choose)
+        observe_spec_round(r.committed, r.round_ms, !last_drafted_);
+        last_drafted_ = true;
+        rated_last_   = true;
     }
 }
 

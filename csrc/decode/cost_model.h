@@ -67,15 +67,16 @@ class cost_model {
         double round_ms;   // the whole round
         bool   learning = false;  // chosen while what the target accepts was not learnt yet (not rated if it
                                   // verified drafts)
+        bool   probe    = false;  // merged proposers' probe (not rated)
     };
     // The verify moves the times of the grid widths around its width (a running average, through the shape
     // between them, so the widths rounds use stay current); a grid width is measured by the faster of its first
     // two evaluations (the first also builds the graph), on a GPU (grid widths) the fastest of three (a CUDA graph
     // is captured at its second identical evaluation and replayed from the third: on an H200 a MoE verify of 8
     // took 95.7, 12.1 and 3.7 ms, a verify of 4 6.0, 9.9 and 2.0). A drafted
-    // round moves the speculative rate, unless it explored a width beyond those measured or verified drafts
-    // chosen before acceptance was learnt (neither was chosen for a rate known to it); the first after a plain
-    // round starts a new run of speculation and counts more.
+    // round moves the speculative rate, unless it explored a width beyond those measured, verified drafts
+    // chosen before acceptance was learnt, or probed (none was chosen for a rate known to it); the first rated
+    // after a plain round starts a new run of speculation and counts more.
     void observe(const round & r);
     // realised speculative rate (tokens per ms, the whole round): committed tokens over time, each exponentially
     // averaged over rounds; 0 before any

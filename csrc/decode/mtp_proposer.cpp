@@ -130,9 +130,9 @@ void mtp_proposer::after_verify(const session & s, const draft_tree & t, int sta
     judge_round();
 }
 
-void mtp_proposer::judge_round(bool fresh_run) {
+void mtp_proposer::judge_round() {
     if (params_.mode == spec_mode::automatic && judges_itself(batch())) {
-        judge_speculation(state_, fresh_run);
+        judge_speculation(state_);
     }
 }
 

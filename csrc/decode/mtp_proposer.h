@@ -52,9 +52,8 @@ class mtp_proposer : public proposer {
     bool   sits_out() { return sits_out_round(state_, batch()); }
     // what the decode loop learns about the head (a merge keeps its own choices in the first model's)
     speculation_state & state() { return state_; }
-    // after a round that drafted: a cool-down when speculation runs behind plain decoding (auto; fresh_run:
-    // judge_speculation's)
-    void   judge_round(bool fresh_run = false);
+    // after a round that drafted: a cool-down when speculation runs behind plain decoding (auto)
+    void   judge_round();
     // tree nodes below the root a round may verify: the budget, within the session, ring and cost model
     int    node_limit(int max_nodes);
 

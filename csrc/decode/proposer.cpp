@@ -256,13 +256,13 @@ void dflash_proposer::learn(int depth, int rank, float logp, double accepted) {
     acceptance_.observe(depth, rank, std::exp((double) logp), accepted);
 }
 
-void dflash_proposer::judge_round(bool fresh_run) {
+void dflash_proposer::judge_round() {
     if (params_.mode == spec_mode::automatic && judges_itself(batch())) {
-        judge_speculation(state_, fresh_run);
+        judge_speculation(state_);
     }
 }
 
-void judge_speculation(speculation_state & state, bool fresh_run) {
+void judge_speculation(speculation_state & state) {
     // judged on the round's whole time (decode/driver.cpp), host work (tree building, the choice, the walk)
     // included: on a small model it is a fair part of a step
     const cost_model & costs = state.costs;
@@ -274,8 +274,7 @@ void judge_speculation(speculation_state & state, bool fresh_run) {
     // on the blend alone, such a probe could end neither: a cool-down of 1024 set off by one hard prompt stayed
     // for every later prompt, kept across processes; the qwen35moe pair with its DFlash2 drafter decoded plainly
     // after probes at 1.3x plain.)
-    const bool fresh = fresh_run || costs.last_round_fresh();
-    if (fresh && costs.last_round_rate() > (1.0 + CLEARLY_FASTER) * costs.plain_rate()) {
+    if (costs.last_round_fresh() && costs.last_round_rate() > (1.0 + CLEARLY_FASTER) * costs.plain_rate()) {
         state.costs.set_spec_rate(costs.last_round_rate());
     }
     if (costs.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs.plain_rate()) {

@@ -71,6 +71,9 @@ class proposer {
     // whether auto chose the last round before its acceptance model was learnt (acceptance_model::learnt): such
     // a round says little of what speculation reaches, and is not rated (cost_model::round::learning)
     virtual bool learning() const { return false; }
+    // whether the last round was merged proposers' probe (every model drafting, decode/union_proposer.h): not
+    // what auto chose, and not rated either (cost_model::round::probe)
+    virtual bool probing() const { return false; }
     // the deepest draft a round can verify (0: no drafter)
     virtual int max_depth() const = 0;
     // whether the last propose() began a speculative round (counted in n_rounds / tau): chain and tree modes
@@ -140,10 +143,7 @@ struct model_set_rates {
     int                                                next_probe  = 0;
     int                                                probe_every = 0;
     std::array<int, 2>                                 probe_best{-1, -1};
-    // after a cool-down: its next round probes (the set chosen before it set it off), and the first set chosen
-    // after that probe is judged as a fresh run of speculation (on its own rate, as a lone model's first round)
-    enum class after_cooldown { no, probe, judge_fresh };
-    after_cooldown                                     cooled = after_cooldown::no;
+    bool                                               cooled = false;  // a cool-down since the last round chosen
 };
 
 // What the decode loop learns about a drafter on this machine, kept across generations: the costs, how far the
@@ -161,8 +161,7 @@ struct speculation_state {
 
 // auto, after a round that drafted: a cool-down of plain rounds when speculation runs behind plain decoding, the
 // next one longer each time it fails again
-// (fresh_run: the round is judged as one that began a fresh run of speculation, whatever drafted before it)
-void judge_speculation(speculation_state & state, bool fresh_run = false);
+void judge_speculation(speculation_state & state);
 // auto, before drafting: whether this round decodes plainly instead (a cool-down round, counted down; or a fresh
 // process's first round, which measures a plain step). Beside other generations (`batch` shared), the batch's
 // cool-down instead of the generation's own: its generations stop drafting and resume together, so the batch's
@@ -239,9 +238,8 @@ class dflash_proposer : public proposer {
     // after a verify: what the target made of one of the drafter's nodes (its depth, rank and log-probability;
     // `accepted`: the probability that the target chose it after its parent)
     void   learn(int depth, int rank, float logp, double accepted);
-    // after a round that drafted: a cool-down when speculation runs behind plain decoding (auto; fresh_run:
-    // judge_speculation's)
-    void   judge_round(bool fresh_run = false);
+    // after a round that drafted: a cool-down when speculation runs behind plain decoding (auto)
+    void   judge_round();
 
     // tree nodes below the root a round may verify: the budget, within the session, feature ring and cost model
     int    node_limit(int max_nodes);

@@ -261,7 +261,7 @@ void generation_stream::round_evaluated(double eval_ms) {
     const double verify_ms = eval_ms + ms_since(walk_t0);  // sampling included: it is part of each step's cost
     if (cost_model * costs = p_.costs()) {
         costs->observe({n, s_.is_recurrent() && !tree.is_chain(), verify_ms, p_.drafted(), round.draft_ms,
-                        (int) round.rows.size(), round.propose_ms + verify_ms, p_.learning()});
+                        (int) round.rows.size(), round.propose_ms + verify_ms, p_.learning(), p_.probing()});
     }
     if (round_tracing()) {
         const graph_counts now = graph_counters();

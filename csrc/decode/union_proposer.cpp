@@ -10,7 +10,7 @@ namespace pdf {
 
 // a new round's weight in a model's average drafting time and in a set's average rate
 static constexpr double NEW_ROUND_WEIGHT = 0.2;
-// the weight of a set's rating from one of the first probes
+// the weight of a set's rating from one of the first probes, or from a probe after a cool-down
 static constexpr double EARLY_RATING_WEIGHT = 0.5;
 // where auto_stats counts each source (decode/proposer.h: 0 the drafter, 1 n-gram lookup, 2 the MTP head)
 static constexpr int STATS_INDEX[3] = {0, 2, 1};
@@ -113,15 +113,12 @@ int union_proposer::choose_models() {
     if (!dflash_ || !mtp_) {
         return all_models();  // one model: nothing to choose
     }
-    using stage     = model_set_rates::after_cooldown;
-    const int  m    = !lookup_.empty();
-    const bool due  = rates_.rounds++ >= rates_.next_probe || rates_.rated[m] < FIRST_PROBES;
-    // the set chosen before a cool-down ran behind plain decoding: a probe rates the sets again, and the set then
-    // chosen can end the cool-down's failures on its own rate
-    reprobe_        = rates_.cooled == stage::probe;
-    probing_        = due || reprobe_;
-    judged_fresh_   = !probing_ && rates_.cooled == stage::judge_fresh;
-    rates_.cooled   = !probing_ ? stage::no : rates_.cooled == stage::probe ? stage::judge_fresh : rates_.cooled;
+    const int  m   = !lookup_.empty();
+    const bool due = rates_.rounds++ >= rates_.next_probe || rates_.rated[m] < FIRST_PROBES;
+    // the set chosen before a cool-down ran behind plain decoding: a probe rates the sets again
+    reprobe_       = rates_.cooled;
+    rates_.cooled  = false;
+    probing_       = due || reprobe_;
     return probing_ ? all_models() : best_set(m);
 }
 
@@ -309,11 +306,10 @@ void union_proposer::rate_model_sets(int limit) {
         const double relative = rate[set] / rate[all];
         // a running average, in which each of the first ratings weighs as much as all before it: each is made
         // with acceptance models that have learnt more (a useless head's confident drafts first rated it above a
-        // trained drafter, 1.25 against 1.21 of every model's rate, then 0.73 against 1.06 at the fourth probe).
-        // A probe after a cool-down replaces the average, which chose a set that ran behind plain decoding.
-        const double weight = rates_.rated[m] == 0 || reprobe_    ? 1.0
-                              : rates_.rated[m] < FIRST_PROBES ? EARLY_RATING_WEIGHT
-                                                               : NEW_ROUND_WEIGHT;
+        // trained drafter, 1.25 against 1.21 of every model's rate, then 0.73 against 1.06 at the fourth probe);
+        // so does a probe after a cool-down, since the average chose a set that ran behind plain decoding
+        const bool   early  = rates_.rated[m] < FIRST_PROBES || reprobe_;
+        const double weight = rates_.rated[m] == 0 ? 1.0 : early ? EARLY_RATING_WEIGHT : NEW_ROUND_WEIGHT;
         rates_.relative[m][set] += weight * (relative - rates_.relative[m][set]);
     }
     rates_.rated[m]++;
@@ -336,8 +332,7 @@ void union_proposer::propose(int32_t anchor, int start, int max_depth, int max_n
     // (a fresh process's first round sits out too, to time a plain step: not a cool-down)
     const bool knew     = costs()->knows_plain_step();
     const bool sits_out = depth > 0 && (dflash_ ? dflash_->sits_out() : mtp_->sits_out());
-    rates_.cooled       = sits_out && knew ? model_set_rates::after_cooldown::probe : rates_.cooled;
-    judged_fresh_       = false;
+    rates_.cooled       = rates_.cooled || (sits_out && knew);
     reprobe_            = false;
     if (depth > 0 && !sits_out) {
         const int models = choose_models();
@@ -415,7 +410,7 @@ void union_proposer::after_verify(const session & s, const draft_tree & t, int s
     }
     // a probe explores (every model drafts, the useless ones too): the cool-down judges the rounds auto chose
     if ((drafted_[DFLASH] || drafted_[MTP]) && !probing_) {
-        dflash_ ? dflash_->judge_round(judged_fresh_) : mtp_->judge_round(judged_fresh_);
+        dflash_ ? dflash_->judge_round() : mtp_->judge_round();
     }
 }
 

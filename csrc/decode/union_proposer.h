@@ -14,11 +14,12 @@
 // within a round, not across rounds whose contexts differ), apart for rounds where the lookup matched and where
 // it did not (it runs first, at no cost, so a round knows which it is). All of them draft in the first few rounds
 // and then every PROBE_EVERY rounds (probes), less often while probes keep rating the same set best, so that
-// the sets are rated again; and in the round after a cool-down, which the set chosen before it set off (the set
-// then chosen is judged on its own rate, as a lone model's first round after a cool-down is). Rounds without
-// any model are the cool-down's (decode/proposer.cpp; the first model's, the drafter's, else the head's), not
-// a set chosen here: the lookup's acceptance is learnt beside models that drafted too, and overrates it alone.
-// While the cool-down waits, the lookup, which costs nothing, still proposes.
+// the sets are rated again; and in the round after a cool-down, which the set chosen before it set off. Probes
+// are not judged (nor rated as speculation, decode/cost_model.h): the set chosen after a cool-down's probe is,
+// as a lone model's first round after one. Rounds without any model are the cool-down's (decode/proposer.cpp;
+// the first model's, the drafter's, else the head's), not a set chosen here: the lookup's acceptance is learnt
+// beside models that drafted too, and overrates it alone. While the cool-down waits, the lookup, which costs
+// nothing, still proposes.
 #pragma once
 
 #include "decode/mtp_proposer.h"
@@ -60,6 +61,7 @@ class union_proposer : public proposer {
     int          drafted_models() const override { return (drafted_[DFLASH] ? 1 : 0) | (drafted_[MTP] ? 2 : 0); }
     cost_model * costs() override { return dflash_ ? dflash_->costs() : mtp_->costs(); }
     bool         learning() const override { return dflash_ ? dflash_->learning() : mtp_->learning(); }
+    bool         probing() const override { return probing_; }
     void         plan_in(eval_batcher * batch) override;
     int          max_depth() const override;
     bool         speculative_round() const override { return speculative_; }
@@ -123,8 +125,7 @@ class union_proposer : public proposer {
     std::array<bool, N_MODELS> drafted_{};
     bool                       speculative_ = false;
     bool                       probing_     = false;  // every model drafts this round
-    bool                       reprobe_      = false;  // this round probes after a cool-down
-    bool                       judged_fresh_ = false;  // the first set chosen after a cool-down's probe
+    bool                       reprobe_     = false;  // this round probes after a cool-down
     std::vector<ngram_candidate> lookup_;
     std::array<draft_tree, N_MODELS> trees_;
     draft_tree                 lookup_tree_, merged_, ordered_, trial_;
