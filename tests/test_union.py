@@ -137,8 +137,8 @@ def test_after_a_cool_down_every_model_drafts(costly_targets):
         rounds = _core.traced_rounds()
         _core.trace_rounds(False)
     drafted = [r["models"] if r["drafted"] else () for r in rounds]
-    # a cool-down: COOLDOWN_MIN (4) or more rounds in a row without a model, after one that drafted (the rounds
-    # of the first prompts aside); then the first round with a model
+    # a cool-down: COOLDOWN_MIN (4) or more rounds in a row without a model, after one that drafted (not the
+    # process's first rounds, which time a plain step); then the first round with a model
     after_cooldowns, undrafted = [], 0
     for k, models in enumerate(drafted):
         if models and undrafted >= 4 and any(drafted[:k - undrafted]):
