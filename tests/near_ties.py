@@ -22,6 +22,22 @@ def tie_gap(model, prompt_ids, tokens, other, k) -> float:
     return float(abs(logits[-1][tokens[k]] - logits[-1][other[k]]))
 
 
+def rounding_spread(model, prompt_ids, tokens, k) -> float:
+    """How far the CPU's kernels round output position k's logits apart: the largest |difference| over the vocabulary
+    between one batched evaluation of prompt + tokens[:k] (as a verify sees them) and the same tokens decoded one at
+    a time after the prompt (as plain decoding does). Random q8_0 checkpoints reach 0.4-0.6 on an AVX2-only EPYC
+    (logits up to ~34), far above TIE: a parting there is a near-tie of those two evaluations, not of TIE."""
+    s = _core.Session(model._model, n_ctx=model.n_ctx)
+    batched, _ = s.eval(np.array(list(prompt_ids) + list(tokens[:k]), dtype=np.int32), all_logits=True)
+    s = _core.Session(model._model, n_ctx=model.n_ctx)
+    row, _ = s.eval(np.array(list(prompt_ids), dtype=np.int32), all_logits=False)
+    s.commit(len(prompt_ids))
+    for t in tokens[:k]:
+        row, _ = s.eval(np.array([t], dtype=np.int32), all_logits=False)
+        s.commit(1)
+    return float(np.abs(np.asarray(batched[-1]) - np.asarray(row[-1])).max())
+
+
 def first_difference(a, b) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 

@@ -11,6 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hf_models import make_dflash_checkpoint, make_qwen3_shape, make_qwen35_shape  # noqa: E402
+from near_ties import TIE, first_difference, rounding_spread, tie_gap  # noqa: E402
 
 import pydflash  # noqa: E402
 from pydflash import _core  # noqa: E402
@@ -102,7 +103,16 @@ def test_quantized_target_and_draft_stay_lossless(pair, tmp_path):
     for prompt in PROMPTS[:2]:
         plain = generate(qt, prompt, 64).tokens
         for mode, budget in (("chain", None), ("tree", 32)):
-            assert generate(qt, prompt, 64, draft=qd, spec_mode=mode, tree_budget=budget).tokens == plain
+            spec = generate(qt, prompt, 64, draft=qd, spec_mode=mode, tree_budget=budget).tokens
+            if spec != plain:
+                # q8_0 weights: the CPU's kernels round a verify's batched matmuls and a single-token step apart,
+                # on a random checkpoint by more than TIE (an AVX2-only EPYC: qwen3_tied chain parts at output 50,
+                # its two tokens 0.16 apart where the evaluations differ by 0.48): a parting only where the two
+                # tokens are closer than the evaluations' own spread (tests/near_ties.py)
+                k = first_difference(spec, plain)
+                with pydflash.Model(qt, n_ctx=512) as m:
+                    spread = rounding_spread(m, prompt, spec, k)
+                    assert tie_gap(m, prompt, spec, plain, k) < max(TIE, spread), (mode, k, spread)
 
 
 def test_speculative_false_and_streaming(pair):

@@ -11,8 +11,8 @@ import pydflash
 from pydflash import _core
 
 from export_pairs import pair_file, prompt_rows  # noqa: E402
-from near_ties import (ROUTER_TIE, moe_experts, router_flips, router_gap, routing_parts_at_a_tie,  # noqa: E402
-                       stepped_routers, traced_routers)
+from near_ties import (ROUTER_TIE, TIE, moe_experts, rounding_spread, router_flips, router_gap,  # noqa: E402
+                       routing_parts_at_a_tie, stepped_routers, traced_routers)
 
 
 def test_router_gap_is_the_kth_margin_over_the_largest_logit():
@@ -61,3 +61,15 @@ def test_traced_routers_batched_and_stepped_agree_on_the_cpu(moe_model):
     assert all(router_gap(stepped[layer], k)[t] < ROUTER_TIE for layer, t in swaps)
     assert routing_parts_at_a_tie(m, prompt, tokens, len(tokens), k) is bool(swaps)
     assert routing_parts_at_a_tie(m, prompt, tokens, 0, k) is False  # the first token: the prompt's pass
+
+
+def test_rounding_spread_of_f32_weights_is_far_below_tie():
+    """rounding_spread compares a batched evaluation with one-token steps over the same tokens: with f32 weights
+    the CPU's kernels differ only in summation order, far below TIE (the q8_0 random checkpoints it is for reach
+    0.4-0.6 on an AVX2-only EPYC)."""
+    path = pair_file("qwen3", "target", "f32")
+    with pydflash.Model(path, n_ctx=512, n_threads=2) as m:
+        prompt = m.tokenize(prompt_rows("code")[0]["text"])[:40]
+        tokens = m.generate(prompt, max_tokens=12).tokens
+        spread = rounding_spread(m, prompt, tokens, 11)
+    assert 0.0 <= spread < TIE / 10, spread

@@ -223,13 +223,13 @@ def test_small_draft_window_stays_lossless_and_keeps_drafting(kind, mode, budget
         spec = m.generate(text, max_tokens=300)
         if spec.tokens != plain.tokens:
             # auto's rounds depend on measured times, so which tokens a batched verify decides varies from run to
-            # run, and q8_0 weights (the MoE pairs) round batched and single-token matmuls apart in any mode: a
-            # parting is allowed at a near-tie only (seen: qwen35 auto at token 149, a gap of 4e-5; qwen3moe q8_0
-            # chain at token 40, 5.9e-3)
+            # run, and the CPU's kernels round batched and single-token matmuls apart (q8_0 weights, the MoE
+            # pairs, in any mode; f16 ones on an AVX2-only EPYC): a parting is allowed at a near-tie only (seen:
+            # qwen35 auto at token 149, a gap of 4e-5, and tree 63 there on that EPYC, 3e-5; qwen3moe q8_0 chain
+            # at token 40, 5.9e-3)
             k = first_difference(spec.tokens, plain.tokens)
             assert tie_gap(m, m.tokenize(text), spec.tokens, plain.tokens, k) < TIE, k
     if mode != "auto" and "f16" in COMMITTED[kind]:
-        assert spec.tokens == plain.tokens
         assert spec.timings["tau"] > 1.5
 
 
