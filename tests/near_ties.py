@@ -27,11 +27,11 @@ def rounding_spread(model, prompt_ids, tokens, k) -> float:
     between one batched evaluation of prompt + tokens[:k] (as a verify sees them) and the same tokens decoded one at
     a time after the prompt (as plain decoding does). Random q8_0 checkpoints reach 0.4-0.6 on an AVX2-only EPYC
     (logits up to ~34), far above TIE: a parting there is a near-tie of those two evaluations, not of TIE."""
+    if k == 0:  # the first token comes from the prompt's pass in both
+        return 0.0
     s = _core.Session(model._model, n_ctx=model.n_ctx)
     batched, _ = s.eval(np.array(list(prompt_ids) + list(tokens[:k]), dtype=np.int32), all_logits=True)
-    s = _core.Session(model._model, n_ctx=model.n_ctx)
-    row, _ = s.eval(np.array(list(prompt_ids), dtype=np.int32), all_logits=False)
-    s.commit(len(prompt_ids))
+    s = session_after(model, prompt_ids)
     for t in tokens[:k]:
         row, _ = s.eval(np.array([t], dtype=np.int32), all_logits=False)
         s.commit(1)
