@@ -17,9 +17,14 @@ best is its row "llama dflash").
                     together, as a speculative round commits them, counts its gap / k for each)
   spec rounds       auto: the share of its rounds that verified drafts
 
+With --pairs mtp the targets are the committed qwen35 / qwen35moe ones with their trained MTP heads (inflated to
+q4mix, as bench_proposers.py's), our engines draft with that head alone (no drafter file: each round's head
+steps of every stream in one graph), and llama-server runs its draft-mtp at each --llama-n-max.
+
     python benchmarks/bench_parallel.py                      # cost-realistic pairs, 1, 2, 4 and 8 streams
     python benchmarks/bench_parallel.py --pairs tiny --streams 1,2 --no-llama
     python benchmarks/bench_parallel.py --engines plain,auto --llama-n-max 3 --rounds 2   # alternating, means
+    python benchmarks/bench_parallel.py --pairs mtp --archs qwen35 --streams 1,4 --llama-n-max 2,3
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import peer  # noqa: E402
+from bench_proposers import mtp_pairs  # noqa: E402
 from bench_tree import cost_realistic_pairs, tiny_pairs  # noqa: E402
 from export_pairs import PAIRS_DIR, prompt_rows  # noqa: E402
 
@@ -47,6 +53,11 @@ import pydflash  # noqa: E402
 # label, Model keyword arguments (None: plain decoding, no proposer), batched
 ENGINES = [("plain", None, True), ("plain unbatched", None, False), ("chain", dict(spec_mode="chain"), True),
            ("auto", dict(spec_mode="auto"), True), ("auto unbatched", dict(spec_mode="auto"), False)]
+# on a target with an MTP head (--pairs mtp): the head drafts, no drafter file
+HEAD = dict(draft_model_path=None, proposers=("mtp",))
+ENGINES_MTP = [("plain", None, True), ("mtp chain", dict(HEAD, spec_mode="chain"), True),
+               ("mtp auto", dict(HEAD, spec_mode="auto"), True), ("mtp auto unbatched", dict(HEAD, spec_mode="auto"),
+                                                                  False)]
 
 
 class Arrivals:
@@ -134,7 +145,7 @@ def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, pro
         s = sessions[k]
         r = s._session.generate(first.tokenize(text), max_tokens=max_tokens, stop_tokens=stops,
                                 callback=(lambda t: arrivals.add(len(t)) or True) if arrivals else None,
-                                draft=s._draft, batcher=s._batcher)
+                                draft=s._draft, mtp=s._mtp, batcher=s._batcher)
         timings.append(r["timings"])
 
     for k in range(n_streams):  # warm-up: pages, graphs, auto's first measurements
@@ -154,8 +165,9 @@ def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, pro
 def run_llama(pair: dict, n_draft: int, n_streams: int, prompts: list[str], args, log: Path) -> dict:
     import httpx
 
-    draft = pair["draft"] if n_draft else None
-    with peer.llama_server(pair["target"], n_streams, args.threads, 2048, log, draft, n_draft) as url, \
+    draft = pair["draft"] if n_draft and not pair.get("mtp") else None
+    with peer.llama_server(pair["target"], n_streams, args.threads, 2048, log, draft, n_draft,
+                           mtp=bool(n_draft and pair.get("mtp"))) as url, \
             httpx.Client(base_url=url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         # (a connection per request: llama-server closes a kept-alive one after a stream, which httpx would reuse)
 
@@ -186,9 +198,10 @@ def run_round(pair: dict, engines: list, n: int, prompts: list[str], args, logs:
     rows = {label: run_ours(pair, kw, batched, n, prompts, args) for label, kw, batched in engines}
     if not args.no_llama:
         rows["llama plain"] = run_llama(pair, 0, n, prompts, args, logs / f"llama-server-{n}-plain.log")
+        method = "mtp" if pair.get("mtp") else "dflash"
         for n_max in [int(x) for x in args.llama_n_max.split(",")]:
-            rows[f"llama dflash {n_max}"] = run_llama(pair, n_max, n, prompts, args,
-                                                      logs / f"llama-server-{n}-dflash{n_max}.log")
+            rows[f"llama {method} {n_max}"] = run_llama(pair, n_max, n, prompts, args,
+                                                        logs / f"llama-server-{n}-{method}{n_max}.log")
     return rows
 
 
@@ -200,20 +213,22 @@ def bench_pair(pair: dict, prompts: list[str], args, logs: Path) -> None:
     print(f"\n{pair['name']}")
     print(f"  {'N':>3} {'engine':<16} {'aggregate':>9} {'/ plain':>8} {'ttft ms':>8} {'itl p50':>7} {'p95':>7} "
           f"{'tau':>5} {'spec':>6}")
-    engines = [e for e in ENGINES if not args.engines or e[0] in args.engines.split(",")]
+    engines = [e for e in (ENGINES_MTP if pair.get("mtp") else ENGINES)
+               if not args.engines or e[0] in args.engines.split(",")]
+    method = "mtp" if pair.get("mtp") else "dflash"
     for n in [int(x) for x in args.streams.split(",")]:
         # --rounds R: every engine R times, alternating (the machine's speed drifts), means reported
         rounds = [run_round(pair, engines, n, prompts, args, logs) for _ in range(args.rounds)]
         rows = {label: mean_row([r[label] for r in rounds]) for label in rounds[0]}
         if not args.no_llama:
-            dflash = [label for label in rows if label.startswith("llama dflash ")]
-            rows["llama dflash"] = max((rows[label] for label in dflash), key=lambda r: r["aggregate"])
+            spec = [label for label in rows if label.startswith(f"llama {method} ")]
+            rows[f"llama {method}"] = max((rows[label] for label in spec), key=lambda r: r["aggregate"])
         for label, r in rows.items():
             print_row(n, label, r, rows[engines[0][0]])
         if not args.no_llama:
             ours = max(rows[label]["aggregate"] for label, _, batched in engines if batched)
             print(f"  {n:>3} best batched / llama-server's best: "
-                  f"{ours / max(rows['llama plain']['aggregate'], rows['llama dflash']['aggregate']):.2f}x",
+                  f"{ours / max(rows['llama plain']['aggregate'], rows[f'llama {method}']['aggregate']):.2f}x",
                   flush=True)
 
 
@@ -226,7 +241,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="q4mix", help="cost-realistic target types (q8_0, q4mix)")
     ap.add_argument("--n-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--llama-n-max", default="3,7", help="llama-server DFlash draft lengths tried")
+    ap.add_argument("--llama-n-max", default="3,7", help="llama-server DFlash (MTP) draft lengths tried")
     ap.add_argument("--no-llama", action="store_true", help="ours only")
     ap.add_argument("--rounds", type=int, default=1, help="runs of every engine, alternating; means reported")
     ap.add_argument("--engines", default="", help="ours, by label (comma-separated; the first is the ratios' base); "
@@ -236,7 +251,7 @@ def main() -> None:
     archs, kinds = args.archs.split(","), args.pairs.split(",")
     pairs = ([p for p in tiny_pairs(archs) if "q8_0" in p["name"]] if "tiny" in kinds else []) + \
             (cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.kinds.split(",")))
-             if "realistic" in kinds else [])
+             if "realistic" in kinds else []) + (mtp_pairs(args.cache_dir, archs) if "mtp" in kinds else [])
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens per stream, greedy, "
           f"{args.threads} threads in all")

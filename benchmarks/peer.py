@@ -230,12 +230,12 @@ def llama_bench(target: Path, threads: int, n_prompt: int, n_gen: int, depth: in
 
 
 class llama_server:
-    """llama-server over `target` (with `draft` as a DFlash drafter of n_draft tokens a round, or plainly) with
-    n_parallel slots, each of n_ctx tokens, on `threads` threads, for the life of a `with` block, which gets its
-    base URL. Its log goes to `log`."""
+    """llama-server over `target` (with `draft` as a DFlash drafter of n_draft tokens a round, with mtp the
+    target's own MTP head drafting n_draft, or plainly) with n_parallel slots, each of n_ctx tokens, on `threads`
+    threads, for the life of a `with` block, which gets its base URL. Its log goes to `log`."""
 
     def __init__(self, target: Path, n_parallel: int, threads: int, n_ctx: int, log: Path, draft: Path | None = None,
-                 n_draft: int = 0):
+                 n_draft: int = 0, mtp: bool = False):
         import socket
 
         with socket.socket() as sock:
@@ -246,6 +246,9 @@ class llama_server:
                     str(self.port), "--no-webui", "-lv", "3"]
         if draft is not None:
             self.cmd += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_draft),
+                         "-td", str(threads)]
+        elif mtp:
+            self.cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(n_draft), "--spec-draft-p-min", "0",
                          "-td", str(threads)]
         self.log = log
         self.url = f"http://127.0.0.1:{self.port}"

@@ -243,11 +243,12 @@ def _verify_shapes(core_model, session, draft_session, cfg: EngineConfig, spec_m
     return shapes
 
 
-def _measure_batch(core_model, session, draft_session, cfg: EngineConfig, spec_mode: str, n: int) -> dict:
+def _measure_batch(core_model, session, draft_session, mtp, cfg: EngineConfig, spec_mode: str, n: int) -> dict:
     """Compute bytes of the graphs of the Model's batcher (state/eval_batcher.h) with n sessions generating at once
     (`pydflash serve --parallel n`), over the whole context: a step holds every decoding session's part (at most
     the widest verify, or one token) and prompt micro-batches up to two (eval_batcher::next_step), so each mix of
-    0, 1 or 2 micro-batches and verifies; and the drafter's, every session's block in one graph."""
+    0, 1 or 2 micro-batches and verifies; the drafter's, every session's block in one graph; and the MTP head's,
+    every session's step in one graph."""
     n_ubatch = cfg.session["n_ubatch"]
     shapes = _verify_shapes(core_model, session, draft_session, cfg, spec_mode) or [(1, [])]
     graphs = {}
@@ -261,6 +262,8 @@ def _measure_batch(core_model, session, draft_session, cfg: EngineConfig, spec_m
         graphs[f"draft batch: {n} blocks"] = max(
             draft_session.measure_batch(n, rows, draft_session.block_size, draft_session.n_slots)
             for rows in draft_session.append_row_counts)
+    if mtp is not None:
+        graphs[f"mtp batch: {n} steps"] = mtp.measure_batch(n, cfg.session["n_ctx"])
     return graphs
 
 
@@ -442,15 +445,16 @@ def _plan_of(core_model, core_draft, paths, args: dict, budget: dict, sweep: boo
     if core_model.is_recurrent:
         graphs["state commit"] = session.measure_commit()
     n = args.get("parallel", 1)
-    batch = _measure_batch(core_model, session, draft_session, cfg, args["spec_mode"], n) if n > 1 else {}
+    batch = _measure_batch(core_model, session, draft_session, mtp, cfg, args["spec_mode"], n) if n > 1 else {}
     # each session's target graphs share one compute buffer; the drafter's (or the MTP head's) and a hybrid's commit
-    # graphs have one each: each the size of its largest graph; with sessions in parallel, the batcher's target
-    # and drafter graphs one each too
+    # graphs have one each: each the size of its largest graph; with sessions in parallel, the batcher's target,
+    # drafter and MTP head graphs one each too
     own_buffers = ("draft round", "mtp round", "state commit")
     target_compute = max(v for k, v in graphs.items() if k not in own_buffers)
     compute = n * (target_compute + sum(graphs.get(k, 0) for k in own_buffers))
     compute += max((v for k, v in batch.items() if k.startswith("batch")), default=0)
     compute += max((v for k, v in batch.items() if k.startswith("draft batch")), default=0)
+    compute += batch.get(f"mtp batch: {n} steps", 0)
     graphs.update(batch)
     # measured with the CPU's allocator; counted where the layers are
     on_gpu = core_model.n_gpu_layers > 0

@@ -342,6 +342,7 @@ def test_plan_of_sessions_in_parallel_bounds_what_they_allocate():
     config = dict(n_ctx=1024, n_ubatch=64, proposers=("dflash", "ngram", "mtp"))
     one, four = pydflash.plan(path, draft, **config), pydflash.plan(path, draft, parallel=4, **config)
     assert four.config["parallel"] == 4 and any(k.startswith("batch: 2 x prefill 64 + 2 x") for k in four.graphs)
+    assert four.graphs["mtp batch: 4 steps"] > 0 and "mtp batch: 4 steps" not in one.graphs
     text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
     with pydflash.Model(path, draft_model_path=draft, **config) as m:
         sessions = [m] + [m.new_session() for _ in range(3)]

@@ -1,6 +1,7 @@
 // MtpDrafter: the target's own multi-token-prediction head drafting for one target session
 // (decode/mtp_proposer.h), what the decode loop learns about it kept across generate calls
 #include "bindings/common.h"
+#include "state/mtp_batch.h"
 
 namespace pdf::bindings {
 
@@ -88,6 +89,16 @@ void register_mtp(py::module_ & m) {
                  return g.head->measure((int) checked("n_kv", n_kv, 1, INT32_MAX));
              }, py::arg("n_kv"),
              "Compute buffer bytes of its largest graph over n_kv cache slots (ggml's allocator; nothing allocated).")
+        .def("measure_batch", [](py_mtp & g, int64_t n_sessions, int64_t n_kv) {
+                 const std::vector<mtp_session *> heads((size_t) checked("n_sessions", n_sessions, 1, 1024),
+                                                        g.head.get());
+                 const int   w = (int) checked("n_kv", n_kv, 1, INT32_MAX);
+                 mtp_batch   batch(g.head->shared_target());
+                 return std::max(batch.measure(heads, true, w), batch.measure(heads, false, w));
+             }, py::arg("n_sessions"), py::arg("n_kv"),
+             "Compute buffer bytes of the larger of the batched head graphs (an EvalBatcher's: step 0, a later step) "
+             "over n_sessions heads of this one's configuration attending over n_kv cache slots (ggml's allocator; "
+             "nothing allocated).")
         .def_property_readonly_static("window_step", [](py::object) { return mtp_session::window_step(); })
         .def("draft_after", &draft_after, py::arg("session"), py::arg("prompt"), py::arg("n_steps"),
              "(target's next token, ids [n_steps, top_k], log-probabilities [n_steps, top_k]): the head's drafts after "

@@ -92,13 +92,17 @@ void register_session_batch(py::module_ & m) {
                 d["planned"]       = c.planned;
                 d["draft_batches"]  = c.draft_batches;
                 d["batched_drafts"] = c.batched_drafts;
+                d["head_batches"]   = c.head_batches;
+                d["batched_head_steps"] = c.batched_head_steps;
                 d["cooldowns"]      = c.cooldowns;
                 return d;
             },
             "{'batches': evaluations of several generations' parts together, 'batched_parts': the parts they held, "
             "'alone': parts evaluated alone, 'batched_ms': the batched evaluations' time, 'max_rows': the most rows "
             "one held, 'planned': steps whose auto generations' verifies the batch planned together, 'draft_batches': drafter "
-            "graphs over several generations' drafts, 'batched_drafts': the drafts they held, 'cooldowns': the batch's "
+            "graphs over several generations' drafts, 'batched_drafts': the drafts they held, 'head_batches': graphs of the "
+            "target's MTP head over several generations' steps, 'batched_head_steps': the steps they held, "
+            "'cooldowns': the batch's "
             "cool-downs of its auto generations' drafting}.");
 }
 

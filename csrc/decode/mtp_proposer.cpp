@@ -55,9 +55,9 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
     drafted_       = true;
     drafted_depth_ = max_depth;  // (auto: as many as candidates() ran the head)
     if (params_.mode == spec_mode::chain) {
-        build_draft_chain(head_.draft(anchor, start, h_row_, max_depth), anchor, max_depth, out);
+        build_draft_chain(run_head(anchor, start, max_depth), anchor, max_depth, out);
     } else if (params_.mode == spec_mode::tree) {
-        build_draft_tree(head_.draft(anchor, start, h_row_, max_depth), anchor,
+        build_draft_tree(run_head(anchor, start, max_depth), anchor,
                          tree_node_limit(max_nodes, state_.costs, params_.tree_budget), max_depth, params_.seed, out);
     } else if (candidates(anchor, start, max_depth, max_nodes, state_.costs, full_)) {
         const int b = verify_budget(full_, state_.costs, state_.acceptance, s_.is_recurrent());
@@ -66,6 +66,14 @@ void mtp_proposer::propose(int32_t anchor, int start, int max_depth, int max_nod
         speculative_ = b > 0;
         (b == 0 ? stats_.n_plain : out.is_chain() ? stats_.n_chain : stats_.n_tree)++;
     }
+}
+
+const draft_proposals & mtp_proposer::run_head(int32_t anchor, int start, int n_steps) {
+    const draft_proposals * p = &head_step(head_, true, anchor, start, h_row_);
+    while (p->n_positions < n_steps) {
+        p = &head_step(head_, false);
+    }
+    return *p;
 }
 
 bool mtp_proposer::candidates(int32_t anchor, int start, int max_depth, int max_nodes, const cost_model & costs,
@@ -79,7 +87,7 @@ bool mtp_proposer::candidates(int32_t anchor, int start, int max_depth, int max_
     if (!drafted_) {
         return false;
     }
-    const draft_proposals * p = &head_.begin(anchor, start, h_row_);
+    const draft_proposals * p = &head_step(head_, true, anchor, start, h_row_);
     chain_.reset(anchor);
     for (int i = 0;; ++i) {
         chain_.add(p->id(i, 0), i, 0, p->logprob(i, 0));
@@ -87,7 +95,7 @@ bool mtp_proposer::candidates(int32_t anchor, int start, int max_depth, int max_
         if (b < i + 1 || i + 1 >= max_depth) {
             break;
         }
-        p = &head_.next();
+        p = &head_step(head_, false);
     }
     drafted_depth_ = p->n_positions;
     if (costs.grid_widths()) {

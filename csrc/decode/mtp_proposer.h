@@ -58,6 +58,9 @@ class mtp_proposer : public proposer {
     int    node_limit(int max_nodes);
 
   private:
+    // the head's greedy chain of n_steps positions after the anchor (in the batch's head graphs when in a batch)
+    const draft_proposals & run_head(int32_t anchor, int start, int n_steps);
+
     const session &     s_;
     mtp_session &       head_;
     speculation_state & state_;

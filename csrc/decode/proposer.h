@@ -97,6 +97,15 @@ class proposer {
     const draft_proposals & draft_block(draft_session & d, int32_t anchor, int start, int n_block) {
         return batch_ ? batch_->draft(d, anchor, start, n_block) : d.draft(anchor, start, n_block);
     }
+    // the MTP head's step 0 (first: h.begin(anchor, start, h_row)) or next step (h.next()), in the batch's head
+    // graph with the other generations' steps when in a batch
+    const draft_proposals & head_step(mtp_session & h, bool first, int32_t anchor = 0, int start = 0,
+                                      int h_row = 0) {
+        if (batch_) {
+            return batch_->draft_head(h, first, anchor, start, h_row);
+        }
+        return first ? h.begin(anchor, start, h_row) : h.next();
+    }
 
   private:
     eval_batcher * batch_ = nullptr;

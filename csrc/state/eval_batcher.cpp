@@ -99,6 +99,11 @@ device_bytes eval_batcher::compute_memory() const {
         total.cpu += more.cpu;
         total.gpu += more.gpu;
     }
+    if (head_batch_) {
+        const device_bytes more = head_batch_->compute_memory();
+        total.cpu += more.cpu;
+        total.gpu += more.gpu;
+    }
     return total;
 }
 
@@ -154,14 +159,26 @@ int eval_batcher::plan(const std::vector<double> & gains) {
 }
 
 const draft_proposals & eval_batcher::draft(draft_session & d, int32_t anchor, int start, int n_block) {
+    draft_request me;
+    me.part = {&d, anchor, start, n_block};
+    return draft_in_step(me) ? d.proposals() : d.draft(anchor, start, n_block);
+}
+
+const draft_proposals & eval_batcher::draft_head(mtp_session & h, bool first, int32_t anchor, int start, int h_row) {
+    draft_request me;
+    me.head = {&h, first, anchor, start, h_row};
+    if (draft_in_step(me)) {
+        return h.proposals();
+    }
+    return first ? h.begin(anchor, start, h_row) : h.next();
+}
+
+bool eval_batcher::draft_in_step(draft_request & me) {
     const auto                   t0 = clock_type::now();
     std::unique_lock<std::mutex> lock(mutex_);
     if (alone()) {
-        lock.unlock();
-        return d.draft(anchor, start, n_block);
+        return false;
     }
-    draft_request me;
-    me.part = {&d, anchor, start, n_block};
     drafts_.push_back(&me);
     done_.notify_all();
     while (!me.done) {
@@ -170,13 +187,16 @@ const draft_proposals & eval_batcher::draft(draft_session & d, int32_t anchor, i
             group.swap(drafts_);
             running_ = true;
             lock.unlock();
-            const bool batched = run_drafts(group);
+            const auto [drafts, heads] = run_drafts(group);
             lock.lock();
             for (const draft_request * r : group) {
                 drafted_ms_ += r->share_ms;
+                const bool head = r->head.h != nullptr;
+                counts_.batched_drafts += !head && drafts;
+                counts_.batched_head_steps += head && heads;
             }
-            counts_.draft_batches += batched;
-            counts_.batched_drafts += batched ? group.size() : 0;
+            counts_.draft_batches += drafts;
+            counts_.head_batches += heads;
             running_ = false;
             for (draft_request * r : group) {
                 r->done = true;
@@ -190,26 +210,32 @@ const draft_proposals & eval_batcher::draft(draft_session & d, int32_t anchor, i
     if (me.error) {
         std::rethrow_exception(me.error);
     }
-    return d.proposals();
+    return true;
 }
 
-bool eval_batcher::run_drafts(const std::vector<draft_request *> & group) {
-    // drafts of one drafter and one block length share a graph; the rest draft alone
-    std::map<std::pair<const dflash_draft *, int>, std::vector<draft_request *>> kinds;
+std::pair<bool, bool> eval_batcher::run_drafts(const std::vector<draft_request *> & group) {
+    // drafts of one drafter and one block length share a graph, and the MTP head's steps at step 0 and past it
+    // theirs; the rest draft alone
+    std::map<std::pair<const void *, int>, std::vector<draft_request *>> kinds;
     for (draft_request * r : group) {
-        kinds[{&r->part.d->model(), draft_batch::block_of(r->part)}].push_back(r);
+        if (r->head.h) {
+            kinds[{r->head.h->shared_target().get(), r->head.first ? -1 : -2}].push_back(r);
+        } else {
+            kinds[{&r->part.d->model(), draft_batch::block_of(r->part)}].push_back(r);
+        }
     }
-    bool batched = false;
+    bool drafts = false, heads = false;
     for (auto & [kind, requests] : kinds) {
-        const bool together = requests.size() > 1 && draft_together(requests);
-        batched             = batched || together;
+        const bool head     = kind.second < 0;
+        const bool together = requests.size() > 1 && (head ? heads_together(requests) : draft_together(requests));
+        (head ? heads : drafts) = (head ? heads : drafts) || together;
         for (draft_request * r : requests) {
             if (!together) {
                 draft_alone(*r);
             }
         }
     }
-    return batched;
+    return {drafts, heads};
 }
 
 bool eval_batcher::draft_together(const std::vector<draft_request *> & requests) {
@@ -240,10 +266,41 @@ bool eval_batcher::draft_together(const std::vector<draft_request *> & requests)
     return false;
 }
 
+bool eval_batcher::heads_together(const std::vector<draft_request *> & requests) {
+    std::vector<mtp_batch::part> parts;
+    for (const draft_request * r : requests) {
+        parts.push_back(r->head);
+    }
+    if (!head_batch_) {
+        head_batch_ = std::make_unique<mtp_batch>(parts[0].h->shared_target());
+    }
+    if (!head_batch_->batches(parts)) {
+        return false;
+    }
+    try {
+        const auto t0 = clock_type::now();
+        head_batch_->draft(parts);
+        const double ms = ms_since(t0);
+        for (draft_request * r : requests) {
+            r->share_ms = ms / requests.size();
+        }
+        return true;
+    } catch (const std::exception & e) {
+        // stepped alone: each step's error is its member's
+        PDF_LOG_DEBUG("an MTP batch of %zu failed (%s): stepping them one by one", requests.size(), e.what());
+    } catch (...) {
+    }
+    return false;
+}
+
 void eval_batcher::draft_alone(draft_request & r) {
     try {
         const auto t0 = clock_type::now();
-        r.part.d->draft(r.part.anchor, r.part.start, r.part.n_block);
+        if (r.head.h) {
+            r.head.first ? r.head.h->begin(r.head.anchor, r.head.start, r.head.h_row) : r.head.h->next();
+        } else {
+            r.part.d->draft(r.part.anchor, r.part.start, r.part.n_block);
+        }
         r.share_ms = ms_since(t0);
     } catch (...) {
         r.error = std::current_exception();

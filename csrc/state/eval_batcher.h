@@ -13,6 +13,7 @@
 #pragma once
 
 #include "state/draft_batch.h"
+#include "state/mtp_batch.h"
 #include "state/session_batch.h"
 #include "state/step_plan.h"
 #include "state/step_times.h"
@@ -50,7 +51,7 @@ class eval_batcher {
     // throws what evaluating this part alone would throw (a batch
     // that fails is evaluated part by part, so one part's error is its member's alone).
     double eval(const session_batch::part & part);
-    // the compute buffers of its batched graphs (the target's and each drafter's), as allocated so far
+    // the compute buffers of its batched graphs (the target's, each drafter's, the MTP head's), as allocated so far
     device_bytes compute_memory() const;
 
     // The batch's choice for a member running auto (state/step_plan.h): gains[b] = P(the accepted path of its
@@ -63,6 +64,10 @@ class eval_batcher {
     // an offer or a part, then drafts all of this step's drafts in one drafter graph (state/draft_batch.h; alone
     // where they cannot share one). Returns d's proposals; throws what d.draft() would.
     const draft_proposals & draft(draft_session & d, int32_t anchor, int start, int n_block);
+    // A member's step of the target's own MTP head, likewise (first: h.begin(anchor, start, h_row), else
+    // h.next()): this step's head steps at step 0, and those past it, each run in one graph (state/mtp_batch.h)
+    const draft_proposals & draft_head(mtp_session & h, bool first, int32_t anchor = 0, int start = 0,
+                                       int h_row = 0);
 
     // ms this thread has waited in plan() and draft() for the other members (the other generations' drafting):
     // not its own cost (a draft batch's compute counts for each of its drafts in equal shares)
@@ -76,6 +81,7 @@ class eval_batcher {
         uint64_t max_rows   = 0;    // the most rows one batched evaluation held
         uint64_t planned    = 0;    // steps whose offers the batch's plan cut
         uint64_t draft_batches = 0, batched_drafts = 0;  // drafter graphs over several members, their drafts
+        uint64_t head_batches = 0, batched_head_steps = 0;  // MTP head graphs over several members, their steps
         uint64_t cooldowns = 0;                            // the batch's cool-downs begun
     };
     counts stats() const;
@@ -101,14 +107,19 @@ class eval_batcher {
         int                         width = -1;
     };
     struct draft_request {
-        draft_batch::part  part;
+        draft_batch::part  part;  // a DFlash drafter's draft, or (head.h) a step of the target's MTP head
+        mtp_batch::part    head;
         bool               done     = false;
         double             share_ms = 0.0;  // its share of the drafting's compute
         std::exception_ptr error;
     };
-    // the step's drafts, in one graph where they can share one (without the lock); true: some were batched
-    bool                   run_drafts(const std::vector<draft_request *> & group);
+    // me handed in and waited for: false when the caller is alone (it drafts by itself); rethrows its error
+    bool                   draft_in_step(draft_request & me);
+    // the step's drafts, in one graph where they can share one (without the lock); the DFlash and the MTP
+    // graphs run over several members
+    std::pair<bool, bool>  run_drafts(const std::vector<draft_request *> & group);
     bool                   draft_together(const std::vector<draft_request *> & requests);  // false: not drafted
+    bool                   heads_together(const std::vector<draft_request *> & requests);  // (likewise)
     static void            draft_alone(draft_request & r);
     // the caller is the only member and nothing of another's is pending: it evaluates, drafts and decides alone
     // (under the lock)
@@ -135,6 +146,7 @@ class eval_batcher {
     std::vector<offer *>    offers_;           // the members waiting for the plan of the next step
     std::vector<draft_request *> drafts_;      // the members waiting for this step's drafts
     std::map<const dflash_draft *, std::unique_ptr<draft_batch>> draft_batches_;  // by drafter (a leader's)
+    std::unique_ptr<mtp_batch>   head_batch_;  // the target's MTP head (a leader's)
     counts                  counts_;           // (under the lock)
     std::atomic<uint64_t>   steps_{0};
     double                  drafted_ms_ = 0.0;  // the coming step's drafting, so far (under the lock)

@@ -3,6 +3,7 @@
 #include "models/head.h"
 
 #include <algorithm>
+#include <atomic>
 #include <tuple>
 #include <cmath>
 
@@ -18,6 +19,8 @@ mtp_session::mtp_session(std::shared_ptr<const target_model> target, uint32_t n_
                          std::shared_ptr<compute_backends> compute)
     : target_(std::move(target)), compute_(std::move(compute)), carry_buf_(1), arena_(*compute_),
       rows_graph_(arena_), step_graph_(arena_), append_small_(arena_), append_large_(arena_) {
+    static std::atomic<uint64_t> next_id{1};
+    id_ = next_id++;
     if (!target_->has_mtp()) {
         throw unsupported_error(target_->mtp_missing());
     }
@@ -124,8 +127,7 @@ void mtp_session::build(graph & g, int n_rows, bool from_carry, bool with_head, 
 }
 
 // tokens, positions (M-RoPE: the text sections all take the position), their slots and, with the head, the last
-// row's mask: it sees the rows of positions [1, its own] (the other rows only write their K/V; padding rows go to
-// slot 0, which no real row sees)
+// row's mask (the other rows only write their K/V; padding rows go to slot 0, which no real row sees)
 void mtp_session::set_common(graph & g, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos) {
     const int n = (int) tokens.size(), n_pos = target_->info().n_pos_per_token, n_kv = g.key_kv;
     std::vector<int32_t>     pos_host((size_t) n * n_pos, 0);
@@ -143,69 +145,82 @@ void mtp_session::set_common(graph & g, const std::vector<int32_t> & tokens, con
         return;  // a graph that only appends reads no attention
     }
     // the last row alone queries (build_mtp's last_only)
-    std::vector<ggml_fp16_t> mask(n_kv, ggml_fp32_to_fp16(-INFINITY));
-    std::fill(mask.begin() + (pos[n - 1] == 0 ? 0 : 1), mask.begin() + pos[n - 1] + 1, ggml_fp32_to_fp16(0.0f));
+    const std::vector<ggml_fp16_t> mask = causal_mask({pos[n - 1]}, n_kv);
     ggml_backend_tensor_set(g.in.kv.kq_mask, mask.data(), (size_t) (n - 1) * n_kv * sizeof(ggml_fp16_t),
                             sizeof(ggml_fp16_t) * mask.size());
 }
 
-// the first m queued rows (padded to n_rows), then with_head the anchor's row at `start` (its state: ring row h_row)
-void mtp_session::run_rows(int m, int n_rows, bool with_head, int32_t anchor, int start, int h_row) {
-    const int n_real = m + (with_head ? 1 : 0);
-    const int last   = with_head ? start : queued_pos_[m - 1];
-    const int n_kv   = window_for(last);
+std::vector<ggml_fp16_t> mtp_session::causal_mask(const std::vector<int32_t> & positions, int n_kv) {
+    std::vector<ggml_fp16_t> mask(positions.size() * (size_t) n_kv, ggml_fp32_to_fp16(-INFINITY));
+    for (size_t i = 0; i < positions.size(); ++i) {
+        ggml_fp16_t * row = mask.data() + i * n_kv;
+        std::fill(row + (positions[i] == 0 ? 0 : 1), row + positions[i] + 1, ggml_fp32_to_fp16(0.0f));
+    }
+    return mask;
+}
+
+mtp_session::step_rows mtp_session::rows_of(int m, int n_rows, bool with_anchor, int32_t anchor, int start,
+                                            int h_row) const {
+    step_rows r;
+    r.n_queued    = m;
+    const int pad = n_rows - m - (with_anchor ? 1 : 0);
+    for (int i = 0; i < n_rows; ++i) {
+        const int q = i - pad;  // padding first: the real rows end the batch (the anchor's last)
+        if (q < 0) {
+            r.tokens.push_back(0), r.positions.push_back(0), r.ring_rows.push_back(with_anchor ? h_row : queued_h_[0]);
+        } else if (q < m) {
+            r.tokens.push_back(queued_tok_[q]), r.positions.push_back(queued_pos_[q]), r.ring_rows.push_back(queued_h_[q]);
+        } else {
+            r.tokens.push_back(anchor), r.positions.push_back(start), r.ring_rows.push_back(h_row);
+        }
+    }
+    return r;
+}
+
+// rows from the ring: with_head the round's graph (the queue and the anchor), else an append graph
+void mtp_session::run_rows(const step_rows & r, bool with_head) {
+    const int n_rows = (int) r.tokens.size();
+    const int n_kv   = window_for(r.positions.back());
     graph &   g      = with_head ? rows_graph_ : n_rows <= APPEND_ROWS_SMALL ? append_small_ : append_large_;
     if (!(g.cache.ready() && g.key_rows == n_rows && g.key_kv == n_kv)) {
         build(g, n_rows, false, with_head, n_kv);
     }
     g.cache.allocate("the MTP graph");
-    std::vector<int32_t> toks(n_rows), pos(n_rows), rows(n_rows);
-    const int pad = n_rows - n_real;
-    for (int i = 0; i < n_rows; ++i) {
-        const int q = i - pad;  // padding first: the real rows end the batch (the anchor's last)
-        if (q < 0) {
-            toks[i] = 0, pos[i] = 0, rows[i] = with_head ? h_row : queued_h_[0];
-        } else if (q < m) {
-            toks[i] = queued_tok_[q], pos[i] = queued_pos_[q], rows[i] = queued_h_[q];
-        } else {
-            toks[i] = anchor, pos[i] = start, rows[i] = h_row;
-        }
-    }
-    set_common(g, toks, pos);
-    ggml_backend_tensor_set(g.ring_rows, rows.data(), 0, sizeof(int32_t) * n_rows);
+    set_common(g, r.tokens, r.positions);
+    ggml_backend_tensor_set(g.ring_rows, r.ring_rows.data(), 0, sizeof(int32_t) * n_rows);
     g.cache.compute("the MTP graph");
+    appended(r.n_queued);
+    if (with_head) {
+        read_step(g.top_ids, g.top_logprobs, 0, 0);
+    }
+}
+
+void mtp_session::appended(int m) {
     if (m > 0) {
         n_valid_ = queued_pos_[m - 1] + 1;
     }
     queued_tok_.erase(queued_tok_.begin(), queued_tok_.begin() + m);
     queued_pos_.erase(queued_pos_.begin(), queued_pos_.begin() + m);
     queued_h_.erase(queued_h_.begin(), queued_h_.begin() + m);
-    if (with_head) {
-        read_step(g, 0);
-    }
 }
 
-void mtp_session::run_step(int32_t token, int position) {
-    const int n_kv = window_for(position);
-    graph &   g    = step_graph_;
-    if (!(g.cache.ready() && g.key_kv == n_kv)) {
-        build(g, 1, true, true, n_kv);
-    }
-    g.cache.allocate("the MTP step graph");
-    set_common(g, {token}, {position});
-    g.cache.compute("the MTP step graph");
+void mtp_session::append_queued(int max_rows) {
+    const int m = std::min({(int) queued_pos_.size(), max_rows, APPEND_ROWS_LARGE});
+    run_rows(rows_of(m, m <= APPEND_ROWS_SMALL ? APPEND_ROWS_SMALL : APPEND_ROWS_LARGE, false, 0, 0, 0), false);
 }
 
-void mtp_session::read_step(const graph & g, int step) {
-    int32_t * ids = proposals_.ids.data() + (size_t) step * top_k_;
-    float *   lps = proposals_.logprobs.data() + (size_t) step * top_k_;
-    ggml_backend_tensor_get(g.top_ids, ids, 0, sizeof(int32_t) * top_k_);
-    if (g.top_logprobs) {
-        ggml_backend_tensor_get(g.top_logprobs, lps, 0, sizeof(float) * top_k_);
+void mtp_session::read_step(ggml_tensor * top_ids, ggml_tensor * top_logprobs, int column, int step) {
+    int32_t *    ids = proposals_.ids.data() + (size_t) step * top_k_;
+    float *      lps = proposals_.logprobs.data() + (size_t) step * top_k_;
+    const size_t n   = sizeof(int32_t) * top_k_;
+    ggml_backend_tensor_get(top_ids, ids, (size_t) column * n, n);
+    if (top_logprobs) {
+        ggml_backend_tensor_get(top_logprobs, lps, (size_t) column * top_k_ * sizeof(float), sizeof(float) * top_k_);
     } else {
         std::fill(lps, lps + top_k_, 0.0f);
     }
     sort_top_k(ids, lps, 1, top_k_);
+    proposals_.n_positions = step + 1;
 }
 
 const draft_proposals & mtp_session::draft(int32_t anchor, int start, int h_row, int n_steps) {
@@ -219,7 +234,7 @@ const draft_proposals & mtp_session::draft(int32_t anchor, int start, int h_row,
     return proposals_;
 }
 
-const draft_proposals & mtp_session::begin(int32_t anchor, int start, int h_row) {
+mtp_session::step_rows mtp_session::prepare_begin(int32_t anchor, int start, int h_row) {
     if (start < 1 || start + 1 >= n_ctx_) {
         throw std::invalid_argument(format("MTP draft at position %d, expected 1..%d", start, n_ctx_ - 2));
     }
@@ -228,32 +243,48 @@ const draft_proposals & mtp_session::begin(int32_t anchor, int start, int h_row)
     }
     const int m_fits = block_ - 1;  // queued rows the round's own graph appends
     while ((int) queued_pos_.size() > m_fits) {
-        const int extra = (int) queued_pos_.size() - m_fits;
-        const int n     = extra <= APPEND_ROWS_SMALL ? APPEND_ROWS_SMALL : APPEND_ROWS_LARGE;
-        run_rows(std::min(extra, n), n, false, 0, 0, 0);
+        append_queued((int) queued_pos_.size() - m_fits);
     }
     if (n_valid() != start) {
         throw std::invalid_argument(format("MTP draft: rows exist up to position %d, the anchor is at %d", n_valid(),
                                            start));
     }
     start_                 = start;
-    proposals_.n_positions = 1;
+    proposals_.n_positions = 0;
     proposals_.top_k       = top_k_;
     proposals_.ids.assign((size_t) (block_ - 1) * top_k_, 0);
     proposals_.logprobs.assign(proposals_.ids.size(), 0.0f);
-    run_rows((int) queued_pos_.size(), block_, true, anchor, start, h_row);
+    return rows_of((int) queued_pos_.size(), block_, true, anchor, start, h_row);
+}
+
+const draft_proposals & mtp_session::begin(int32_t anchor, int start, int h_row) {
+    run_rows(prepare_begin(anchor, start, h_row), true);
     return proposals_;
 }
 
-const draft_proposals & mtp_session::next() {
+mtp_session::step_rows mtp_session::prepare_next() const {
     const int i = proposals_.n_positions;
     if (i < 1 || i >= block_ - 1 || start_ + i + 1 >= n_ctx_) {
         throw std::invalid_argument(format("MTP draft: step %d after %d (at most %d a round, within n_ctx %d)", i + 1,
                                            i, block_ - 1, n_ctx_));
     }
-    run_step(proposals_.id(i - 1, 0), start_ + i);
-    read_step(step_graph_, i);
-    proposals_.n_positions = i + 1;
+    step_rows r;
+    r.tokens    = {proposals_.id(i - 1, 0)};
+    r.positions = {start_ + i};
+    return r;
+}
+
+const draft_proposals & mtp_session::next() {
+    const step_rows r    = prepare_next();
+    const int       n_kv = window_for(r.positions[0]);
+    graph &         g    = step_graph_;
+    if (!(g.cache.ready() && g.key_kv == n_kv)) {
+        build(g, 1, true, true, n_kv);
+    }
+    g.cache.allocate("the MTP step graph");
+    set_common(g, r.tokens, r.positions);
+    g.cache.compute("the MTP step graph");
+    read_step(g.top_ids, g.top_logprobs, 0, proposals_.n_positions);
     return proposals_;
 }
 
@@ -272,9 +303,7 @@ void mtp_session::queue(int32_t token, int position, int h_row) {
 
 void mtp_session::flush() {
     while (!queued_pos_.empty()) {
-        const int q = (int) queued_pos_.size();
-        const int n = q <= APPEND_ROWS_SMALL ? APPEND_ROWS_SMALL : APPEND_ROWS_LARGE;
-        run_rows(std::min(q, n), n, false, 0, 0, 0);
+        append_queued(APPEND_ROWS_LARGE);
     }
 }
 

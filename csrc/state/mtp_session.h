@@ -66,6 +66,9 @@ class mtp_session {
     const draft_proposals & next();
     // forget rows at positions >= n_past, queued ones included
     void truncate(int n_past);
+    const std::shared_ptr<const target_model> & shared_target() const { return target_; }
+    // the last draft's proposals (begin() and next()'s, or an mtp_batch's)
+    const draft_proposals & proposals() const { return proposals_; }
 
     // rows exist (appended or queued) for every position in [1, n_valid)
     int          n_valid() const;
@@ -81,14 +84,35 @@ class mtp_session {
     device_bytes compute_memory() const { return arena_.memory(); }
 
   private:
+    friend class mtp_batch;  // runs several sessions' steps in one graph, through the steps below
+
+    // one graph's rows: tokens, positions, the ring rows their states come from (step 0; none from the carry)
+    struct step_rows {
+        std::vector<int32_t> tokens, positions, ring_rows;
+        int                  n_queued = 0;  // step 0: the queued rows it appends
+    };
+    // begin() up to its graph: checks, appends the queued rows beyond the round graph's, resets the proposals;
+    // then the round graph's block rows (padding first, the queued rows, the anchor last)
+    step_rows prepare_begin(int32_t anchor, int start, int h_row);
+    // after a graph that appended the first m queued rows: they are in the cache
+    void      appended(int m);
+    // next() up to its graph: checks; the step's one row (the previous step's greedy pick)
+    step_rows prepare_next() const;
+    // a step's candidates: column `column` of top_ids / top_logprobs [k, n] (nullptr: none read)
+    void      read_step(ggml_tensor * top_ids, ggml_tensor * top_logprobs, int column, int step);
+    // the rows' masks [n_kv, n]: the row at position p sees positions [1, p] (position 0, padding: slot 0 only)
+    static std::vector<ggml_fp16_t> causal_mask(const std::vector<int32_t> & positions, int n_kv);
+
     struct graph;
     // one graph: n_rows rows whose states come from the ring (m real ones last, padding before), or (from_carry)
     // one row whose state is the carry; with_head: the last row's candidates and state h' (into the carry)
     void build(graph & g, int n_rows, bool from_carry, bool with_head, int n_kv);
-    void run_rows(int m, int n_rows, bool with_head, int32_t anchor, int start, int h_row);
-    void run_step(int32_t token, int position);
+    // the first m queued rows padded to n_rows (padding first), with_anchor the anchor's row last
+    step_rows rows_of(int m, int n_rows, bool with_anchor, int32_t anchor, int start, int h_row) const;
+    void      run_rows(const step_rows & r, bool with_head);
+    // appends up to max_rows of the queue in one append graph
+    void      append_queued(int max_rows);
     void set_common(graph & g, const std::vector<int32_t> & tokens, const std::vector<int32_t> & pos);
-    void read_step(const graph & g, int step);
     int  window_for(int last_position) const;
 
     struct graph {
@@ -103,6 +127,7 @@ class mtp_session {
     };
 
     std::shared_ptr<const target_model> target_;
+    uint64_t                            id_;  // unique in the process: keys a batch's graphs
     std::shared_ptr<compute_backends>   compute_;
     std::vector<int>                    capture_;
     std::unique_ptr<feature_ring>       ring_;
