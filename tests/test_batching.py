@@ -208,30 +208,37 @@ def test_drafts_drafted_together_are_each_sessions_own(arch, drafter):
 
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
 def test_mtp_steps_stepped_together_are_each_sessions_own(arch):
-    """Six chain and tree generations drafting with the target's own MTP head (the trained heads), in threads:
-    each round's head steps (step 0 over the queued rows and the anchor, then each next step from the carried
-    state) run in the batch's head graphs, several sessions' rows in one graph with each head's attention over
-    its own cache; each generation drafts what it drafts alone: the same tokens, rounds, drafted and accepted
-    counts."""
+    """Eight generations drafting with the target's own MTP head (the trained heads), in threads: each round's
+    head steps (step 0 over the queued rows and the anchor, then each next step from the carried state) run in
+    the batch's head graphs, several sessions' rows in one graph with each head's attention over its own cache.
+    Chain and tree generations (greedy, and one chain sampled with a seed) draft what they draft alone: the same
+    tokens, rounds, drafted and accepted counts; auto generations, whose verifies the batch plans, commit the
+    target's own greedy tokens (plain decoding alone) up to near-ties."""
     with pydflash.Model(PAIRS / f"{arch}-target-mtp-q8_0.gguf", n_ctx=512, n_threads=2, n_ubatch=16) as m:
-        stops = sorted(m.tokenizer.eog_token_ids)
-        jobs = [(m.tokenize(PROMPTS[i]), "chain" if i % 3 else "tree") for i in range(6)]
+        jobs = [dict(prompt=m.tokenize(PROMPTS[i]), max_tokens=40, mode=["chain", "tree", "auto", "chain"][i % 4],
+                     sampling={"seed": 7, "temperature": 0.8, "top_k": 40} if i == 3 else None) for i in range(8)]
 
-        def generate(s, job, batcher=None):
-            return s._session.generate(job[0], max_tokens=40, stop_tokens=stops, mtp=s._mtp, spec_mode=job[1],
-                                       tree_budget=6, batcher=batcher)
+        def generate(s, job, batcher=None, mode=None):
+            return s._session.generate(job["prompt"], max_tokens=job["max_tokens"],
+                                       stop_tokens=sorted(m.tokenizer.eog_token_ids), mtp=s._mtp if mode else None,
+                                       spec_mode=mode, tree_budget=6, sampling=job["sampling"], batcher=batcher)
 
-        alone = [generate(m.new_session(), job) for job in jobs]
+        alone = [generate(m.new_session(), job, mode=job["mode"] if job["mode"] != "auto" else None)
+                 for job in jobs]
         sessions = [m.new_session() for _ in jobs]
         batcher = _core.EvalBatcher(m._model)
-        together = _started_together(len(jobs), lambda k: generate(sessions[k], jobs[k], batcher))
+        together = _started_together(len(jobs), lambda k: generate(sessions[k], jobs[k], batcher, jobs[k]["mode"]))
         for k, (a, t) in enumerate(zip(alone, together)):
+            if jobs[k]["mode"] == "auto":
+                if t["tokens"] != a["tokens"]:
+                    _assert_near_tie(m, jobs[k], t["tokens"], a["tokens"])
+                continue
             assert t["tokens"] == a["tokens"], f"job {k}"
             assert [t["timings"][x] for x in ROUND_COUNTS] == [a["timings"][x] for x in ROUND_COUNTS], f"job {k}"
             assert t["timings"]["draft_n_accepted"] > 0, f"job {k}"  # the trained head's drafts were accepted
         stats = batcher.stats
         assert stats["batched_head_steps"] >= 2 * stats["head_batches"] > 0, stats
-        assert stats["draft_batches"] == 0, stats  # (no DFlash drafter)
+        assert stats["draft_batches"] == 0 and stats["planned"] > 0, stats
 
 
 def test_auto_generations_verify_what_the_batch_plans_and_commit_the_targets_tokens(pair):
