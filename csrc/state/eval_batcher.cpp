@@ -238,6 +238,25 @@ std::pair<bool, bool> eval_batcher::run_drafts(const std::vector<draft_request *
     return {drafts, heads};
 }
 
+// batch.draft(parts) over the requests' parts, each request charged an equal share of its time; false: it failed
+// (logged), and they draft alone, where each one's error (a bad anchor, a position) is its member's
+template <class Batch, class Part, class Request>
+static bool draft_in_one_graph(Batch & batch, const std::vector<Part> & parts, const std::vector<Request *> & requests) {
+    try {
+        const auto t0 = clock_type::now();
+        batch.draft(parts);
+        const double ms = ms_since(t0);
+        for (Request * r : requests) {
+            r->share_ms = ms / requests.size();
+        }
+        return true;
+    } catch (const std::exception & e) {
+        PDF_LOG_DEBUG("a draft batch of %zu failed (%s): drafting them one by one", requests.size(), e.what());
+    } catch (...) {
+    }
+    return false;
+}
+
 bool eval_batcher::draft_together(const std::vector<draft_request *> & requests) {
     std::vector<draft_batch::part> parts;
     for (const draft_request * r : requests) {
@@ -247,23 +266,7 @@ bool eval_batcher::draft_together(const std::vector<draft_request *> & requests)
     if (!batch) {
         batch = std::make_unique<draft_batch>(parts[0].d->shared_model());
     }
-    if (!batch->batches(parts)) {
-        return false;
-    }
-    try {
-        const auto t0 = clock_type::now();
-        batch->draft(parts);
-        const double ms = ms_since(t0);
-        for (draft_request * r : requests) {
-            r->share_ms = ms / requests.size();
-        }
-        return true;
-    } catch (const std::exception & e) {
-        // drafted alone: each draft's error (a bad anchor, a position) is its member's
-        PDF_LOG_DEBUG("a draft batch of %zu failed (%s): drafting them one by one", requests.size(), e.what());
-    } catch (...) {
-    }
-    return false;
+    return batch->batches(parts) && draft_in_one_graph(*batch, parts, requests);
 }
 
 bool eval_batcher::heads_together(const std::vector<draft_request *> & requests) {
@@ -274,23 +277,7 @@ bool eval_batcher::heads_together(const std::vector<draft_request *> & requests)
     if (!head_batch_) {
         head_batch_ = std::make_unique<mtp_batch>(parts[0].h->shared_target());
     }
-    if (!head_batch_->batches(parts)) {
-        return false;
-    }
-    try {
-        const auto t0 = clock_type::now();
-        head_batch_->draft(parts);
-        const double ms = ms_since(t0);
-        for (draft_request * r : requests) {
-            r->share_ms = ms / requests.size();
-        }
-        return true;
-    } catch (const std::exception & e) {
-        // stepped alone: each step's error is its member's
-        PDF_LOG_DEBUG("an MTP batch of %zu failed (%s): stepping them one by one", requests.size(), e.what());
-    } catch (...) {
-    }
-    return false;
+    return head_batch_->batches(parts) && draft_in_one_graph(*head_batch_, parts, requests);
 }
 
 void eval_batcher::draft_alone(draft_request & r) {
