@@ -4,6 +4,7 @@ the day one is there (docs/building.md has the CUDA and HIP builds).
 
 - CPU vs GPU: logits of both archs and the drafter's proposals, within f32 tolerance;
 - speculative == plain on the GPU for chain, tree and auto (greedy: the output must be the target's own);
+- sessions batched on the GPU (one target evaluation, drafter or MTP head graph per step) commit what they do alone;
 - placement: what the load allocates on the GPU is what pydflash.plan says;
 - MoE targets (qwen3moe, qwen35moe): logits and speculative == plain with the experts on the device or kept in
   system memory (n_cpu_moe);
@@ -153,6 +154,43 @@ def test_every_proposer_merged_equals_plain_on_the_gpu(kind):
         by = m.generate(prompt_rows("code")[3]["text"], max_tokens=64).timings["by_proposer"]
         _speculative_equals_plain(m, prompt_rows("code")[:3], 64)
     assert by["dflash"]["ran"] > 0 and by["mtp"]["ran"] > 0, by
+
+
+@pytest.mark.parametrize("proposer", ["dflash", "mtp"])
+def test_batched_generations_equal_alone_on_the_gpu(proposer):
+    """Four chain and tree generations of the qwen35 pair in threads, all layers on the GPU, batched at each step
+    (one target evaluation, and one drafter graph or one MTP head graph per step, with the rings, caches and the
+    head's carried states on the device): each commits and drafts what it does alone."""
+    from concurrent.futures import ThreadPoolExecutor
+    import threading
+
+    draft = pair_file("qwen35", "dflash", "q8_0") if proposer == "dflash" else None
+    with pydflash.Model(pair_file("qwen35", "target-mtp", "q8_0"), draft_model_path=draft, n_ctx=512,
+                        n_gpu_layers=-1, proposers=(proposer,)) as m:
+        jobs = [(m.tokenize(r["text"])[:40], "chain" if i % 2 else "tree")
+                for i, r in enumerate(prompt_rows("code")[:4])]
+
+        def generate(s, job, batcher=None):
+            return s._session.generate(job[0], max_tokens=32, stop_tokens=[], draft=s._draft, mtp=s._mtp,
+                                       spec_mode=job[1], tree_budget=6, batcher=batcher)
+
+        alone = [generate(m.new_session(), job) for job in jobs]
+        sessions = [m.new_session() for _ in jobs]
+        batcher = _core.EvalBatcher(m._model)
+        barrier = threading.Barrier(len(jobs))
+
+        def released(k: int):  # all at once, so that they batch from the start
+            barrier.wait()
+            return generate(sessions[k], jobs[k], batcher)
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            together = list(pool.map(released, range(len(jobs))))
+        for k, (a, t) in enumerate(zip(alone, together)):
+            assert t["tokens"] == a["tokens"], f"job {k}"
+            assert [t["timings"][x] for x in ("n_rounds", "draft_n", "draft_n_accepted")] == \
+                [a["timings"][x] for x in ("n_rounds", "draft_n", "draft_n_accepted")], f"job {k}"
+        stats = batcher.stats
+    assert stats["batches"] > 0 and (stats["draft_batches"] if proposer == "dflash" else stats["head_batches"]) > 0
 
 
 @pytest.mark.parametrize("n_gpu_layers", [2, 3])

@@ -241,7 +241,8 @@ std::pair<bool, bool> eval_batcher::run_drafts(const std::vector<draft_request *
 // batch.draft(parts) over the requests' parts, each request charged an equal share of its time; false: it failed
 // (logged), and they draft alone, where each one's error (a bad anchor, a position) is its member's
 template <class Batch, class Part, class Request>
-static bool draft_in_one_graph(Batch & batch, const std::vector<Part> & parts, const std::vector<Request *> & requests) {
+static bool draft_in_one_graph(Batch & batch, const std::vector<Part> & parts,
+                               const std::vector<Request *> & requests) {
     try {
         const auto t0 = clock_type::now();
         batch.draft(parts);

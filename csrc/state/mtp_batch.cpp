@@ -90,7 +90,8 @@ mtp_batch::compiled & mtp_batch::graph_for(const std::vector<part> & parts,
 
 // S heads' rows (R each: the block at step 0, else 1) through the head: h [E, S*R] -> each head's last row h'
 // [E, S] (into its carry) -> the top-k readout [k, S]
-void mtp_batch::build(compiled & g, const std::vector<mtp_session *> & heads, bool first, const std::vector<int> & n_kv) {
+void mtp_batch::build(compiled & g, const std::vector<mtp_session *> & heads, bool first,
+                      const std::vector<int> & n_kv) {
     const int64_t  S = (int64_t) heads.size(), R = first ? heads[0]->block_ : 1, E = target_->info().n_embd;
     ggml_context * ctx = g.cache.begin(S * (target_->mtp_graph_nodes() + 64));
     ggml_cgraph *  gf  = g.cache.graph();

@@ -164,14 +164,19 @@ mtp_session::step_rows mtp_session::rows_of(int m, int n_rows, bool with_anchor,
     step_rows r;
     r.n_queued    = m;
     const int pad = n_rows - m - (with_anchor ? 1 : 0);
+    auto row = [&r](int32_t token, int position, int ring_row) {
+        r.tokens.push_back(token);
+        r.positions.push_back(position);
+        r.ring_rows.push_back(ring_row);
+    };
     for (int i = 0; i < n_rows; ++i) {
         const int q = i - pad;  // padding first: the real rows end the batch (the anchor's last)
         if (q < 0) {
-            r.tokens.push_back(0), r.positions.push_back(0), r.ring_rows.push_back(with_anchor ? h_row : queued_h_[0]);
+            row(0, 0, with_anchor ? h_row : queued_h_[0]);
         } else if (q < m) {
-            r.tokens.push_back(queued_tok_[q]), r.positions.push_back(queued_pos_[q]), r.ring_rows.push_back(queued_h_[q]);
+            row(queued_tok_[q], queued_pos_[q], queued_h_[q]);
         } else {
-            r.tokens.push_back(anchor), r.positions.push_back(start), r.ring_rows.push_back(h_row);
+            row(anchor, start, h_row);
         }
     }
     return r;
