@@ -25,6 +25,7 @@ steps of every stream in one graph), and llama-server runs its draft-mtp at each
     python benchmarks/bench_parallel.py --pairs tiny --streams 1,2 --no-llama
     python benchmarks/bench_parallel.py --engines plain,auto --llama-n-max 3 --rounds 2   # alternating, means
     python benchmarks/bench_parallel.py --pairs mtp --archs qwen35 --streams 1,4 --llama-n-max 2,3
+    python benchmarks/bench_parallel.py --pairs mtp --archs qwen35 --decode-only --max-tokens 192
 """
 
 from __future__ import annotations
@@ -130,6 +131,34 @@ def together(n_streams: int, prompts: list[str], run_one) -> dict:
     return summary(requests, time.perf_counter() - started)
 
 
+def decoding_together(n_streams: int, prompts: list[str], run_one) -> dict:
+    """--decode-only: one request per stream (stream k: prompt k mod n, made unique), its prompt evaluated first in
+    an untimed request of one token, then, all streams started together, the timed request of the same prompt
+    (its prompt cached): the aggregate is decoding's alone"""
+    texts = [request_prompt(prompts, k, 0) for k in range(n_streams)]
+    threads = [threading.Thread(target=run_one, args=(k, texts[k], None, 1)) for k in range(n_streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    requests = [Arrivals() for _ in range(n_streams)]
+    barrier = threading.Barrier(n_streams + 1)
+
+    def stream(k: int) -> None:
+        barrier.wait()
+        requests[k].started = time.perf_counter()
+        run_one(k, texts[k], requests[k])
+
+    workers = [threading.Thread(target=stream, args=(k,)) for k in range(n_streams)]
+    for w in workers:
+        w.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for w in workers:
+        w.join()
+    return summary(requests, time.perf_counter() - started)
+
+
 def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, prompts: list[str], args) -> dict:
     kw = {"draft_model_path": None, "proposers": ()} if engine is None else {"draft_model_path": pair["draft"],
                                                                                 **engine}
@@ -151,7 +180,7 @@ def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, pro
     for k in range(n_streams):  # warm-up: pages, graphs, auto's first measurements
         run_one(k, prompts[k % len(prompts)], max_tokens=8)
     timings.clear()
-    row = together(n_streams, prompts, run_one)
+    row = (decoding_together if args.decode_only else together)(n_streams, prompts, run_one)
     if timings and "auto_chain" in timings[0]:
         spec = sum(t["auto_chain"] + t["auto_tree"] for t in timings)
         row["spec_rounds"] = spec / max(1, spec + sum(t["auto_plain"] + t["auto_skipped"] for t in timings))
@@ -183,7 +212,7 @@ def run_llama(pair: dict, n_draft: int, n_streams: int, prompts: list[str], args
 
         for k in range(n_streams):
             run_one(k, prompts[k % len(prompts)], max_tokens=8)
-        return together(n_streams, prompts, run_one)
+        return (decoding_together if args.decode_only else together)(n_streams, prompts, run_one)
 
 
 def print_row(n: int, label: str, r: dict, base: dict) -> None:
@@ -247,6 +276,8 @@ def main() -> None:
     ap.add_argument("--engines", default="", help="ours, by label (comma-separated; the first is the ratios' base); "
                     "default: all")
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
+    ap.add_argument("--decode-only", action="store_true", help="one request per stream, its prompt evaluated "
+                    "before the clock starts: decoding's aggregate alone")
     args = ap.parse_args()
     archs, kinds = args.archs.split(","), args.pairs.split(",")
     pairs = ([p for p in tiny_pairs(archs) if "q8_0" in p["name"]] if "tiny" in kinds else []) + \
@@ -254,7 +285,8 @@ def main() -> None:
              if "realistic" in kinds else []) + (mtp_pairs(args.cache_dir, archs) if "mtp" in kinds else [])
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens per stream, greedy, "
-          f"{args.threads} threads in all")
+          f"{args.threads} threads in all" + (" (decoding only: one request per stream, its prompt cached)"
+                                              if args.decode_only else ""))
     logs = ROOT / "build" / "bench_parallel"  # llama-server's logs, kept
     logs.mkdir(parents=True, exist_ok=True)
     for pair in pairs:
