@@ -69,7 +69,7 @@ class eval_batcher {
     const draft_proposals & draft_head(mtp_session & h, bool first, int32_t anchor = 0, int start = 0,
                                        int h_row = 0);
 
-    // ms this thread has waited in plan() and draft() for the other members (the other generations' drafting):
+    // ms this thread has waited in plan(), draft() and draft_head() for the other members (their drafting):
     // not its own cost (a draft batch's compute counts for each of its drafts in equal shares)
     static double waited_ms();
 
