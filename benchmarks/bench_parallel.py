@@ -162,7 +162,7 @@ def decoding_together(n_streams: int, prompts: list[str], run_one) -> dict:
 def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, prompts: list[str], args) -> dict:
     kw = {"draft_model_path": None, "proposers": ()} if engine is None else {"draft_model_path": pair["draft"],
                                                                                 **engine}
-    first = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads, **kw)
+    first = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, **kw)
     sessions = [first] + [first.new_session() for _ in range(n_streams - 1)]
     if not batched:
         for s in sessions:
@@ -196,7 +196,7 @@ def run_llama(pair: dict, n_draft: int, n_streams: int, prompts: list[str], args
 
     draft = pair["draft"] if n_draft and not pair.get("mtp") else None
     with peer.llama_server(pair["target"], n_streams, args.threads, 2048, log, draft, n_draft,
-                           mtp=bool(n_draft and pair.get("mtp"))) as url, \
+                           mtp=bool(n_draft and pair.get("mtp")), n_gpu_layers=args.n_gpu_layers) as url, \
             httpx.Client(base_url=url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         # (a connection per request: llama-server closes a kept-alive one after a stream, which httpx would reuse)
 
@@ -276,6 +276,8 @@ def main() -> None:
     ap.add_argument("--engines", default="", help="ours, by label (comma-separated; the first is the ratios' base); "
                     "default: all")
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                    help="layers on the GPU, ours and llama-server's (-1: all)")
     ap.add_argument("--decode-only", action="store_true", help="one request per stream, its prompt evaluated "
                     "before the clock starts: decoding's aggregate alone")
     args = ap.parse_args()
