@@ -99,6 +99,25 @@ def request_prompt(prompts: list[str], k: int, j: int) -> str:
     return f"# request {k}.{j}\n" + prompts[(j + k) % len(prompts)]
 
 
+def timed_streams(n_streams: int, stream) -> float:
+    """stream(k) for k in 0..n_streams-1, each in a thread of its own, started together after a barrier each
+    stream(k) waits at first: the seconds until the last one ends"""
+    barrier = threading.Barrier(n_streams + 1)
+
+    def released(k: int) -> None:
+        barrier.wait()
+        stream(k)
+
+    workers = [threading.Thread(target=released, args=(k,)) for k in range(n_streams)]
+    for w in workers:
+        w.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - started
+
+
 def together(n_streams: int, prompts: list[str], run_one) -> dict:
     """n_streams threads, started together, taking requests from one queue until it is empty (as a server's slots
     take waiting requests: no stream idles while another still has work), each prompt n_streams times in all;
@@ -108,10 +127,8 @@ def together(n_streams: int, prompts: list[str], run_one) -> dict:
         for k in range(n_streams):
             todo.put(request_prompt(prompts, k, j))
     requests: list[Arrivals] = []
-    barrier = threading.Barrier(n_streams + 1)
 
     def stream(k: int) -> None:
-        barrier.wait()
         while True:
             try:
                 text = todo.get_nowait()
@@ -121,14 +138,8 @@ def together(n_streams: int, prompts: list[str], run_one) -> dict:
             run_one(k, text, a)
             requests.append(a)
 
-    workers = [threading.Thread(target=stream, args=(k,)) for k in range(n_streams)]
-    for w in workers:
-        w.start()
-    barrier.wait()
-    started = time.perf_counter()
-    for w in workers:
-        w.join()
-    return summary(requests, time.perf_counter() - started)
+    wall = timed_streams(n_streams, stream)
+    return summary(requests, wall)
 
 
 def decoding_together(n_streams: int, prompts: list[str], run_one) -> dict:
@@ -136,27 +147,15 @@ def decoding_together(n_streams: int, prompts: list[str], run_one) -> dict:
     an untimed request of one token, then, all streams started together, the timed request of the same prompt
     (its prompt cached): the aggregate is decoding's alone"""
     texts = [request_prompt(prompts, k, 0) for k in range(n_streams)]
-    threads = [threading.Thread(target=run_one, args=(k, texts[k], None, 1)) for k in range(n_streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    timed_streams(n_streams, lambda k: run_one(k, texts[k], None, 1))
     requests = [Arrivals() for _ in range(n_streams)]
-    barrier = threading.Barrier(n_streams + 1)
 
     def stream(k: int) -> None:
-        barrier.wait()
         requests[k].started = time.perf_counter()
         run_one(k, texts[k], requests[k])
 
-    workers = [threading.Thread(target=stream, args=(k,)) for k in range(n_streams)]
-    for w in workers:
-        w.start()
-    barrier.wait()
-    started = time.perf_counter()
-    for w in workers:
-        w.join()
-    return summary(requests, time.perf_counter() - started)
+    wall = timed_streams(n_streams, stream)
+    return summary(requests, wall)
 
 
 def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, prompts: list[str], args) -> dict:
