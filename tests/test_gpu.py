@@ -160,7 +160,10 @@ def test_every_proposer_merged_equals_plain_on_the_gpu(kind):
 def test_batched_generations_equal_alone_on_the_gpu(proposer):
     """Four chain and tree generations of the qwen35 pair in threads, all layers on the GPU, batched at each step
     (one target evaluation, and one drafter graph or one MTP head graph per step, with the rings, caches and the
-    head's carried states on the device): each commits and drafts what it does alone."""
+    head's carried states on the device): each commits what it commits alone (a GPU's kernels depend on the
+    batch's width, so a parting is allowed at a near-tie of the target's logits only, as above), and its drafts
+    are accepted. On the RPC device (the CPU's kernels: tests/test_rpc.py) each drafts exactly what it drafts
+    alone: the same rounds, drafted and accepted counts."""
     from concurrent.futures import ThreadPoolExecutor
     import threading
 
@@ -185,10 +188,15 @@ def test_batched_generations_equal_alone_on_the_gpu(proposer):
 
         with ThreadPoolExecutor(len(jobs)) as pool:
             together = list(pool.map(released, range(len(jobs))))
+        counts = ("n_rounds", "draft_n", "draft_n_accepted")
         for k, (a, t) in enumerate(zip(alone, together)):
-            assert t["tokens"] == a["tokens"], f"job {k}"
-            assert [t["timings"][x] for x in ("n_rounds", "draft_n", "draft_n_accepted")] == \
-                [a["timings"][x] for x in ("n_rounds", "draft_n", "draft_n_accepted")], f"job {k}"
+            assert t["timings"]["draft_n_accepted"] > 0, f"job {k}"
+            if os.environ.get("PYDFLASH_TEST_RPC"):
+                assert t["tokens"] == a["tokens"], f"job {k}"
+                assert [t["timings"][x] for x in counts] == [a["timings"][x] for x in counts], f"job {k}"
+            elif t["tokens"] != a["tokens"]:
+                at = first_difference(t["tokens"], a["tokens"])
+                assert tie_gap(m, jobs[k][0], t["tokens"], a["tokens"], at) < TIE, f"job {k}, output {at}"
         stats = batcher.stats
     assert stats["batches"] > 0 and (stats["draft_batches"] if proposer == "dflash" else stats["head_batches"]) > 0
 
