@@ -80,6 +80,42 @@ def test_a_batch_of_sessions_evaluates_each_as_alone(target):
     assert [s.tokens for s in together] == [s.tokens for s in alone]
 
 
+def _same_state(alone: list, together: list) -> None:
+    for i, (a, b) in enumerate(zip(alone, together)):
+        sa, sb = a.read_state(), b.read_state()
+        for kind in ("k", "v", "ssm", "conv"):
+            for layer, (x, y) in enumerate(zip(sa[kind], sb[kind])):
+                np.testing.assert_array_equal(x, y, err_msg=f"session {i}: {kind} of layer {layer}")
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_chains_of_one_length_are_each_sessions_own(arch):
+    """Sessions whose rows are chains of one length (prompt micro-batches of one size, single tokens, chains of
+    4 committed in part) run a hybrid target's conv and delta rule over all of them at once (one op each,
+    models/delta_net_batch.h): every session's logits and committed memory (K/V, conv window, delta-net state)
+    equal its own evaluation's, bit for bit, through commits of whole chains, prefixes and nothing."""
+    with pydflash.Model(PAIRS / f"{arch}-target-q8_0.gguf", n_ctx=256, n_threads=2) as m:
+        alone, together = _sessions(m, 4), _sessions(m, 4)
+        batch = _core.SessionBatch(m._model)
+        _step(batch, alone, together, [dict(tokens=_tokens(20 + i, 16), whole=True) for i in range(4)])
+        for s in alone + together:
+            s.commit(16)
+        _step(batch, alone, together, [dict(tokens=_tokens(30 + i, 1)) for i in range(4)])
+        for s in alone + together:
+            s.commit(1)
+        _same_state(alone, together)
+        _step(batch, alone, together, [dict(tokens=_tokens(40 + i, 4), top_k=3) for i in range(4)])
+        for group in (alone, together):
+            for s, kept in zip(group, [4, 2, 0, 1]):
+                s.commit(kept)
+        _same_state(alone, together)
+        _step(batch, alone, together, [dict(tokens=_tokens(50 + i, 2)) for i in range(4)])
+        for s in alone + together:
+            s.commit(2)
+        _same_state(alone, together)
+        assert [s.n_past for s in together] == [23, 21, 19, 20]
+
+
 def test_a_batch_refuses_what_it_cannot_evaluate(target):
     batch = _core.SessionBatch(target._model)
     a, b = _sessions(target, 2)

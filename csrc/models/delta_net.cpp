@@ -10,13 +10,13 @@ ggml_tensor * build_l2_norm(ggml_context * ctx, ggml_tensor * x, float eps) {
     return ggml_scale(ctx, ggml_rms_norm(ctx, x, eps / n), 1.0f / std::sqrt(n));
 }
 
-ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
-                               const state_tensors & st, int il, ggml_tensor * x, ggml_tensor * kernel) {
-    // x: [C, n] (contiguous, time = rows); the buffer holds the last inputs as rows, the window is the W rows
-    // in.conv_rows of it
+ggml_tensor * read_conv_window(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
+                               const state_tensors & st, int il, ggml_tensor * x, int64_t d_conv) {
+    // x: [C, n] (time = rows); the buffer holds the last inputs as rows, the window is the W rows in.conv_rows
+    // of it
     const int64_t C      = x->ne[0];
     const int64_t n      = x->ne[1];
-    const int64_t W      = kernel->ne[0] - 1;
+    const int64_t W      = d_conv - 1;
     ggml_tensor * buf    = st.conv[il];  // [C, W+n_rollback]
     ggml_tensor * window = ggml_get_rows(ctx, buf, in.conv_rows);  // [C, W]
     // the window is read out before the writes below overwrite buffer rows (graph order is execution order)
@@ -34,22 +34,32 @@ ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const recur
     const int64_t x_from = std::max<int64_t>(0, from - W);
     ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_view_2d(ctx, x, C, n - x_from, x->nb[1], x_from * x->nb[1]),
                                            ggml_view_2d(ctx, buf, C, n - x_from, buf->nb[1], row * buf->nb[1])));
+    return window;
+}
 
-    // ssm_conv wants time innermost: [W+n, C]. One concat of the two transposed views builds it; split into
-    // [W+n, C/k, k] because ggml's CPU concat runs its outer dimension in parallel (and, unlike a copy of a
+ggml_tensor * build_ssm_conv(ggml_context * ctx, ggml_tensor * window, ggml_tensor * x, ggml_tensor * kernel) {
+    const int64_t C = x->ne[0], n = x->ne[1], N = x->ne[2], W = window->ne[1];
+    // ssm_conv wants time innermost: [W+n, C, N]. One concat of the two transposed views builds it; split into
+    // [W+n, C/k, k, N] because ggml's CPU concat runs its outer dimensions in parallel (and, unlike a copy of a
     // transposed view, moves the elements in a typed loop rather than one memcpy each)
     int64_t k = 16;
     while (C % k != 0) {
         k /= 2;
     }
-    auto time_major = [&](ggml_tensor * t) {  // [C, T] -> [T, C/k, k]
-        ggml_tensor * t3 = ggml_view_3d(ctx, t, C / k, k, t->ne[1], (C / k) * t->nb[0], t->nb[1], 0);
-        return ggml_permute(ctx, t3, 1, 2, 0, 3);
+    auto time_major = [&](ggml_tensor * t) {  // [C, T, N] -> [T, C/k, k, N]
+        ggml_tensor * t4 = ggml_view_4d(ctx, t, C / k, k, t->ne[1], N, (C / k) * t->nb[0], t->nb[1], t->nb[2], 0);
+        return ggml_permute(ctx, t4, 1, 2, 0, 3);
     };
-    ggml_tensor * sx = ggml_concat(ctx, time_major(window), time_major(x), 0);  // [W+n, C/k, k]
-    sx               = ggml_reshape_3d(ctx, sx, W + n, C, 1);
-    ggml_tensor * y  = ggml_ssm_conv(ctx, sx, kernel);  // [C, n, 1]
-    return ggml_silu(ctx, ggml_reshape_2d(ctx, y, C, n));
+    ggml_tensor * sx = ggml_concat(ctx, time_major(window), time_major(x), 0);  // [W+n, C/k, k, N]
+    sx               = ggml_reshape_3d(ctx, sx, W + n, C, N);
+    return ggml_reshape_2d(ctx, ggml_ssm_conv(ctx, sx, kernel), C, n * N);  // [C, n, N] -> [C, n*N]
+}
+
+ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
+                               const state_tensors & st, int il, ggml_tensor * x, ggml_tensor * kernel) {
+    ggml_tensor * window = read_conv_window(ctx, gf, in, st, il, x, kernel->ne[0]);  // [C, W]
+    return build_ssm_conv(ctx, ggml_reshape_3d(ctx, window, window->ne[0], window->ne[1], 1),
+                          ggml_view_3d(ctx, x, x->ne[0], x->ne[1], 1, x->nb[1], x->nb[1] * x->ne[1], 0), kernel);
 }
 
 ggml_tensor * build_conv_tree(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
@@ -72,7 +82,7 @@ ggml_tensor * build_conv_tree(ggml_context * ctx, ggml_cgraph * gf, const recurr
     for (int64_t j = 1; j < K; ++j) {
         y = ggml_add(ctx, y, tap(j));
     }
-    return ggml_silu(ctx, y);  // [C, n]
+    return y;  // [C, n]
 }
 
 // [a, b, n] (rows may be strided) -> [a, b, n, 1]
@@ -97,8 +107,8 @@ static ggml_tensor * steps_of(ggml_context * ctx, ggml_tensor * t, int64_t from,
 
 // the gated-delta-net inputs of tokens from .. n-1 into step rows 0 .. n-1-from, for a commit of some of them
 // to recompute their state from (each token's q, k, v and g, beta rows are contiguous: [a, b, n] views)
-static void keep_steps(ggml_context * ctx, ggml_cgraph * gf, const state_tensors & st, int il, ggml_tensor * q,
-                       ggml_tensor * k, ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta, int64_t from) {
+void keep_delta_steps(ggml_context * ctx, ggml_cgraph * gf, const state_tensors & st, int il, ggml_tensor * q,
+                      ggml_tensor * k, ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta, int64_t from) {
     const int64_t m = v->ne[2] - from;
     auto put = [&](ggml_tensor * t, ggml_tensor * buf, int64_t offset) {
         const int64_t w   = t->ne[0] * t->ne[1];
@@ -121,7 +131,7 @@ ggml_tensor * build_gated_delta_net(ggml_context * ctx, ggml_cgraph * gf, const 
     const int64_t b               = in.ssm_split_at;
     const size_t  f               = sizeof(float);
     if (in.keep_steps) {
-        keep_steps(ctx, gf, st, il, q, k, v, g, beta, b);
+        keep_delta_steps(ctx, gf, st, il, q, k, v, g, beta, b);
     }
     // tokens [from, from+m) from state s0: out [S*Hv, m + S]: the m outputs, then the state after them
     auto run = [&](int64_t from, int64_t m, ggml_tensor * s0) {
@@ -251,7 +261,7 @@ ggml_tensor * build_gated_delta_net_tree(ggml_context * ctx, ggml_cgraph * gf, c
                                          ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) {
     const auto [S, Hv, n, D, buf] = state_of(v, st, il);
     const size_t f                = sizeof(float);
-    keep_steps(ctx, gf, st, il, q, k, v, g, beta, 0);  // a commit recomputes its path's state from them
+    keep_delta_steps(ctx, gf, st, il, q, k, v, g, beta, 0);  // a commit recomputes its path's state from them
 
     // the nodes of depth d: rows [off, off+nd) as nd sequences of one token: [a, b, 1, nd]
     auto level = [ctx](ggml_tensor * t, int64_t off, int64_t nd) {

@@ -11,8 +11,17 @@ namespace pdf {
 // L2 normalisation over ne0 as llama.cpp builds it for gated delta net: rms_norm(x, eps/n) / sqrt(n)
 ggml_tensor * build_l2_norm(ggml_context * ctx, ggml_tensor * x, float eps);
 
-// Short causal convolution with kept state, chain. x: [C, n] -> silu(conv) [C, n].
-// Reads the window (W rows of st.conv[il]) at in.conv_rows, writes the kept tail back.
+// The conv window of a chain x: [C, n]: the W rows of st.conv[il] at in.conv_rows, read out ([C, W]) before
+// the kept tail of [window ‖ x] (from in.conv_keep_from) is written back over them.
+ggml_tensor * read_conv_window(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
+                               const state_tensors & st, int il, ggml_tensor * x, int64_t d_conv);
+
+// The short causal convolution of N sequences: window [C, W, N], x [C, n, N] -> conv [C, n*N] (before the
+// SiLU), one ssm_conv over every sequence's [window ‖ x].
+ggml_tensor * build_ssm_conv(ggml_context * ctx, ggml_tensor * window, ggml_tensor * x, ggml_tensor * kernel);
+
+// Short causal convolution with kept state, chain. x: [C, n] -> conv [C, n] (before the SiLU, which the caller
+// applies once over every session's rows). Reads the window and writes the kept tail back (read_conv_window).
 ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                                const state_tensors & st, int il, ggml_tensor * x, ggml_tensor * kernel);
 
@@ -20,6 +29,11 @@ ggml_tensor * build_conv_chain(ggml_context * ctx, ggml_cgraph * gf, const recur
 // kernel_t: the kernel transposed, [C, d_conv].
 ggml_tensor * build_conv_tree(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & in,
                               const state_tensors & st, int il, ggml_tensor * x, ggml_tensor * kernel_t);
+
+// The gated-delta-net inputs of tokens from .. n-1 (q, k: [S, Hk, n], v: [S, Hv, n], g, beta: [1, Hv, n],
+// token rows contiguous) into step rows 0 .., for a commit of some of them to recompute their state from.
+void keep_delta_steps(ggml_context * ctx, ggml_cgraph * gf, const state_tensors & st, int il, ggml_tensor * q,
+                      ggml_tensor * k, ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta, int64_t from);
 
 // Gated delta rule, chain. q, k: [S, Hk, n], v: [S, Hv, n], g, beta: [1, Hv, n]. Reads the state row in.ssm_row
 // of st.ssm[il]; writes the state after token in.ssm_split_at (0: after the last) to row in.ssm_out_row and,

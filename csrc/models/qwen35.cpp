@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "models/blocks.h"
 #include "models/delta_net.h"
+#include "models/delta_net_batch.h"
 #include "models/sequences.h"
 
 #include <algorithm>
@@ -209,12 +210,13 @@ ggml_tensor * qwen35_layers::build_layer(ggml_context * ctx, ggml_cgraph * gf, c
                               [&](ggml_tensor * cur) { return build_ffn(ctx, gf, il, cur); }, il);
 }
 
-// x: [E, n] -> [E, n], or [E, 1] for the last token only (the state still takes all n). The projections run
-// over every row, the conv and the delta rule over each session's rows (models/sequences.h).
+// x: [E, n] -> [E, n], or [E, 1] for the last token only (the state still takes all n). The projections, the
+// SiLU and the norms run over every row; the conv and the delta rule over each session's rows, or over all
+// sessions' at once where they are chains of one length (models/delta_net_batch.h).
 ggml_tensor * qwen35_layers::build_gdn_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                              const state_tensors & st, const qwen35_layer & l, int il,
                                              ggml_tensor * x, bool last_token_only) const {
-    const int64_t n = x->ne[1], S = hp_.S, Hv = hp_.Hv;
+    const int64_t n = x->ne[1], S = hp_.S, Hk = hp_.Hk, Hv = hp_.Hv;
     const float   eps = hp_.att.norm_eps;
 
     ggml_tensor * qkv  = ggml_mul_mat(ctx, l.wqkv, x);   // [C, n]
@@ -226,11 +228,33 @@ ggml_tensor * qwen35_layers::build_gdn_layer(ggml_context * ctx, ggml_cgraph * g
     beta = ggml_reshape_4d(ctx, beta, 1, Hv, n, 1);
     g    = ggml_reshape_4d(ctx, g, 1, Hv, n, 1);
 
+    const std::vector<sequence_part> parts = sequence_parts(in, st);
+    const bool together = chains_of_one_length(parts) && !chunked_form(il, *parts[0].recurrent, parts[0].n);
+    std::vector<ggml_tensor *> convs;
+    if (!together) {
+        for (const sequence_part & p : parts) {
+            ggml_tensor * rows = token_range(ctx, qkv, 1, p.first, p.n);
+            convs.push_back(p.recurrent->tree_levels.empty()
+                                ? build_conv_chain(ctx, gf, *p.recurrent, *p.st, il, rows, l.ssm_conv1d)
+                                : build_conv_tree(ctx, gf, *p.recurrent, *p.st, il, rows, l.ssm_conv1d_t));
+        }
+    }
+    ggml_tensor * conv = ggml_silu(ctx, together ? build_conv_chains(ctx, gf, parts, il, qkv, l.ssm_conv1d)
+                                                 : join_tokens(ctx, convs, 1));  // [C, n]
+    const size_t  f = ggml_element_size(conv);
+    ggml_tensor * q = build_l2_norm(ctx, ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], 0), eps);
+    ggml_tensor * k = build_l2_norm(ctx, ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], S * Hk * f), eps);
+    ggml_tensor * v = ggml_view_3d(ctx, conv, S, Hv, n, S * f, conv->nb[1], 2 * S * Hk * f);
+
     std::vector<ggml_tensor *> outs;
-    for (const sequence_part & p : sequence_parts(in, st)) {
-        outs.push_back(build_delta_rule(ctx, gf, *p.recurrent, *p.st, l, il, token_range(ctx, qkv, 1, p.first, p.n),
-                                        token_range(ctx, g, 2, p.first, p.n),
-                                        token_range(ctx, beta, 2, p.first, p.n)));
+    if (together) {
+        outs.push_back(build_gated_delta_net_chains(ctx, gf, parts, il, q, k, v, g, beta));
+    } else {
+        for (const sequence_part & p : parts) {
+            auto rows = [&](ggml_tensor * t) { return token_range(ctx, t, 2, p.first, p.n); };
+            outs.push_back(build_delta_rule(ctx, gf, *p.recurrent, *p.st, il, rows(q), rows(k), rows(v), rows(g),
+                                            rows(beta)));
+        }
     }
     ggml_tensor * o = join_tokens(ctx, outs, 2);  // [S, Hv, n]
     // gated RMSNorm per head: rms(o) * ssm_norm * silu(z)
@@ -242,30 +266,20 @@ ggml_tensor * qwen35_layers::build_gdn_layer(ggml_context * ctx, ggml_cgraph * g
     return ggml_mul_mat(ctx, l.ssm_out, ggml_reshape_2d(ctx, o, S * Hv, o->ne[2]));
 }
 
-// one session's rows: qkv [C, n], g, beta [1, Hv, n] -> the delta rule's output [S, Hv, n] through its conv
-// window and state (rin, st). A tree evaluation (rin.tree_levels) runs the conv and the delta rule along parent
-// links.
+// whether a chain of n tokens at layer il runs the chunked form of the delta rule: a micro-batch committed
+// whole (no steps kept) of at least a chunk, where that form is chosen
+bool qwen35_layers::chunked_form(int il, const recurrent_inputs & rin, int64_t n) const {
+    return rin.tree_levels.empty() && chunked_[il] && !rin.keep_steps && n >= DELTA_NET_CHUNK;
+}
+
+// one session's rows: q, k [S, Hk, n], v [S, Hv, n], g, beta [1, Hv, n] -> the delta rule's output [S, Hv, n]
+// from its state (rin, st). A tree evaluation (rin.tree_levels) runs it along parent links.
 ggml_tensor * qwen35_layers::build_delta_rule(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & rin,
-                                              const state_tensors & st, const qwen35_layer & l, int il,
-                                              ggml_tensor * qkv, ggml_tensor * g, ggml_tensor * beta) const {
-    const int64_t n = qkv->ne[1], S = hp_.S, Hk = hp_.Hk, Hv = hp_.Hv;
-    const float   eps  = hp_.att.norm_eps;
-    const bool    tree = !rin.tree_levels.empty();
-
-    ggml_tensor * conv = tree ? build_conv_tree(ctx, gf, rin, st, il, qkv, l.ssm_conv1d_t)
-                              : build_conv_chain(ctx, gf, rin, st, il, qkv, l.ssm_conv1d);  // [C, n]
-    const size_t  f    = ggml_element_size(conv);
-    ggml_tensor * q = ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], 0);
-    ggml_tensor * k = ggml_view_3d(ctx, conv, S, Hk, n, S * f, conv->nb[1], S * Hk * f);
-    ggml_tensor * v = ggml_view_3d(ctx, conv, S, Hv, n, S * f, conv->nb[1], 2 * S * Hk * f);
-    q = build_l2_norm(ctx, q, eps);
-    k = build_l2_norm(ctx, k, eps);
-
-    // a micro-batch committed whole (no steps kept) of at least a chunk: the chunked form where chosen
-    const bool chunked = !tree && chunked_[il] && !rin.keep_steps && n >= DELTA_NET_CHUNK;
-    return tree      ? build_gated_delta_net_tree(ctx, gf, rin, st, il, q, k, v, g, beta)
-           : chunked ? build_gated_delta_net_chunked(ctx, gf, rin, st, il, q, k, v, g, beta)
-                     : build_gated_delta_net(ctx, gf, rin, st, il, q, k, v, g, beta);  // [S, Hv, n]
+                                              const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
+                                              ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) const {
+    return !rin.tree_levels.empty()       ? build_gated_delta_net_tree(ctx, gf, rin, st, il, q, k, v, g, beta)
+           : chunked_form(il, rin, v->ne[2]) ? build_gated_delta_net_chunked(ctx, gf, rin, st, il, q, k, v, g, beta)
+                                             : build_gated_delta_net(ctx, gf, rin, st, il, q, k, v, g, beta);
 }
 
 // x: [E, n] -> [E, n], or [E, 1] for the last token only (K/V still written for all n)

@@ -106,9 +106,10 @@ class qwen35_layers : public target_model {
     ggml_tensor * build_gdn_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                   const state_tensors & st, const qwen35_layer & l, int il, ggml_tensor * x,
                                   bool last_token_only) const;
+    bool          chunked_form(int il, const recurrent_inputs & rin, int64_t n) const;
     ggml_tensor * build_delta_rule(ggml_context * ctx, ggml_cgraph * gf, const recurrent_inputs & rin,
-                                   const state_tensors & st, const qwen35_layer & l, int il, ggml_tensor * qkv,
-                                   ggml_tensor * g, ggml_tensor * beta) const;
+                                   const state_tensors & st, int il, ggml_tensor * q, ggml_tensor * k,
+                                   ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta) const;
     ggml_tensor * build_attention_layer(ggml_context * ctx, ggml_cgraph * gf, const eval_inputs & in,
                                         const state_tensors & st, const qwen35_layer & l, int il, ggml_tensor * x,
                                         bool last_token_only) const;

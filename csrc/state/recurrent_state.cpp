@@ -106,7 +106,9 @@ void recurrent_state::add_inputs(ggml_context * ctx, recurrent_inputs & in, int 
         in.ssm_row        = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
         in.ssm_out_row    = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, 1);
         in.ssm_split_at   = split_at(n_tokens, whole);
-        in.keep_steps     = !whole;
+        // a commit of part of a chain recomputes its state from the kept steps; one token is kept whole or not
+        // at all, so it needs none
+        in.keep_steps     = !whole && n_tokens > 1;
         in.conv_keep_from = conv_keep_from(n_tokens);
         ggml_set_input(in.ssm_row);
         ggml_set_input(in.ssm_out_row);
