@@ -50,7 +50,8 @@ bool draft_batch::batches(const std::vector<part> & parts) const {
     return true;
 }
 
-void draft_batch::draft(const std::vector<part> & parts) {
+void draft_batch::draft(const std::vector<part> & given) {
+    const std::vector<part> parts = in_session_order(given, [](const part & p) { return p.d->id_; });
     if (!batches(parts)) {
         throw std::invalid_argument("draft_batch: these drafts cannot share a graph (see batches())");
     }

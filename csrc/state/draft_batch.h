@@ -37,8 +37,9 @@ class draft_batch {
     bool batches(const std::vector<part> & parts) const;
     // the block a part drafts
     static int block_of(const part & p);
-    // drafts every part in one graph (batches(parts) must hold); each session's proposals are then its own, as
-    // after its draft(). A typed error (as draft()'s) leaves the sessions to draft alone.
+    // drafts every part in one graph (batches(parts) must hold), in any order (one graph for any order of the
+    // same sessions); each session's proposals are then its own, as after its draft(). A typed error (as
+    // draft()'s) leaves the sessions to draft alone.
     void draft(const std::vector<part> & parts);
     // Compute buffer bytes of one graph over these sessions of this batch's drafter (ggml's allocator, nothing
     // allocated; for memory plans), each appending n_rows context rows and drafting n_block positions over n_kv

@@ -46,7 +46,8 @@ bool mtp_batch::batches(const std::vector<part> & parts) const {
     return true;
 }
 
-void mtp_batch::draft(const std::vector<part> & parts) {
+void mtp_batch::draft(const std::vector<part> & given) {
+    const std::vector<part> parts = in_session_order(given, [](const part & p) { return p.h->id_; });
     if (!batches(parts)) {
         throw std::invalid_argument("mtp_batch: these steps cannot share a graph (see batches())");
     }

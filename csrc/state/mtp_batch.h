@@ -38,8 +38,9 @@ class mtp_batch {
     // whether these parts can share one graph: two or more distinct heads of this batch's target, all at step 0
     // or all past it, with one block size and one readout (candidates per position, log-probabilities)
     bool batches(const std::vector<part> & parts) const;
-    // runs every part's step in one graph (batches(parts) must hold); each head's proposals are then its own,
-    // as after its begin() or next(). A typed error (as theirs) leaves the heads to step alone.
+    // runs every part's step in one graph (batches(parts) must hold), in any order (one graph for any order of
+    // the same sessions); each head's proposals are then its own, as after its begin() or next(). A typed error
+    // (as theirs) leaves the heads to step alone.
     void draft(const std::vector<part> & parts);
     // Compute buffer bytes of one graph over these heads of this batch's target (ggml's allocator, nothing
     // allocated; memory plans), each at step 0 (first) or a later step, attending over n_kv of its cache slots. A

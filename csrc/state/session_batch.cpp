@@ -56,8 +56,9 @@ static void check_parts(const std::vector<session_batch::part> & parts, const ta
     }
 }
 
-void session_batch::eval(const std::vector<part> & parts) {
-    check_parts(parts, *model_);
+void session_batch::eval(const std::vector<part> & given) {
+    check_parts(given, *model_);
+    const std::vector<part> parts = in_session_order(given, [](const part & p) { return p.s->id_; });
     std::vector<batch_order> orders(parts.size());
     std::vector<key_entry>   keys;
     for (size_t i = 0; i < parts.size(); ++i) {

@@ -36,8 +36,9 @@ class session_batch {
         ring_set         rings;
     };
     // evaluates every part in one graph. The sessions are distinct, over this batch's model; parts that read
-    // top-k read the same k. Each session's results are readable until this batch evaluates again. A typed error
-    // (as session::eval's) leaves every session with nothing pending.
+    // top-k read the same k; their order does not matter (they run in their sessions' order: one graph for any
+    // order). Each session's results are readable until this batch evaluates again. A typed error (as
+    // session::eval's) leaves every session with nothing pending.
     void eval(const std::vector<part> & parts);
 
     // Compute buffer bytes one evaluation of these parts would need (ggml's allocator over its graph, nothing
