@@ -1,5 +1,7 @@
 #include "models/sequences.h"
 
+#include <cstdint>
+
 namespace pdf {
 
 std::vector<sequence_part> sequence_parts(const eval_inputs & in, const state_tensors & st) {
@@ -24,8 +26,12 @@ ggml_tensor * token_range(ggml_context * ctx, ggml_tensor * x, int dim, int64_t 
     return ggml_view_4d(ctx, x, x->ne[0], x->ne[1], n, x->ne[3], x->nb[1], x->nb[2], x->nb[3], first * x->nb[2]);
 }
 
-// whether parts are contiguous F32 tensors of one shape that end at dimension dim (stackable as sequences)
+// whether parts are contiguous F32 tensors of one shape that end at dimension dim (stackable as sequences; ggml's
+// set takes its offset as an int32)
 static bool stackable(const std::vector<ggml_tensor *> & parts, int dim) {
+    if (ggml_nbytes(parts[0]) * parts.size() > (size_t) INT32_MAX) {
+        return false;
+    }
     for (const ggml_tensor * p : parts) {
         if (p->type != GGML_TYPE_F32 || !ggml_is_contiguous(p) || !ggml_are_same_shape(p, parts[0])) {
             return false;
@@ -73,6 +79,7 @@ ggml_tensor * stack_sequences(ggml_context * ctx, const std::vector<ggml_tensor 
                     p->ne[0] == first->ne[0] && p->ne[1] == first->ne[1]);
     }
     const int64_t N     = (int64_t) parts.size();
+    GGML_ASSERT(ggml_nbytes(first) * parts.size() <= (size_t) INT32_MAX);  // (ggml_set's offset is an int32)
     ggml_tensor * stack = ggml_repeat_4d(ctx, parts[0], first->ne[0], first->ne[1], N, 1);  // [a, b, N]
     for (int64_t i = 1; i < N; ++i) {
         stack = ggml_set_inplace(ctx, stack, parts[i], stack->nb[1], stack->nb[2], stack->nb[3], i * stack->nb[2]);

@@ -28,9 +28,10 @@ ggml_tensor * token_range(ggml_context * ctx, ggml_tensor * x, int dim, int64_t 
 // parts joined along dimension dim, in order (one part: itself)
 ggml_tensor * join_tokens(ggml_context * ctx, const std::vector<ggml_tensor *> & parts, int dim);
 
-// N contiguous F32 parts of one shape [a, b] (or [a, b, 1]), one per sequence, stacked as [a, b, N]: part i at
-// index i of the last dimension. The first is repeated into every place, the others are set over it: row
-// copies, where ggml's CPU concat moves element by element on one thread (along dimensions 0 and 1).
+// N contiguous F32 parts of one shape [a, b] (or [a, b, 1]; under 2 GiB in all), one per sequence, stacked as
+// [a, b, N]: part i at index i of the last dimension. The first is repeated into every place, the others are
+// set over it: row copies, where ggml's CPU concat moves element by element on one thread (along dimensions 0
+// and 1).
 ggml_tensor * stack_sequences(ggml_context * ctx, const std::vector<ggml_tensor *> & parts);
 
 }  // namespace pdf
