@@ -141,33 +141,49 @@ def test_speculation_is_judged_on_tokens_over_time_not_on_a_mean_of_round_rates(
     assert first is not None and first > 11
 
 
+def test_on_the_cpu_each_width_up_to_16_is_learnt_on_its_own():
+    # A CPU verify's time grows in steps: ggml's repacked matmul kernels take rows four at a time, so 3 rows cost
+    # about what 4 do and 5 rows far more (decode/cost_model.h). Each width up to 16 keeps its own time: 4 rows
+    # stay at what they measured beside 3 and 5, where kept at powers of two only they were a line bent by both
+    rounds = [(1, 10.0)] * 3 + [(3, 20.0)] * 2 + [(4, 21.0)] * 2 + [(5, 30.0)] * 2 + [(3, 20.0), (5, 30.0)]
+    learnt = _core.learnt_verify_ms(rounds, 16)
+    assert (learnt[3], learnt[4], learnt[5]) == (20.0, 21.0, 30.0)
+    # so a round can see that a third draft costs next to nothing once a second is verified: drafts of 0.95,
+    # 0.55 and 0.55 (paths 0.95, 0.52, 0.29), R = 1/10: 2 drafts gain 1 + 1.47 - 2.0, 3 drafts 1 + 1.76 - 2.1
+    verify = {1: 10.0, 2: 14.0, 3: 20.0, 4: 21.0, 8: 40.0}
+    parents, rank, _ = chain(0.5, 3)
+    logp = [0.0, math.log(0.95), math.log(0.55), math.log(0.55)]
+    assert _core.choose_verify_budget(parents, rank, logp, verify, max_width=8) == 3
+
+
 def test_a_guessed_shape_does_not_move_a_measured_width():
-    # Plain steps at 10 ms and 4-token verifies at 16 ms measured, then 6-token verifies at 25 ms while width 8 is
-    # not measured yet: the shape between 4 and 8 is unknown, so the 6-token times bound width 8 from below (25
-    # ms, optimistic) and leave width 4 as measured. (Carried flat onto width 4, as before, they raised it to
-    # 25 ms's side: on the CPU a width-4 verify measured at 25 ms was learnt as 36.6 ms and no longer chosen.)
-    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(4, 16.0)] * 3 + [(6, 25.0)] * 2, 16)
-    assert learnt[1] == 10.0 and learnt[4] == 16.0 and learnt[8] == 25.0
-    # once both are measured, later 6-token times move both through the shape between them (linear: 20.5 ms
-    # at 6 tokens, so 25 ms is 22% above it): width 8 more, as 6 tokens lie midway
-    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(4, 16.0)] * 3 + [(6, 25.0)] * 3, 16)
-    assert learnt[4] == pytest.approx(16.0 + 0.2 * 0.5 * (25.0 * 16.0 / 20.5 - 16.0))
-    assert learnt[8] == pytest.approx(25.0 + 0.2 * 0.5 * (25.0 * 25.0 / 20.5 - 25.0))
+    # Plain steps at 10 ms and 16-token verifies at 40 ms measured, then 24-token verifies at 62 ms while width
+    # 32 is not measured yet: the shape between 16 and 32 is unknown, so the 24-token times bound width 32 from
+    # below (62 ms, optimistic) and leave width 16 as measured. (Carried flat onto width 16, they would raise
+    # it to 62 ms's side: on the CPU a width-4 verify measured at 25 ms was once learnt as 36.6 ms that way, from
+    # 6-token verifies, and no longer chosen.)
+    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(16, 40.0)] * 3 + [(24, 62.0)] * 2, 64)
+    assert learnt[1] == 10.0 and learnt[16] == 40.0 and learnt[32] == 62.0
+    # once both are measured, later 24-token times move both through the shape between them (linear: 51 ms at
+    # 24 tokens, so 62 ms is 22% above it): each by half, as 24 tokens lie midway
+    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(16, 40.0)] * 3 + [(24, 62.0)] * 3, 64)
+    assert learnt[16] == pytest.approx(40.0 + 0.2 * 0.5 * (62.0 * 40.0 / 51.0 - 40.0))
+    assert learnt[32] == pytest.approx(62.0 + 0.2 * 0.5 * (62.0 * 62.0 / 51.0 - 62.0))
 
 
 def test_an_unmeasured_narrower_width_gets_its_share_by_width():
-    # nothing measured between plain steps and 6 tokens: width 4 is bounded below by 4/6 of a 6-token verify,
-    # width 8 by all of it; both optimistic, to be measured when a round explores them
-    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(6, 24.0)] * 2, 16)
-    assert learnt[4] == pytest.approx(16.0) and learnt[8] == pytest.approx(24.0)
+    # nothing measured between plain steps and 24 tokens: width 16 is bounded below by 16/24 of a 24-token
+    # verify, width 32 by all of it; both optimistic, to be measured when a round explores them
+    learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(24, 48.0)] * 2, 64)
+    assert learnt[16] == pytest.approx(32.0) and learnt[32] == pytest.approx(48.0)
 
 
 def test_on_the_cpu_a_width_past_the_widest_measured_costs_more_with_the_width():
     # Only plain steps measured (10 ms). On the CPU a wider verify is taken to cost 10 ms x sqrt(width / 1) until
     # a round measures it; on a GPU the same as the widest measured (decode/cost_model.h)
     learnt = _core.learnt_verify_ms([(1, 10.0)] * 3, 16)
-    assert learnt == pytest.approx({1: 10.0, 2: 10.0 * math.sqrt(2), 4: 20.0, 8: 10.0 * math.sqrt(8), 16: 40.0})
-    assert _core.learnt_verify_ms([(1, 10.0)] * 3, 16, grid_widths=True) == {w: 10.0 for w in (1, 2, 4, 8, 16)}
+    assert learnt == pytest.approx({w: 10.0 * math.sqrt(w) for w in range(1, 17)})
+    assert _core.learnt_verify_ms([(1, 10.0)] * 3, 16, grid_widths=True) == {w: 10.0 for w in range(1, 17)}
     # from the widest measured one: width 4 at 16 ms makes 8 cost 16 sqrt(2) and 16 cost 32
     learnt = _core.learnt_verify_ms([(1, 10.0)] * 3 + [(4, 16.0)] * 3, 16)
     assert learnt[8] == pytest.approx(16.0 * math.sqrt(2)) and learnt[16] == pytest.approx(32.0)
@@ -176,6 +192,20 @@ def test_on_the_cpu_a_width_past_the_widest_measured_costs_more_with_the_width()
     # flat, the whole chain (1.55 tokens more for a plain step's time), as on a GPU
     assert _core.choose_verify_budget(*chain(0.55, 15), {1: 10.0}, max_width=16) == 1
     assert _core.choose_verify_budget(*chain(0.55, 15), {1: 10.0}, max_width=16, grid_widths=True) == 15
+
+
+def test_the_head_drafts_on_where_the_next_drafts_together_pay():
+    # Step-shaped costs (3 rows 20 ms, 4 rows 20.5), R = 1/10, a further draft 1 ms. After drafts of 0.9 and 0.6
+    # the best cut verifies one draft (gain 1 + 0.9 - 1.4 = 0.5; two: 1 + 1.44 - 2.0 = 0.44), so the second is not
+    # worth its own width; but a third as likely as the second (path 0.32) makes the cut of three gain
+    # 1 + 1.76 - 2.05 - 0.1 = 0.61: the head drafts on. After 0.9 and 0.2 (a third at 0.04) nothing further can
+    # pay: it stops; and never past its block (max_more 0)
+    verify = {1: 10.0, 2: 14.0, 3: 20.0, 4: 20.5}
+    assert _core.worth_drafting_on([0.9, 0.6], verify, 1.0, 2)
+    assert not _core.worth_drafting_on([0.9, 0.2], verify, 1.0, 2)
+    assert not _core.worth_drafting_on([0.9, 0.6], verify, 1.0, 0)
+    # the drafting's own time counts: at 8 ms a step the third no longer pays (0.61 - 0.7 < 0.5)
+    assert not _core.worth_drafting_on([0.9, 0.6], verify, 8.0, 1)
 
 
 def test_on_a_gpu_a_width_is_measured_once_its_graph_replays():

@@ -95,7 +95,7 @@ static py::tuple draft_tree_of(i32_array ids, f32_array logprobs, int64_t root, 
 }
 
 // a tree [root, nodes...] given by parents (parents before children), ranks and the drafter's log-probabilities;
-// costs: ms per verify width, calibrated (widths of a power-of-two grid)
+// costs: ms per verify width, calibrated (widths of the cost model's grid)
 static int verify_budget(const std::vector<int32_t> & parents, const std::vector<int32_t> & rank,
                          const std::vector<float> & logp, const std::map<int, double> & verify_ms,
                          const std::map<int, double> & tree_verify_ms, double spec_rate, bool recurrent,
@@ -125,6 +125,28 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
     costs.set_grid_widths(grid_widths);
     acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
     return choose_verify_budget(t, costs, acceptance, recurrent);
+}
+
+// whether a proposer drafting a chain step by step drafts on (decode/proposer.h worth_drafting_on): the chain's
+// drafts each with P(accepted | parent accepted) p_accept, costs calibrated at verify_ms
+static bool drafts_on(const std::vector<double> & p_accept, const std::map<int, double> & verify_ms,
+                      double step_ms, int max_more, double spec_rate, int max_width) {
+    if (verify_ms.empty() || max_width < verify_ms.rbegin()->first) {
+        throw std::invalid_argument("worth_drafting_on: verify_ms needs widths up to max_width");
+    }
+    draft_tree chain;
+    chain.reset(0);
+    std::vector<double> p(1, 1.0);
+    for (size_t i = 0; i < p_accept.size(); ++i) {
+        chain.add(0, (int) i, 0, 0.0f);
+        p.push_back(p_accept[i]);
+    }
+    cost_model costs(max_width);
+    for (const auto & [w, ms] : verify_ms) {
+        costs.calibrate_verify(w, false, ms);
+    }
+    costs.set_spec_rate(spec_rate);
+    return worth_drafting_on(chain, p, costs, step_ms, max_more);
 }
 
 // a traced round's models (decode/proposer.h drafted_models) by name
@@ -402,6 +424,11 @@ static void register_functions(py::module_ & m) {
           py::arg("grid_widths") = false, py::arg("max_width") = 0,
           "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model "
           "(grid_widths: as on a GPU, decode/cost_model.h; max_width: the widest verify, 0: verify_ms's widest).");
+    m.def("worth_drafting_on", &drafts_on, py::arg("p_accept"), py::arg("verify_ms"), py::arg("step_ms"),
+          py::arg("max_more"), py::arg("spec_rate") = 0.0, py::arg("max_width") = 16,
+          "Whether the MTP head drafts on after the chain of drafts with these P(accepted | parent accepted), "
+          "chain verifies measured at verify_ms, each further draft step_ms, at most max_more more "
+          "(decode/proposer.h worth_drafting_on).");
     m.def("judge_rounds", &judge_rounds, py::arg("rounds"), py::arg("verify_ms"), py::arg("cool_len") = 0,
           py::arg("learnt") = true,
           "auto's cool-down after each of these chain rounds [(width, drafted, committed, round ms)], widths "

@@ -19,11 +19,19 @@ namespace pdf {
 
 class cost_model {
   public:
-    // widths at which evaluation time is kept (1 = a plain decoding step), up to max_width
+    // widths at which evaluation time is kept (1 = a plain decoding step), up to max_width: each width up to
+    // DENSE_WIDTHS, powers of two past it. On the CPU a verify's time grows in steps, not smoothly: ggml's
+    // repacked matmul kernels take rows four at a time, so on a 0.3B-cost qwen35 q4mix target 2 rows took 20 ms,
+    // 3 rows 31, 4 rows 32, 5 rows 43 and 8 rows 58. Kept at powers of two only, the times between were a line
+    // that the observations there bent: 4 rows were learnt at 39 ms, and auto verified 3 or 6 where 4 cost the same
+    // or paid more.
+    static constexpr int DENSE_WIDTHS = 16;
     explicit cost_model(int max_width);
 
     int                      max_width() const { return max_width_; }
     const std::vector<int> & grid() const { return grid_; }
+    // the widest width, up to n, that a round may verify with grid widths (a power of two, or max_width)
+    int                      widest_verifiable(int n) const;
     // every grid width's chain time is measured
     bool                     calibrated() const;
 
@@ -31,8 +39,8 @@ class cost_model {
     // few (state/session.cpp); on a GPU a graph runs fast once the backend has captured it (CUDA graphs: after
     // two identical evaluations), and a rebuilt one starts over. auto choosing among every width rebuilt a graph
     // in 41% of its evaluations on an H100 (a 0.3B hybrid), 5% with grid widths. So on a GPU (grid_widths)
-    // rounds verify the grid's widths or all n_max nodes: there a few more nodes cost next to nothing. On the
-    // CPU, time grows with the width and any width is taken.
+    // rounds verify widths of a power of two (or max_width) or all n_max nodes: there a few more nodes cost next to
+    // nothing. On the CPU, time grows with the width and any width is taken.
     // On a GPU auto's drafter also proposes chains, not trees: a tree's shape (nodes per depth) is a graph of its
     // own, so nearly every tree verify builds one and runs it uncaptured, and the graphs it builds push the
     // chains' out of the few kept. Trees lost there in every run (tree 16 at 0.61-0.77x plain against chains'

@@ -1,10 +1,14 @@
 #include "decode/mtp_proposer.h"
+#include "core/clock.h"
 #include "core/error.h"
 
 #include <algorithm>
 #include <cmath>
 
 namespace pdf {
+
+// weight of a new time in the running average of the head's later steps
+static constexpr double STEP_WEIGHT = 0.2;
 
 mtp_proposer::mtp_proposer(const session & s, mtp_session & head, speculation_state & state,
                            const spec_params & params)
@@ -78,9 +82,10 @@ const draft_proposals & mtp_proposer::run_head(int32_t anchor, int start, int n_
 
 bool mtp_proposer::candidates(int32_t anchor, int start, int max_depth, int max_nodes, const cost_model & costs,
                               draft_tree & out) {
-    // the head runs while its newest greedy draft is worth verifying (a deeper one is accepted less often still,
-    // and each step costs a run of the head); then its candidates at those positions make a tree, best first by
-    // learnt acceptance, that the caller cuts
+    // the head runs while drafting on may pay (worth_drafting_on: a draft not worth its own verify width can be
+    // with the next ones, and each step costs a run of the head); then its candidates at those positions make a
+    // tree, best first by learnt acceptance, that the caller cuts. (Run while its newest draft alone was worth
+    // verifying, it stopped at 2 drafts where a third cost next to nothing, and always ran one step past the cut.)
     out.reset(anchor);
     max_depth = std::min({max_depth, head_.block() - 1, max_nodes - 1});
     drafted_  = max_depth > 0;
@@ -89,13 +94,14 @@ bool mtp_proposer::candidates(int32_t anchor, int start, int max_depth, int max_
     }
     const draft_proposals * p = &head_step(head_, true, anchor, start, h_row_);
     chain_.reset(anchor);
+    chain_p_.assign(1, 1.0);
     for (int i = 0;; ++i) {
         chain_.add(p->id(i, 0), i, 0, p->logprob(i, 0));
-        const int b = choose_verify_budget(chain_, costs, state_.acceptance, s_.is_recurrent());
-        if (b < i + 1 || i + 1 >= max_depth) {
+        chain_p_.push_back(p_accept(chain_, i + 1));
+        if (!worth_drafting_on(chain_, chain_p_, costs, step_ms_, max_depth - (i + 1))) {
             break;
         }
-        p = &head_step(head_, false);
+        p = &timed_next_step();
     }
     drafted_depth_ = p->n_positions;
     if (costs.grid_widths()) {
@@ -106,6 +112,16 @@ bool mtp_proposer::candidates(int32_t anchor, int start, int max_depth, int max_
     build_draft_tree(*p, anchor, tree_node_limit(max_nodes, costs, params_.tree_budget), p->n_positions,
                      tree_seed::best_first, out, &scores_);
     return true;
+}
+
+const draft_proposals & mtp_proposer::timed_next_step() {
+    // without the wait for the other generations' steps in a batch (not this head's cost)
+    const auto               t0      = clock_type::now();
+    const double             waited0 = eval_batcher::waited_ms();
+    const draft_proposals &  p       = head_step(head_, false);
+    const double             ms      = std::max(0.0, ms_since(t0) - (eval_batcher::waited_ms() - waited0));
+    step_ms_ = step_ms_ > 0.0 ? step_ms_ + STEP_WEIGHT * (ms - step_ms_) : ms;
+    return p;
 }
 
 double mtp_proposer::p_accept(const draft_tree & t, int b) const {

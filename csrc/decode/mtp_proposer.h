@@ -3,7 +3,8 @@
 //   chain  the head's greedy chain of block - 1 tokens (llama.cpp's draft-mtp)
 //   tree   the head's top-k candidates at each of those positions (each step run on the greedy draft before it)
 //          as a best-first tree of tree_budget nodes, as DDTree makes of a DFlash drafter's
-//   auto   the head run while its newest greedy draft is worth verifying, then that tree cut where verifying more
+//   auto   the head run while drafting on may pay (decode/proposer.h worth_drafting_on: the next drafts, as likely
+//          as its newest, and their verify against the drafting's time), then that tree cut where verifying more
 //          would cost more than it is expected to commit: acceptance learnt by depth and rank against the head's
 //          probability, each verify width's time measured; plain rounds (a cool-down) where speculation runs
 //          behind plain decoding
@@ -37,9 +38,8 @@ class mtp_proposer : public proposer {
     const auto_stats & stats() const { return stats_; }
 
     // The parts a proposer that merges other candidates with the head's (decode/union_proposer.h) runs:
-    // auto's candidate tree of this round (no cool-down: the caller judges), the head run while its newest
-    // greedy draft is worth verifying at `costs`, best first by learnt acceptance (false, and only the root: no
-    // room to draft)
+    // auto's candidate tree of this round (no cool-down: the caller judges), the head run while drafting on may
+    // pay at `costs`, best first by learnt acceptance (false, and only the root: no room to draft)
     bool   candidates(int32_t anchor, int start, int max_depth, int max_nodes, const cost_model & costs,
                       draft_tree & out);
     // P(accepted | parent accepted) of node b of a tree candidates() built, as learnt
@@ -60,6 +60,8 @@ class mtp_proposer : public proposer {
   private:
     // the head's greedy chain of n_steps positions after the anchor (in the batch's head graphs when in a batch)
     const draft_proposals & run_head(int32_t anchor, int start, int n_steps);
+    // the head's next step (head_step), its time kept in step_ms_
+    const draft_proposals & timed_next_step();
 
     const session &     s_;
     mtp_session &       head_;
@@ -70,6 +72,8 @@ class mtp_proposer : public proposer {
     int                 drafted_depth_ = 0;  // the head's runs in the last round
     bool                speculative_   = false;
     draft_tree          chain_, full_;  // auto: the greedy chain drafted, the candidate tree
+    std::vector<double> chain_p_;       // auto: P(accepted | parent accepted) of chain_'s nodes, as learnt
+    double              step_ms_ = 0.0;  // auto: the head's later steps, ms (a running average; 0: none yet)
     std::vector<float>  scores_;        // auto: log P(accepted | parent accepted) by position, rank
     auto_stats          stats_;
 };

@@ -215,12 +215,21 @@ int proposer::verify_budget(const draft_tree & full, const cost_model & costs, c
 
 int choose_verify_budget(const draft_tree & full, const std::vector<double> & p_accept, const cost_model & costs,
                          bool recurrent_target) {
+    return best_verify_cut(full, p_accept, costs, recurrent_target).nodes;
+}
+
+// the best achievable rate (tokens per ms): what a verify's time would have produced elsewhere
+static double best_rate(const cost_model & costs) {
+    return std::max(costs.plain_rate(), costs.spec_rate());
+}
+
+verify_cut best_verify_cut(const draft_tree & full, const std::vector<double> & p_accept, const cost_model & costs,
+                           bool recurrent_target) {
     // widths not measured yet cost, optimistically, what the widest measured one does (decode/cost_model.h): a
     // round that chooses one measures it
-    const int           n_max  = full.size();
-    const double        rate   = std::max(costs.plain_rate(), costs.spec_rate());
-    int                 best_b = 0;
-    double              best   = 1.0 - rate * costs.verify_ms(1, false);
+    const int           n_max = full.size();
+    const double        rate  = best_rate(costs);
+    verify_cut          best{0, 1.0 - rate * costs.verify_ms(1, false)};
     std::vector<double> reach(full.size(), 1.0);  // P(the accepted path reaches node i)
     double              expected = 0.0;
     bool                chain    = true;
@@ -232,12 +241,42 @@ int choose_verify_budget(const draft_tree & full, const std::vector<double> & p_
             continue;
         }
         const double gain = 1.0 + expected - rate * costs.verify_ms(1 + b, recurrent_target && !chain);
-        if (gain > best) {
-            best   = gain;
-            best_b = b;
+        if (gain > best.gain) {
+            best = {b, gain};
         }
     }
-    return best_b;
+    return best;
+}
+
+bool worth_drafting_on(const draft_tree & chain, const std::vector<double> & p_accept, const cost_model & costs,
+                       double step_ms, int max_more) {
+    const int n = chain.size();
+    if (max_more <= 0) {
+        return false;
+    }
+    if (n < 2) {
+        return true;  // nothing drafted yet to judge by
+    }
+    const double rate  = best_rate(costs);
+    const double now   = best_verify_cut(chain, p_accept, costs, false).gain;
+    double       reach = 1.0, expected = 0.0;
+    for (int b = 1; b < n; ++b) {
+        reach *= p_accept[b];
+        expected += reach;
+    }
+    // each draft further on reached as often, given its parent, as the newest one was
+    const double q = p_accept[n - 1];
+    for (int j = 1; j <= max_more; ++j) {
+        reach *= q;
+        expected += reach;
+        if (!costs.verifiable(n + j, n + max_more)) {
+            continue;
+        }
+        if (1.0 + expected - rate * (costs.verify_ms(n + j, false) + j * step_ms) > now) {
+            return true;
+        }
+    }
+    return false;
 }
 
 void dflash_proposer::queue_context(const session & s, int start, const std::vector<int> & rows) {

@@ -33,6 +33,21 @@ int choose_verify_budget(const draft_tree & full, const cost_model & costs, cons
 // the same with each node's P(accepted | parent accepted) given (p_accept[b] for node b; the root's unused)
 int choose_verify_budget(const draft_tree & full, const std::vector<double> & p_accept, const cost_model & costs,
                          bool recurrent_target);
+// that choice (nodes below the root) and its gain: expected committed tokens less the rate times the verify's ms
+struct verify_cut {
+    int    nodes;
+    double gain;
+};
+verify_cut best_verify_cut(const draft_tree & full, const std::vector<double> & p_accept, const cost_model & costs,
+                           bool recurrent_target);
+// For a proposer that drafts a chain one step at a time (the MTP head): whether drafting on may pay, that is,
+// whether verifying j more drafts (j <= max_more), each reached given its parent as often as the newest one
+// was, for step_ms of drafting each, would gain more than the best cut of `chain` as drafted now. The next
+// draft alone need not pay for it: verify times grow in steps (on the CPU ggml's repacked matmul kernels take
+// rows four at a time, so a chain of 3 costs about what one of 4 does), and one draft that is not worth its
+// own width can be with the next ones.
+bool worth_drafting_on(const draft_tree & chain, const std::vector<double> & p_accept, const cost_model & costs,
+                       double step_ms, int max_more);
 
 class proposer {
   public:

@@ -202,11 +202,7 @@ int generation_stream::depth_cap(int remaining) const {
     if (!costs || !costs->grid_widths()) {
         return remaining - 1;
     }
-    int width = 1;
-    for (int w : costs->grid()) {
-        width = w <= remaining ? w : width;
-    }
-    return std::min(width, remaining) - 1;
+    return std::min(costs->widest_verifiable(remaining), remaining) - 1;
 }
 
 // A round from anchor_ at position start_: the proposer drafts at most max_depth deep and max_nodes nodes; the

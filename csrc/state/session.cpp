@@ -20,8 +20,11 @@ namespace pdf {
 // shape auto verifies pays that again at each step (an H200, 2026-11-27: auto's verifies 1.7-2.8x chain 4's, with
 // 0.46 graph builds per evaluation); there the step is llama.cpp's KV padding, 256.
 // Which attention kernel runs is still decided on 256-slot windows (models/attention.cpp).
-// evaluation graphs kept built (all placed in one compute buffer, core/graph_cache.h)
-static constexpr size_t MAX_CACHED_GRAPHS = 8;
+// evaluation graphs kept built (all placed in one compute buffer, core/graph_cache.h; each keeps only its nodes'
+// metadata, ~0.4 KB a node). auto verifies chains of every width up to its block and trees beside them: on the
+// cost-realistic qwen35 MTP pair (widths 1-8 and a few trees) 8 kept graphs were rebuilt 105 times in 329 rounds,
+// 16 kept 43 (the rest: the attended window's steps)
+static constexpr size_t MAX_CACHED_GRAPHS = 16;
 
 static std::atomic<uint64_t> next_session_id{1};
 
