@@ -215,3 +215,13 @@ def test_on_a_gpu_a_width_is_measured_once_its_graph_replays():
     rounds = [(1, 2.0)] * 3 + [(4, 6.0), (4, 9.9), (4, 2.0)]
     assert _core.learnt_verify_ms(rounds, 16, grid_widths=True)[4] == pytest.approx(2.0)
     assert _core.learnt_verify_ms(rounds, 16)[4] > 4.0
+
+
+def test_a_tree_costs_no_less_than_the_chain_of_its_width():
+    # A recurrent target verifies a tree level by level: the chain's work and more. With trees measured only at
+    # 16 nodes (40 ms, proportional below it: 3 nodes at 7.5 ms) and chains of 3 at 20 ms, two sibling drafts
+    # (0.55 and 0.45) are not worth a tree: it is taken at the chain's 20 ms (1 + 1.0 - 2.0 against one draft's
+    # 1 + 0.55 - 1.4), not at 7.5 ms (which made it gain 1.25)
+    chain_ms = {1: 10.0, 2: 14.0, 3: 20.0, 4: 20.5, 16: 60.0}
+    parents, rank, logp = [-1, 0, 0], [0, 0, 1], [0.0, math.log(0.55), math.log(0.45)]
+    assert _core.choose_verify_budget(parents, rank, logp, chain_ms, tree_verify_ms={16: 40.0}, recurrent=True) == 1

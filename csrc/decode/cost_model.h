@@ -110,6 +110,8 @@ class cost_model {
   private:
     bool                grid_widths_ = false;
     int                 grid_index(int n) const;
+    // verify_ms from the measured grid widths of its kind alone (chain or tree)
+    double              learnt_ms(int n, bool tree) const;
     void                observe_verify(int n, bool tree, double ms);
     void                observe_draft(double ms);
     // ms bounded by the other measured grid widths' times (v, seen: chain or tree) at grid width i
