@@ -367,11 +367,8 @@ static py::object draft_block(py_draft & pd, f32_array feats, py::object positio
     return py::make_tuple(ids, lps);
 }
 
-static void register_functions(py::module_ & m) {
-    m.def("graph_counters", [] {
-        const graph_counts c = graph_counters();
-        return py::dict(py::arg("builds") = c.builds, py::arg("placements") = c.placements);
-    }, "Graphs built and made resident so far, process-wide (every session's and drafter's).");
+// auto's cost model, per-round choice and cool-down, and the batch's plan, on hand-made costs
+static void register_cost_hooks(py::module_ & m) {
     m.def("learnt_verify_ms", [](const std::vector<std::pair<int, double>> & rounds, int max_width, bool grid_widths) {
         if (max_width < 1) {
             throw std::invalid_argument("learnt_verify_ms: max_width must be positive");
@@ -389,35 +386,10 @@ static void register_functions(py::module_ & m) {
     }, py::arg("rounds"), py::arg("max_width"), py::arg("grid_widths") = false,
        "A fresh cost model's chain verify times at its grid widths after observing these plain or undrafted "
        "rounds [(width, ms)], in order (decode/cost_model.h; grid_widths: as on a GPU).");
-    m.def("trace_rounds", [](bool on) { set_round_tracing(on); }, py::arg("on"),
-          "Record every decode round from now on (decode/round_trace.h); traced_rounds() hands them over.");
-    m.def("traced_rounds", [] {
-        py::list out;
-        for (const traced_round & r : take_traced_rounds()) {
-            out.append(py::dict(py::arg("width") = r.width, py::arg("tree") = r.tree, py::arg("drafted") = r.drafted,
-                                py::arg("depth") = r.depth, py::arg("models") = drafted_model_names(r.models),
-                                py::arg("captured") = r.captured, py::arg("committed") = r.committed,
-                                py::arg("draft_ms") = r.draft_ms,
-                                py::arg("verify_ms") = r.verify_ms, py::arg("builds") = r.builds,
-                                py::arg("placements") = r.placements));
-        }
-        return out;
-    }, "The rounds traced since the last call: width, tree, drafted, depth (positions drafted), models (merged "
-       "proposers: the names of the models that drafted), captured (the evaluation captured the proposer's "
-       "features), committed, draft_ms, verify_ms, and the graphs built and made resident during the verify.");
     m.def("force_grid_widths", [](const py::object & on) {
         cost_model::force_grid_widths(on.is_none() ? -1 : on.cast<bool>() ? 1 : 0);
     }, py::arg("on"), "Every generation from now on verifies only its cost grid's widths (True) or any width "
                       "(False); None: as its target computes (grid widths on a GPU).");
-    m.def("argmax_rows", &argmax_rows,
-          py::arg("logits"), py::arg("n_threads"), py::arg("stock") = false,
-          "The greedy pick of the CPU graphs (stock=True: ggml_argmax) on a float32 (n_rows, n_vocab) array.");
-    m.def("build_draft_tree", &draft_tree_of,
-          py::arg("ids"), py::arg("logprobs"), py::arg("root"), py::arg("budget"), py::arg("max_depth"),
-          py::arg("seed") = "best_first", py::arg("all_ids") = py::none(), py::arg("child_rank") = py::none(),
-          py::arg("child_logprob") = py::none(),
-          "The DDTree tree the loop verifies: (tokens, parents, depth, log Q) of [root, nodes...] in choice order; "
-          "all_ids / child_rank / child_logprob: a DFlash2 selector's ranks given each previous candidate.");
     m.def("choose_verify_budget", &verify_budget,
           py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
           py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
@@ -442,6 +414,38 @@ static void register_functions(py::module_ & m) {
           "The batch's plan (state/step_plan.h): per offer (its nodes' P(reached), best first), the nodes to "
           "verify, given the step's other parts and the steps measured before ([(rows, ms), ...]); [] when no step "
           "of that many parts was.");
+}
+
+static void register_functions(py::module_ & m) {
+    m.def("graph_counters", [] {
+        const graph_counts c = graph_counters();
+        return py::dict(py::arg("builds") = c.builds, py::arg("placements") = c.placements);
+    }, "Graphs built and made resident so far, process-wide (every session's and drafter's).");
+    m.def("trace_rounds", [](bool on) { set_round_tracing(on); }, py::arg("on"),
+          "Record every decode round from now on (decode/round_trace.h); traced_rounds() hands them over.");
+    m.def("traced_rounds", [] {
+        py::list out;
+        for (const traced_round & r : take_traced_rounds()) {
+            out.append(py::dict(py::arg("width") = r.width, py::arg("tree") = r.tree, py::arg("drafted") = r.drafted,
+                                py::arg("depth") = r.depth, py::arg("models") = drafted_model_names(r.models),
+                                py::arg("captured") = r.captured, py::arg("committed") = r.committed,
+                                py::arg("draft_ms") = r.draft_ms,
+                                py::arg("verify_ms") = r.verify_ms, py::arg("builds") = r.builds,
+                                py::arg("placements") = r.placements));
+        }
+        return out;
+    }, "The rounds traced since the last call: width, tree, drafted, depth (positions drafted), models (merged "
+       "proposers: the names of the models that drafted), captured (the evaluation captured the proposer's "
+       "features), committed, draft_ms, verify_ms, and the graphs built and made resident during the verify.");
+    m.def("argmax_rows", &argmax_rows,
+          py::arg("logits"), py::arg("n_threads"), py::arg("stock") = false,
+          "The greedy pick of the CPU graphs (stock=True: ggml_argmax) on a float32 (n_rows, n_vocab) array.");
+    m.def("build_draft_tree", &draft_tree_of,
+          py::arg("ids"), py::arg("logprobs"), py::arg("root"), py::arg("budget"), py::arg("max_depth"),
+          py::arg("seed") = "best_first", py::arg("all_ids") = py::none(), py::arg("child_rank") = py::none(),
+          py::arg("child_logprob") = py::none(),
+          "The DDTree tree the loop verifies: (tokens, parents, depth, log Q) of [root, nodes...] in choice order; "
+          "all_ids / child_rank / child_logprob: a DFlash2 selector's ranks given each previous candidate.");
     m.def("sample", &sample,
           py::arg("logits"), py::arg("sampling"), py::arg("history") = py::list(), py::arg("t") = 0,
           "One draw of the sampler chain over a row of logits, for tests: the token, the candidates it chose among "
@@ -451,6 +455,7 @@ static void register_functions(py::module_ & m) {
 
 void register_test_hooks(py::module_ & m) {
     register_functions(m);
+    register_cost_hooks(m);
     auto session_cls = py::reinterpret_borrow<py::class_<session>>(m.attr("Session"));
     session_cls.def("read_state", &read_state, "The committed KV rows and recurrent state (for tests).")
         .def("ssm_state", &ssm_state,
