@@ -7,7 +7,9 @@ request shares the longest prefix with it, so multi-turn chats reuse their cache
 queue of at most `max_queue` requests, past which it gets 503. Each generation runs on a thread of its own (the
 core releases the GIL), and the generations running at the same time meet at each step in one batched target
 evaluation (continuous batching: `Model.new_session`); a client that disconnects aborts its generation within
-one round and frees the slot.
+one round and frees the slot. A request for several choices (`n`, or a list of prompts to /v1/completions) runs
+each as a generation of its own on a slot, at most as many at once as there are slots, in one batch where they
+meet (choice k of a prompt samples with seed + k, as llama-server's).
 """
 
 from __future__ import annotations
@@ -17,15 +19,11 @@ import json
 import logging
 import os
 import secrets
-import threading
 import time
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Union
 
 try:
-    import anyio
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
@@ -37,6 +35,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"pydflash serve needs the server extra: pip install \"pydflash[server]\" ({e})") from e
 
 from .model import Model
+from .server_slots import Job, RequestError, Slot, SlotPool
 
 __all__ = ["create_app", "serve"]
 
@@ -44,14 +43,7 @@ logger = logging.getLogger("pydflash.server")
 
 MAX_BODY_BYTES = 8 * 2**20  # a chat of a 128K-token context is well under this
 READ_TIMEOUT_S = 30.0  # for a request body to arrive (a client trickling it holds no slot, but is cut off)
-
-
-class RequestError(Exception):
-    """A request the server answers with `status` and an OpenAI-shaped error."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+MAX_CHOICES = 64  # choices in one request (prompts x n)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -81,7 +73,7 @@ class _Common(BaseModel):
     stop: StrList | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: Literal[1] = 1  # one choice per request
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices per prompt
     speculative: bool | None = None
 
     def sampling(self) -> dict:
@@ -112,19 +104,21 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[int], list[str]]
+    prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
+    def prompts(self) -> list:
+        """The prompts: a list of strings or of token-id lists is one prompt each (a list of ints is one prompt's
+        token ids), as OpenAI's API takes them."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [self.prompt]
+
     def kwargs(self) -> dict:
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise RequestError(400, f"prompt: a list of {len(prompt)} strings; one prompt per request")
-            prompt = prompt[0]
         kw = self.sampling()
-        kw.update(prompt=prompt, max_tokens=self.max_tokens, echo=self.echo)
+        kw.update(max_tokens=self.max_tokens, echo=self.echo)
         if self.logprobs is not None:
             kw["logprobs"] = self.logprobs
         return kw
@@ -152,133 +146,6 @@ def _validation_message(e: ValidationError) -> str:
         where = ".".join(str(x) for x in err["loc"]) or "body"
         parts.append(f"{where}: {err['msg']} (got {err.get('input')!r:.60})")
     return "; ".join(parts)
-
-
-# ---- slots ----
-@dataclass
-class Slot:
-    index: int
-    model: Model
-    last_key: str = ""  # what its last request's prompt was made of (for prefix reuse)
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-class SlotPool:
-    """N slots, FIFO waiters bounded by max_queue. Used from the event loop only (no locks needed)."""
-
-    def __init__(self, slots: list[Slot], max_queue: int):
-        self.slots = slots
-        self._free = list(slots)
-        self._waiters: deque[asyncio.Future] = deque()
-        self.max_queue = max_queue
-
-    @property
-    def n_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def n_waiting(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
-
-    async def acquire(self, key: str) -> Slot:
-        if self._free:
-            best = max(self._free, key=lambda s: _common_prefix(s.last_key, key))
-            self._free.remove(best)
-            return best
-        if self.n_waiting >= self.max_queue:
-            raise RequestError(503, f"all {len(self.slots)} slots are busy and {self.max_queue} requests are "
-                                    f"waiting; retry later", "server_overloaded")
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release(waiter.result())  # handed over just as the client went away
-            raise
-        finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-
-    def release(self, slot: Slot) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(slot)
-                return
-        self._free.append(slot)
-
-
-class Job:
-    """One request's generation on a slot, run on a thread: items go to the event loop through a queue.
-    close() aborts it if it still runs, waits for the thread to let go of the slot and releases the slot."""
-
-    _END = object()
-
-    def __init__(self, pool: SlotPool, slot: Slot, produce: Callable[[Model], Any]):
-        self.pool, self.slot = pool, slot
-        self.loop = asyncio.get_running_loop()
-        self.items: asyncio.Queue = asyncio.Queue()
-        self.finished = self.loop.create_future()
-        self.cancelled = threading.Event()
-        self._closed = False
-        self.thread = threading.Thread(target=self._work, args=(produce,), daemon=True,
-                                       name=f"pydflash-slot-{slot.index}")
-        self.thread.start()
-
-    def _post(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the loop is gone (shutdown)
-            self.cancelled.set()
-
-    def _work(self, produce) -> None:
-        try:
-            out = produce(self.slot.model)
-            if isinstance(out, Iterator):
-                try:
-                    for item in out:
-                        self._post(("item", item))
-                        if self.cancelled.is_set():
-                            break
-                finally:
-                    out.close()  # aborts the generation if it was cut short
-            else:
-                self._post(("item", out))
-        except BaseException as e:  # re-raised on the event loop
-            self._post(("error", e))
-        finally:
-            self._post(("end", None))
-            try:
-                self.loop.call_soon_threadsafe(lambda: self.finished.done() or self.finished.set_result(None))
-            except RuntimeError:
-                pass
-
-    async def next(self):
-        """The next item, Job._END when done; the producer's exception is raised here."""
-        kind, value = await self.items.get()
-        if kind == "error":
-            raise value
-        return self._END if kind == "end" else value
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        # shielded: this runs as a disconnected client's task is being cancelled, and the slot must come back
-        with anyio.CancelScope(shield=True):
-            if not self.finished.done():
-                self.cancelled.set()
-                self.slot.model.abort()
-                await self.finished
-            self.pool.release(self.slot)
 
 
 def _public_error(e: BaseException) -> RequestError:
@@ -480,27 +347,54 @@ def _token_id(value: int, n_vocab: int, where: str) -> int:
     return value
 
 
-def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, str, Callable[[Model], Any]]:
-    """(stream?, the slot-affinity key, what to run on a slot's Model) for a request body."""
+@dataclass
+class _Choice:
+    """One generation a request asks for: its slot-affinity key (its prompt), what to run on a slot's Model, and
+    whether it is the first of its prompt (the one whose prompt tokens the request's usage counts)."""
+    key: str
+    produce: Callable[[Model], Any]
+    first_of_prompt: bool
+
+
+def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, list[_Choice]]:
+    """(stream?, the choices) for a request body: n of each prompt, choice k of a prompt sampling with seed + k
+    (the request's seed, else the model's; neither: each draws its own), as llama-server's n."""
     req = _validated(ChatRequest if kind == "chat" else CompletionRequest, payload)
-    kwargs = req.kwargs()
-    key = json.dumps(req.messages if kind == "chat" else req.prompt)
+    prompts = [req.messages] if kind == "chat" else req.prompts()
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise RequestError(400, f"{len(prompts)} prompts x n = {req.n} ask for {len(prompts) * req.n} choices; at "
+                                f"most {MAX_CHOICES} in one request")
+    seed = req.seed if req.seed is not None else state.slots[0].model.seed
+    choices = []
+    for prompt in prompts:
+        for k in range(req.n):
+            kwargs = req.kwargs()
+            if k > 0 and seed is not None:
+                kwargs["seed"] = seed + k
+            choices.append(_Choice(json.dumps(prompt), _producer(kind, prompt, kwargs, state), k == 0))
+    return req.stream, choices
+
+
+def _producer(kind: str, prompt, kwargs: dict, state: ServerState) -> Callable[[Model], Any]:
     if kind == "chat":
-        kwargs.update(messages=req.messages, **state.chat_options)
-        return req.stream, key, lambda m: m.create_chat_completion(**kwargs)
-    return req.stream, key, lambda m: m.create_completion(**kwargs)
+        chat = dict(kwargs, messages=prompt, **state.chat_options)
+        return lambda m: m.create_chat_completion(**chat)
+    completion = dict(kwargs, prompt=prompt)
+    return lambda m: m.create_completion(**completion)
 
 
 async def _complete(request: Request, kind: str, state: ServerState):
     """A completion request: on the first free slot (the one that last served the same prompt, if free), answered
-    at once or streamed as server-sent events."""
+    at once or streamed as server-sent events; several choices on as many slots (_complete_choices)."""
     _authorize(request, state)
     started = time.perf_counter()
-    stream, key, produce = _parse_request(await _read_json(request, state), kind, state)
-    slot = await state.pool.acquire(key)
-    slot.last_key = key
-    job = Job(state.pool, slot, produce)
-    log = _RequestLog(state, request, kind, slot.index, started)
+    stream, choices = _parse_request(await _read_json(request, state), kind, state)
+    if len(choices) > 1:
+        return await _complete_choices(request, kind, state, stream, choices, started)
+    slot = await state.pool.acquire(choices[0].key)
+    slot.last_key = choices[0].key
+    job = Job(state.pool, slot, choices[0].produce)
+    log = _RequestLog(state, request, kind, f"slot {slot.index}", started)
     if not stream:
         return await _respond_once(request, job, state, log)
     try:
@@ -515,13 +409,13 @@ async def _complete(request: Request, kind: str, state: ServerState):
 class _RequestLog:
     """One log line per request: endpoint, slot, status, tokens, tok/s, tau and acceptance."""
 
-    def __init__(self, state: ServerState, request: Request, kind: str, slot: int, started: float):
-        self.state, self.kind, self.slot, self.started = state, kind, slot, started
+    def __init__(self, state: ServerState, request: Request, kind: str, where: str, started: float):
+        self.state, self.kind, self.where, self.started = state, kind, where, started
         self.client = f"{request.client.host}:{request.client.port}" if request.client else "-"
 
     def write(self, status: str, result: dict | None) -> None:
         wall = time.perf_counter() - self.started
-        parts = [f"{self.client} {self.kind} slot {self.slot} {status} in {wall:.2f} s"]
+        parts = [f"{self.client} {self.kind} {self.where} {status} in {wall:.2f} s"]
         t = (result or {}).get("timings")
         if t:
             parts.append(f"prompt {t['prompt_n']} tok (cached {t.get('cached_n', 0)}), "
@@ -535,24 +429,40 @@ def _public(chunk: dict, state: ServerState) -> dict:
     return {**chunk, "model": state.alias} if "model" in chunk else chunk
 
 
+_GONE = object()
+
+
+async def _unless_gone(request: Request, awaitable):
+    """What `awaitable` returns, or _GONE when the client disconnects first (it is cancelled then)."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return _GONE
+
+
+def _stream_error(e: Exception) -> tuple[str, dict]:
+    """An error after a stream began, reported in it as llama-server does: (the log's status, the event)."""
+    err = _public_error(e)
+    return f"{err.status} in stream", {"data": json.dumps({"error": {"message": err.message, "type": err.kind,
+                                                                    "code": err.status}})}
+
+
 async def _respond_once(request: Request, job: Job, state: ServerState, log: _RequestLog):
     """A non-streamed answer; a client that goes away meanwhile aborts the generation."""
     try:
-        getter = asyncio.ensure_future(job.next())
-        while True:
-            done, _ = await asyncio.wait({getter}, timeout=0.25)
-            if done:
-                break
-            if await request.is_disconnected():
-                getter.cancel()
-                log.write("client gone", None)
-                return _error(499, "client closed the request")
         try:
-            result = getter.result()
-        except BaseException as e:
+            result = await _unless_gone(request, job.next())
+        except Exception as e:
             err = _public_error(e)
             log.write(f"{err.status}", None)
             raise err from None
+        if result is _GONE:
+            log.write("client gone", None)
+            return _error(499, "client closed the request")
         log.write(f"200 {result['choices'][0]['finish_reason']}", result)
         return _public(result, state)
     finally:
@@ -574,13 +484,141 @@ async def _events(job: Job, first, state: ServerState, log: _RequestLog):
             item = await job.next()
         yield {"data": "[DONE]"}
         status = f"200 {last['choices'][0]['finish_reason']} (stream)" if last else "200 (stream)"
-    except Exception as e:  # after the response started: reported in the stream, as llama-server does
-        err = _public_error(e)
-        status = f"{err.status} in stream"
-        yield {"data": json.dumps({"error": {"message": err.message, "type": err.kind, "code": err.status}})}
+    except Exception as e:
+        status, event = _stream_error(e)
+        yield event
     finally:
         log.write(status, last)
         await job.close()
+
+
+# ---- several choices in one request (n, a list of prompts) ----
+class _ChoiceRuns:
+    """A request's choices on the slots, each in a task of its own that takes a slot when one is free (at most as
+    many at once as there are slots, so that one request never queues more than that for them) and runs its Job;
+    their items come out of one queue as (choice, item), in the order they are made."""
+
+    _ENDED = object()
+
+    def __init__(self, state: ServerState, choices: list[_Choice]):
+        self.choices = choices
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._running = len(choices)
+        gate = asyncio.Semaphore(len(state.slots))
+        self._tasks = [asyncio.ensure_future(self._run(k, c, state.pool, gate)) for k, c in enumerate(choices)]
+
+    async def _run(self, k: int, choice: _Choice, pool: SlotPool, gate: asyncio.Semaphore) -> None:
+        try:
+            async with gate:
+                slot = await pool.acquire(choice.key)
+                slot.last_key = choice.key
+                job = Job(pool, slot, choice.produce)
+                try:
+                    while (item := await job.next()) is not Job._END:
+                        self._queue.put_nowait((k, item))
+                finally:
+                    await job.close()
+            self._queue.put_nowait((k, self._ENDED))
+        except Exception as e:  # the generation's (or the pool's 503), raised by next()
+            self._queue.put_nowait((k, e))
+
+    async def next(self) -> tuple[int, Any] | None:
+        """The next (choice, item); None once every choice has ended. A choice's error is raised here."""
+        while self._running:
+            k, item = await self._queue.get()
+            if item is self._ENDED:
+                self._running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                return k, item
+        return None
+
+    async def close(self) -> None:
+        """Every choice's generation aborted if it still runs, and its slot back in the pool."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _complete_choices(request: Request, kind: str, state: ServerState, stream: bool, choices: list[_Choice],
+                            started: float):
+    """Several choices: each a generation on a slot of its own (_ChoiceRuns), meeting the others in the batched
+    steps; merged into one answer, or one stream whose chunks carry their choice's index."""
+    runs = _ChoiceRuns(state, choices)
+    log = _RequestLog(state, request, kind, f"{len(choices)} choices", started)
+    if not stream:
+        return await _respond_choices(request, runs, state, log)
+    try:
+        first = await runs.next()  # argument errors (a prompt over the context ...) come before any chunk
+    except Exception as e:
+        await runs.close()
+        raise _public_error(e) from None
+    return EventSourceResponse(_choice_events(runs, first, state, log), background=BackgroundTask(runs.close),
+                               ping=15, sep="\n")
+
+
+async def _respond_choices(request: Request, runs: _ChoiceRuns, state: ServerState, log: _RequestLog):
+    """A non-streamed answer of several choices; a client that goes away meanwhile aborts them all."""
+    results: list[Any] = [None] * len(runs.choices)
+    try:
+        while True:
+            try:
+                got = await _unless_gone(request, runs.next())
+            except Exception as e:
+                err = _public_error(e)
+                log.write(f"{err.status}", None)
+                raise err from None
+            if got is _GONE:
+                log.write("client gone", None)
+                return _error(499, "client closed the request")
+            if got is None:
+                break
+            results[got[0]] = got[1]
+    finally:
+        await runs.close()
+    answer = {**results[0], "choices": [{**r["choices"][0], "index": k} for k, r in enumerate(results)],
+              "usage": _summed_usage({k: r["usage"] for k, r in enumerate(results)}, runs.choices)}
+    log.write("200 " + ",".join(c["finish_reason"] for c in answer["choices"]), answer)
+    return _public(answer, state)  # (id and timings: the first choice's, as llama-server keeps its first result's)
+
+
+def _summed_usage(usages: dict[int, dict], choices: list[_Choice]) -> dict:
+    """Usage of several choices: their completion tokens summed, each prompt's tokens once (as OpenAI counts n)."""
+    prompt = sum(u["prompt_tokens"] for k, u in usages.items() if choices[k].first_of_prompt)
+    completion = sum(u["completion_tokens"] for u in usages.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _choice_events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState, log: _RequestLog):
+    """SSE events of several choices' streams, interleaved as they are made, each chunk with its choice's index
+    and the request's one id; their usage chunks (stream_options.include_usage) summed into one at the end."""
+    request_id, usages, usage_chunk, finished, last = first[1].get("id"), {}, None, [], None
+    status = "200 client gone"
+    try:
+        got = first
+        while got is not None:
+            k, item = got
+            if item.get("usage") and not item.get("choices"):
+                usages[k], usage_chunk = item["usage"], item
+            else:
+                chunk = {**item, "id": request_id, "choices": [{**c, "index": k} for c in item.get("choices", [])]}
+                if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
+                    finished.append(chunk["choices"][0]["finish_reason"])
+                    last = chunk
+                yield {"data": json.dumps(_public(chunk, state))}
+            got = await runs.next()
+        if usage_chunk is not None:
+            summed = {**usage_chunk, "id": request_id, "usage": _summed_usage(usages, runs.choices)}
+            yield {"data": json.dumps(_public(summed, state))}
+        yield {"data": "[DONE]"}
+        status = f"200 {','.join(finished)} (stream)"
+    except Exception as e:
+        status, event = _stream_error(e)
+        yield event
+    finally:
+        log.write(status, last)
+        await runs.close()
 
 
 def serve(model: Model, *, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1,

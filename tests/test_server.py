@@ -190,6 +190,77 @@ def test_a_reply_with_stop_strings_and_token_prompt(client, model):
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
 
 
+# ---- several choices in one request (n, a list of prompts) ----
+def test_n_choices_are_the_answers_of_seed_plus_k(server, client):
+    """n sampled choices, as llama-server's: choice k is the answer a lone request with seed + k gets, indexed k;
+    usage sums the completions and counts the prompt once. They run at once on the two slots, in batched steps."""
+    batched = server.health()["batched_steps"]
+    kw = dict(model="m", prompt="def fibonacci(n):\n", max_tokens=32, temperature=0.9)
+    r = client.completions.create(**kw, n=3, seed=7)
+    alone = [client.completions.create(**kw, seed=7 + k) for k in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in r.choices}) > 1  # real draws, not one answer three times
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert server.health()["batched_steps"] > batched
+    chat = dict(model="m", messages=MESSAGES, max_tokens=24, temperature=0.9)
+    r = client.chat.completions.create(**chat, n=2, seed=3)
+    alone = [client.chat.completions.create(**chat, seed=3 + k) for k in range(2)]
+    assert [c.message.content for c in r.choices] == [a.choices[0].message.content for a in alone]
+    assert [c.index for c in r.choices] == [0, 1]
+
+
+def test_a_list_of_prompts_gives_each_its_choices(client, model):
+    """A list of prompts to /v1/completions: n choices of each, prompt by prompt; greedy, each is the target's
+    own plain answer; usage counts each prompt once."""
+    prompts = ["def fibonacci(n):\n", "class Stack:\n"]
+    r = client.completions.create(model="m", prompt=prompts, n=2, max_tokens=24, temperature=0.0)
+    plain = [model.generate(p, max_tokens=24, speculative=False).text for p in prompts]
+    assert [c.text for c in r.choices] == [plain[0], plain[0], plain[1], plain[1]]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == sum(len(model.tokenize(p)) for p in prompts)
+    ids = client.completions.create(model="m", prompt=[model.tokenize(p) for p in prompts], max_tokens=24,
+                                    temperature=0.0)
+    assert [c.text for c in ids.choices] == plain
+
+
+def test_n_choices_stream_interleaved_with_their_index(client):
+    """Streamed, n choices' chunks come as they are made, each with its choice's index and the request's one id;
+    the texts are the non-streamed answer's, and one usage chunk sums them."""
+    kw = dict(model="m", prompt="def fibonacci(n):\n", max_tokens=32, temperature=0.9, seed=11, n=2)
+    whole = client.completions.create(**kw)
+    texts, finish, ids, usages = {0: "", 1: ""}, {}, set(), []
+    for chunk in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        ids.add(chunk.id)
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+    assert finish == {0: whole.choices[0].finish_reason, 1: whole.choices[1].finish_reason}
+    assert len(ids) == 1 and len(usages) == 1
+    assert usages[0].completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_client_gone_aborts_every_choice(server):
+    """A client that gives up on a request of 3 long choices (2 running, 1 waiting for a slot) gets every slot
+    back at once: unaborted, they would hold them ~3 s more here (each runs to the 1024-token context, every
+    end-of-generation token banned; checked: without the server's disconnect check the slots came back after
+    the whole answer, 3.9 s)."""
+    bias = {str(t): -100 for t in _eog_ids()}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=1.0, headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "def", "max_tokens": 3000, "temperature": 0.0, "n": 3, "logit_bias": bias})
+    cut = time.time()
+    while server.health()["slots_idle"] != 2:
+        assert time.time() - cut < 1.5, f"the slots were not freed after the disconnect: {server.health()}"
+        time.sleep(0.05)
+    assert "completion 3 choices client gone" in server.log_text()
+
+
 # ---- concurrency ----
 def _stream_chat(client, messages, seed, temperature: float = 0.8) -> str:
     out = []
@@ -318,7 +389,9 @@ def _post(server, path: str, body, **kw) -> httpx.Response:
     ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
     ({"messages": MESSAGES, "top_p": 2.0}, "top_p"),
     ({"messages": MESSAGES, "stream": 1}, "stream"),
-    ({"messages": MESSAGES, "n": 2}, "n"),
+    ({"messages": MESSAGES, "n": 0}, "n"),
+    ({"messages": MESSAGES, "n": 65}, "n"),
+    ({"messages": MESSAGES, "n": "2"}, "n"),
     ({"messages": MESSAGES, "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, "n_ctx"),
@@ -331,7 +404,7 @@ def test_bad_chat_requests_get_400(server, body, where):
 
 
 def test_bad_completion_requests_get_400(server):
-    for body, where in [({"prompt": ["a", "b"]}, "one prompt per request"), ({}, "prompt"),
+    for body, where in [({"prompt": ["a"] * 9, "n": 8}, "72 choices; at most 64"), ({}, "prompt"),
                         ({"prompt": "x", "logprobs": "2"}, "logprobs"), ({"prompt": [10**9]}, "prompt")]:
         r = _post(server, "/v1/completions", body)
         assert r.status_code == 400 and where in r.json()["error"]["message"], (body, r.text)
