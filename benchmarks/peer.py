@@ -233,10 +233,10 @@ class llama_server:
     """llama-server over `target` (with `draft` as a DFlash drafter of n_draft tokens a round, with mtp the
     target's own MTP head drafting n_draft, or plainly) with n_parallel slots, each of n_ctx tokens, on `threads`
     threads and n_gpu_layers on the GPU (gpu_flags), for the life of a `with` block, which gets its base URL. Its
-    log goes to `log`."""
+    log goes to `log`; `extra`: more of its flags (e.g. --metrics)."""
 
     def __init__(self, target: Path, n_parallel: int, threads: int, n_ctx: int, log: Path, draft: Path | None = None,
-                 n_draft: int = 0, mtp: bool = False, n_gpu_layers: int = 0):
+                 n_draft: int = 0, mtp: bool = False, n_gpu_layers: int = 0, extra: tuple[str, ...] = ()):
         import socket
 
         with socket.socket() as sock:
@@ -244,7 +244,7 @@ class llama_server:
             self.port = sock.getsockname()[1]
         self.cmd = [str(_exe("llama-server")), "-m", str(target), "-np", str(n_parallel), "-t", str(threads),
                     "-tb", str(threads), "-c", str(n_ctx * n_parallel), "--host", "127.0.0.1", "--port",
-                    str(self.port), "--no-webui", "-lv", "3", *gpu_flags(n_gpu_layers, draft is not None)]
+                    str(self.port), "--no-webui", "-lv", "3", *gpu_flags(n_gpu_layers, draft is not None), *extra]
         if draft is not None:
             self.cmd += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_draft),
                          "-td", str(threads)]

@@ -194,7 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
     with _open_model(args) as model:
         serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_key,
               alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout, chat_template=template,
-              chat_format=args.chat_format)
+              chat_format=args.chat_format, metrics=args.metrics, slots_endpoint=not args.no_slots)
     return 0
 
 
@@ -477,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Jinja chat template to render every chat with, instead of the GGUF's own")
     serve.add_argument("--chat-format", default=None, metavar="NAME",
                        help="a built-in chat template to render every chat with: chatml")
+    serve.add_argument("--metrics", action="store_true",
+                       help="serve GET /metrics (Prometheus text, llama-server's metric names)")
+    serve.add_argument("--no-slots", action="store_true", help="do not serve GET /slots (each slot's state)")
     serve.set_defaults(func=_serve)
     _add_plan_command(sub)
     rpc = sub.add_parser("rpc-server", help="serve this machine's GPU (else its CPU) as a device for models "

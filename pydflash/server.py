@@ -1,7 +1,8 @@
 """`pydflash serve`: an OpenAI-compatible HTTP server (FastAPI, uvicorn, sse-starlette: `pip install
 "pydflash[server]"`).
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. `--parallel N` slots are
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, and llama-server's
+/tokenize, /detokenize, /apply-template, GET /props, /slots and /metrics (with `metrics=True`). `--parallel N` slots are
 N sessions (`Model.new_session`) over one copy of the weights; a request takes a free slot (the one whose last
 request shares the longest prefix with it, so multi-turn chats reuse their cached prompt), else waits in a
 queue of at most `max_queue` requests, past which it gets 503. Each generation runs on a thread of its own (the
@@ -26,7 +27,7 @@ from typing import Any, Callable, Union
 try:
     import uvicorn
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from pydantic import BaseModel, ConfigDict, Field, ValidationError
     from sse_starlette.sse import EventSourceResponse
     from starlette.background import BackgroundTask
@@ -35,6 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"pydflash serve needs the server extra: pip install \"pydflash[server]\" ({e})") from e
 
 from .model import Model
+from .server_metrics import ServerMetrics
 from .server_slots import Job, RequestError, Slot, SlotPool
 
 __all__ = ["create_app", "serve"]
@@ -167,17 +169,25 @@ class ServerState:
     max_body: int
     read_timeout: float
     chat_options: dict  # the server's chat_template or chat_format, passed to every chat completion
+    metrics: ServerMetrics | None = None  # GET /metrics (None: not served)
+    slots_endpoint: bool = True  # GET /slots
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def create_app(model: Model, *, parallel: int = 1, api_key: str | None = None, alias: str | None = None,
                max_queue: int = 16, max_body: int = MAX_BODY_BYTES, read_timeout: float = READ_TIMEOUT_S,
-               chat_template: str | None = None, chat_format: str | None = None) -> FastAPI:
+               chat_template: str | None = None, chat_format: str | None = None, metrics: bool = False,
+               slots_endpoint: bool = True) -> FastAPI:
     """The FastAPI app serving `model` (and parallel - 1 more sessions over its weights). `chat_template` (a
     Jinja template's text) or `chat_format` (a name, e.g. "chatml") renders every chat instead of the GGUF's
-    own template, as llama-server's --chat-template-file and llama-cpp-python's chat_format do."""
+    own template, as llama-server's --chat-template-file and llama-cpp-python's chat_format do. `metrics`
+    serves GET /metrics, `slots_endpoint` GET /slots (llama-server's --metrics and --no-slots)."""
     state = _server_state(model, parallel, api_key, alias, max_queue, max_body, read_timeout,
                           _chat_options(model, chat_template, chat_format))
+    state.slots_endpoint = slots_endpoint
+    if metrics:
+        state.metrics = ServerMetrics()
+        state.pool.on_finished = state.metrics.record
     app = FastAPI(title="pydflash", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pydflash = state
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -185,6 +195,7 @@ def create_app(model: Model, *, parallel: int = 1, api_key: str | None = None, a
     _add_info_routes(app, state, model)
     _add_completion_routes(app, state)
     _add_token_routes(app, state, model)
+    _add_monitor_routes(app, state, model)
     return app
 
 
@@ -272,6 +283,65 @@ def _add_info_routes(app: FastAPI, state: ServerState, model: Model) -> None:
                 "spec_mode": model.spec_mode if model.draft_model_path else None}
         return {"object": "list", "data": [{"id": state.alias, "object": "model", "created": state.created,
                                             "owned_by": "pydflash", "meta": meta}]}
+
+
+def _add_monitor_routes(app: FastAPI, state: ServerState, model: Model) -> None:
+    """llama-server's GET /props (the server's settings), /slots (each slot's state and its last request) and
+    /metrics (Prometheus text), in its names; an endpoint turned off answers 501, as llama-server's."""
+    @app.get("/props")
+    async def props(request: Request):
+        _authorize(request, state)
+        template = _template_source(model, state.chat_options)
+        texts = {"chat_template": template.source, "bos_token": template.bos_token,
+                 "eos_token": template.eos_token} if template else dict.fromkeys(("chat_template", "bos_token",
+                                                                                   "eos_token"), "")
+        return {"default_generation_settings": {"n_ctx": model.n_ctx}, "total_slots": len(state.slots),
+                "model_alias": state.alias, "model_path": os.path.basename(model.model_path),
+                "modalities": {"vision": False, "video": False, "audio": False},
+                "endpoint_slots": state.slots_endpoint, "endpoint_metrics": state.metrics is not None, **texts}
+
+    @app.get("/slots")
+    async def slots(request: Request):
+        _authorize(request, state)
+        if not state.slots_endpoint:
+            raise RequestError(501, "this server does not serve /slots (started with --no-slots)",
+                               "not_supported_error")
+        return [_slot_state(slot, state, model) for slot in state.slots]
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        _authorize(request, state)
+        if state.metrics is None:
+            raise RequestError(501, "this server does not serve /metrics: start it with --metrics",
+                               "not_supported_error")
+        stats = model._batcher.stats if model._batcher is not None else {"batches": 0}
+        per_step = stats["batched_parts"] / stats["batches"] if stats["batches"] else 1.0
+        text = state.metrics.prometheus(len(state.slots) - state.pool.n_free, state.pool.n_waiting, per_step)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4",
+                                 headers={"Process-Start-Time-Unix": str(int(state.metrics.started))})
+
+
+def _template_source(model: Model, chat_options: dict):
+    """The chat template the server renders with (its override, else the GGUF's), or None without one."""
+    from .completions import chat_template
+
+    try:
+        return chat_template(model, chat_options.get("chat_template"), chat_options.get("chat_format"))
+    except ValueError:  # (ChatTemplateError: the GGUF has none)
+        return None
+
+
+def _slot_state(slot: Slot, state: ServerState, model: Model) -> dict:
+    """A slot in llama-server's /slots names: its state, and its last finished request's token counts (and our
+    timings of it)."""
+    out = {"id": slot.index, "n_ctx": model.n_ctx, "speculative": bool(model.proposers),
+           "is_processing": not state.pool.is_free(slot)}
+    t = slot.last_timings
+    if t is not None:
+        out.update(n_prompt_tokens=t["prompt_n"] + t.get("cached_n", 0), n_prompt_tokens_processed=t["prompt_n"],
+                   n_prompt_tokens_cache=t.get("cached_n", 0), next_token=[{"n_decoded": t["predicted_n"]}],
+                   timings=t)
+    return out
 
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
@@ -624,10 +694,11 @@ async def _choice_events(runs: _ChoiceRuns, first: tuple[int, dict], state: Serv
 def serve(model: Model, *, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1,
           api_key: str | None = None, alias: str | None = None, max_queue: int = 16,
           read_timeout: float = READ_TIMEOUT_S, log_level: str = "info", chat_template: str | None = None,
-          chat_format: str | None = None) -> None:
+          chat_format: str | None = None, metrics: bool = False, slots_endpoint: bool = True) -> None:
     """Run the server until interrupted (arguments as for `create_app`)."""
     app = create_app(model, parallel=parallel, api_key=api_key, alias=alias, max_queue=max_queue,
-                     read_timeout=read_timeout, chat_template=chat_template, chat_format=chat_format)
+                     read_timeout=read_timeout, chat_template=chat_template, chat_format=chat_format,
+                     metrics=metrics, slots_endpoint=slots_endpoint)
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

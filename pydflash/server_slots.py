@@ -29,6 +29,7 @@ class Slot:
     index: int
     model: Model
     last_key: str = ""  # what its last request's prompt was made of (for prefix reuse)
+    last_timings: dict | None = None  # its last finished generation's (GET /slots)
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -42,8 +43,9 @@ def _common_prefix(a: str, b: str) -> int:
 class SlotPool:
     """N slots, FIFO waiters bounded by max_queue. Used from the event loop only (no locks needed)."""
 
-    def __init__(self, slots: list[Slot], max_queue: int):
+    def __init__(self, slots: list[Slot], max_queue: int, on_finished: Callable[[dict], None] | None = None):
         self.slots = slots
+        self.on_finished = on_finished  # called with each finished generation's timings
         self._free = list(slots)
         self._waiters: deque[asyncio.Future] = deque()
         self.max_queue = max_queue
@@ -51,6 +53,9 @@ class SlotPool:
     @property
     def n_free(self) -> int:
         return len(self._free)
+
+    def is_free(self, slot: Slot) -> bool:
+        return slot in self._free
 
     @property
     def n_waiting(self) -> int:
@@ -135,6 +140,10 @@ class Job:
         kind, value = await self.items.get()
         if kind == "error":
             raise value
+        if kind == "item" and isinstance(value, dict) and "timings" in value:  # the answer, or a stream's last chunk
+            self.slot.last_timings = value["timings"]
+            if self.pool.on_finished is not None:
+                self.pool.on_finished(value["timings"])
         return self._END if kind == "end" else value
 
     async def close(self) -> None:

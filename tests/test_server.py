@@ -83,7 +83,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("serve"), "qwen3", "--api-key", KEY, "--parallel", "2", "-c", "1024",
-               "--read-timeout", "2")
+               "--read-timeout", "2", "--metrics")
     yield s
     s.stop()
 
@@ -259,6 +259,89 @@ def test_a_client_gone_aborts_every_choice(server):
         assert time.time() - cut < 1.5, f"the slots were not freed after the disconnect: {server.health()}"
         time.sleep(0.05)
     assert "completion 3 choices client gone" in server.log_text()
+
+
+# ---- llama-server's /props, /slots and /metrics ----
+# llama-server's metric names (tools/server/server-task.cpp, server_task_result_metrics::to_metrics), unlabeled
+LLAMA_METRICS = {"prompt_tokens_total": "counter", "prompt_tokens_cached_total": "counter",
+                 "prompt_seconds_total": "counter", "tokens_predicted_total": "counter",
+                 "tokens_predicted_seconds_total": "counter", "n_decode_total": "counter", "n_tokens_max": "counter",
+                 "spec_decode_num_draft_tokens_total": "counter", "spec_decode_num_accepted_tokens_total": "counter",
+                 "spec_decode_num_drafts_total": "counter", "prompt_tokens_seconds": "gauge",
+                 "predicted_tokens_seconds": "gauge", "requests_processing": "gauge", "requests_deferred": "gauge",
+                 "n_busy_slots_per_decode": "gauge"}
+
+
+def _get(server, path: str, key: str | None = KEY) -> httpx.Response:
+    return httpx.get(server.url + path, timeout=30, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+def _metrics(server) -> dict[str, float]:
+    """GET /metrics parsed: every sample's value by name, each after its HELP and TYPE lines."""
+    r = _get(server, "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    lines, values = r.text.splitlines(), {}
+    for i in range(0, len(lines), 3):
+        help_line, type_line, sample = lines[i:i + 3]
+        name, value = sample.split(" ")
+        assert name.startswith("llamacpp:") and help_line.startswith(f"# HELP {name} ")
+        assert type_line == f"# TYPE {name} {LLAMA_METRICS[name.removeprefix('llamacpp:')]}"
+        values[name.removeprefix("llamacpp:")] = float(value)
+    return values
+
+
+def test_metrics_count_what_the_answers_report(server, client):
+    """--metrics: GET /metrics in llama-server's names and types; its counters grow by what each answer's usage
+    and timings report, its rates are the tokens over the time since the last read."""
+    before = _metrics(server)
+    assert set(before) == set(LLAMA_METRICS)
+    kw = dict(model="m", prompt="def fibonacci(n):\n", max_tokens=24, temperature=0.0)
+    single = [client.completions.create(**kw), client.chat.completions.create(model="m", messages=MESSAGES,
+                                                                             max_tokens=24, temperature=0.0)]
+    mid = _metrics(server)
+    grown = {name: mid[name] - before[name] for name in mid}
+    timings = [r.model_extra["timings"] for r in single]
+    for metric, key in (("tokens_predicted_total", "predicted_n"), ("prompt_tokens_total", "prompt_n"),
+                        ("prompt_tokens_cached_total", "cached_n"), ("n_decode_total", "n_target_evals"),
+                        ("spec_decode_num_draft_tokens_total", "draft_n"), ("spec_decode_num_drafts_total", "n_rounds"),
+                        ("spec_decode_num_accepted_tokens_total", "draft_n_accepted")):
+        assert grown[metric] == sum(t[key] for t in timings), metric
+    assert grown["tokens_predicted_total"] == 48
+    assert mid["predicted_tokens_seconds"] == pytest.approx(48 / grown["tokens_predicted_seconds_total"])
+    assert mid["requests_processing"] == 0 and mid["requests_deferred"] == 0
+    pair = client.completions.create(**kw, n=2, seed=1)  # both choices counted
+    after = _metrics(server)
+    assert after["tokens_predicted_total"] - mid["tokens_predicted_total"] == pair.usage.completion_tokens == 48
+    again = _metrics(server)  # nothing since the last read
+    assert again["predicted_tokens_seconds"] == 0 and again["tokens_predicted_total"] == after["tokens_predicted_total"]
+    assert _get(server, "/metrics", key=None).status_code == 401
+
+
+def test_props_and_slots_as_llama_servers(server, client, model):
+    props = _get(server, "/props").json()
+    assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 1024
+    assert props["chat_template"] == model.tokenizer.chat_template and props["model_alias"] == "qwen3-target-q8_0.gguf"
+    assert props["endpoint_metrics"] is True and props["endpoint_slots"] is True
+    r = client.completions.create(model="m", prompt="class Queue:\n", max_tokens=16, temperature=0.0)
+    slots = _get(server, "/slots").json()
+    assert [s["id"] for s in slots] == [0, 1] and not any(s["is_processing"] for s in slots)
+    assert all(s["speculative"] and s["n_ctx"] == 1024 for s in slots)
+    last = [s for s in slots if s.get("timings") == r.model_extra["timings"]]
+    assert len(last) == 1 and last[0]["next_token"][0]["n_decoded"] == 16
+    assert last[0]["n_prompt_tokens"] == r.usage.prompt_tokens
+    assert _get(server, "/slots", key=None).status_code == 401
+
+
+def test_monitor_endpoints_turned_off_answer_501(tmp_path):
+    s = Server(tmp_path, "qwen3", "--no-slots")
+    try:
+        for path in ("/metrics", "/slots"):
+            r = _get(s, path, key=None)
+            assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error", r.text
+        props = _get(s, "/props", key=None).json()
+        assert props["endpoint_metrics"] is False and props["endpoint_slots"] is False and props["total_slots"] == 1
+    finally:
+        s.stop()
 
 
 # ---- concurrency ----
