@@ -25,10 +25,13 @@ CHAT_FORMATS = {"chatml": CHATML}
 
 
 def _usage(completion: "Completion") -> dict:
+    """OpenAI's usage: the prompt's tokens (of them, those reused from the session's cache in
+    prompt_tokens_details.cached_tokens, as OpenAI and llama-server report them) and the completion's."""
     t = completion.timings
-    prompt = t.get("prompt_n", 0) + t.get("cached_n", 0)
+    cached = t.get("cached_n", 0)
+    prompt = t.get("prompt_n", 0) + cached
     return {"prompt_tokens": prompt, "completion_tokens": len(completion.tokens),
-            "total_tokens": prompt + len(completion.tokens)}
+            "total_tokens": prompt + len(completion.tokens), "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _include_usage(stream_options: Mapping | None) -> bool:

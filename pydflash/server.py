@@ -655,9 +655,12 @@ async def _respond_choices(request: Request, runs: _ChoiceRuns, state: ServerSta
 
 def _summed_usage(usages: dict[int, dict], choices: list[_Choice]) -> dict:
     """Usage of several choices: their completion tokens summed, each prompt's tokens once (as OpenAI counts n)."""
-    prompt = sum(u["prompt_tokens"] for k, u in usages.items() if choices[k].first_of_prompt)
+    firsts = [u for k, u in usages.items() if choices[k].first_of_prompt]
+    prompt = sum(u["prompt_tokens"] for u in firsts)
     completion = sum(u["completion_tokens"] for u in usages.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _choice_events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState, log: _RequestLog):

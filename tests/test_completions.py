@@ -34,7 +34,8 @@ def test_chat_completion_is_generate_on_the_rendered_template(model):
     assert choice["message"]["content"] == split_reasoning(c.text).content
     assert choice["finish_reason"] == c.finish_reason
     assert r["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(c.tokens),
-                          "total_tokens": len(prompt) + len(c.tokens)}
+                          "total_tokens": len(prompt) + len(c.tokens),
+                          "prompt_tokens_details": {"cached_tokens": r["timings"]["cached_n"]}}
     assert r["timings"]["predicted_n"] == len(c.tokens) and "tau" in r["timings"]
 
 

@@ -156,6 +156,18 @@ def test_chat_stream_equals_non_stream(client, seed):
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_usage_reports_the_prompt_tokens_reused_from_the_cache(client):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field, llama-server's too): the same request again
+    lands on the slot that served it (the longest shared prefix) and reuses its whole prompt."""
+    kw = dict(model="m", messages=[*MESSAGES, {"role": "user", "content": "And a deque?"}], max_tokens=4,
+              temperature=0.0)
+    first = client.chat.completions.create(**kw)
+    again = client.chat.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.model_extra["timings"]["cached_n"] == again.usage.prompt_tokens
+
+
 def test_chat_thinking_off_and_tools_reach_the_template(client, model):
     kw = dict(max_tokens=24, temperature=0.0)
     tools = [{"type": "function", "function": {"name": "get_time", "description": "the time",
