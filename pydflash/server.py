@@ -454,38 +454,35 @@ def _producer(kind: str, prompt, kwargs: dict, state: ServerState) -> Callable[[
 
 
 async def _complete(request: Request, kind: str, state: ServerState):
-    """A completion request: on the first free slot (the one that last served the same prompt, if free), answered
-    at once or streamed as server-sent events; several choices on as many slots (_complete_choices)."""
+    """A completion request: each of its choices (one, unless n or a list of prompts asks for more) on the first
+    free slot (the one that last served the same prompt, if free), answered at once or streamed as server-sent
+    events."""
     _authorize(request, state)
     started = time.perf_counter()
     stream, choices = _parse_request(await _read_json(request, state), kind, state)
-    if len(choices) > 1:
-        return await _complete_choices(request, kind, state, stream, choices, started)
-    slot = await state.pool.acquire(choices[0].key)
-    slot.last_key = choices[0].key
-    job = Job(state.pool, slot, choices[0].produce)
-    log = _RequestLog(state, request, kind, f"slot {slot.index}", started)
+    runs = _ChoiceRuns(state, choices)
+    log = _RequestLog(state, request, kind, runs.where, started)
     if not stream:
-        return await _respond_once(request, job, state, log)
+        return await _respond(request, runs, state, log)
     try:
-        first = await job.next()  # argument errors (a prompt over the context ...) come before any chunk
-    except BaseException as e:
-        await job.close()
+        first = await runs.next()  # argument errors (a prompt over the context ...) come before any chunk
+    except Exception as e:
+        await runs.close()
         raise _public_error(e) from None
-    return EventSourceResponse(_events(job, first, state, log), background=BackgroundTask(job.close),
+    return EventSourceResponse(_events(runs, first, state, log), background=BackgroundTask(runs.close),
                                ping=15, sep="\n")
 
 
 class _RequestLog:
-    """One log line per request: endpoint, slot, status, tokens, tok/s, tau and acceptance."""
+    """One log line per request: endpoint, slot (or its choices), status, tokens, tok/s, tau and acceptance."""
 
-    def __init__(self, state: ServerState, request: Request, kind: str, where: str, started: float):
+    def __init__(self, state: ServerState, request: Request, kind: str, where: Callable[[], str], started: float):
         self.state, self.kind, self.where, self.started = state, kind, where, started
         self.client = f"{request.client.host}:{request.client.port}" if request.client else "-"
 
     def write(self, status: str, result: dict | None) -> None:
         wall = time.perf_counter() - self.started
-        parts = [f"{self.client} {self.kind} {self.where} {status} in {wall:.2f} s"]
+        parts = [f"{self.client} {self.kind} {self.where()} {status} in {wall:.2f} s"]
         t = (result or {}).get("timings")
         if t:
             parts.append(f"prompt {t['prompt_n']} tok (cached {t.get('cached_n', 0)}), "
@@ -499,70 +496,6 @@ def _public(chunk: dict, state: ServerState) -> dict:
     return {**chunk, "model": state.alias} if "model" in chunk else chunk
 
 
-_GONE = object()
-
-
-async def _unless_gone(request: Request, awaitable):
-    """What `awaitable` returns, or _GONE when the client disconnects first (it is cancelled then)."""
-    task = asyncio.ensure_future(awaitable)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            return _GONE
-
-
-def _stream_error(e: Exception) -> tuple[str, dict]:
-    """An error after a stream began, reported in it as llama-server does: (the log's status, the event)."""
-    err = _public_error(e)
-    return f"{err.status} in stream", {"data": json.dumps({"error": {"message": err.message, "type": err.kind,
-                                                                    "code": err.status}})}
-
-
-async def _respond_once(request: Request, job: Job, state: ServerState, log: _RequestLog):
-    """A non-streamed answer; a client that goes away meanwhile aborts the generation."""
-    try:
-        try:
-            result = await _unless_gone(request, job.next())
-        except Exception as e:
-            err = _public_error(e)
-            log.write(f"{err.status}", None)
-            raise err from None
-        if result is _GONE:
-            log.write("client gone", None)
-            return _error(499, "client closed the request")
-        log.write(f"200 {result['choices'][0]['finish_reason']}", result)
-        return _public(result, state)
-    finally:
-        await job.close()
-
-
-async def _events(job: Job, first, state: ServerState, log: _RequestLog):
-    """SSE events of a streamed answer, then [DONE]; closed early when the client disconnects."""
-    last: dict | None = None
-    status = "200 client gone"
-    try:
-        item = first
-        while item is not Job._END:
-            if item.get("choices") and item["choices"][0].get("finish_reason"):
-                last = item
-            elif item.get("usage") and last is not None:
-                last = {**last, "usage": item["usage"]}
-            yield {"data": json.dumps(_public(item, state))}
-            item = await job.next()
-        yield {"data": "[DONE]"}
-        status = f"200 {last['choices'][0]['finish_reason']} (stream)" if last else "200 (stream)"
-    except Exception as e:
-        status, event = _stream_error(e)
-        yield event
-    finally:
-        log.write(status, last)
-        await job.close()
-
-
-# ---- several choices in one request (n, a list of prompts) ----
 class _ChoiceRuns:
     """A request's choices on the slots, each in a task of its own that takes a slot when one is free (at most as
     many at once as there are slots, so that one request never queues more than that for them) and runs its Job;
@@ -572,16 +505,23 @@ class _ChoiceRuns:
 
     def __init__(self, state: ServerState, choices: list[_Choice]):
         self.choices = choices
+        self.slot_of: dict[int, int] = {}  # choice -> the slot it ran on
         self._queue: asyncio.Queue = asyncio.Queue()
         self._running = len(choices)
         gate = asyncio.Semaphore(len(state.slots))
         self._tasks = [asyncio.ensure_future(self._run(k, c, state.pool, gate)) for k, c in enumerate(choices)]
 
+    def where(self) -> str:
+        """For the log: the slot of a lone choice, else how many choices."""
+        if len(self.choices) > 1:
+            return f"{len(self.choices)} choices"
+        return f"slot {self.slot_of[0]}" if 0 in self.slot_of else "no slot"
+
     async def _run(self, k: int, choice: _Choice, pool: SlotPool, gate: asyncio.Semaphore) -> None:
         try:
             async with gate:
                 slot = await pool.acquire(choice.key)
-                slot.last_key = choice.key
+                slot.last_key, self.slot_of[k] = choice.key, slot.index
                 job = Job(pool, slot, choice.produce)
                 try:
                     while (item := await job.next()) is not Job._END:
@@ -611,25 +551,23 @@ class _ChoiceRuns:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _complete_choices(request: Request, kind: str, state: ServerState, stream: bool, choices: list[_Choice],
-                            started: float):
-    """Several choices: each a generation on a slot of its own (_ChoiceRuns), meeting the others in the batched
-    steps; merged into one answer, or one stream whose chunks carry their choice's index."""
-    runs = _ChoiceRuns(state, choices)
-    log = _RequestLog(state, request, kind, f"{len(choices)} choices", started)
-    if not stream:
-        return await _respond_choices(request, runs, state, log)
-    try:
-        first = await runs.next()  # argument errors (a prompt over the context ...) come before any chunk
-    except Exception as e:
-        await runs.close()
-        raise _public_error(e) from None
-    return EventSourceResponse(_choice_events(runs, first, state, log), background=BackgroundTask(runs.close),
-                               ping=15, sep="\n")
+_GONE = object()
 
 
-async def _respond_choices(request: Request, runs: _ChoiceRuns, state: ServerState, log: _RequestLog):
-    """A non-streamed answer of several choices; a client that goes away meanwhile aborts them all."""
+async def _unless_gone(request: Request, awaitable):
+    """What `awaitable` returns, or _GONE when the client disconnects first (it is cancelled then)."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            return _GONE
+
+
+async def _respond(request: Request, runs: _ChoiceRuns, state: ServerState, log: _RequestLog):
+    """A non-streamed answer of the request's choices; a client that goes away meanwhile aborts them all."""
     results: list[Any] = [None] * len(runs.choices)
     try:
         while True:
@@ -663,9 +601,11 @@ def _summed_usage(usages: dict[int, dict], choices: list[_Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _choice_events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState, log: _RequestLog):
-    """SSE events of several choices' streams, interleaved as they are made, each chunk with its choice's index
-    and the request's one id; their usage chunks (stream_options.include_usage) summed into one at the end."""
+async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState, log: _RequestLog):
+    """SSE events of the choices' streams, then [DONE]: interleaved as they are made, each chunk with its
+    choice's index and the request's one id; their usage chunks (stream_options.include_usage) summed into one
+    at the end. An error after the first chunk is reported in the stream, as llama-server does; a client that
+    disconnects closes it early."""
     request_id, usages, usage_chunk, finished, last = first[1].get("id"), {}, None, [], None
     status = "200 client gone"
     try:
@@ -687,8 +627,9 @@ async def _choice_events(runs: _ChoiceRuns, first: tuple[int, dict], state: Serv
         yield {"data": "[DONE]"}
         status = f"200 {','.join(finished)} (stream)"
     except Exception as e:
-        status, event = _stream_error(e)
-        yield event
+        err = _public_error(e)
+        status = f"{err.status} in stream"
+        yield {"data": json.dumps({"error": {"message": err.message, "type": err.kind, "code": err.status}})}
     finally:
         log.write(status, last)
         await runs.close()

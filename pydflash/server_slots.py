@@ -11,8 +11,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import anyio
-
 from .model import Model
 
 
@@ -102,7 +100,7 @@ class Job:
         self.items: asyncio.Queue = asyncio.Queue()
         self.finished = self.loop.create_future()
         self.cancelled = threading.Event()
-        self._closed = False
+        self._closing: asyncio.Future | None = None
         self.thread = threading.Thread(target=self._work, args=(produce,), daemon=True,
                                        name=f"pydflash-slot-{slot.index}")
         self.thread.start()
@@ -147,13 +145,16 @@ class Job:
         return self._END if kind == "end" else value
 
     async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        # shielded: this runs as a disconnected client's task is being cancelled, and the slot must come back
-        with anyio.CancelScope(shield=True):
-            if not self.finished.done():
-                self.cancelled.set()
-                self.slot.model.abort()
-                await self.finished
-            self.pool.release(self.slot)
+        """Aborts the generation if it still runs, waits for its thread to let go of the slot and releases it. A
+        cancelled caller (a disconnected client's task: an anyio cancel scope, or asyncio's Task.cancel, which
+        anyio's shield does not hold off) stops waiting at once, and the closing goes on in a task of its own."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        if not self.finished.done():
+            self.cancelled.set()
+            self.slot.model.abort()
+            await self.finished
+        self.pool.release(self.slot)
