@@ -306,6 +306,8 @@ def _add_monitor_routes(app: FastAPI, state: ServerState, model: Model) -> None:
         if not state.slots_endpoint:
             raise RequestError(501, "this server does not serve /slots (started with --no-slots)",
                                "not_supported_error")
+        if request.query_params.get("fail_on_no_slot") and state.pool.n_free == 0:  # (for load balancers)
+            raise RequestError(503, "no slot available", "unavailable_error")
         return [_slot_state(slot, state, model) for slot in state.slots]
 
     @app.get("/metrics")

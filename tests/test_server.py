@@ -342,6 +342,18 @@ def test_props_and_slots_as_llama_servers(server, client, model):
     assert len(last) == 1 and last[0]["next_token"][0]["n_decoded"] == 16
     assert last[0]["n_prompt_tokens"] == r.usage.prompt_tokens
     assert _get(server, "/slots", key=None).status_code == 401
+    assert _get(server, "/slots?fail_on_no_slot=1").status_code == 200
+    bias = {str(t): -100 for t in _eog_ids()}
+    with ThreadPoolExecutor(1) as pool:  # both slots busy with one request's two long choices
+        busy = pool.submit(client.completions.create, model="m", prompt="def", max_tokens=800, temperature=0.0,
+                           n=2, logit_bias=bias)
+        deadline = time.time() + 30
+        while server.health()["slots_idle"] != 0 and time.time() < deadline:
+            time.sleep(0.01)
+        unavailable, slots = _get(server, "/slots?fail_on_no_slot=1"), _get(server, "/slots").json()
+        assert busy.result().usage.completion_tokens == 1600
+    assert unavailable.status_code == 503 and unavailable.json()["error"]["type"] == "unavailable_error"
+    assert all(s["is_processing"] for s in slots)
 
 
 def test_monitor_endpoints_turned_off_answer_501(tmp_path):
