@@ -2,15 +2,15 @@
 "pydflash[server]"`).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, and llama-server's
-/tokenize, /detokenize, /apply-template, GET /props, /slots and /metrics (with `metrics=True`). `--parallel N` slots are
-N sessions (`Model.new_session`) over one copy of the weights; a request takes a free slot (the one whose last
-request shares the longest prefix with it, so multi-turn chats reuse their cached prompt), else waits in a
-queue of at most `max_queue` requests, past which it gets 503. Each generation runs on a thread of its own (the
-core releases the GIL), and the generations running at the same time meet at each step in one batched target
-evaluation (continuous batching: `Model.new_session`); a client that disconnects aborts its generation within
-one round and frees the slot. A request for several choices (`n`, or a list of prompts to /v1/completions) runs
-each as a generation of its own on a slot, at most as many at once as there are slots, in one batch where they
-meet (choice k of a prompt samples with seed + k, as llama-server's).
+/completion (its own API), /tokenize, /detokenize, /apply-template, GET /props, /slots and /metrics (with
+`metrics=True`). `--parallel N` slots are N sessions (`Model.new_session`) over one copy of the weights; a request
+takes a free slot (the one whose last request shares the longest prefix with it, so multi-turn chats reuse their
+cached prompt), else waits in a queue of at most `max_queue` requests, past which it gets 503. Each generation runs
+on a thread of its own (the core releases the GIL), and the generations running at the same time meet at each step
+in one batched target evaluation (continuous batching: `Model.new_session`); a client that disconnects aborts its
+generation within one round and frees the slot. A request for several choices (`n`, or a list of prompts to
+/v1/completions) runs each as a generation of its own on a slot, at most as many at once as there are slots, in one
+batch where they meet (choice k of a prompt samples with seed + k, as llama-server's).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"pydflash serve needs the server extra: pip install \"pydflash[server]\" ({e})") from e
 
 from .model import Model
+from .native_completion import NativeRequest, native_completion
 from .server_metrics import ServerMetrics
 from .server_slots import Job, RequestError, Slot, SlotPool
 
@@ -347,7 +348,8 @@ def _slot_state(slot: Slot, state: ServerState, model: Model) -> dict:
 
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
-    """/v1/chat/completions (also at /chat/completions, as llama-server) and /v1/completions."""
+    """/v1/chat/completions (also at /chat/completions, as llama-server), /v1/completions, and llama-server's own
+    /completion (also at /completions)."""
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -356,6 +358,11 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _complete(request, "completion", state)
+
+    @app.post("/completion")
+    @app.post("/completions")
+    async def native(request: Request):  # llama-server's own API (pydflash/native_completion.py)
+        return await _complete(request, "native", state)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState, model: Model) -> None:
@@ -431,6 +438,13 @@ class _Choice:
 def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, list[_Choice]]:
     """(stream?, the choices) for a request body: n of each prompt, choice k of a prompt sampling with seed + k
     (the request's seed, else the model's; neither: each draws its own), as llama-server's n."""
+    if kind == "native":
+        native = _validated(NativeRequest, payload)
+        try:
+            native.check()
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        return native.stream, [_Choice(json.dumps(native.prompt), lambda m: native_completion(m, native), True)]
     req = _validated(ChatRequest if kind == "chat" else CompletionRequest, payload)
     prompts = [req.messages] if kind == "chat" else req.prompts()
     if len(prompts) * req.n > MAX_CHOICES:
@@ -587,6 +601,9 @@ async def _respond(request: Request, runs: _ChoiceRuns, state: ServerState, log:
             results[got[0]] = got[1]
     finally:
         await runs.close()
+    if "choices" not in results[0]:  # llama-server's own answer: as it is, with the slot that served it
+        log.write(f"200 {results[0]['stop_type']}", results[0])
+        return _public({**results[0], "id_slot": runs.slot_of[0]}, state)
     answer = {**results[0], "choices": [{**r["choices"][0], "index": k} for k, r in enumerate(results)],
               "usage": _summed_usage({k: r["usage"] for k, r in enumerate(results)}, runs.choices)}
     log.write("200 " + ",".join(c["finish_reason"] for c in answer["choices"]), answer)
@@ -606,15 +623,22 @@ def _summed_usage(usages: dict[int, dict], choices: list[_Choice]) -> dict:
 async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState, log: _RequestLog):
     """SSE events of the choices' streams, then [DONE]: interleaved as they are made, each chunk with its
     choice's index and the request's one id; their usage chunks (stream_options.include_usage) summed into one
-    at the end. An error after the first chunk is reported in the stream, as llama-server does; a client that
-    disconnects closes it early."""
+    at the end. llama-server's own chunks (/completion) pass as they are, with the slot that served them, and no
+    [DONE], as there. An error after the first chunk is reported in the stream, as llama-server does; a client
+    that disconnects closes it early."""
     request_id, usages, usage_chunk, finished, last = first[1].get("id"), {}, None, [], None
     status = "200 client gone"
     try:
         got = first
         while got is not None:
             k, item = got
-            if item.get("usage") and not item.get("choices"):
+            if "choices" not in item and "usage" not in item:  # llama-server's own chunks, as they are
+                chunk = {**item, "id_slot": runs.slot_of[k]}
+                if chunk["stop"]:
+                    finished.append(chunk["stop_type"])
+                    last = chunk
+                yield {"data": json.dumps(_public(chunk, state))}
+            elif item.get("usage") and not item.get("choices"):
                 usages[k], usage_chunk = item["usage"], item
             else:
                 chunk = {**item, "id": request_id, "choices": [{**c, "index": k} for c in item.get("choices", [])]}
@@ -626,7 +650,8 @@ async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState
         if usage_chunk is not None:
             summed = {**usage_chunk, "id": request_id, "usage": _summed_usage(usages, runs.choices)}
             yield {"data": json.dumps(_public(summed, state))}
-        yield {"data": "[DONE]"}
+        if "choices" in first[1]:
+            yield {"data": "[DONE]"}
         status = f"200 {','.join(finished)} (stream)"
     except Exception as e:
         err = _public_error(e)

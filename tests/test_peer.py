@@ -290,9 +290,6 @@ def test_token_routes_answer_as_llama_servers(tmp_path):
     """/tokenize (with and without pieces, control tokens' text, mixed texts and ids, a character split over byte
     tokens), /detokenize and /apply-template give llama-server's answers for the same GGUF."""
     pytest.importorskip("fastapi")
-    import json
-    import urllib.request
-
     from fastapi.testclient import TestClient
 
     from pydflash.server import create_app
@@ -307,18 +304,12 @@ def test_token_routes_answer_as_llama_servers(tmp_path):
               ("/apply-template", {"messages": [{"role": "system", "content": "You write Python."},
                                                 {"role": "user", "content": "Reverse a list."}]})]
 
-    def llama(url: str, path: str, body: dict) -> dict:
-        req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read())
-
     with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
             peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
         for path, body in bodies:
             got = ours.post(path, json=body)
             assert got.status_code == 200, got.text
-            assert got.json() == llama(url, path, body), (path, body)
+            assert got.json() == _llama(url, path, body), (path, body)
 
 
 @pytest.mark.slow
@@ -327,9 +318,6 @@ def test_monitor_routes_and_n_choices_answer_as_llama_servers(tmp_path):
     /slots and /props are among llama-server's; n = 2 greedy choices come back in its shape (two choices, indexed
     0 and 1, the same text; usage: ours counts both, as OpenAI's does, llama-server's the first choice's only)."""
     pytest.importorskip("fastapi")
-    import json
-    import urllib.request
-
     from fastapi.testclient import TestClient
 
     from pydflash.server import create_app
@@ -341,25 +329,54 @@ def test_monitor_routes_and_n_choices_answer_as_llama_servers(tmp_path):
     def types(text: str) -> dict[str, str]:
         return dict(line.split(" ")[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
 
-    def llama(url: str, path: str, body: dict | None = None):
-        req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            raw = r.read().decode()
-            return raw if path == "/metrics" else json.loads(raw)
-
     body = {"prompt": "def fibonacci(n):\n", "max_tokens": 8, "temperature": 0.0, "n": 2}
     with pydflash.Model(target, n_ctx=512, n_threads=1) as m, \
             TestClient(create_app(m, parallel=2, metrics=True)) as ours, \
             peer.llama_server(target, 2, 1, 512, tmp_path / "llama-server.log", extra=("--metrics",)) as url:
-        answers = [ours.post("/v1/completions", json=body).json(), llama(url, "/v1/completions", body)]
+        answers = [ours.post("/v1/completions", json=body).json(), _llama(url, "/v1/completions", body)]
         for a, counted in zip(answers, (16, 8)):
             assert [c["index"] for c in a["choices"]] == [0, 1], a
             assert a["choices"][0]["text"] == a["choices"][1]["text"] and a["usage"]["completion_tokens"] == counted
-        theirs = types(llama(url, "/metrics"))
+        theirs = types(_llama(url, "/metrics"))
         theirs.pop("llamacpp:spec_decode_num_accepted_tokens_per_pos_total", None)  # labeled, by draft position
         assert types(ours.get("/metrics").text) == theirs
-        their_slot, our_slot = llama(url, "/slots")[0], ours.get("/slots").json()[0]
+        their_slot, our_slot = _llama(url, "/slots")[0], ours.get("/slots").json()[0]
         assert set(our_slot) - {"timings"} <= set(their_slot), their_slot.keys()
         assert set(our_slot["next_token"][0]) <= set(their_slot["next_token"][0])
-        assert set(ours.get("/props").json()) <= set(llama(url, "/props"))
+        assert set(ours.get("/props").json()) <= set(_llama(url, "/props"))
+
+
+def _llama(url: str, path: str, body: dict | None = None):
+    """llama-server's answer at `path` (POST with a body, else GET): JSON, or /metrics' text."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        raw = r.read().decode()
+        return raw if path == "/metrics" else json.loads(raw)
+
+
+@pytest.mark.slow
+def test_native_completion_answers_as_llama_servers(tmp_path):
+    """POST /completion (llama-server's own API): our answer's keys are among its, and the same greedy requests
+    (a stop string; n_predict) give the same content, stop type, stopping word and token counts."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from pydflash.server import create_app
+
+    if peer.binary("llama-server") is None:
+        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
+    target = pair_file("qwen3", "target", "q8_0")
+    bodies = [{"prompt": "def fibonacci(n):\n", "n_predict": 24, "temperature": 0.0, "stop": ["\n"]},
+              {"prompt": "class Stack:\n", "n_predict": 12, "temperature": 0.0}]
+    with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
+            peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
+        for body in bodies:
+            a, b = ours.post("/completion", json=body).json(), _llama(url, "/completion", body)
+            assert set(a) <= set(b), set(a) - set(b)
+            for key in ("content", "stop", "stop_type", "stopping_word", "tokens_predicted", "tokens_evaluated",
+                        "truncated", "has_new_line"):
+                assert a[key] == b[key], (body, key, a[key], b[key])

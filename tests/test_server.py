@@ -273,6 +273,44 @@ def test_a_client_gone_aborts_every_choice(server):
     assert "completion 3 choices client gone" in server.log_text()
 
 
+# ---- llama-server's own completion API ----
+def test_native_completion_as_llama_servers(server, model):
+    """POST /completion in llama-server's shape: content up to the stop string (stop_type word, stopping_word),
+    n_predict (limit), token and slot counts; the content is the target's own greedy text."""
+    prompt = "def fibonacci(n):\n"
+    r = _post(server, "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0.0, "stop": ["\n"]})
+    assert r.status_code == 200, r.text
+    a = r.json()
+    plain = model.generate(prompt, max_tokens=24, speculative=False, stop=["\n"])
+    assert a["content"] == plain.text and plain.finish_reason == "stop"
+    assert (a["stop"], a["stop_type"], a["stopping_word"]) == (True, "word", "\n")
+    assert a["tokens_evaluated"] == len(model.tokenize(prompt)) and a["tokens_predicted"] == len(plain.tokens)
+    assert a["id_slot"] in (0, 1) and a["model"] == "qwen3-target-q8_0.gguf" and a["prompt"] == prompt
+    assert a["timings"]["predicted_n"] == a["tokens_predicted"] and a["generation_settings"]["n_ctx"] == 1024
+    limited = _post(server, "/completions", {"prompt": prompt, "n_predict": 8, "temperature": 0.0}).json()
+    assert (limited["stop_type"], limited["tokens_predicted"], limited["truncated"]) == ("limit", 8, False)
+    assert a["content"].startswith(limited["content"]) or limited["content"].startswith(a["content"])
+
+
+def test_native_completion_stream_sampling_and_bans(server):
+    body = {"prompt": [*range(1, 4), "def f(x):"], "n_predict": 24, "seed": 5, "temperature": 0.9}
+    whole = _post(server, "/completion", body).json()
+    chunks = []
+    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert all(not c["stop"] for c in chunks[:-1]) and chunks[-1]["stop"] and "timings" in chunks[-1]
+    assert "".join(c["content"] for c in chunks) == whole["content"]  # the same draw; no [DONE], as there
+    assert chunks[-1]["tokens_predicted"] == whole["tokens_predicted"]
+    banned = _post(server, "/completion", {"prompt": "def", "n_predict": 40, "temperature": 0.0, "ignore_eos": True,
+                                           "logit_bias": [[13, False]], "return_tokens": True}).json()
+    assert len(banned["tokens"]) == 40 and 13 not in banned["tokens"] and banned["stop_type"] == "limit"
+    for bad, where in [({"prompt": "x", "n_probs": 2}, "n_probs"), ({"prompt": "x", "n": 2}, "n_cmpl"),
+                       ({"prompt": ["a", "b"]}, "2 prompts"), ({"prompt": "x", "n_predict": -2}, "n_predict")]:
+        r = _post(server, "/completion", bad)
+        assert r.status_code == 400 and where in r.json()["error"]["message"], (bad, r.text)
+
+
 # ---- llama-server's /props, /slots and /metrics ----
 # llama-server's metric names (tools/server/server-task.cpp, server_task_result_metrics::to_metrics), unlabeled
 LLAMA_METRICS = {"prompt_tokens_total": "counter", "prompt_tokens_cached_total": "counter",

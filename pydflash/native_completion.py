@@ -1,0 +1,134 @@
+"""llama-server's own completion API (`POST /completion`, also at `/completions`): its request fields and
+defaults, its answer (`content`, `stop_type`, `stopping_word`, `tokens_predicted`, ...) and its stream of
+`{"content", "stop": false}` chunks ending in that answer, over `Model.pieces`. The OpenAI-shaped calls are in
+completions.py."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Iterator, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from .model import Completion, Model
+
+
+class NativeRequest(BaseModel):
+    """The fields of llama-server's /completion that pydflash serves, with its defaults (unknown fields are ignored,
+    as there; strictly typed, as every request here)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    prompt: Union[str, list[Union[int, str]]]
+    n_predict: int = Field(-1, ge=-1)  # -1: until an end-of-generation token or the context's end
+    temperature: float = 0.8  # below 0: greedy, as there
+    top_k: int = Field(40, ge=0)
+    top_p: float = Field(0.95, ge=0.0, le=1.0)
+    min_p: float = Field(0.05, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, gt=0.0)
+    repeat_last_n: int = Field(64, ge=-1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1  # -1: a fresh seed
+    stop: list[str] = []
+    stream: bool = False
+    ignore_eos: bool = False
+    logit_bias: Union[dict[str, Union[float, bool]], list[list[Union[int, float, bool]]], None] = None
+    n_probs: int = Field(0, ge=0)
+    n_cmpl: int = Field(1, ge=1)
+    n: int = Field(1, ge=1)  # (llama-server's other name of n_cmpl)
+    return_tokens: bool = False
+    cache_prompt: bool = True  # (a slot always reuses what it can of its last prompt)
+    speculative: bool | None = None
+
+    def check(self) -> None:
+        """What /completion does not serve here, with where to get it (ValueError)."""
+        if self.n_probs > 0:
+            raise ValueError(f"n_probs = {self.n_probs}: token probabilities are not served on /completion; "
+                             f"/v1/completions gives them (logprobs)")
+        if max(self.n_cmpl, self.n) > 1:
+            raise ValueError(f"n_cmpl = {max(self.n_cmpl, self.n)}: /completion gives one completion here; "
+                             f"/v1/completions gives several (n)")
+
+    def prompt_tokens(self, model: "Model") -> list[int]:
+        """The prompt's token ids: a text, or ids and texts mixed (a text first gets the model's BOS, as there).
+        A list of texts only is several prompts there: refused here."""
+        if isinstance(self.prompt, str):
+            return model.tokenize(self.prompt)
+        if self.prompt and all(isinstance(p, str) for p in self.prompt):
+            raise ValueError(f"prompt: a list of {len(self.prompt)} texts is {len(self.prompt)} prompts; /completion "
+                             f"takes one (/v1/completions takes several)")
+        tokens: list[int] = []
+        for i, part in enumerate(self.prompt):
+            tokens += model.tokenize(part, add_special=i == 0) if isinstance(part, str) else [part]
+        return tokens
+
+    def sampling(self, model: "Model") -> dict:
+        """Model.pieces' sampling arguments."""
+        bias = _logit_bias(self.logit_bias)
+        if self.ignore_eos:
+            bias.update({str(t): -math.inf for t in model.tokenizer.eog_token_ids})
+        return dict(temperature=max(self.temperature, 0.0), top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    typical_p=self.typical_p, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    seed=None if self.seed == -1 else self.seed, logit_bias=bias or None)
+
+
+def _logit_bias(bias) -> dict[str, float]:
+    """llama-server's logit_bias, {"id": bias} or [[id, bias], ...], a bias of false banning the token."""
+    pairs = bias.items() if isinstance(bias, dict) else (bias or [])
+    out = {}
+    for pair in pairs:
+        if len(pair) != 2 or isinstance(pair[0], (bool, float)):
+            raise ValueError(f"logit_bias: {list(pair)!r}, expected [token id, bias or false]")
+        token, value = pair
+        out[str(token)] = -math.inf if value is False else float(value)
+    return out
+
+
+def native_completion(model: "Model", req: NativeRequest) -> dict | Iterator[dict]:
+    """The answer (or with stream the chunks, the last of them the answer with empty content) of a /completion
+    request on `model`."""
+    prompt = req.prompt_tokens(model)
+    max_tokens = None if req.n_predict < 0 else req.n_predict
+    pieces = model.pieces(prompt, max_tokens, stop=req.stop, speculative=req.speculative is not False,
+                          **req.sampling(model))
+    if not req.stream:
+        text = "".join(t for t, _ in pieces)
+        return _answer(model, req, prompt, pieces.completion, text)
+
+    def chunks() -> Iterator[dict]:
+        for text, _ in pieces:
+            if text:
+                yield {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": -1}
+        yield _answer(model, req, prompt, pieces.completion, "")
+    return chunks()
+
+
+def _answer(model: "Model", req: NativeRequest, prompt: list[int], c: "Completion", content: str) -> dict:
+    t = c.timings
+    stop_type, word = _how_it_stopped(model, req, c)
+    limited = c.finish_reason == "length" and req.n_predict >= 0 and len(c.tokens) >= req.n_predict
+    return {"index": 0, "content": content, "tokens": list(c.tokens) if req.return_tokens else [], "id_slot": -1,
+            "stop": True, "model": model.model_path, "tokens_predicted": len(c.tokens),
+            "tokens_evaluated": len(prompt), "generation_settings": _settings(model, req),
+            "prompt": model.detokenize(prompt), "has_new_line": "\n" in c.text,
+            "truncated": c.finish_reason == "length" and not limited, "stop_type": stop_type, "stopping_word": word,
+            "tokens_cached": t.get("cached_n", 0), "timings": t}
+
+
+def _how_it_stopped(model: "Model", req: NativeRequest, c: "Completion") -> tuple[str, str]:
+    """(stop_type, stopping_word): "limit" (n_predict or the context), "word" (which stop string) or "eos"."""
+    if c.finish_reason != "stop":
+        return ("limit" if c.finish_reason == "length" else "none"), ""
+    rest = model.detokenize(c.tokens)[len(c.text):]  # what the text was cut at
+    word = next((s for s in req.stop if s and rest.startswith(s)), "")
+    return ("word" if word else "eos"), word
+
+
+def _settings(model: "Model", req: NativeRequest) -> dict[str, Any]:
+    """generation_settings: the request's options as they were applied, with n_ctx."""
+    fields = ("n_predict", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n",
+              "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos", "stream")
+    return {"n_ctx": model.n_ctx, **{k: getattr(req, k) for k in fields}}
