@@ -437,7 +437,8 @@ class _Choice:
 
 def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, list[_Choice]]:
     """(stream?, the choices) for a request body: n of each prompt, choice k of a prompt sampling with seed + k
-    (the request's seed, else the model's; neither: each draws its own), as llama-server's n."""
+    (the request's seed, else the model's; neither: each draws its own), as llama-server's n; llama-server's own
+    /completion ("native"): one."""
     if kind == "native":
         native = _validated(NativeRequest, payload)
         try:
