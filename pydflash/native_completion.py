@@ -56,7 +56,7 @@ class NativeRequest(BaseModel):
         A list of texts only is several prompts there: refused here."""
         if isinstance(self.prompt, str):
             return model.tokenize(self.prompt)
-        if self.prompt and all(isinstance(p, str) for p in self.prompt):
+        if len(self.prompt) > 1 and all(isinstance(p, str) for p in self.prompt):
             raise ValueError(f"prompt: a list of {len(self.prompt)} texts is {len(self.prompt)} prompts; /completion "
                              f"takes one (/v1/completions takes several)")
         tokens: list[int] = []
