@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
+from . import llama_flags
 from .style import Style
 
 
@@ -33,16 +34,25 @@ def _open_model(args: argparse.Namespace):
     from .model import Model
 
     return Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
-                 n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split,
+                 n_ubatch=args.n_ubatch or "auto", n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split,
                  rpc_servers=args.rpc, proposers=args.proposers, draft_model_path=args.draft,
                  block_size=args.block_size, spec_mode=args.spec_mode, tree_budget=args.tree_budget,
                  verbose=args.verbose, progress=True)
 
 
-def _sampling(args: argparse.Namespace) -> dict:
-    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, typical_p=args.typical,
-                repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-                frequency_penalty=args.frequency_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+# the sampling flags (_sampling_arguments) and Model's parameter each sets
+_SAMPLING_FLAGS = dict(temp="temperature", top_k="top_k", top_p="top_p", min_p="min_p", typical="typical_p",
+                       repeat_penalty="repeat_penalty", presence_penalty="presence_penalty",
+                       frequency_penalty="frequency_penalty", repeat_last_n="repeat_last_n", seed="seed")
+
+
+def _sampling(args: argparse.Namespace, model=None) -> dict:
+    """Model's sampling arguments from the flags (serve: the ones given); --ignore-eos bans `model`'s
+    end-of-generation tokens."""
+    out = {name: getattr(args, flag) for flag, name in _SAMPLING_FLAGS.items() if getattr(args, flag) is not None}
+    if getattr(args, "ignore_eos", False) and model is not None:
+        out["logit_bias"] = {t: float("-inf") for t in model.tokenizer.eog_token_ids}
+    return out
 
 
 def _prompt(args: argparse.Namespace) -> str:
@@ -68,7 +78,7 @@ def _prompt(args: argparse.Namespace) -> str:
 def _run(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     with _open_model(args) as model:
-        pieces = model.pieces(prompt, args.max_tokens, **_sampling(args))
+        pieces = model.pieces(prompt, args.max_tokens, **_sampling(args, model))
         for text, _ in pieces:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -155,6 +165,8 @@ def _chat(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from .demo_pair import demo_prompts
 
+    if args.n_prompts < 1:
+        raise ValueError(f"--n-prompts = {args.n_prompts}, expected at least 1")
     prompts = demo_prompts()[: args.n_prompts]
     with _open_model(args) as model:
         model.generate(prompts[0], max_tokens=8, speculative=False)  # warm-up: pages, graphs
@@ -164,7 +176,8 @@ def _bench(args: argparse.Namespace) -> int:
         rows = {name: {"tokens": 0, "ms": 0.0, "tau": []} for name, _ in modes}
         for prompt in prompts:
             for name, speculative in modes:  # interleaved
-                c = model.generate(prompt, max_tokens=args.max_tokens, speculative=speculative, **_sampling(args))
+                c = model.generate(prompt, max_tokens=args.max_tokens, speculative=speculative,
+                                   **_sampling(args, model))
                 rows[name]["tokens"] += max(0, len(c.tokens) - 1)  # the first comes from the prompt pass
                 rows[name]["ms"] += c.timings["predicted_ms"]
                 if c.timings.get("n_rounds"):
@@ -188,14 +201,45 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be at least 0, got {args.max_queue}")
-    template = _chat_template_file(args.chat_template_file, args.chat_format)
+    template, chat_format = _server_template(args)
     if args.parallel > 1:
         _refuse_parallel_if_short(args)
     with _open_model(args) as model:
-        serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_key,
+        serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_keys or None,
               alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout, chat_template=template,
-              chat_format=args.chat_format, metrics=args.metrics, slots_endpoint=not args.no_slots)
+              chat_format=chat_format, metrics=args.metrics, slots_endpoint=not args.no_slots,
+              defaults=_request_defaults(args))
     return 0
+
+
+def _request_defaults(args: argparse.Namespace) -> dict:
+    """What a request that does not say gets from serve's flags, as llama-server's: -n, the sampling flags given,
+    --chat-template-kwargs and --reasoning."""
+    defaults = _sampling(args)
+    if args.max_tokens is not None:
+        defaults["max_tokens"] = args.max_tokens
+    kwargs = dict(args.chat_template_kwargs or {})
+    if args.reasoning != "auto":
+        kwargs.setdefault("enable_thinking", args.reasoning == "on")
+    if kwargs:
+        defaults["chat_template_kwargs"] = kwargs
+    return defaults
+
+
+def _server_template(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(template text, chat format) from --chat-template-file, --chat-template (a text or a built-in name) and
+    --chat-format, one of them, checked before the model loads."""
+    from .completions import CHAT_FORMATS
+
+    given = [flag for flag, value in (("--chat-template-file", args.chat_template_file), ("--chat-template",
+                                      args.chat_template), ("--chat-format", args.chat_format)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one of {' and '.join(given)}")
+    if args.chat_template is not None:
+        if args.chat_template in CHAT_FORMATS:
+            return None, args.chat_template
+        return args.chat_template, None
+    return _chat_template_file(args.chat_template_file, args.chat_format), args.chat_format
 
 
 def _refuse_parallel_if_short(args: argparse.Namespace) -> None:
@@ -222,8 +266,6 @@ def _chat_template_file(path: str | None, chat_format: str | None) -> str | None
     """--chat-template-file's text, checked with --chat-format before the model loads."""
     from .completions import check_chat_format
 
-    if path is not None and chat_format is not None:
-        raise ValueError("give --chat-template-file or --chat-format, not both")
     if chat_format is not None:
         check_chat_format(chat_format, "--chat-format")
     if path is None:
@@ -276,6 +318,13 @@ def _demo(args: argparse.Namespace) -> int:
     run_demo(prompts, max_tokens=args.max_tokens, n_threads=args.threads, block_size=args.block_size,
              realistic=not args.tiny_only, cache=args.cache_dir)
     return 0
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {port}")
+    return port
 
 
 def _int_or_auto(text: str):
@@ -331,6 +380,7 @@ def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None, mode
     p.add_argument("--tree-budget", type=int, default=None, help="draft nodes a tree verifies (tree: per round, "
                                                                   "auto: at most)")
     p.add_argument("-v", "--verbose", action="store_true")
+    llama_flags.add_model_flags(p)
 
 
 def _model_file_arguments(p: argparse.ArgumentParser, model_option: bool) -> None:
@@ -354,7 +404,7 @@ def _draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-md", "--draft", "--model-draft", "--spec-draft-model", dest="draft", default=None,
                    help="a dflash draft GGUF for speculative decoding")
     _proposers_argument(p)
-    p.add_argument("-b", "--block-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None, help="tokens a round verifies: the anchor and its drafts")
     p.add_argument("--spec-draft-n-max", type=int, default=None, metavar="N",
                    help="llama.cpp's drafts per round: the same as --block-size N+1")
 
@@ -393,18 +443,22 @@ def _llama_spellings(args: argparse.Namespace) -> None:
         args.block_size = n + 1
 
 
-def _sampling_arguments(p: argparse.ArgumentParser, temp: float) -> None:
-    samp = p.add_argument_group("sampling (llama.cpp's flags and order; the defaults are llama-cpp-python's)")
+def _sampling_arguments(p: argparse.ArgumentParser, temp: float | None) -> None:
+    """The sampling flags with llama-cpp-python's defaults (temp: the command's), or (temp None: serve) none, a
+    request's own values or the API's defaults applying where a flag is not given."""
+    given = temp is not None
+    samp = p.add_argument_group("sampling (llama.cpp's flags and order; the defaults are llama-cpp-python's)"
+                                if given else "sampling: the defaults of requests that do not set them")
     samp.add_argument("--temp", "--temperature", dest="temp", type=float, default=temp,
-                      help=f"temperature (0: greedy; default {temp})")
-    samp.add_argument("--top-k", type=int, default=40, help="0: off")
-    samp.add_argument("--top-p", type=float, default=0.95, help="1: off")
-    samp.add_argument("--min-p", type=float, default=0.05, help="0: off")
-    samp.add_argument("--typical", type=float, default=1.0, help="typical-p (1: off)")
-    samp.add_argument("--repeat-penalty", type=float, default=1.0, help="1: off")
-    samp.add_argument("--presence-penalty", type=float, default=0.0)
-    samp.add_argument("--frequency-penalty", type=float, default=0.0)
-    samp.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look at (-1: all)")
+                      help=f"temperature (0: greedy; default {temp})" if given else "temperature (0: greedy)")
+    for flags, kind, default, text in ((("--top-k",), int, 40, "0: off"), (("--top-p",), float, 0.95, "1: off"),
+                                       (("--min-p",), float, 0.05, "0: off"),
+                                       (("--typical",), float, 1.0, "typical-p (1: off)"),
+                                       (("--repeat-penalty",), float, 1.0, "1: off"),
+                                       (("--presence-penalty",), float, 0.0, None),
+                                       (("--frequency-penalty",), float, 0.0, None),
+                                       (("--repeat-last-n",), int, 64, "tokens the penalties look at (-1: all)")):
+        samp.add_argument(*flags, type=kind, default=default if given else None, help=text)
     samp.add_argument("-s", "--seed", type=int, default=None, help="a seed makes sampling reproducible")
 
 
@@ -435,9 +489,18 @@ def _add_plan_command(sub) -> None:
     plan_cmd.set_defaults(func=_plan)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command's parser: no abbreviated long flags either."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pydflash", description="DFlash speculative decoding on GGUF models")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # no abbreviations: llama.cpp's --chat-template must not be read as --chat-template-file
+    parser = argparse.ArgumentParser(prog="pydflash", description="DFlash speculative decoding on GGUF models",
+                                     allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, help_text in (("run", "one continuation of a prompt, streamed"),
                             ("generate", "the same as run, the prompt as a positional argument")):
         run = sub.add_parser(name, help=help_text)
@@ -448,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
         run.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FNAME",
                          help="a file holding the text to continue (as llama.cpp's: one final newline dropped)")
         _sampling_arguments(run, temp=0.0)
+        llama_flags.add_run_flags(run)
         run.set_defaults(func=_run, **({"prompt_text": None} if name == "run" else {}))
     chat = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)")
     _model_arguments(chat, max_tokens=None)
@@ -459,19 +523,19 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arguments(bench, max_tokens=96)
     bench.add_argument("--n-prompts", type=int, default=4)
     _sampling_arguments(bench, temp=0.0)
+    llama_flags.add_run_flags(bench)
     bench.set_defaults(func=_bench)
     serve = sub.add_parser("serve", help="an OpenAI-compatible server: /v1/chat/completions, /v1/completions, "
                                          "/v1/models, /health")
     _model_arguments(serve, max_tokens=None)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 requests")
+    serve.add_argument("--port", type=_port, default=8080)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or X-Api-Key: KEY) "
+                                                       "on /v1 requests; several keys comma-separated")
     serve.add_argument("-np", "--parallel", type=int, default=1,
                        help="requests served at once, each in a session of its own over one copy of the weights")
     serve.add_argument("--max-queue", type=int, default=16,
                        help="requests that may wait for a slot; more get 503 (default 16)")
-    serve.add_argument("--read-timeout", type=float, default=30.0,
-                       help="seconds a request body may take to arrive (408 after)")
     serve.add_argument("-a", "--alias", default=None, help="the model id clients see (default: the file name)")
     serve.add_argument("--chat-template-file", default=None, metavar="FILE",
                        help="a Jinja chat template to render every chat with, instead of the GGUF's own")
@@ -480,12 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics", action="store_true",
                        help="serve GET /metrics (Prometheus text, llama-server's metric names)")
     serve.add_argument("--no-slots", action="store_true", help="do not serve GET /slots (each slot's state)")
+    llama_flags.add_serve_flags(serve)
+    _sampling_arguments(serve, temp=None)
     serve.set_defaults(func=_serve)
     _add_plan_command(sub)
     rpc = sub.add_parser("rpc-server", help="serve this machine's GPU (else its CPU) as a device for models "
                                             "elsewhere (--rpc); unauthenticated: trusted networks only")
     rpc.add_argument("-H", "--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    rpc.add_argument("-p", "--port", type=int, default=50052)
+    rpc.add_argument("-p", "--port", type=_port, default=50052)
     rpc.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (a CPU device)")
     rpc.add_argument("-d", "--device", choices=("auto", "cpu", "gpu"), default="auto")
     rpc.set_defaults(func=_rpc_server)
@@ -506,12 +572,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        llama_flags.reconcile(args)
         _llama_spellings(args)
         return args.func(args)
     except Exception as e:  # a clear one-line message instead of a traceback for user errors
         from .errors import PydflashError
 
-        if isinstance(e, (PydflashError, ValueError, TypeError)):
+        # OSError: an RPC server that cannot be reached, a port that cannot be listened on
+        if isinstance(e, (PydflashError, ValueError, TypeError, OSError)):
             print(f"pydflash: error: {e}", file=sys.stderr)
             return 1
         raise

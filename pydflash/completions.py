@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 from ._arguments import bool_arg, optional_int_arg
 from .chat import ChatTemplate, ChatTemplateError, ReasoningStream, split_reasoning
+from .chat_messages import prepare
 
 if TYPE_CHECKING:  # for the annotations only: model.py imports this module
     from .model import Completion, Model
@@ -141,8 +142,9 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
     top_logprobs = optional_int_arg("top_logprobs", top_logprobs, 0, 20)
     _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs)
     with_usage = _include_usage(stream_options)
-    text = chat_template(model, template, chat_format).render(
-        messages, tools=None if tool_choice == "none" else tools, add_generation_prompt=True,
+    rendering = chat_template(model, template, chat_format)
+    text = rendering.render(
+        prepare(messages, rendering), tools=None if tool_choice == "none" else tools, add_generation_prompt=True,
         **(chat_template_kwargs or {}))
     prompt = model.tokenize(text, add_special=False, parse_special=True)
     # a template may open the reasoning block itself (the reply then starts inside it)

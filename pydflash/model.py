@@ -21,8 +21,8 @@ from . import _core, cost_cache, drafter_target, rpc, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
 from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
-from .memory_plan import (by_category, checked_paths, device_budget, engine_config, engine_options, plan_for_load,
-                          proposers_arg)
+from .memory_plan import (by_category, checked_paths, context_size, device_budget, engine_config, engine_options,
+                          plan_for_load, proposers_arg)
 from .tokenizer import Tokenizer
 
 __all__ = ["Model", "Completion"]
@@ -220,6 +220,7 @@ class Model:
     >>> with pydflash.Model("qwen3.gguf", n_ctx=2048) as m:
     ...     print(m.generate("def fib(n):", max_tokens=32).text)
 
+    n_ctx: the context in tokens (0: the model's trained context, as llama-cpp-python's n_ctx=0).
     n_ubatch: the prefill micro-batch; "auto" measures which size is fastest on this machine at the first long
     prompt (pydflash/ubatch.py). delta_net (Qwen3.5 targets): how prefill micro-batches run the delta rule,
     "fused" (ggml's op), "chunked" (stock ops) or "auto" (fused where the backend has it). A configuration that
@@ -267,7 +268,7 @@ class Model:
     ):
         # an RPC server's device is offloaded to as a GPU: registered before the plan places the layers
         rpc.add_servers(rpc_servers)
-        options = engine_options(n_ctx=n_ctx, kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
+        options = engine_options(n_ctx=context_size(n_ctx, model_path), kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
                                  tensor_split=tensor_split, proposers=proposers_arg(proposers, draft_model_path),
                                  n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
                                  tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 import sys
 from typing import Iterable
 
@@ -60,9 +61,32 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, n_threads: int = 1, device: str = "auto") -> None:
-    """Serves one device of this machine (auto: the first GPU, else the CPU) at host:port until the process ends."""
+    """Serves one device of this machine (auto: the first GPU, else the CPU) at host:port until the process ends
+    (OSError, naming the address, when it cannot listen there)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"port = {port!r}, expected a TCP port in [1, 65535]")
+    _check_can_listen(host, port)
     if not is_loopback(host):
         print(f"pydflash rpc-server: listening on {host}, beyond this machine. RPC is unauthenticated: anyone who "
               "reaches the port can run graphs on this device and read its memory. Use a trusted network only.",
               file=sys.stderr)
     _core.rpc_serve(f"{host}:{port}", n_threads, device)
+    # ggml's server returns only when it could not listen (a race with another process taking the port)
+    raise OSError(f"the RPC server could not listen on {host}:{port}")
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """OSError naming host:port and why, where this machine cannot listen there (ggml's server would only print
+    that it failed)."""
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    family, kind, proto, _, address = found[0]
+    with socket.socket(family, kind, proto) as probe:
+        # as ggml's server sets it: a port left in TIME_WAIT by an earlier server is free, one listened on is not
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None

@@ -22,7 +22,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any, Callable, Sequence, Union
 
 try:
     import uvicorn
@@ -166,26 +166,32 @@ class ServerState:
     pool: SlotPool
     slots: list[Slot]
     alias: str
-    api_key: str | None
+    api_keys: list[str]  # any of them authorizes (none: no key needed)
     max_body: int
     read_timeout: float
     chat_options: dict  # the server's chat_template or chat_format, passed to every chat completion
     metrics: ServerMetrics | None = None  # GET /metrics (None: not served)
     slots_endpoint: bool = True  # GET /slots
+    # what a request that does not set them gets (serve's -n, sampling flags, --chat-template-kwargs)
+    defaults: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def create_app(model: Model, *, parallel: int = 1, api_key: str | None = None, alias: str | None = None,
-               max_queue: int = 16, max_body: int = MAX_BODY_BYTES, read_timeout: float = READ_TIMEOUT_S,
-               chat_template: str | None = None, chat_format: str | None = None, metrics: bool = False,
-               slots_endpoint: bool = True) -> FastAPI:
-    """The FastAPI app serving `model` (and parallel - 1 more sessions over its weights). `chat_template` (a
-    Jinja template's text) or `chat_format` (a name, e.g. "chatml") renders every chat instead of the GGUF's
-    own template, as llama-server's --chat-template-file and llama-cpp-python's chat_format do. `metrics`
-    serves GET /metrics, `slots_endpoint` GET /slots (llama-server's --metrics and --no-slots)."""
+def create_app(model: Model, *, parallel: int = 1, api_key: str | Sequence[str] | None = None,
+               alias: str | None = None, max_queue: int = 16, max_body: int = MAX_BODY_BYTES,
+               read_timeout: float = READ_TIMEOUT_S, chat_template: str | None = None, chat_format: str | None = None,
+               metrics: bool = False, slots_endpoint: bool = True, defaults: dict | None = None) -> FastAPI:
+    """The FastAPI app serving `model` (and parallel - 1 more sessions over its weights). `api_key`: a key, or a
+    list of keys any of which authorizes. `chat_template` (a Jinja template's text) or `chat_format` (a name,
+    e.g. "chatml") renders every chat instead of the GGUF's own template, as llama-server's
+    --chat-template-file and llama-cpp-python's chat_format do. `metrics` serves GET /metrics, `slots_endpoint`
+    GET /slots (llama-server's --metrics and --no-slots). `defaults`: create_completion's and
+    create_chat_completion's arguments for requests that do not set them (max_tokens, the sampling parameters,
+    chat_template_kwargs: merged under a request's), as llama-server's -n, --temp, ... set its requests'."""
     state = _server_state(model, parallel, api_key, alias, max_queue, max_body, read_timeout,
                           _chat_options(model, chat_template, chat_format))
     state.slots_endpoint = slots_endpoint
+    state.defaults = _checked_defaults(defaults)
     if metrics:
         state.metrics = ServerMetrics()
         state.pool.on_finished = state.metrics.record
@@ -207,9 +213,32 @@ def _server_state(model: Model, parallel, api_key, alias, max_queue, max_body, r
         raise ValueError(f"parallel = {parallel!r}, expected an int >= 1")
     if not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue = {max_queue!r}, expected an int >= 0")
+    if isinstance(read_timeout, bool) or not isinstance(read_timeout, (int, float)) or not read_timeout > 0:
+        raise ValueError(f"read_timeout = {read_timeout!r}, expected seconds > 0")
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if not all(isinstance(k, str) and k for k in keys):
+        raise ValueError(f"api_key = {api_key!r}, expected a non-empty string or a list of them")
     slots = [Slot(0, model)] + [Slot(i, model.new_session()) for i in range(1, parallel)]
-    return ServerState(SlotPool(slots, max_queue), slots, alias or os.path.basename(model.model_path), api_key,
+    return ServerState(SlotPool(slots, max_queue), slots, alias or os.path.basename(model.model_path), keys,
                        max_body, read_timeout, chat_options)
+
+
+# the arguments a server's defaults may set, and the request field each stands for
+_DEFAULTABLE = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
+                "presence_penalty", "frequency_penalty", "repeat_last_n", "seed", "chat_template_kwargs")
+
+
+def _checked_defaults(defaults: dict | None) -> dict:
+    """The server's request defaults, each checked as a request's field would be (a ValueError naming it)."""
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - set(_DEFAULTABLE))
+    if unknown:
+        raise ValueError(f"defaults: {', '.join(unknown)} cannot be set (expected some of {', '.join(_DEFAULTABLE)})")
+    try:
+        ChatRequest.model_validate({"messages": [{}], **defaults}, strict=False)
+    except ValidationError as e:
+        raise ValueError(f"defaults: {_validation_message(e)}") from None
+    return defaults
 
 
 def _chat_options(model: Model, chat_template: str | None, chat_format: str | None) -> dict:
@@ -235,10 +264,13 @@ async def _request_error(request: Request, exc: RequestError):
 
 
 def _authorize(request: Request, state: ServerState) -> None:
-    if state.api_key is None:
+    """Any of the server's keys, as `Authorization: Bearer KEY` or `X-Api-Key: KEY` (llama-server takes both)."""
+    if not state.api_keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+    given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
+    # every key compared, in constant time each
+    if not sum(secrets.compare_digest(given.encode(), key.encode()) for key in state.api_keys):
         raise RequestError(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error")
 
 
@@ -396,15 +428,17 @@ def _add_token_routes(app: FastAPI, state: ServerState, model: Model) -> None:
     @app.post("/apply-template")
     async def apply_template(request: Request):
         """The prompt a chat completion of these messages would continue (the server's template)."""
+        from .chat_messages import prepare
         from .completions import chat_template
 
         _authorize(request, state)
         req = _validated(ChatRequest, await _read_json(request, state))
         options = state.chat_options
         template = chat_template(model, options.get("chat_template"), options.get("chat_format"))
+        kwargs = _with_defaults(req, state.defaults).get("chat_template_kwargs") or {}
         try:
-            text = template.render(req.messages, tools=None if req.tool_choice == "none" else req.tools,
-                                   add_generation_prompt=True, **(req.chat_template_kwargs or {}))
+            text = template.render(prepare(req.messages, template), add_generation_prompt=True,
+                                   tools=None if req.tool_choice == "none" else req.tools, **kwargs)
         except ValueError as e:  # (ChatTemplateError: the template raised, or a message it cannot render)
             raise RequestError(400, str(e)) from None
         return {"prompt": text}
@@ -440,6 +474,9 @@ def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, l
     (the request's seed, else the model's; neither: each draws its own), as llama-server's n; llama-server's own
     /completion ("native"): one."""
     if kind == "native":
+        if isinstance(payload, dict):  # the server's defaults under the request's own fields
+            payload = {**{"n_predict" if k == "max_tokens" else k: v for k, v in state.defaults.items()
+                          if k != "chat_template_kwargs"}, **payload}
         native = _validated(NativeRequest, payload)
         try:
             native.check()
@@ -451,15 +488,30 @@ def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, l
     if len(prompts) * req.n > MAX_CHOICES:
         raise RequestError(400, f"{len(prompts)} prompts x n = {req.n} ask for {len(prompts) * req.n} choices; at "
                                 f"most {MAX_CHOICES} in one request")
-    seed = req.seed if req.seed is not None else state.slots[0].model.seed
+    seed = req.seed if req.seed is not None else state.defaults.get("seed", state.slots[0].model.seed)
     choices = []
     for prompt in prompts:
         for k in range(req.n):
-            kwargs = req.kwargs()
+            kwargs = _with_defaults(req, state.defaults)
             if k > 0 and seed is not None:
                 kwargs["seed"] = seed + k
             choices.append(_Choice(json.dumps(prompt), _producer(kind, prompt, kwargs, state), k == 0))
     return req.stream, choices
+
+
+def _with_defaults(req: ChatRequest | CompletionRequest, defaults: dict) -> dict:
+    """The request's create_* arguments, the server's defaults where it sets none."""
+    kwargs = req.kwargs()
+    for name, value in defaults.items():
+        if name == "chat_template_kwargs":
+            if isinstance(req, ChatRequest):
+                kwargs[name] = {**value, **(req.chat_template_kwargs or {})}
+        elif name == "max_tokens":
+            if not req.model_fields_set & {"max_tokens", "max_completion_tokens"}:
+                kwargs[name] = value
+        elif getattr(req, name) is None:  # not given, or given as null
+            kwargs[name] = value
+    return kwargs
 
 
 def _producer(kind: str, prompt, kwargs: dict, state: ServerState) -> Callable[[Model], Any]:
@@ -664,13 +716,14 @@ async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState
 
 
 def serve(model: Model, *, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1,
-          api_key: str | None = None, alias: str | None = None, max_queue: int = 16,
+          api_key: str | Sequence[str] | None = None, alias: str | None = None, max_queue: int = 16,
           read_timeout: float = READ_TIMEOUT_S, log_level: str = "info", chat_template: str | None = None,
-          chat_format: str | None = None, metrics: bool = False, slots_endpoint: bool = True) -> None:
+          chat_format: str | None = None, metrics: bool = False, slots_endpoint: bool = True,
+          defaults: dict | None = None) -> None:
     """Run the server until interrupted (arguments as for `create_app`)."""
     app = create_app(model, parallel=parallel, api_key=api_key, alias=alias, max_queue=max_queue,
                      read_timeout=read_timeout, chat_template=chat_template, chat_format=chat_format,
-                     metrics=metrics, slots_endpoint=slots_endpoint)
+                     metrics=metrics, slots_endpoint=slots_endpoint, defaults=defaults)
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

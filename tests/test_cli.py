@@ -5,9 +5,12 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+
+import pytest
 
 import pydflash
 from pydflash.cli import chat_loop, main
@@ -303,7 +306,7 @@ def test_llama_cpp_spellings_mean_what_they_mean_there(monkeypatch):
     assert (got["draft_model_path"], got["block_size"]) == (DRAFT, 4)  # 3 drafts and the anchor
     # the same under our own names; serve and chat take them too
     assert _model_arguments(monkeypatch, ["run", TARGET, "-c", "512", "-ngl", "0", "--kv-type", "q8_0", "-md",
-                                          DRAFT, "-b", "4", "-p", "x"]) == got
+                                          DRAFT, "--block-size", "4", "-p", "x"]) == got
     for command in ("chat", "bench", "serve"):
         assert _model_arguments(monkeypatch, [command, "--model", TARGET, "--spec-draft-model", DRAFT,
                                               "--cache-type-k", "q4_0", "--cache-type-v", "q4_0"])["kv_type"] == "q4_0"
@@ -335,7 +338,7 @@ def test_llama_cpp_spellings_that_disagree_are_refused(tmp_path, capsys):
         (["run", TARGET, "-m", DRAFT, "-p", "x"], f"two models: '{TARGET}' and -m '{DRAFT}'"),
         (["run", "-p", "x"], "no model: pass the GGUF's path (or -m FNAME)"),
         (["plan", "-c", "64"], "no model"),
-        (["run", TARGET, "-md", DRAFT, "-b", "8", "--spec-draft-n-max", "3", "-p", "x"],
+        (["run", TARGET, "-md", DRAFT, "--block-size", "8", "--spec-draft-n-max", "3", "-p", "x"],
          "--spec-draft-n-max 3 drafts 3 tokens a round (block size 4), but --block-size is 8"),
         (["run", TARGET, "-md", DRAFT, "--spec-draft-n-max", "0", "-p", "x"], "--spec-draft-n-max must be at least 1"),
         (["run", TARGET, "-p", "x", "-f", str(tmp_path / "none.txt")], "two prompts: -p and -f"),
@@ -355,3 +358,124 @@ def test_plan_takes_llama_cpp_spellings(capsys):
     config = json.loads(capsys.readouterr().out)["config"]
     assert (config["n_ctx"], config["kv_type"], config["n_ubatch"], config["block_size"]) == (1024, "q4_0", 64, 8)
     assert config["draft_model_path"] == DRAFT
+
+
+def _gguf_value(path: str, key: str):
+    import gguf
+
+    field = gguf.GGUFReader(path).fields[key]
+    return field.parts[field.data[0]].tolist()
+
+
+def test_more_llama_cpp_flags_mean_what_they_mean_there(monkeypatch):
+    """-c 0 (the model's trained context), -n -1 (no limit), -ub, --spec-type (each llama.cpp type as the
+    proposer it names, none: plain decoding), and the flags that say what pydflash always does (-fa, --jinja,
+    --no-mmap, -b) accepted."""
+    got = _model_arguments(monkeypatch, ["run", "-m", TARGET, "-p", "x", "-c", "0", "-n", "-1", "-ub", "64",
+                                         "-fa", "on", "--jinja", "--no-mmap", "-b", "2048"])
+    assert (got["n_ctx"], got["n_ubatch"]) == (0, 64)
+    assert _model_arguments(monkeypatch, ["run", TARGET, "-p", "x"])["n_ubatch"] == "auto"
+    for types, proposers in (("draft-mtp", ("mtp",)), ("ngram-mod", ("ngram",)), ("ngram-simple,draft-mtp",
+                                                                                 ("ngram", "mtp")), ("none", ())):
+        assert _model_arguments(monkeypatch, ["run", TARGET, "-p", "x", "--spec-type", types])["proposers"] == \
+            proposers, types
+    got = _model_arguments(monkeypatch, ["serve", TARGET, "-md", DRAFT, "--spec-type", "draft-dflash"])
+    assert (got["proposers"], got["draft_model_path"]) == (("dflash",), DRAFT)
+
+
+def test_predict_minus_one_runs_to_the_end_of_the_context(capsys):
+    assert main(["run", TARGET, "-p", "def f(x):", "-n", "-1", "-c", "40"]) == 0
+    assert "stopped at the end of the context (n_ctx = 40)" in capsys.readouterr().err
+
+
+def test_ctx_size_zero_is_the_models_trained_context(tmp_path, capsys):
+    """n_ctx=0 (llama-cpp-python's) and -c 0 (llama.cpp's): the GGUF's context_length, here set to 1536 (the
+    committed pairs say 4096, which is also the default)."""
+    import gguf
+
+    from gguf_edit import rewrite
+
+    target = str(rewrite(TARGET, tmp_path / "trained-1536.gguf",
+                         set_keys={"qwen3.context_length": (1536, gguf.GGUFValueType.UINT32)}))
+    assert _gguf_value(target, "qwen3.context_length") == [1536]
+    with pydflash.Model(target, n_ctx=0) as m:
+        assert m.n_ctx == 1536
+    assert pydflash.plan(target, n_ctx=0).config["n_ctx"] == 1536
+    assert main(["run", target, "-p", "def f(x):", "-n", "-1", "-c", "0", "-v"]) == 0
+    assert "n_ctx=1536" in capsys.readouterr().err
+
+
+def test_ignore_eos_bans_the_end_of_generation_tokens(monkeypatch, capsys):
+    """--ignore-eos (llama.cpp's): the GGUF's end-of-generation token is banned (a -inf bias), and the text runs
+    to -n tokens."""
+    seen = {}
+    real = pydflash.Model.pieces
+
+    def pieces(self, prompt, max_tokens, **kw):
+        seen.update(kw)
+        return real(self, prompt, max_tokens, **kw)
+
+    monkeypatch.setattr(pydflash.Model, "pieces", pieces)
+    assert main(["run", TARGET, "-p", "def f(x):", "-n", "8", "--ignore-eos"]) == 0
+    eos = _gguf_value(TARGET, "tokenizer.ggml.eos_token_id")[0]
+    assert seen["logit_bias"][eos] == float("-inf")
+    assert all(v == float("-inf") for v in seen["logit_bias"].values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", TARGET, "-p", "x", "-mg", "0"], "-mg is llama.cpp's, with no counterpart here: -ts/--tensor-split"),
+    (["run", TARGET, "-p", "x", "-sm", "row"], "-sm is llama.cpp's, with no counterpart here"),
+    (["run", TARGET, "-p", "x", "-tb", "2"], "-tb is llama.cpp's, with no counterpart here: one pool of -t threads"),
+    (["run", TARGET, "-p", "x", "-cnv"], "-cnv is llama.cpp's, with no counterpart here: `pydflash chat`"),
+    (["chat", TARGET, "-no-cnv"], "-no-cnv is llama.cpp's"),
+    (["run", TARGET, "-p", "x", "-nkvo"], "-nkvo is llama.cpp's"),
+    (["run", TARGET, "-p", "x", "--grammar-file", "g.gbnf"], "grammar-constrained sampling is not supported"),
+    (["serve", TARGET, "-nocb"], "slots generating at the same time are always batched"),
+    (["serve", TARGET, "--ssl-key-file", "k.pem"], "--ssl-key-file is llama.cpp's"),
+    (["run", TARGET, "-p", "x", "--spec-type", "draft-eagle3"], "--spec-type draft-eagle3: EAGLE-3 drafters are not"),
+    (["run", TARGET, "-p", "x", "--spec-type", "ngram"], "--spec-type 'ngram', expected one of draft-dflash"),
+    (["run", TARGET, "-p", "x", "--spec-type", "draft-mtp", "--proposers", "ngram"],
+     "--spec-type draft-mtp means --proposers mtp, but --proposers is ngram"),
+    (["run", TARGET, "-p", "x", "-n", "-2"], "-n/--predict = -2, expected a count >= 0, or -1"),
+    (["run", TARGET, "-p", "x", "-c", "-1"], "-c/--ctx-size = -1, expected a size >= 1, or 0"),
+    (["run", TARGET, "-p", "x", "-ub", "0"], "-ub/--ubatch-size = 0, expected at least 1"),
+    (["serve", TARGET, "-to", "-5"], "-to/--timeout = -5, expected seconds > 0"),
+    (["serve", TARGET, "--read-timeout", "0"], "-to/--timeout = 0, expected seconds > 0"),
+    (["bench", TARGET, "--n-prompts", "0"], "--n-prompts = 0, expected at least 1"),
+    (["serve", TARGET, "--chat-template", "chatml", "--chat-format", "chatml"],
+     "give one of --chat-template and --chat-format"),
+])
+def test_llama_cpp_flags_without_a_counterpart_are_refused_by_name(argv, message, capsys):
+    """Before: argparse read -mg 0 as -m g, -tb as -t b, -cnv as -c nv, ...; a value that llama.cpp takes and we
+    do not went through as a Python parameter's error, or silently (-n -1, -to -5: every request then 408)."""
+    assert main(argv) == 1, argv
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_ports_are_checked_before_anything_loads(capsys):
+    for argv in (["serve", TARGET, "--port", "99999"], ["rpc-server", "-p", "-1"], ["rpc-server", "-p", "70000"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "expected a TCP port in [0, 65535]" in capsys.readouterr().err
+
+
+def test_rpc_server_that_cannot_listen_says_where_and_why(capsys):
+    """Before, ggml's server printed "Failed to create server socket" and the command exited 0."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["rpc-server", "-p", str(port), "-d", "cpu"]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert main(["rpc-server", "-H", "999.1.1.1", "-d", "cpu"]) == 1
+    assert "cannot listen on 999.1.1.1:50052" in capsys.readouterr().err
+
+
+def test_an_unreachable_rpc_server_is_one_line(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    assert main(["run", TARGET, "-p", "x", "-n", "2", "--rpc", f"127.0.0.1:{port}"]) == 1
+    assert capsys.readouterr().err == f"pydflash: error: could not connect to the RPC server at 127.0.0.1:{port}\n"

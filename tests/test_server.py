@@ -776,7 +776,118 @@ def test_serve_takes_a_chat_template_file_or_a_chat_format(tmp_path, monkeypatch
                                                                           (None, "chatml")]
     for args, message in ((["--chat-format", "vicuna"], "--chat-format='vicuna' is not one of chatml"),
                           (["--chat-template-file", str(tmp_path / "none.jinja")], "none.jinja: cannot be read"),
-                          (["--chat-template-file", str(template), "--chat-format", "chatml"], "not both")):
+                          (["--chat-template-file", str(template), "--chat-format", "chatml"],
+                           "give one of --chat-template-file and --chat-format")):
         capsys.readouterr()
         assert main(["serve", "missing.gguf", *args]) == 1  # checked before the (missing) model loads
         assert message in capsys.readouterr().err
+
+
+def test_server_defaults_apply_where_a_request_sets_none():
+    """create_app(defaults=...) (serve's -n, --temp, -s, ...: llama-server's request defaults): a request that
+    does not set a field gets the server's, on every completion route; one that does keeps its own."""
+    from fastapi.testclient import TestClient
+
+    import pydflash
+    from pydflash.server import create_app
+
+    prompt = "def reverse(xs):"
+    with pydflash.Model(PAIRS / "qwen3-target-q8_0.gguf", n_ctx=512, n_threads=1) as m:
+        sampled = m.create_completion(prompt, max_tokens=5, temperature=0.9, seed=11)["choices"][0]["text"]
+        greedy = m.create_completion(prompt, max_tokens=3, temperature=0.0)["choices"][0]["text"]
+        assert sampled != m.create_completion(prompt, max_tokens=5, temperature=0.0)["choices"][0]["text"]
+        with TestClient(create_app(m, defaults={"max_tokens": 5, "temperature": 0.9, "seed": 11})) as http:
+            r = http.post("/v1/completions", json={"prompt": prompt}).json()
+            assert (r["choices"][0]["text"], r["usage"]["completion_tokens"]) == (sampled, 5)
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0.0}).json()
+            assert r["choices"][0]["text"] == greedy
+            r = http.post("/v1/chat/completions", json={"messages": MESSAGES}).json()
+            assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
+            r = http.post("/completion", json={"prompt": prompt}).json()
+            assert (r["content"], r["tokens_predicted"]) == (sampled, 5)
+        with pytest.raises(ValueError, match="top_k"):
+            create_app(m, defaults={"top_k": -1})
+        with pytest.raises(ValueError, match="defaults: stream cannot be set"):
+            create_app(m, defaults={"stream": True})
+
+
+def test_serve_flags_become_the_request_defaults(tmp_path, monkeypatch):
+    """Only the flags given: the others leave the API's own defaults (temperature 0.8 / 0.2, max_tokens 16 /
+    none); --reasoning off is enable_thinking False under --chat-template-kwargs; API keys from --api-key's list
+    and --api-key-file; --chat-template a built-in name or a template's text."""
+    import pydflash.server
+    from pydflash.cli import main
+
+    served = []
+    monkeypatch.setattr(pydflash.server, "serve", lambda model, **kw: served.append(kw))
+    target = str(PAIRS / "qwen3-target-q8_0.gguf")
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the team's keys\nk3\n\nk4\n")
+    assert main(["serve", target, "-c", "256"]) == 0
+    assert main(["serve", target, "-c", "256", "-n", "5", "--temp", "0.9", "-s", "11", "--top-k", "7",
+                 "--reasoning", "off", "--chat-template-kwargs", '{"custom": 1}', "--api-key", "k1,k2",
+                 "--api-key-file", str(keys), "--chat-template", "chatml", "-to", "60", "-cb"]) == 0
+    assert main(["serve", target, "-c", "256", "--chat-template", "{{ messages[0]['content'] }}"]) == 0
+    assert (served[0]["defaults"], served[0]["api_key"], served[0]["read_timeout"]) == ({}, None, 30.0)
+    assert served[1]["defaults"] == {"max_tokens": 5, "temperature": 0.9, "seed": 11, "top_k": 7,
+                                     "chat_template_kwargs": {"custom": 1, "enable_thinking": False}}
+    assert (served[1]["api_key"], served[1]["read_timeout"]) == (["k1", "k2", "k3", "k4"], 60.0)
+    assert (served[1]["chat_template"], served[1]["chat_format"]) == (None, "chatml")
+    assert (served[2]["chat_template"], served[2]["chat_format"]) == ("{{ messages[0]['content'] }}", None)
+
+
+def test_several_api_keys_and_the_x_api_key_header():
+    from fastapi.testclient import TestClient
+
+    import pydflash
+    from pydflash.server import create_app
+
+    with pydflash.Model(PAIRS / "qwen3-target-q8_0.gguf", n_ctx=256, n_threads=1) as m:
+        with TestClient(create_app(m, api_key=["k1", "k2"])) as http:
+            for headers in ({"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}, {"X-Api-Key": "k2"}):
+                assert http.get("/v1/models", headers=headers).status_code == 200, headers
+            for headers in ({"Authorization": "Bearer k1,k2"}, {"X-Api-Key": "k3"}, {}):
+                assert http.get("/v1/models", headers=headers).status_code == 401, headers
+        with pytest.raises(ValueError, match="api_key"):
+            create_app(m, api_key=["k1", ""])
+
+
+def test_chat_messages_in_openais_forms_reach_the_template(llama_cpp_dir):
+    """As llama-server takes them: content as a list of text parts, null content beside tool calls, tool-call
+    arguments as a JSON string, parsed for a template that reads them as an object (Qwen3.5's iterates their
+    items) and kept for one that prints the string (Qwen3's); an image part is refused (text models). Before:
+    400 "can only concatenate str (not "list") to str" and "Can only get item pairs from a mapping"."""
+    from fastapi.testclient import TestClient
+
+    import pydflash
+    from pydflash.chat import ChatTemplate
+    from pydflash.server import create_app
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    openai_form = [{"role": "user", "content": [{"type": "text", "text": "The weather?"},
+                                                {"type": "text", "text": "In Paris."}]},
+                   {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    templates = llama_cpp_dir / "models" / "templates"
+    with pydflash.Model(PAIRS / "qwen3-target-q8_0.gguf", n_ctx=512, n_threads=1) as m:
+        for name, parsed in (("Qwen3.5-4B.jinja", True), ("Qwen-Qwen3-0.6B.jinja", False)):
+            source = (templates / name).read_text()
+            # the template's own forms: typed parts where it takes them, else the texts joined by a newline
+            user = openai_form[0]["content"] if name.startswith("Qwen3.5") else "The weather?\nIn Paris."
+            arguments = {"city": "Paris"} if parsed else '{"city": "Paris"}'
+            own_form = [{"role": "user", "content": user},
+                        {"role": "assistant", "content": "", "tool_calls": [
+                            {**call, "function": {**call["function"], "arguments": arguments}}]},
+                        openai_form[2]]
+            expected = ChatTemplate(source).render(own_form, add_generation_prompt=True)
+            with TestClient(create_app(m, chat_template=source)) as http:
+                r = http.post("/apply-template", json={"messages": openai_form})
+                assert r.status_code == 200, r.text
+                assert r.json()["prompt"] == expected
+                assert ("<parameter=city>\nParis\n</parameter>" in expected) == parsed
+                r = http.post("/v1/chat/completions", json={"messages": openai_form, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
+                r = http.post("/v1/chat/completions", json={"messages": image, "max_tokens": 2})
+                assert r.status_code == 400
+                assert "messages[0].content[0] is image_url input, which is not supported" in r.text
