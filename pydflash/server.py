@@ -35,6 +35,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"pydflash serve needs the server extra: pip install \"pydflash[server]\" ({e})") from e
 
+from .errors import ContextLengthExceededError
 from .model import Model
 from .native_completion import NativeRequest, native_completion
 from .server_metrics import ServerMetrics
@@ -155,7 +156,9 @@ def _public_error(e: BaseException) -> RequestError:
     """The HTTP status for an error raised by the model's API."""
     if isinstance(e, RequestError):
         return e
-    if isinstance(e, (ValueError, TypeError)):  # bad parameters, a prompt over the context, a template error
+    if isinstance(e, ContextLengthExceededError) and e.n_tokens is not None:  # llama-server's type and fields
+        return RequestError(400, str(e), "exceed_context_size_error", n_prompt_tokens=e.n_tokens, n_ctx=e.n_ctx)
+    if isinstance(e, (ValueError, TypeError)):  # bad parameters, a template error
         return RequestError(400, str(e))
     return RequestError(500, f"{type(e).__name__}: {e}", "server_error")
 
@@ -260,7 +263,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException):  # 404, 40
 
 
 async def _request_error(request: Request, exc: RequestError):
-    return _error(exc.status, exc.message, exc.kind)
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
 def _authorize(request: Request, state: ServerState) -> None:
@@ -709,7 +712,7 @@ async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState
     except Exception as e:
         err = _public_error(e)
         status = f"{err.status} in stream"
-        yield {"data": json.dumps({"error": {"message": err.message, "type": err.kind, "code": err.status}})}
+        yield {"data": json.dumps(err.body())}
     finally:
         log.write(status, last)
         await runs.close()

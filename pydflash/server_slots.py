@@ -17,9 +17,13 @@ from .model import Model
 class RequestError(Exception):
     """A request the server answers with `status` and an OpenAI-shaped error."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", **details):
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
+        self.details = details  # more fields of the error object (llama-server's n_prompt_tokens, n_ctx)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status, **self.details}}
 
 
 @dataclass

@@ -548,6 +548,14 @@ def test_bad_chat_requests_get_400(server, body, where):
     assert where in r.json()["error"]["message"]
 
 
+def test_a_prompt_over_the_context_is_llama_servers_error(server):
+    """llama-server's type for it, with the prompt's tokens and the context (what a client trims by)."""
+    for path, body in (("/v1/completions", {"prompt": "word " * 3000}), ("/completion", {"prompt": "word " * 3000})):
+        error = _post(server, path, body).json()["error"]
+        assert (error["type"], error["code"], error["n_ctx"]) == ("exceed_context_size_error", 400, 1024), error
+        assert error["n_prompt_tokens"] > 1024 and f"but n_ctx = 1024" in error["message"]
+
+
 def test_bad_completion_requests_get_400(server):
     for body, where in [({"prompt": ["a"] * 9, "n": 8}, "72 choices; at most 64"), ({}, "prompt"),
                         ({"prompt": "x", "logprobs": "2"}, "logprobs"), ({"prompt": [10**9]}, "prompt")]:
