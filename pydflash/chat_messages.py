@@ -100,9 +100,11 @@ def needs_of(template: ChatTemplate) -> TemplateNeeds:
 
 def prepare(messages: Sequence[Mapping[str, Any]], template: ChatTemplate) -> list[dict]:
     """`messages` as `template` takes them (a ValueError naming the message and field where one cannot be)."""
-    needs = needs_of(template)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ChatTemplateError("messages is empty: a chat needs at least one message")
+    needs = needs_of(template)
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):

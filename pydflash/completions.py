@@ -55,6 +55,8 @@ def create_completion(model: "Model", prompt, *, max_tokens: int | None, echo: b
     pieces = model.pieces(prompt, max_tokens, stop=stop, speculative=speculative, **sampling)
 
     def choice(text: str, lp: dict | None, finish: str | None) -> dict:
+        if lp is not None and prefix:  # offsets into the text returned, which begins with the prompt
+            lp = {**lp, "text_offset": [len(prefix) + k for k in lp["text_offset"]]}
         return {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
 
     if not stream:
@@ -138,7 +140,7 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
                            speculative: bool, sampling: dict) -> dict | Iterator[dict]:
     """Model.create_chat_completion; `sampling`: Model.generate's sampling keyword arguments."""
     bool_arg("stream", stream)
-    bool_arg("logprobs", logprobs)
+    logprobs = bool_arg("logprobs", False if logprobs is None else logprobs)  # (None: OpenAI's and llama-cpp-python's default)
     top_logprobs = optional_int_arg("top_logprobs", top_logprobs, 0, 20)
     _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs)
     with_usage = _include_usage(stream_options)

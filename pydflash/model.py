@@ -76,6 +76,8 @@ def sampling_args(n_vocab: int, temperature, top_k, top_p, min_p, typical_p, rep
                 repeat_last_n=int_arg("repeat_last_n", repeat_last_n, -1),
                 logit_bias=logit_bias_arg(logit_bias, n_vocab),
                 logprobs=optional_int_arg("logprobs", logprobs, 0, n_vocab))
+    if len(args["logit_bias"]) == n_vocab and all(b == -math.inf for b in args["logit_bias"].values()):
+        raise ValueError(f"logit_bias bans every one of the {n_vocab} tokens: nothing could be sampled")
     if args["repeat_penalty"] == 0.0:
         raise ValueError("repeat_penalty = 0.0, expected a value > 0 (1.0: off)")
     return args
@@ -126,8 +128,13 @@ def _nothing_generated(finish_reason: str, sampling: dict) -> dict:
     return result
 
 
+# llama.cpp's LLAMA_DEFAULT_SEED, and -1 as llama-cpp-python and llama-server take it: a fresh seed
+RANDOM_SEEDS = (-1, 0xFFFFFFFF)
+
+
 def _seed_arg(seed) -> int | None:
-    return optional_int_arg("seed", seed, -(2**63), 2**64 - 1)
+    seed = optional_int_arg("seed", seed, -(2**63), 2**64 - 1)
+    return None if seed in RANDOM_SEEDS else seed
 
 
 def _timings(raw: dict) -> dict:
@@ -146,6 +153,15 @@ def _timings(raw: dict) -> dict:
         # verified tokens per committed token over the speculative rounds
         t["verified_per_token"] = t["verify_n"] / (t["draft_n_accepted"] + rounds) if rounds else 0.0
     return t
+
+
+def _items(pieces: "Pieces", with_logprobs: bool) -> Iterator:
+    """stream()'s items: (text, logprobs) pairs, or the texts alone."""
+    for text, lp in pieces:
+        if with_logprobs:
+            yield text, lp
+        elif text:
+            yield text
 
 
 class _StopStrings:
@@ -437,27 +453,33 @@ class Model:
     # ---- properties ----
     @property
     def n_ctx(self) -> int:
+        self._check_open()
         return self._session.n_ctx
 
     @property
     def n_ubatch(self) -> int:
         """The prefill micro-batch (with n_ubatch="auto": the largest candidate until the first long prompt)."""
+        self._check_open()
         return self._session.n_ubatch
 
     @property
     def n_vocab(self) -> int:
+        self._check_open()
         return self._model.n_vocab
 
     @property
     def arch(self) -> str:
+        self._check_open()
         return self._model.arch
 
     @property
     def n_threads(self) -> int:
+        self._check_open()
         return self._model.n_threads
 
     @property
     def kv_bytes(self) -> int:
+        self._check_open()
         return self._session.kv_bytes
 
     @property
@@ -465,17 +487,20 @@ class Model:
         """Hybrid targets: bytes of the recurrent state: the committed state, the one a verify writes, and each
         verified token's or node's delta-rule and conv inputs (it grows a little with tree_budget). 0 for
         attention-only targets."""
+        self._check_open()
         return self._session.recurrent_bytes
 
     @property
     def tree_budget(self) -> int | None:
         """Draft nodes a verify may hold (tree: each round's; auto: the most; chain: block_size - 1) with a draft
         model loaded, else None: the engine's (decode/engine_params.h), from tree_budget or its default."""
+        self._check_open()
         return self._engine.tree_budget
 
     @property
     def block_size(self) -> int | None:
         """Tokens per draft/verify round when a draft model or n-gram lookup drafts, else None."""
+        self._check_open()
         if self._draft is not None:
             return self._draft.block_size
         if self._mtp is not None:
@@ -486,6 +511,7 @@ class Model:
     def proposers(self) -> tuple[str, ...]:
         """What drafts each round: ("dflash",), ("ngram",), ("mtp",) (the target's own MTP head), two or three of them
         (one tree of their candidates, auto), or () (plain decoding)."""
+        self._check_open()
         return (("dflash",) if self._draft is not None else ()) + (("ngram",) if self._ngram is not None else ()) + \
             (("mtp",) if self._mtp is not None else ())
 
@@ -494,7 +520,7 @@ class Model:
         return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.detokenize(list(tokens))
+        return self.tokenizer.detokenize(token_ids("tokens", tokens, self.n_vocab))
 
     # ---- generation ----
     def _prepare(self, prompt: str | bytes | Sequence[int], max_tokens: int | None,
@@ -548,6 +574,9 @@ class Model:
         the weights read once for all of them. Each Completion is what `generate` gives for its prompt alone.
         The extra sessions (`new_session`) are kept for the next call."""
         self._check_open()
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("prompts must be a list of prompts (texts or token-id lists), got one text: use "
+                            "generate() for one prompt, or put it in a list")
         prompts = list(prompts)
         parallel = optional_int_arg("parallel", parallel, 1)
         n = min(len(prompts), parallel if parallel is not None else 16)
@@ -598,11 +627,8 @@ class Model:
         item (None for a last piece of text that was held back), text what became safe to print."""
         sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
                                   frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
-        for text, lp in self._pieces(prompt, max_tokens, stop, speculative, sampling):
-            if logprobs is not None:
-                yield text, lp
-            elif text:
-                yield text
+        # the prompt and every argument checked now, not at the first next()
+        return _items(self._pieces(prompt, max_tokens, stop, speculative, sampling), logprobs is not None)
 
     def pieces(self, prompt: str | Sequence[int], max_tokens: int | None = 128, *,
                stop: str | Sequence[str] | None = None, speculative: bool = True, **sampling) -> Pieces:
@@ -666,7 +692,8 @@ class Model:
         return outcome["result"]
 
     # ---- OpenAI-shaped calls (llama-cpp-python's) ----
-    def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,
+    def create_completion(self, prompt: str | Sequence[int], suffix: str | None = None, max_tokens: int | None = 16,
+                          temperature: float = 0.8,
                           top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
                           logprobs: int | None = None, echo: bool = False, stop: str | Sequence[str] | None = None,
                           frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
@@ -675,9 +702,12 @@ class Model:
                           stream_options: dict | None = None, speculative: bool = True) -> dict | Iterator[dict]:
         """An OpenAI-shaped text completion (llama-cpp-python's defaults); stream=True returns an iterator of
         chunks, the last carrying finish_reason and timings (and, with stream_options={"include_usage": True},
-        one more with usage)."""
+        one more with usage). The parameters in llama-cpp-python's order; `suffix` (fill-in-the-middle) is not
+        supported (ValueError)."""
         from .completions import create_completion
 
+        if suffix is not None:
+            raise ValueError(f"suffix={suffix!r}: fill-in-the-middle completion is not supported")
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                         frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n, logit_bias=logit_bias,

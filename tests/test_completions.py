@@ -82,8 +82,32 @@ def test_completion_streamed_and_not(model):
     chunks = list(model.create_completion("def parse(line):", max_tokens=20, seed=5, stream=True))
     assert "".join(ch["choices"][0]["text"] for ch in chunks) == c.text
     assert chunks[-1]["choices"][0]["finish_reason"] == c.finish_reason
-    echoed = model.create_completion("def parse(line):", max_tokens=20, seed=5, echo=True)
-    assert echoed["choices"][0]["text"] == "def parse(line):" + c.text
+    echoed = model.create_completion("def parse(line):", max_tokens=20, seed=5, echo=True, logprobs=1)
+    text = echoed["choices"][0]["text"]
+    assert text == "def parse(line):" + c.text
+    # offsets into the text returned, which begins with the prompt (before: from 0, into the prompt's text)
+    offsets = echoed["choices"][0]["logprobs"]["text_offset"]
+    assert [text[k:k + len(t)] for k, t in zip(offsets, c.logprobs["tokens"])] == c.logprobs["tokens"]
+    assert offsets[0] == len("def parse(line):")
+    streamed = list(model.create_completion("def parse(line):", max_tokens=20, seed=5, echo=True, logprobs=1,
+                                            stream=True))
+    assert [k for ch in streamed if ch["choices"] and ch["choices"][0]["logprobs"]
+            for k in ch["choices"][0]["logprobs"]["text_offset"]] == offsets
+
+
+def test_llama_cpp_python_call_forms(model):
+    """Its positional order (prompt, suffix, max_tokens, ...), logprobs=None in a chat (its default and OpenAI
+    clients'), seed -1 or LLAMA_DEFAULT_SEED (0xFFFFFFFF) as a fresh seed, not a fixed one."""
+    r = model.create_completion("def parse(line):", None, 5, 0.0)
+    assert r["usage"]["completion_tokens"] == 5
+    with pytest.raises(ValueError, match="suffix='x': fill-in-the-middle completion is not supported"):
+        model.create_completion("def parse(line):", "x")
+    assert model.create_chat_completion(MESSAGES, max_tokens=3, logprobs=None)["choices"][0]["logprobs"] is None
+    for seed in (-1, 0xFFFFFFFF):
+        seeds = {model.generate("def parse(line):", max_tokens=2, temperature=1.0, seed=seed).seed
+                 for _ in range(3)}
+        assert len(seeds) == 3 and seed not in seeds, seeds
+    assert model.generate("def parse(line):", max_tokens=2, temperature=1.0, seed=-2).seed == -2
 
 
 @pytest.mark.parametrize("kwargs, error, pattern", [
@@ -94,10 +118,11 @@ def test_completion_streamed_and_not(model):
     (dict(chat_template_kwargs=["enable_thinking"]), TypeError, "chat_template_kwargs must be a dict"),
     (dict(top_logprobs=50, logprobs=True), ValueError, "top_logprobs = 50"),
     (dict(stream="yes"), TypeError, "stream must be True or False"),
+    (dict(messages=[]), ValueError, "messages is empty"),
 ])
 def test_unsupported_options_are_refused(model, kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
-        model.create_chat_completion(MESSAGES, max_tokens=4, **kwargs)
+        model.create_chat_completion(kwargs.pop("messages", MESSAGES), max_tokens=4, **kwargs)
 
 
 def test_chat_format_chatml(model):

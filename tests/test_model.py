@@ -141,6 +141,32 @@ def test_closed_model_raises(gguf_path):
     m.close()
     with pytest.raises(RuntimeError, match="closed"):
         m.generate("a")
+    # its properties too (before: AttributeError on None, or a silently wrong proposers == () and tree budget)
+    for name in ("n_ctx", "n_ubatch", "n_vocab", "arch", "n_threads", "kv_bytes", "recurrent_bytes", "tree_budget",
+                 "block_size", "proposers"):
+        with pytest.raises(RuntimeError, match="this Model is closed"):
+            getattr(m, name)
+
+
+def test_arguments_are_checked_when_the_call_is_made(model):
+    """stream() checks its prompt and arguments at the call, as pieces() does (before: at the first next());
+    one text where a list of prompts goes, token ids that are not ids, and a bias that bans every token are
+    refused by name."""
+    with pytest.raises(ValueError, match="top_p = 5.0"):
+        model.stream("a", top_p=5)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        model.stream("")
+    with pytest.raises(TypeError, match="prompts must be a list of prompts"):
+        model.generate_batch("some prompt")
+    with pytest.raises(TypeError, match=r"tokens must be text or a sequence of token ids"):
+        model.detokenize("abc")
+    with pytest.raises(ValueError, match=r"tokens\[0\] = -1 is outside the vocabulary"):
+        model.detokenize([-1])
+    banned = {t: float("-inf") for t in range(model.n_vocab)}
+    with pytest.raises(ValueError, match=f"logit_bias bans every one of the {model.n_vocab} tokens"):
+        model.generate("a", logit_bias=banned)
+    del banned[7]  # one left: it is what comes out
+    assert set(model.generate("a", max_tokens=3, logit_bias=banned).tokens) == {7}
 
 
 # ---- bad GGUF input: a typed error naming the file and key/tensor, never a crash ----
