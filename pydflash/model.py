@@ -798,8 +798,6 @@ class Model:
         try:
             if not speculative and self._draft is not None:
                 self._draft.forget()  # the target's cache moves on without the drafter's rows
-            if max_tokens == 0:
-                return _nothing_generated("length", sampling)
             self._choose_ubatch(tokens)
             if cancel.is_set():  # aborted before the core began; after this, the callback or its flag ends it
                 return _nothing_generated("abort", sampling)

@@ -161,3 +161,16 @@ def test_a_second_generation_on_a_busy_model_is_refused(model):
         model.generate("x", max_tokens=2)
     stream.close()
     assert model.generate("x", max_tokens=2).tokens
+
+
+def test_max_tokens_zero_counts_and_caches_the_prompt(model):
+    """As llama-server's n_predict 0: the prompt is evaluated (and cached for the next call), nothing generated;
+    usage counts the prompt (before: 0 prompt tokens, and nothing evaluated)."""
+    prompt = "def tokens_of(line):"
+    n = len(model.tokenize(prompt))
+    r = model.create_completion(prompt + " # zero", max_tokens=0)
+    assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) == (len(model.tokenize(prompt + " # zero")), 0)
+    assert r["choices"][0]["text"] == "" and r["choices"][0]["finish_reason"] == "length"
+    model.generate("import os", max_tokens=2)  # the cache holds another prompt
+    model.create_completion(prompt, max_tokens=0)
+    assert model.generate(prompt, max_tokens=2).timings["cached_n"] == n
