@@ -68,11 +68,12 @@ def _prompt(args: argparse.Namespace) -> str:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read the prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") \
                 from None
-        return text[:-1] if text.endswith("\n") else text
-    prompt = args.prompt if args.prompt is not None else args.prompt_text
-    if prompt is None:
+        text = text[:-1] if text.endswith("\n") else text
+    else:
+        text = args.prompt if args.prompt is not None else args.prompt_text
+    if text is None:
         raise ValueError("no prompt: pass -p TEXT (or -f FNAME)")
-    return prompt
+    return llama_flags.process_escapes(text) if args.escape else text
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -512,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a file holding the text to continue (as llama.cpp's: one final newline dropped)")
         _sampling_arguments(run, temp=0.0)
         llama_flags.add_run_flags(run)
+        llama_flags.add_escape_flags(run)
         run.set_defaults(func=_run, **({"prompt_text": None} if name == "run" else {}))
     chat = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)")
     _model_arguments(chat, max_tokens=None)

@@ -89,9 +89,44 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """run, generate and bench: llama-cli's --ignore-eos."""
+    """run, generate and bench: llama-cli's --ignore-eos; run and generate: its escapes in the prompt."""
     p.add_argument("--ignore-eos", action="store_true",
                    help="never stop at an end-of-generation token (those tokens are banned), as llama.cpp's")
+
+
+def add_escape_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-e", "--escape", dest="escape", action="store_true", default=True,
+                   help="read \\n, \\r, \\t, \\', \\\", \\\\ and \\xHH in the prompt (-p, -f) as the characters "
+                        "they stand for, as llama.cpp does (the default)")
+    p.add_argument("--no-escape", dest="escape", action="store_false", help="take the prompt's backslashes as "
+                                                                            "they are")
+
+
+_ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"', ord("\\"): b"\\"}
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's escapes in a prompt (common.cpp string_process_escapes): \\n, \\r, \\t, \\', \\", \\\\ and
+    \\xHH (a byte); any other backslash stays as it is. Bytes that \\xHH makes into invalid UTF-8 become U+FFFD."""
+    raw, out, i = text.encode("utf-8"), bytearray(), 0
+    while i < len(raw):
+        if raw[i] == ord("\\") and i + 1 < len(raw):
+            code = raw[i + 1]
+            if code in _ESCAPES:
+                out += _ESCAPES[code]
+                i += 2
+                continue
+            digits = raw[i + 2:i + 4]
+            if code == ord("x") and len(digits) == 2 and all(chr(c) in "0123456789abcdefABCDEF" for c in digits):
+                out.append(int(digits, 16))
+                i += 4
+                continue
+            out += raw[i:i + 2]
+            i += 2
+            continue
+        out.append(raw[i])
+        i += 1
+    return out.decode("utf-8", errors="replace")
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:

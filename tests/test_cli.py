@@ -479,3 +479,26 @@ def test_an_unreachable_rpc_server_is_one_line(capsys):
         port = s.getsockname()[1]  # closed again: nothing listens there
     assert main(["run", TARGET, "-p", "x", "-n", "2", "--rpc", f"127.0.0.1:{port}"]) == 1
     assert capsys.readouterr().err == f"pydflash: error: could not connect to the RPC server at 127.0.0.1:{port}\n"
+
+
+def test_the_prompts_escapes_are_read_as_llama_cpp_reads_them(tmp_path, capsys):
+    """-p / -f with \\n, \\t, \\\\, \\xHH ... (llama.cpp's -e, on by default there and here): the characters they
+    stand for; --no-escape: the backslashes as typed. Other backslashes stay (llama.cpp's
+    string_process_escapes)."""
+    from pydflash.llama_flags import process_escapes
+
+    for typed, meant in (("a\\nb", "a\nb"), ("a\\\\nb", "a\\nb"), ("x\\x41y", "xAy"), ("it\\'s \\\"q\\\"", "it's \"q\""),
+                         ("\\q\\xZZ", "\\q\\xZZ"), ("tail\\", "tail\\"), ("\\xc3\\xa9\\r\\t", "\u00e9\r\t")):
+        assert process_escapes(typed) == meant, typed
+    typed = "def f(x):\\n    return"
+    with pydflash.Model(TARGET, n_ctx=4096) as m:
+        meant = m.generate("def f(x):\n    return", max_tokens=12).text
+        as_typed = m.generate(typed, max_tokens=12).text
+    assert meant != as_typed
+    assert main(["run", TARGET, "-p", typed, "-n", "12"]) == 0
+    assert capsys.readouterr().out == meant + "\n"
+    (tmp_path / "p.txt").write_text(typed + "\n")
+    assert main(["run", TARGET, "-f", str(tmp_path / "p.txt"), "-n", "12"]) == 0
+    assert capsys.readouterr().out == meant + "\n"
+    assert main(["run", TARGET, "-p", typed, "-n", "12", "--no-escape"]) == 0
+    assert capsys.readouterr().out == as_typed + "\n"
