@@ -34,10 +34,10 @@ def _open_model(args: argparse.Namespace):
     from .model import Model
 
     return Model(args.model, n_ctx=args.n_ctx, n_threads=args.threads, kv_type=args.kv_type,
-                 n_ubatch=args.n_ubatch or "auto", n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split,
-                 rpc_servers=args.rpc, proposers=args.proposers, draft_model_path=args.draft,
-                 block_size=args.block_size, spec_mode=args.spec_mode, tree_budget=args.tree_budget,
-                 verbose=args.verbose, progress=True)
+                 n_ubatch=args.n_ubatch or "auto", n_gpu_layers=args.n_gpu_layers, n_cpu_moe=args.n_cpu_moe,
+                 tensor_split=args.tensor_split, rpc_servers=args.rpc, proposers=args.proposers,
+                 draft_model_path=args.draft, block_size=args.block_size, spec_mode=args.spec_mode,
+                 tree_budget=args.tree_budget, verbose=args.verbose, progress=True)
 
 
 # the sampling flags (_sampling_arguments) and Model's parameter each sets

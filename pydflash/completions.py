@@ -140,7 +140,8 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
                            speculative: bool, sampling: dict) -> dict | Iterator[dict]:
     """Model.create_chat_completion; `sampling`: Model.generate's sampling keyword arguments."""
     bool_arg("stream", stream)
-    logprobs = bool_arg("logprobs", False if logprobs is None else logprobs)  # (None: OpenAI's and llama-cpp-python's default)
+    # None: OpenAI's and llama-cpp-python's default
+    logprobs = bool_arg("logprobs", False if logprobs is None else logprobs)
     top_logprobs = optional_int_arg("top_logprobs", top_logprobs, 0, 20)
     _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs)
     with_usage = _include_usage(stream_options)

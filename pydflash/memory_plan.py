@@ -73,7 +73,9 @@ def proposers_arg(proposers, draft_model_path) -> tuple[str, ...] | None:
 def context_size(n_ctx, model_path):
     """n_ctx as given, or for 0 (llama.cpp's -c 0, llama-cpp-python's n_ctx=0: "from the model") the context the
     model was trained for (its GGUF's context_length, at most MAX_CTX)."""
-    if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx == 0:
+    if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx <= 0:
+        if n_ctx < 0:
+            raise ValueError(f"n_ctx = {n_ctx}, expected 0 (the model's trained context) or a value in [1, {MAX_CTX}]")
         path, _ = checked_paths(model_path, None)
         return min(_core.Model(path, plan_only=True).n_ctx_train, MAX_CTX)
     return n_ctx
@@ -362,7 +364,8 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
     step over all of them) its own compute buffers, measured over its largest steps at the whole context."""
     paths = checked_paths(model_path, draft_model_path)
     rpc.add_servers(rpc_servers)  # the device its layers are placed on and whose memory is the budget
-    args = engine_options(n_ctx=context_size(n_ctx, model_path), kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
+    args = engine_options(n_ctx=context_size(n_ctx, model_path), kv_type=kv_type, n_gpu_layers=n_gpu_layers,
+                          n_cpu_moe=n_cpu_moe,
                           tensor_split=tensor_split, n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
                           tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net,
                           proposers=proposers_arg(proposers, draft_model_path))

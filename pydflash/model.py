@@ -284,7 +284,8 @@ class Model:
     ):
         # an RPC server's device is offloaded to as a GPU: registered before the plan places the layers
         rpc.add_servers(rpc_servers)
-        options = engine_options(n_ctx=context_size(n_ctx, model_path), kv_type=kv_type, n_gpu_layers=n_gpu_layers, n_cpu_moe=n_cpu_moe,
+        options = engine_options(n_ctx=context_size(n_ctx, model_path), kv_type=kv_type, n_gpu_layers=n_gpu_layers,
+                                 n_cpu_moe=n_cpu_moe,
                                  tensor_split=tensor_split, proposers=proposers_arg(proposers, draft_model_path),
                                  n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
                                  tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)

@@ -226,7 +226,7 @@ def _server_state(model: Model, parallel, api_key, alias, max_queue, max_body, r
                        max_body, read_timeout, chat_options)
 
 
-# the arguments a server's defaults may set, and the request field each stands for
+# the create_* arguments a server's defaults may set (each a request field of the same name)
 _DEFAULTABLE = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty",
                 "presence_penalty", "frequency_penalty", "repeat_last_n", "seed", "chat_template_kwargs")
 

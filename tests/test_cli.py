@@ -487,8 +487,9 @@ def test_the_prompts_escapes_are_read_as_llama_cpp_reads_them(tmp_path, capsys):
     string_process_escapes)."""
     from pydflash.llama_flags import process_escapes
 
-    for typed, meant in (("a\\nb", "a\nb"), ("a\\\\nb", "a\\nb"), ("x\\x41y", "xAy"), ("it\\'s \\\"q\\\"", "it's \"q\""),
-                         ("\\q\\xZZ", "\\q\\xZZ"), ("tail\\", "tail\\"), ("\\xc3\\xa9\\r\\t", "\u00e9\r\t")):
+    for typed, meant in (("a\\nb", "a\nb"), ("a\\\\nb", "a\\nb"), ("x\\x41y", "xAy"),
+                         ("it\\'s \\\"q\\\"", "it's \"q\""), ("\\q\\xZZ", "\\q\\xZZ"),
+                         ("tail\\", "tail\\"), ("\\xc3\\xa9\\r\\t", "\u00e9\r\t")):
         assert process_escapes(typed) == meant, typed
     typed = "def f(x):\\n    return"
     with pydflash.Model(TARGET, n_ctx=4096) as m:

@@ -169,7 +169,8 @@ def test_max_tokens_zero_counts_and_caches_the_prompt(model):
     prompt = "def tokens_of(line):"
     n = len(model.tokenize(prompt))
     r = model.create_completion(prompt + " # zero", max_tokens=0)
-    assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) == (len(model.tokenize(prompt + " # zero")), 0)
+    usage = r["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(model.tokenize(prompt + " # zero")), 0)
     assert r["choices"][0]["text"] == "" and r["choices"][0]["finish_reason"] == "length"
     model.generate("import os", max_tokens=2)  # the cache holds another prompt
     model.create_completion(prompt, max_tokens=0)

@@ -319,7 +319,7 @@ BAD_MODEL_ARGUMENTS = [
     (dict(n_ctx=None), TypeError, r"n_ctx must be an int, got NoneType"),
     (dict(n_ctx=1.5), TypeError, r"n_ctx must be an int, got float"),
     (dict(n_ctx=True), TypeError, r"n_ctx must be an int, got bool"),
-    (dict(n_ctx=0), ValueError, r"n_ctx = 0, expected a value in \[1, 1073741824\]"),
+    (dict(n_ctx=-1), ValueError, r"n_ctx = -1, expected 0 \(the model's trained context\) or a value in \[1, 1073741824\]"),
     (dict(n_ctx=2**31), ValueError, r"n_ctx = 2147483648, expected a value in \[1, 1073741824\]"),
     (dict(n_gpu_layers=-2), ValueError, r"n_gpu_layers = -2, expected a value in \[-1, "),
     (dict(n_ubatch=0), ValueError, r"n_ubatch = 0, expected a value in \[1, "),
