@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
+from . import tool_calls
 from ._arguments import bool_arg, optional_int_arg
 from .chat import ChatTemplate, ChatTemplateError, ReasoningStream, split_reasoning
 from .chat_messages import prepare
@@ -146,9 +147,11 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
     _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs)
     with_usage = _include_usage(stream_options)
     rendering = chat_template(model, template, chat_format)
-    text = rendering.render(
-        prepare(messages, rendering), tools=None if tool_choice == "none" else tools, add_generation_prompt=True,
-        **(chat_template_kwargs or {}))
+    tools = None if tool_choice == "none" else tools
+    text = rendering.render(prepare(messages, rendering), tools=tools, add_generation_prompt=True,
+                            **(chat_template_kwargs or {}))
+    # the reply's tool calls are read out of it in the template's form, where tools were offered
+    calls_form = tool_calls.form_of(rendering.source) if tools else None
     prompt = model.tokenize(text, add_special=False, parse_special=True)
     # a template may open the reasoning block itself (the reply then starts inside it)
     started = text.rstrip().endswith("<think>")
@@ -159,12 +162,15 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
     if not stream:
         split = split_reasoning("".join(p for p, _ in pieces), started=started)
         c = pieces.completion
-        message = {"role": "assistant", "content": split.content}
+        content, calls = tool_calls.split(split.content, calls_form, tools) if calls_form else (split.content, [])
+        message = {"role": "assistant", "content": content or (None if calls else content)}
         if split.reasoning_content is not None:
             message["reasoning_content"] = split.reasoning_content
+        if calls:
+            message["tool_calls"] = calls
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(c.logprobs),
-                             "finish_reason": c.finish_reason}],
+                             "finish_reason": "tool_calls" if calls else c.finish_reason}],
                 "usage": _usage(c), "timings": c.timings}
 
     def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
@@ -174,17 +180,28 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
     def chunks() -> Iterator[dict]:
         yield chunk({"role": "assistant"})
         reasoning = ReasoningStream(started=started)
+        calls = tool_calls.ToolCallStream(calls_form, tools) if calls_form else None
+
+        def deltas(fields) -> list[dict]:
+            out = [{field: calls.feed(text) if calls and field == "content" else text} for field, text in fields]
+            return [d for d in out if next(iter(d.values()))]
+
         for piece, lp in pieces:
-            fields = reasoning.feed(piece)
+            ready = deltas(reasoning.feed(piece))
             chat_lp = _chat_logprobs(lp)
-            if not fields and chat_lp is not None:
+            if not ready and chat_lp is not None:
                 yield chunk({}, lp=chat_lp)
-            for i, (field, text) in enumerate(fields):
-                yield chunk({field: text}, lp=chat_lp if i == 0 else None)
-        for field, text in reasoning.flush():
-            yield chunk({field: text})
+            for i, delta in enumerate(ready):
+                yield chunk(delta, lp=chat_lp if i == 0 else None)
+        for delta in deltas(reasoning.flush()):
+            yield chunk(delta)
+        content, found = calls.finish() if calls else ("", [])
+        if content:
+            yield chunk({"content": content})
+        if found:
+            yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(found)]})
         c = pieces.completion
-        yield {**chunk({}, c.finish_reason), "timings": c.timings}
+        yield {**chunk({}, "tool_calls" if found else c.finish_reason), "timings": c.timings}
         if with_usage:
             yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(c)}
 
