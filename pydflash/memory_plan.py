@@ -365,10 +365,9 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
     paths = checked_paths(model_path, draft_model_path)
     rpc.add_servers(rpc_servers)  # the device its layers are placed on and whose memory is the budget
     args = engine_options(n_ctx=context_size(n_ctx, model_path), kv_type=kv_type, n_gpu_layers=n_gpu_layers,
-                          n_cpu_moe=n_cpu_moe,
-                          tensor_split=tensor_split, n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
-                          tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net,
-                          proposers=proposers_arg(proposers, draft_model_path))
+                          n_cpu_moe=n_cpu_moe, tensor_split=tensor_split, n_ubatch=n_ubatch, spec_mode=spec_mode,
+                          block_size=block_size, tree_budget=tree_budget, draft_window=draft_window,
+                          delta_net=delta_net, proposers=proposers_arg(proposers, draft_model_path))
     args["parallel"] = int_arg("parallel", parallel, 1, 1024)
     return plan_checked(paths, args, device_budget(vram, ram), suggest=suggest, sweep=sweep, largest=largest)
 

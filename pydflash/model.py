@@ -119,7 +119,7 @@ GENERATE_SAMPLING = dict(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, typi
 
 
 def _nothing_generated(finish_reason: str, sampling: dict) -> dict:
-    """The core's result for a generation that ends before its first token (max_tokens=0, or aborted first)."""
+    """The core's result for a generation aborted before it began."""
     result = {"tokens": [], "finish_reason": finish_reason,
               "timings": {"prompt_n": 0, "cached_n": 0, "prompt_ms": 0.0, "predicted_n": 0, "predicted_ms": 0.0,
                           "n_target_evals": 0, "sample_ms": 0.0}}
@@ -285,10 +285,10 @@ class Model:
         # an RPC server's device is offloaded to as a GPU: registered before the plan places the layers
         rpc.add_servers(rpc_servers)
         options = engine_options(n_ctx=context_size(n_ctx, model_path), kv_type=kv_type, n_gpu_layers=n_gpu_layers,
-                                 n_cpu_moe=n_cpu_moe,
-                                 tensor_split=tensor_split, proposers=proposers_arg(proposers, draft_model_path),
-                                 n_ubatch=n_ubatch, spec_mode=spec_mode, block_size=block_size,
-                                 tree_budget=tree_budget, draft_window=draft_window, delta_net=delta_net)
+                                 n_cpu_moe=n_cpu_moe, tensor_split=tensor_split,
+                                 proposers=proposers_arg(proposers, draft_model_path), n_ubatch=n_ubatch,
+                                 spec_mode=spec_mode, block_size=block_size, tree_budget=tree_budget,
+                                 draft_window=draft_window, delta_net=delta_net)
         n_threads = optional_int_arg("n_threads", n_threads, 1)
         self.seed = _seed_arg(seed)  # the default of sampled calls (None: a fresh seed per call)
         self.tree_seed = choice_arg("tree_seed", tree_seed, ("chain", "best_first"))
