@@ -517,9 +517,9 @@ def test_parallel_slots_batch_and_each_equals_alone(tmp_path, arch, parallel):
 
 
 # ---- abuse ----
-def _post(server, path: str, body, **kw) -> httpx.Response:
+def _post(server, path: str, body, timeout: float = 30, **kw) -> httpx.Response:
     content = json.dumps(body) if isinstance(body, (dict, list)) else body
-    return httpx.post(server.url + path, content=content, timeout=30,
+    return httpx.post(server.url + path, content=content, timeout=timeout,
                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, **kw)
 
 
@@ -634,9 +634,12 @@ def test_fifty_connections_against_two_slots(server, client):
     """Past the slots and the bounded queue requests get 503; every other one is served; the server survives."""
     bias = {str(t): -100 for t in _eog_ids()}  # each request runs its 1500 tokens: the queue fills up
 
+    # The last queued request waits for 8 others' 1500 tokens on each slot: the test took 29 s alone on the 2-core
+    # VM and timed out (30 s a request) beside a fresh-clone CI; what it tests is that each request is served or
+    # refused, not how soon.
     def one(i):
         return _post(server, "/v1/completions", {"prompt": f"def f{i}(x):", "max_tokens": 1500, "temperature": 0.0,
-                                                 "logit_bias": bias})
+                                                 "logit_bias": bias}, timeout=300)
 
     with ThreadPoolExecutor(50) as pool:
         codes = [r.status_code for r in pool.map(one, range(50))]
