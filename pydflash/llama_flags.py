@@ -164,6 +164,10 @@ def reconcile(args: argparse.Namespace) -> None:
     one is refused or out of range)."""
     if getattr(args, "refused", None):
         raise ValueError(args.refused)
+    draft = getattr(args, "draft", None)
+    if draft is not None and draft.isdigit() and not Path(draft).exists():
+        raise ValueError(f"--draft {draft}: no such file; --draft is the draft model here (llama.cpp's older "
+                         f"--draft N, drafts a round, is --spec-draft-n-max N)")
     if getattr(args, "spec_type", None) is not None:
         args.proposers = _spec_type(args.spec_type, args.proposers)
     for flag, name in (("-ub/--ubatch-size", "n_ubatch"), ("-b/--batch-size", "n_batch")):

@@ -442,6 +442,7 @@ def test_ignore_eos_bans_the_end_of_generation_tokens(monkeypatch, capsys):
     (["serve", TARGET, "-to", "-5"], "-to/--timeout = -5, expected seconds > 0"),
     (["serve", TARGET, "--read-timeout", "0"], "-to/--timeout = 0, expected seconds > 0"),
     (["bench", TARGET, "--n-prompts", "0"], "--n-prompts = 0, expected at least 1"),
+    (["run", TARGET, "-p", "x", "--draft", "8"], "--draft 8: no such file; --draft is the draft model here"),
     (["serve", TARGET, "--chat-template", "chatml", "--chat-format", "chatml"],
      "give one of --chat-template and --chat-format"),
 ])
