@@ -380,3 +380,35 @@ def test_native_completion_answers_as_llama_servers(tmp_path):
             for key in ("content", "stop", "stop_type", "stopping_word", "tokens_predicted", "tokens_evaluated",
                         "truncated", "has_new_line"):
                 assert a[key] == b[key], (body, key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_openai_form_messages_render_as_llama_servers(tmp_path, llama_cpp_dir):
+    """Messages as OpenAI clients send them (content as text parts, null content beside tool calls, tool-call
+    arguments as a JSON string, a tool's reply) give the prompt llama-server gives with the same template
+    (Qwen3.5's, which reads arguments as an object, and Qwen3's, which prints the string), at /apply-template."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from pydflash.server import create_app
+
+    if peer.binary("llama-server") is None:
+        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
+    target = pair_file("qwen3", "target", "q8_0")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "The weather?"},
+                                                      {"type": "text", "text": "In Paris."}]},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], "tools": tools}
+    for name in ("Qwen3.5-4B.jinja", "Qwen-Qwen3-0.6B.jinja"):
+        template = llama_cpp_dir / "models" / "templates" / name
+        with pydflash.Model(target, n_ctx=512, n_threads=1) as m, \
+                TestClient(create_app(m, chat_template=template.read_text())) as ours, \
+                peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log",
+                                  extra=("--chat-template-file", str(template))) as url:
+            got = ours.post("/apply-template", json=body)
+            assert got.status_code == 200, got.text
+            assert got.json()["prompt"] == _llama(url, "/apply-template", body)["prompt"], name
