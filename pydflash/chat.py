@@ -131,6 +131,14 @@ def split_reasoning(text: str, *, start: str = "<think>", end: str = "</think>",
     return ReasoningSplit(body[:at].strip(), body[at + len(end):].lstrip())
 
 
+def partial_tag_at_end(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (text a stream must hold back)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
 class ReasoningStream:
     """split_reasoning for a reply arriving in pieces: feed() returns (field, text) pairs, field being
     "reasoning_content" or "content"; text that could still be the start of a tag is held back."""
@@ -142,11 +150,7 @@ class ReasoningStream:
         self._lstrip = started  # whitespace after a tag is dropped until text comes
 
     def _held(self, tag: str) -> int:
-        """Length of the longest suffix of the pending text that is a proper prefix of `tag`."""
-        for k in range(min(len(tag) - 1, len(self._pending)), 0, -1):
-            if self._pending.endswith(tag[:k]):
-                return k
-        return 0
+        return partial_tag_at_end(self._pending, tag)
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self._pending += text

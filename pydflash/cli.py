@@ -367,7 +367,7 @@ def _proposers_argument(p: argparse.ArgumentParser) -> None:
 
 def _model_arguments(p: argparse.ArgumentParser, *, max_tokens: int | None, model_option: bool = True) -> None:
     """Model's arguments, under llama.cpp's names too (-m, --ctx-size, --predict, -ctk/-ctv, --model-draft,
-    --spec-draft-n-max; _llama_spellings reconciles them)."""
+    --spec-draft-n-max; llama_flags.reconcile reconciles them)."""
     _model_file_arguments(p, model_option)
     p.add_argument("-n", "--max-tokens", "--predict", "--n-predict", dest="max_tokens", type=int, default=max_tokens)
     p.add_argument("-c", "--n-ctx", "--ctx-size", dest="n_ctx", type=int, default=4096)
@@ -408,40 +408,6 @@ def _draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens a round verifies: the anchor and its drafts")
     p.add_argument("--spec-draft-n-max", type=int, default=None, metavar="N",
                    help="llama.cpp's drafts per round: the same as --block-size N+1")
-
-
-def _llama_spellings(args: argparse.Namespace) -> None:
-    """Reconciles llama.cpp's spellings with ours after parsing (a ValueError naming both when they disagree):
-    -m with the positional model, -ctk / -ctv with --kv-type, --spec-draft-n-max with --block-size."""
-    if hasattr(args, "model_option"):
-        if args.model is not None and args.model_option is not None and args.model != args.model_option:
-            raise ValueError(f"two models: {args.model!r} and -m {args.model_option!r}")
-        args.model = args.model if args.model is not None else args.model_option
-        if args.model is None:
-            raise ValueError("no model: pass the GGUF's path (or -m FNAME)")
-    if hasattr(args, "cache_type_k"):
-        # llama.cpp's default for each is f16; one type for both here
-        k = args.cache_type_k or args.kv_type or "f16"
-        v = args.cache_type_v or args.kv_type or "f16"
-        given = {name: value for name, value in (("--kv-type", args.kv_type), ("-ctk", args.cache_type_k),
-                                                 ("-ctv", args.cache_type_v)) if value is not None}
-        if len(given) == 1 and k != v:
-            (name, value), = given.items()
-            raise ValueError(f"{name} {value} alone: the K and V caches share one type here, and llama.cpp's default "
-                             f"for the other is f16: give -ctk {value} -ctv {value}, or --kv-type {value}")
-        if len(set(given.values())) > 1:
-            shown = ", ".join(f"{name} {value}" for name, value in given.items())
-            raise ValueError(f"{shown} disagree: the K and V caches share one type here: give -ctk and -ctv the "
-                             f"same type, or --kv-type alone")
-        args.kv_type = k
-    if getattr(args, "spec_draft_n_max", None) is not None:
-        n = args.spec_draft_n_max
-        if n < 1:
-            raise ValueError(f"--spec-draft-n-max must be at least 1, got {n}")
-        if args.block_size is not None and args.block_size != n + 1:
-            raise ValueError(f"--spec-draft-n-max {n} drafts {n} tokens a round (block size {n + 1}), but "
-                             f"--block-size is {args.block_size}")
-        args.block_size = n + 1
 
 
 def _sampling_arguments(p: argparse.ArgumentParser, temp: float | None) -> None:
@@ -575,7 +541,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         llama_flags.reconcile(args)
-        _llama_spellings(args)
         return args.func(args)
     except Exception as e:  # a clear one-line message instead of a traceback for user errors
         from .errors import PydflashError

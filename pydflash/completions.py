@@ -183,8 +183,14 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
         calls = tool_calls.ToolCallStream(calls_form, tools) if calls_form else None
 
         def deltas(fields) -> list[dict]:
-            out = [{field: calls.feed(text) if calls and field == "content" else text} for field, text in fields]
-            return [d for d in out if next(iter(d.values()))]
+            """The reasoning split's (field, text) pairs as deltas; content held from a tool call's start on."""
+            out = []
+            for field, text in fields:
+                if calls and field == "content":
+                    text = calls.feed(text)
+                if text:
+                    out.append({field: text})
+            return out
 
         for piece, lp in pieces:
             ready = deltas(reasoning.feed(piece))

@@ -28,9 +28,8 @@ _REFUSED_EVERYWHERE = [
     (("-hf", "-hfr", "--hf-repo"), True, "pydflash downloads nothing: give the GGUF's path"),
     (("--lora",), True, "LoRA adapters are not supported"),
     (("--grammar", "--grammar-file", "-j", "--json-schema"), True, "grammar-constrained sampling is not supported"),
-    (("--mirostat",), True, "the samplers are llama.cpp's default chain (top-k, typical, top-p, min-p, temperature)"),
-    (("--samplers", "--sampling-seq"), True, "the samplers are llama.cpp's default chain (top-k, typical, top-p, "
-                                              "min-p, temperature)"),
+    (("--mirostat", "--samplers", "--sampling-seq"), True,
+     "the samplers are llama.cpp's default chain (top-k, typical, top-p, min-p, temperature)"),
     (("-dev", "--device"), True, "-ngl offloads to the GPU (or the first --rpc server); -ts splits across devices"),
     (("-cnv", "--conversation", "-no-cnv", "--no-conversation", "-st", "--single-turn"), False,
      "`pydflash chat` is the conversation, `pydflash run` one continuation"),
@@ -185,6 +184,41 @@ def reconcile(args: argparse.Namespace) -> None:
         raise ValueError(f"-to/--timeout = {args.read_timeout:g}, expected seconds > 0")
     if hasattr(args, "api_key_file"):
         args.api_keys = api_keys(args.api_key, args.api_key_file)
+    _shared_spellings(args)
+
+
+def _shared_spellings(args: argparse.Namespace) -> None:
+    """Reconciles llama.cpp's spellings with ours after parsing (a ValueError naming both when they disagree):
+    -m with the positional model, -ctk / -ctv with --kv-type, --spec-draft-n-max with --block-size."""
+    if hasattr(args, "model_option"):
+        if args.model is not None and args.model_option is not None and args.model != args.model_option:
+            raise ValueError(f"two models: {args.model!r} and -m {args.model_option!r}")
+        args.model = args.model if args.model is not None else args.model_option
+        if args.model is None:
+            raise ValueError("no model: pass the GGUF's path (or -m FNAME)")
+    if hasattr(args, "cache_type_k"):
+        # llama.cpp's default for each is f16; one type for both here
+        k = args.cache_type_k or args.kv_type or "f16"
+        v = args.cache_type_v or args.kv_type or "f16"
+        given = {name: value for name, value in (("--kv-type", args.kv_type), ("-ctk", args.cache_type_k),
+                                                 ("-ctv", args.cache_type_v)) if value is not None}
+        if len(given) == 1 and k != v:
+            (name, value), = given.items()
+            raise ValueError(f"{name} {value} alone: the K and V caches share one type here, and llama.cpp's default "
+                             f"for the other is f16: give -ctk {value} -ctv {value}, or --kv-type {value}")
+        if len(set(given.values())) > 1:
+            shown = ", ".join(f"{name} {value}" for name, value in given.items())
+            raise ValueError(f"{shown} disagree: the K and V caches share one type here: give -ctk and -ctv the "
+                             f"same type, or --kv-type alone")
+        args.kv_type = k
+    if getattr(args, "spec_draft_n_max", None) is not None:
+        n = args.spec_draft_n_max
+        if n < 1:
+            raise ValueError(f"--spec-draft-n-max must be at least 1, got {n}")
+        if args.block_size is not None and args.block_size != n + 1:
+            raise ValueError(f"--spec-draft-n-max {n} drafts {n} tokens a round (block size {n + 1}), but "
+                             f"--block-size is {args.block_size}")
+        args.block_size = n + 1
 
 
 def _spec_type(text: str, proposers: tuple[str, ...] | None) -> tuple[str, ...]:

@@ -17,6 +17,8 @@ import re
 import uuid
 from typing import Any, Mapping, Sequence
 
+from .chat import partial_tag_at_end
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.DOTALL)
@@ -119,8 +121,7 @@ class ToolCallStream:
             if at >= 0:
                 out, self._held, self._holding = self._held[:at], self._held[at:], True
                 return out
-            keep = next((k for k in range(min(len(OPEN) - 1, len(self._held)), 0, -1)
-                         if self._held.endswith(OPEN[:k])), 0)  # a possible start of the tag
+            keep = partial_tag_at_end(self._held, OPEN)
             out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
             return out
         return ""
@@ -128,5 +129,4 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[dict]]:
         if not self._holding:
             return self._held, []
-        content, calls = split(self._held, self._form, self._tools)
-        return (content if calls else self._held), calls
+        return split(self._held, self._form, self._tools)
