@@ -14,7 +14,7 @@ from gguf_edit import patch_tensor_info, rewrite
 
 import pydflash
 from pydflash import _core
-from pydflash.errors import GGUFFormatError, PydflashError, UnsupportedModelError
+from pydflash.errors import GGUFFormatError, ModelLoadError, PydflashError, UnsupportedModelError
 
 T = gguf.GGUFValueType
 NAN, INF = float("nan"), float("inf")
@@ -138,6 +138,19 @@ def test_invalid_utf8_in_a_string_the_tokenizer_reads(tmp_path):
                   set_keys={"tokenizer.ggml.pre": (b"qwen\xff2", T.STRING)})
     with pytest.raises(PydflashError, match=r"tokenizer\.ggml\.pre"):
         pydflash.Model(bad)
+
+
+def test_a_malformed_header_says_what_ggml_found(tmp_path):
+    """ggml's parser says what is wrong only in its log; the error carries it (before: 'malformed or truncated
+    GGUF header/metadata' alone, whatever was wrong)"""
+    bad = patch_tensor_info(target("qwen3"), tmp_path / "bad.gguf", "blk.0.ffn_up.weight", ggml_type=99)
+    with pytest.raises(ModelLoadError, match=r"bad\.gguf: malformed or truncated GGUF header/metadata \(ggml: "
+                                             r"tensor 'blk\.0\.ffn_up\.weight' has invalid ggml type 99"):
+        pydflash.Model(bad)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(target("qwen3").read_bytes()[:3000])  # inside the tokenizer's arrays
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf: .*\(ggml: failed to read key-value pairs\)$"):
+        pydflash.Model(cut)
 
 
 def test_integer_weight_type_is_refused(tmp_path):

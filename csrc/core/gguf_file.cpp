@@ -1,5 +1,6 @@
 #include "core/gguf_file.h"
 #include "core/error.h"
+#include "core/log.h"
 
 #include <algorithm>
 #include <cmath>
@@ -125,12 +126,15 @@ gguf_file::gguf_file(const std::string & path, bool metadata_only) : path_(path)
         throw file_error(format("%s: mmap failed: %s", path.c_str(), strerror(errno)));
     }
 
-    gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/&meta_};
+    gguf_init_params   params = {/*no_alloc =*/true, /*ctx =*/&meta_};
+    ggml_error_capture ggml_says;
     gguf_ = gguf_init_from_buffer(map_, size_, params);
     if (!gguf_) {
         munmap(map_, size_);
         map_ = nullptr;
-        throw file_error(format("%s: malformed or truncated GGUF header/metadata", path.c_str()));
+        const std::string & why = ggml_says.lines();
+        throw file_error(format("%s: malformed or truncated GGUF header/metadata%s%s", path.c_str(),
+                                why.empty() ? "" : " (ggml: ", why.empty() ? "" : (why + ")").c_str()));
     }
     // every tensor's bytes must lie inside the file (unless only its metadata is read: a plan)
     if (!metadata_only_) {

@@ -3,6 +3,7 @@
 
 #include "ggml.h"
 
+#include <cctype>
 #include <cstdarg>
 #include <cstdio>
 #include <mutex>
@@ -12,6 +13,21 @@ namespace pdf {
 static std::mutex   g_log_mutex;
 static log_callback g_log_callback;
 static std::string  g_ggml_line;  // ggml logs a line in pieces; assemble before forwarding
+static thread_local ggml_error_capture * t_capture = nullptr;
+
+ggml_error_capture::ggml_error_capture() : outer_(t_capture) { t_capture = this; }
+
+ggml_error_capture::~ggml_error_capture() { t_capture = outer_; }
+
+void ggml_error_capture::add(const std::string & line) {
+    // ggml starts each line with its function's name ("gguf_init_from_reader: "): not the user's concern
+    size_t name_end = 0;
+    while (name_end < line.size() && (isalnum((unsigned char) line[name_end]) || line[name_end] == '_')) {
+        ++name_end;
+    }
+    const bool named = name_end > 0 && line.compare(name_end, 2, ": ") == 0;
+    lines_ += (lines_.empty() ? "" : "; ") + line.substr(named ? name_end + 2 : 0);
+}
 
 std::string format(const char * fmt, ...) {
     va_list ap;
@@ -59,6 +75,9 @@ static void ggml_log_to_sink(enum ggml_log_level level, const char * text, void 
         line.swap(g_ggml_line);
     }
     line.pop_back();
+    if (ours == LOG_LEVEL_ERROR && t_capture) {
+        t_capture->add(line);
+    }
     emit(ours, "ggml: " + line);
 }
 

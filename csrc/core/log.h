@@ -18,6 +18,23 @@ void log_msg(log_level level, const char * fmt, ...)
 #endif
     ;
 
+// Keeps the ggml error lines logged on this thread while it lives (they still reach the sink): ggml's parsers
+// say what they found wrong only in their log, and an exception should carry it.
+class ggml_error_capture {
+  public:
+    ggml_error_capture();
+    ~ggml_error_capture();
+    ggml_error_capture(const ggml_error_capture &)             = delete;
+    ggml_error_capture & operator=(const ggml_error_capture &) = delete;
+
+    void               add(const std::string & line);
+    const std::string & lines() const { return lines_; }  // joined with "; "
+
+  private:
+    std::string          lines_;
+    ggml_error_capture * outer_;
+};
+
 }  // namespace pdf
 
 #define PDF_LOG_DEBUG(...) ::pdf::log_msg(::pdf::LOG_LEVEL_DEBUG, __VA_ARGS__)
