@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -537,11 +538,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _LibraryLogLine(logging.Handler):
+    """The library's log lines written as the command's own messages ("pydflash: warning: ..."), to whatever
+    sys.stderr is when each comes (Python's fallback would print the bare message)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"pydflash: {record.levelname.lower()}: {self.format(record)}", file=sys.stderr)
+        except Exception:  # noqa: BLE001 (logging's own rule: a failing handler reports, never raises)
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _library_log_on_stderr() -> Iterator[None]:
+    """For the command's run, unless the "pydflash" logger already has a handler (an application's)."""
+    library = logging.getLogger("pydflash")
+    handler = None if library.handlers else _LibraryLogLine()
+    if handler:
+        library.addHandler(handler)
+    try:
+        yield
+    finally:
+        if handler:
+            library.removeHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         llama_flags.reconcile(args)
-        return args.func(args)
+        with _library_log_on_stderr():
+            return args.func(args)
     except Exception as e:  # a clear one-line message instead of a traceback for user errors
         from .errors import PydflashError
 

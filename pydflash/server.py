@@ -731,6 +731,7 @@ def serve(model: Model, *, host: str = "127.0.0.1", port: int = 8080, parallel: 
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logger.addHandler(handler)
+        logger.propagate = False  # (the command's handler for the library's lines would print each again)
     logger.setLevel(log_level.upper())
     logger.info("serving %s on http://%s:%d/v1 with %d slot(s)%s", app.state.pydflash.alias, host, port, parallel,
                 ", API key required" if api_key else "")

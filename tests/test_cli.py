@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import signal
 import socket
@@ -33,6 +34,15 @@ def test_run_streams_what_generate_gives(capsys):
     assert "top_p = 2.0" in capsys.readouterr().err
     assert main(["run", TARGET]) == 1
     assert "no prompt" in capsys.readouterr().err
+
+
+def test_library_warnings_print_as_the_commands_own(capsys):
+    """A warning of the library's (threads capped at the cores) printed bare before, through Python's fallback;
+    now once, as the command's other messages are"""
+    assert main(["run", TARGET, "-p", "x", "-n", "1", "-t", "100000"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "n_threads = 100000" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("pydflash: warning: n_threads = 100000 exceeds the ")
+    assert not logging.getLogger("pydflash").handlers  # the command's handler leaves with it
 
 
 def test_run_with_ngram_lookup(capsys):
