@@ -6,6 +6,7 @@ from .errors import (
     ConversionError,
     GGUFFormatError,
     InsufficientMemoryError,
+    ModelBusyError,
     ModelLoadError,
     PydflashError,
     UnsupportedModelError,
@@ -28,6 +29,7 @@ __all__ = [
     "ContextLengthExceededError",
     "BackendError",
     "ConversionError",
+    "ModelBusyError",
 ]
 
 

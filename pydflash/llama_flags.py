@@ -33,7 +33,7 @@ _REFUSED_EVERYWHERE = [
     (("-dev", "--device"), True, "-ngl offloads to the GPU (or the first --rpc server); -ts splits across devices"),
     (("-cnv", "--conversation", "-no-cnv", "--no-conversation", "-st", "--single-turn"), False,
      "`pydflash chat` is the conversation, `pydflash run` one continuation"),
-    (("--no-jinja",), False, "chat templates are always rendered with Jinja here (--chat-format chatml for ChatML)"),
+    (("--no-jinja",), False, "chat templates are always rendered with Jinja here (serve: --chat-format chatml for ChatML)"),
 ]
 _REFUSED_IN_SERVE = [
     (("-nocb", "--no-cont-batching"), False, "slots generating at the same time are always batched"),

@@ -28,7 +28,7 @@ try:
     import uvicorn
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse
-    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
     from sse_starlette.sse import EventSourceResponse
     from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -112,6 +112,17 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    # OpenAI's, refused as llama-server refuses them ("Unsupported param"): no fill-in-the-middle, no ranking
+    suffix: Any = None
+    best_of: Any = None
+
+    @field_validator("suffix", "best_of")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not (info.field_name == "best_of" and value == 1):
+            what = "fill-in-the-middle completion" if info.field_name == "suffix" else "ranking candidates"
+            raise ValueError(f"{info.field_name} is not supported ({what})")
+        return value
 
     def prompts(self) -> list:
         """The prompts: a list of strings or of token-id lists is one prompt each (a list of ints is one prompt's
@@ -316,7 +327,7 @@ def _add_info_routes(app: FastAPI, state: ServerState, model: Model) -> None:
         _authorize(request, state)
         meta = {"arch": model.arch, "n_ctx": model.n_ctx, "n_vocab": model.n_vocab, "parallel": len(state.slots),
                 "draft": os.path.basename(model.draft_model_path) if model.draft_model_path else None,
-                "spec_mode": model.spec_mode if model.draft_model_path else None}
+                "proposers": list(model.proposers), "spec_mode": model.spec_mode if model.proposers else None}
         return {"object": "list", "data": [{"id": state.alias, "object": "model", "created": state.created,
                                             "owned_by": "pydflash", "meta": meta}]}
 

@@ -175,6 +175,15 @@ def load(path):
     return _core.Model(str(path))
 
 
+def test_every_error_comes_with_the_package():
+    """docs/api.md: `import pydflash` gives the errors (ModelBusyError, raised by a second call at once, was only
+    in pydflash.errors)"""
+    from pydflash import errors
+
+    for name in errors.__all__:
+        assert getattr(pydflash, name) is getattr(errors, name) and name in pydflash.__all__, name
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ModelLoadError, match="no such file"):
         pydflash.Model(tmp_path / "nope.gguf")

@@ -558,9 +558,13 @@ def test_a_prompt_over_the_context_is_llama_servers_error(server):
 
 def test_bad_completion_requests_get_400(server):
     for body, where in [({"prompt": ["a"] * 9, "n": 8}, "72 choices; at most 64"), ({}, "prompt"),
-                        ({"prompt": "x", "logprobs": "2"}, "logprobs"), ({"prompt": [10**9]}, "prompt")]:
+                        ({"prompt": "x", "logprobs": "2"}, "logprobs"), ({"prompt": [10**9]}, "prompt"),
+                        # OpenAI's, refused as llama-server refuses them (a plain completion before: silently)
+                        ({"prompt": "x", "suffix": "y"}, "suffix is not supported (fill-in-the-middle"),
+                        ({"prompt": "x", "best_of": 3}, "best_of is not supported")]:
         r = _post(server, "/v1/completions", body)
         assert r.status_code == 400 and where in r.json()["error"]["message"], (body, r.text)
+    assert _post(server, "/v1/completions", {"prompt": "x", "best_of": 1, "max_tokens": 1}).status_code == 200
 
 
 # ---- llama-server's other routes ----
@@ -717,6 +721,19 @@ def test_one_log_line_per_request(server, client):
         assert re.search(r"16 tok at [\d.]+ tok/s; tau [\d.]+, acceptance [\d.]+", line), line
 
 
+def test_models_names_the_proposers_of_a_target_speculating_alone():
+    """A target that drafts with its own MTP head (no --draft) speculates: /v1/models said spec_mode null"""
+    from fastapi.testclient import TestClient
+
+    import pydflash
+    from pydflash.server import create_app
+
+    with pydflash.Model(PAIRS / "qwen35-target-mtp-q8_0.gguf", n_ctx=256, n_threads=1, spec_mode="chain") as m:
+        with TestClient(create_app(m, parallel=1)) as http:
+            meta = http.get("/v1/models").json()["data"][0]["meta"]
+    assert (meta["draft"], meta["proposers"], meta["spec_mode"]) == (None, ["mtp"], "chain")
+
+
 def test_a_target_without_drafter_serves_plainly():
     """In-process (Starlette's test client): no --draft, one slot; the log line then has no tau."""
     from fastapi.testclient import TestClient
@@ -727,7 +744,8 @@ def test_a_target_without_drafter_serves_plainly():
     with pydflash.Model(PAIRS / "qwen3-target-q8_0.gguf", n_ctx=512, n_threads=1) as m:
         ref = m.create_chat_completion(MESSAGES, max_tokens=12, temperature=0.0)
         with TestClient(create_app(m, parallel=1)) as http:
-            assert http.get("/v1/models").json()["data"][0]["meta"]["draft"] is None
+            meta = http.get("/v1/models").json()["data"][0]["meta"]
+            assert (meta["draft"], meta["proposers"], meta["spec_mode"]) == (None, [], None)
             r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 12, "temperature": 0.0})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
