@@ -26,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the tensor plan without writing a file")
     p.add_argument("--model-name", default=None, help="general.name (default: from the model card or folder name)")
     p.add_argument("--target-model-dir", type=Path, default=None,
-                   help="target model folder; required for DFlash drafts (DFlashDraftModel), which borrow the "
-                        "target's tokenizer, embedding and LM head")
+                   help="target model folder; required for DFlash and DFlash2 drafts (DFlashDraftModel, "
+                        "DFlash2DraftModel), which borrow the target's tokenizer, embedding and LM head")
     p.add_argument("--fuse-gate-up-exps", action="store_true",
                    help="write each MoE layer's gate and up experts as one ffn_gate_up_exps tensor (qwen35moe)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

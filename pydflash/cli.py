@@ -210,7 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
         serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_keys or None,
               alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout, chat_template=template,
               chat_format=chat_format, metrics=args.metrics, slots_endpoint=not args.no_slots,
-              defaults=_request_defaults(args))
+              defaults=_request_defaults(args), log_level="warning" if args.log_disable else "info")
     return 0
 
 
@@ -396,7 +396,8 @@ def _model_file_arguments(p: argparse.ArgumentParser, model_option: bool) -> Non
 
 
 def _kv_type_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-type", default=None, help="the K and V cache type: f32, f16 (default), bf16, q8_0, q4_0")
+    p.add_argument("--kv-type", default=None,
+                   help="the K and V cache type: f32, f16 (default), bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl")
     p.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
                    help="llama.cpp's K cache type (K and V share one type here: give -ctv the same)")
     p.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE", help="llama.cpp's V cache type")
@@ -482,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
         llama_flags.add_run_flags(run)
         llama_flags.add_escape_flags(run)
         run.set_defaults(func=_run, **({"prompt_text": None} if name == "run" else {}))
-    chat = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit; Ctrl-C stops an answer)")
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal (/reset, /exit or /quit; Ctrl-C stops "
+                                       "an answer)")
     _model_arguments(chat, max_tokens=None)
     chat.add_argument("-sys", "--system", "--system-prompt", dest="system", default=None, help="a system message")
     chat.add_argument("--no-think", action="store_true", help="thinking off (enable_thinking=False)")

@@ -33,7 +33,8 @@ _REFUSED_EVERYWHERE = [
     (("-dev", "--device"), True, "-ngl offloads to the GPU (or the first --rpc server); -ts splits across devices"),
     (("-cnv", "--conversation", "-no-cnv", "--no-conversation", "-st", "--single-turn"), False,
      "`pydflash chat` is the conversation, `pydflash run` one continuation"),
-    (("--no-jinja",), False, "chat templates are always rendered with Jinja here (serve: --chat-format chatml for ChatML)"),
+    (("--no-jinja",), False,
+     "chat templates are always rendered with Jinja here (serve: --chat-format chatml for ChatML)"),
 ]
 _REFUSED_IN_SERVE = [
     (("-nocb", "--no-cont-batching"), False, "slots generating at the same time are always batched"),
@@ -83,7 +84,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="accepted: pydflash chooses the attention kernel by the attended window")
     p.add_argument("--jinja", action="store_true", help="accepted: chat templates are always rendered with Jinja")
     p.add_argument("--no-mmap", action="store_true", help="accepted: weights are always read into memory")
-    p.add_argument("--log-disable", action="store_true", help="accepted: pydflash logs only warnings unless -v")
+    p.add_argument("--log-disable", action="store_true",
+                   help="llama.cpp's: serve writes no start or request lines (warnings and errors still); the other "
+                        "commands log only warnings unless -v")
     _add_refused(p, _REFUSED_EVERYWHERE)
 
 

@@ -570,8 +570,10 @@ class _RequestLog:
         if t:
             parts.append(f"prompt {t['prompt_n']} tok (cached {t.get('cached_n', 0)}), "
                          f"{t['predicted_n']} tok at {t['predicted_per_second']:.1f} tok/s")
-            if "tau" in t:
+            if t.get("n_rounds"):
                 parts.append(f"tau {t['tau']:.2f}, acceptance {t['draft_acceptance_rate']:.2f}")
+            elif "n_rounds" in t:  # (a speculative model that decoded this one plainly: auto, or speculative=False)
+                parts.append("no speculative round")
         logger.info("; ".join(parts))
 
 
