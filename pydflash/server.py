@@ -551,7 +551,9 @@ async def _complete(request: Request, kind: str, state: ServerState):
         first = await runs.next()  # argument errors (a prompt over the context ...) come before any chunk
     except Exception as e:
         await runs.close()
-        raise _public_error(e) from None
+        err = _public_error(e)
+        log.write(f"{err.status}", None)  # (as a request that is not streamed logs it)
+        raise err from None
     return EventSourceResponse(_events(runs, first, state, log), background=BackgroundTask(runs.close),
                                ping=15, sep="\n")
 

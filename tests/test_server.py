@@ -554,6 +554,13 @@ def test_a_prompt_over_the_context_is_llama_servers_error(server):
         error = _post(server, path, body).json()["error"]
         assert (error["type"], error["code"], error["n_ctx"]) == ("exceed_context_size_error", 400, 1024), error
         assert error["n_prompt_tokens"] > 1024 and f"but n_ctx = 1024" in error["message"]
+    # streamed, it fails before the first chunk: logged as the same request not streamed is (it was not)
+    logged = server.log_text().count(" 400 in ")
+    assert _post(server, "/v1/completions", {"prompt": "word " * 3000, "stream": True}).status_code == 400
+    deadline = time.time() + 5
+    while server.log_text().count(" 400 in ") == logged and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.log_text().count(" 400 in ") == logged + 1
 
 
 def test_bad_completion_requests_get_400(server):
