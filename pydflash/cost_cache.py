@@ -12,6 +12,8 @@ percent of a short benchmark's time on the tiny pairs). Both are rewritten when 
 
 from __future__ import annotations
 
+import math
+
 from . import cache_paths, ubatch
 
 __all__ = ["cache_key", "restore", "remember"]
@@ -19,6 +21,7 @@ __all__ = ["cache_key", "restore", "remember"]
 # (the widths each key's saved table holds, auto's cool-down length), as this process last wrote or read them
 _saved: dict[str, tuple[frozenset, int]] = {}
 CACHE_FILE = "verify_costs.json"
+MAX_WIDTH = 1 << 16  # (wider than any verify: the core's widths are C ints)
 
 
 def cache_key(model_path: str, draft_path: str | None, n_threads: int, placement: str, mtp: bool = False) -> str | None:
@@ -34,6 +37,14 @@ def _widths(chain: dict, tree: dict) -> frozenset:
     return frozenset([(int(w), False) for w in chain] + [(int(w), True) for w in tree])
 
 
+def _times(saved: dict) -> dict[int, float]:
+    """A saved {width: ms} table as the core takes it; a width or time no run here measured raises ValueError."""
+    times = {int(w): float(ms) for w, ms in saved.items()}
+    if not all(1 <= w <= MAX_WIDTH and math.isfinite(ms) for w, ms in times.items()):
+        raise ValueError("not a measured width or time")
+    return times
+
+
 def restore(draft, key: str | None) -> None:
     """Give the DraftSession (or MtpDrafter) `draft` the verify times saved under `key`, if any."""
     if draft is None or key is None:
@@ -42,10 +53,9 @@ def restore(draft, key: str | None) -> None:
     if not isinstance(saved, dict):
         return
     try:
-        chain = {int(w): float(ms) for w, ms in saved.get("verify_ms", {}).items()}
-        tree = {int(w): float(ms) for w, ms in saved.get("tree_verify_ms", {}).items()}
+        chain, tree = _times(saved.get("verify_ms", {})), _times(saved.get("tree_verify_ms", {}))
         cool_len = min(max(int(saved.get("cool_len", 0)), 0), 1 << 20)
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError, OverflowError):
         return  # not a table this version wrote: measured again
     draft.restore_costs(chain, tree, cool_len=cool_len)
     _saved[key] = (_widths(chain, tree), cool_len)

@@ -61,7 +61,7 @@ def calibrate(session, draft, tokens: list[int], sizes, key: str) -> tuple[int, 
     session empty. Returns the size and the measured milliseconds per token by size (empty when it came from
     the cache)."""
     cached = cache_paths.read_table(CACHE_FILE).get(key)
-    if isinstance(cached, dict) and cached.get("n_ubatch") in sizes:
+    if isinstance(cached, dict) and type(cached.get("n_ubatch")) is int and cached["n_ubatch"] in sizes:
         return cached["n_ubatch"], {}
     longest = max(sizes)
     tokens = list(tokens) or [0]

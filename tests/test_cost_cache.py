@@ -84,3 +84,38 @@ def test_the_mtp_heads_costs_are_kept_too():
     assert restored[0].keys() == learnt[0].keys()
     with pydflash.Model(target, n_ctx=512, n_threads=2, proposers=()) as plain:
         assert plain._mtp is None
+
+
+def test_a_table_no_run_wrote_is_measured_again():
+    """Widths and times that no run here writes (hand-edited, another version's, damaged) are dropped with their
+    table: the load decodes as a fresh one. Before, a width past a C int or a time past a double made every later
+    load of the pair raise TypeError / OverflowError from inside the cost cache."""
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2, spec_mode="chain") as m:
+        m.generate(PROMPT, max_tokens=48)
+    path = cache_paths.cache_dir() / cost_cache.CACHE_FILE
+    (key,) = json.loads(path.read_text())
+    for bad in ({"2147483648": 1.0}, {"-5": 1.0}, {"1": 10**400}, {"1": "fast"}, [1.0]):
+        path.write_text(json.dumps({key: {"verify_ms": bad, "tree_verify_ms": {}, "cool_len": 0}}))
+        cost_cache._saved.clear()
+        with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2, spec_mode="chain") as again:
+            assert again._draft.costs()["measured"] == ({}, {}), bad
+            assert again.generate(PROMPT, max_tokens=4).finish_reason == "length"
+
+
+def test_a_micro_batch_no_run_chose_is_measured_again():
+    """ubatch.json's n_ubatch 64.0 (a float equal to a size): the first long prompt raised TypeError in the core"""
+    from pydflash import ubatch
+
+    long_prompt = "word " * 200
+    with pydflash.Model(TARGET, n_ctx=512, n_threads=2) as m:
+        m.generate(long_prompt, max_tokens=1)
+        chosen = m.n_ubatch
+    path = cache_paths.cache_dir() / ubatch.CACHE_FILE
+    table = json.loads(path.read_text())
+    for entry in table.values():
+        entry["n_ubatch"] = float(entry["n_ubatch"])
+    path.write_text(json.dumps(table))
+    with pydflash.Model(TARGET, n_ctx=512, n_threads=2) as again:
+        assert again.generate(long_prompt, max_tokens=1).finish_reason == "length"
+        assert type(again.n_ubatch) is int and again.n_ubatch in again._ubatch_sizes
+    assert chosen in again._ubatch_sizes
