@@ -91,10 +91,14 @@ class Pieces:
     def __init__(self, it: Iterator[tuple[str, dict | None]],
                  finish: Callable[[str, dict], Completion] | None = None):
         self._it, self._finish = it, finish
+        self._iterated = False
         self.result: dict | None = None
         self.completion: Completion | None = None
 
     def __iter__(self) -> Iterator[tuple[str, dict | None]]:
+        if self._iterated:
+            raise RuntimeError("a generation's pieces can be iterated once (the result is in .completion / .result)")
+        self._iterated = True
         texts: list[str] = []
         try:
             while True:
@@ -685,7 +689,9 @@ class Model:
         finally:
             if not finished:  # the consumer stopped early
                 cancel.set()
-                self._session.abort()
+                session = self._session
+                if session is not None:  # (None: the Model was closed meanwhile, which ended the generation)
+                    session.abort()
             if thread.is_alive():  # (not yet, if start() was interrupted: _run then returns at once)
                 thread.join()
         if "error" in outcome:
@@ -791,12 +797,14 @@ class Model:
             emit(stops.feed(new_tokens), lp)
             return not stops.stopped and not cancel.is_set()
 
+        self._check_open()
         if not self._lock.acquire(blocking=False):
             raise ModelBusyError(f"{self.model_path}: this Model is already generating (in another thread, or in a "
                                  f"stream not yet finished); it runs one generation at a time: use one Model per "
                                  f"thread, or finish (or close) the stream first")
         self._cancelled = cancel  # abort() ends this generation from now on
         try:
+            self._check_open()  # (closed after the call was made: a stream started later, another thread's close)
             if not speculative and self._draft is not None:
                 self._draft.forget()  # the target's cache moves on without the drafter's rows
             self._choose_ubatch(tokens)
@@ -830,9 +838,10 @@ class Model:
     def abort(self) -> None:
         """Stop the generation in progress on this Model (callable from any thread): it ends within one round
         (a verify or a prefill micro-batch), with finish_reason "abort" and the text committed so far."""
-        if self._session is not None:
+        session = self._session
+        if session is not None:
             self._cancelled.set()
-            self._session.abort()
+            session.abort()
 
     # ---- lifetime ----
     def _check_open(self) -> None:
@@ -840,13 +849,19 @@ class Model:
             raise RuntimeError("this Model is closed")
 
     def close(self) -> None:
+        """Free this session (the weights go with the last session over them). A generation in progress on it
+        (another thread's, a stream's) is aborted and ends within one round before the session goes."""
         for other in self.__dict__.pop("_batch_sessions", []):
             other.close()
-        self._session = None
-        self._draft = None
-        self._ngram = None
-        self._mtp = None
-        self._model = None
+        if getattr(self, "_session", None) is None:
+            return
+        self.abort()
+        with self._lock:
+            self._session = None
+            self._draft = None
+            self._ngram = None
+            self._mtp = None
+            self._model = None
 
     def __enter__(self) -> "Model":
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import gguf
@@ -146,6 +147,45 @@ def test_closed_model_raises(gguf_path):
                  "block_size", "proposers"):
         with pytest.raises(RuntimeError, match="this Model is closed"):
             getattr(m, name)
+
+
+def test_close_ends_what_runs_and_what_starts_later(tmp_path, monkeypatch):
+    """close() with a stream not yet started, or while another thread generates (a fresh cache: the first long
+    prompt measures its micro-batch): before, AttributeError on None from inside the generation (the session read
+    after the close). Now the generation in progress is aborted and the close waits for it; one started later
+    raises "closed". Each delay lands the close somewhere else in the call."""
+    from export_pairs import pair_file
+
+    target, draft = pair_file("qwen3", "target", "q8_0"), pair_file("qwen3", "dflash", "q8_0")
+    m = pydflash.Model(target, draft_model_path=draft, n_ctx=256)
+    pieces = m.pieces("Hello", max_tokens=16)
+    m.close()
+    with pytest.raises(RuntimeError, match="this Model is closed"):
+        list(pieces)
+    for delay in (0.0, 0.005, 0.02, 0.05, 0.2):
+        monkeypatch.setenv("PYDFLASH_CACHE", str(tmp_path / f"cache-{delay}"))
+        m = pydflash.Model(target, draft_model_path=draft, n_ctx=1024)
+        outcome = []
+
+        def run():
+            try:
+                outcome.append(m.generate("Hi " * 500, max_tokens=64).finish_reason)
+            except RuntimeError as e:  # (closed before it began)
+                outcome.append(str(e))
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        time.sleep(delay)
+        m.close()
+        worker.join(60)
+        assert not worker.is_alive() and outcome in (["abort"], ["length"], ["this Model is closed"]), (delay, outcome)
+
+
+def test_pieces_are_iterated_once(model):
+    pieces = model.pieces("def f(x):", max_tokens=4)
+    assert "".join(text for text, _ in pieces) == pieces.completion.text
+    with pytest.raises(RuntimeError, match="iterated once"):  # (before: TypeError from inside)
+        list(pieces)
 
 
 def test_arguments_are_checked_when_the_call_is_made(model):
