@@ -309,13 +309,19 @@ def _tree_levels(width: int, block: int) -> list[int]:
     return [depth.count(d) for d in range(max(depth) + 1)]
 
 
+MAX_SWEPT_WINDOWS = 4096  # (262,144 tokens at the 64-slot step, the largest trained context of the targets here)
+
+
 def _windows(n_tokens: int, n_ctx: int, step: int, sweep: bool) -> list[int]:
     """The attended windows an evaluation of n_tokens can run over: multiples of `step` from the first that
-    holds it, and n_ctx (sweep=False: n_ctx only)."""
+    holds it (of a wider stride where there would be more than MAX_SWEPT_WINDOWS), and n_ctx (sweep=False: n_ctx
+    only)."""
     if not sweep:
         return [n_ctx]
     first = -(-n_tokens // step) * step
-    return list(range(first, n_ctx, step)) + [n_ctx]
+    # past MAX_SWEPT_WINDOWS of them, every k-th (a plan of a billion tokens swept 15 million windows, ~45 min)
+    stride = step * max(1, -(-(n_ctx - first) // (step * MAX_SWEPT_WINDOWS)))
+    return list(range(first, n_ctx, stride)) + [n_ctx]
 
 
 def _measure(core_model, session, draft_session, cfg: EngineConfig, spec_mode: str, sweep: bool) -> dict:

@@ -207,6 +207,24 @@ def test_largest_context_and_tree_budget_that_fit(shapes):
     assert unknown.overhead("gpu") == 0
 
 
+def test_a_context_of_a_billion_tokens_is_planned_with_a_bounded_sweep():
+    """Every window of the engine is measured up to MAX_SWEPT_WINDOWS of them, every k-th past that: a plan of
+    n_ctx 2**30 measured 16 million windows per graph (~45 minutes here); its suggestion still fits, confirmed on
+    the whole sweep of the context it names."""
+    from pydflash.memory_plan import MAX_SWEPT_WINDOWS, _windows
+
+    assert _windows(1, 4096, 64, True) == list(range(64, 4096, 64)) + [4096]  # as before
+    assert _windows(100, 64 * MAX_SWEPT_WINDOWS + 64, 64, True) == list(range(128, 64 * MAX_SWEPT_WINDOWS + 64, 64)) + \
+        [64 * MAX_SWEPT_WINDOWS + 64]
+    huge = _windows(1, 2**30, 64, True)
+    assert len(huge) <= MAX_SWEPT_WINDOWS + 1 and huge[0] == 64 and huge[-1] == 2**30
+    assert all(w % 64 == 0 for w in huge) and huge == sorted(set(huge))
+    target = pair_file("qwen3", "target", "q8_0")
+    plan = pydflash.plan(target, n_ctx=2**30, ram="1GiB")
+    assert plan.fits is False and 0 < plan.suggestions["n_ctx"] < 2**30
+    assert pydflash.plan(target, n_ctx=plan.suggestions["n_ctx"], ram="1GiB").fits is True
+
+
 def test_qwen3_8b_fits_at_32k_and_not_at_128k_in_20_gib(shapes):
     """f16 KV of 36 layers x 8 heads x 128: 144 KiB per token, 18 GiB at 128K besides ~4.7 GB of weights."""
     per_token = 36 * 2 * 8 * 128 * 2
