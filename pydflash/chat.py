@@ -102,7 +102,8 @@ class ChatTemplate:
             return self._template.render(**variables)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"{self.name}: {e}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as e:  # a value the template cannot take
+        # a value the template cannot take; OverflowError: the sandbox's bound on range()
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
             raise ChatTemplateError(f"{self.name} cannot render these messages: {type(e).__name__}: {e}") from None
 
 

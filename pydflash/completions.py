@@ -120,6 +120,10 @@ def _check_chat_options(tools, tool_choice, response_format, chat_template_kwarg
                              f"(JSON mode and schemas are not implemented)")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
         raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+    for key in chat_template_kwargs or {}:
+        if not isinstance(key, str) or key in ("messages", "tools", "add_generation_prompt"):
+            raise ValueError(f"chat_template_kwargs[{key!r}]: expected a template variable's name other than "
+                             f"messages, tools and add_generation_prompt (the call's own)")
 
 
 def _chat_logprobs(lp: dict | None) -> dict | None:
@@ -152,7 +156,7 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
                             **(chat_template_kwargs or {}))
     # the reply's tool calls are read out of it in the template's form, where tools were offered
     calls_form = tool_calls.form_of(rendering.source) if tools else None
-    prompt = model.tokenize(text, add_special=False, parse_special=True)
+    prompt = model._prompt_tokens(text, add_special=False, parse_special=True)
     # a template may open the reasoning block itself (the reply then starts inside it)
     started = text.rstrip().endswith("<think>")
     sampling = {**sampling, "logprobs": (top_logprobs or 0) if logprobs else None}

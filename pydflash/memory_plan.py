@@ -381,7 +381,7 @@ def plan(model_path, draft_model_path=None, *, n_ctx: int = 4096, kv_type: str =
 def checked_paths(model_path, draft_model_path) -> tuple[str, str | None]:
     """The target's and the drafter's paths (None: no drafter) as str, each an existing file."""
     for name, path in (("model_path", model_path), ("draft_model_path", draft_model_path)):
-        if path is not None and not isinstance(path, (str, os.PathLike)):
+        if (path is not None or name == "model_path") and not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"{name} must be a str or os.PathLike, got {type(path).__name__}")
         if path is not None and not os.path.exists(path):
             raise ModelLoadError(f"{os.fspath(path)}: no such file")

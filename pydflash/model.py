@@ -15,12 +15,12 @@ import queue
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from . import _core, cost_cache, drafter_target, rpc, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
-from .errors import ContextLengthExceededError, InsufficientMemoryError, ModelBusyError, ModelLoadError
+from .errors import ContextLengthExceededError, GGUFFormatError, InsufficientMemoryError, ModelBusyError
 from .memory_plan import (by_category, checked_paths, context_size, device_budget, engine_config, engine_options,
                           plan_for_load, proposers_arg)
 from .tokenizer import Tokenizer
@@ -336,10 +336,11 @@ class Model:
             self._model.load_weights(n_gpu_layers=options["n_gpu_layers"], n_cpu_moe=options["n_cpu_moe"],
                                      tensor_split=options["tensor_split"], n_threads=n_threads or 0,
                                      progress=bar.update, delta_net=options["delta_net"])
-        if self.tokenizer.n_vocab > self._model.n_vocab:
-            raise ModelLoadError(
+        if self.tokenizer.n_vocab != self._model.n_vocab:  # (llama.cpp refuses either way too: a token's row
+            # past the list would be generated with no text, and an id past the rows read outside the weights)
+            raise GGUFFormatError(
                 f"{self.model_path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} entries but "
-                f"token_embd.weight has {self._model.n_vocab} rows")
+                f"token_embd.weight has {self._model.n_vocab} rows (one per token)")
         kv_bytes = self._model.kv_bytes_for(options["n_ctx"], self.kv_type, self.kv_type)
         logger.info("%s: %s, %d layers, weights %.1f MiB, KV cache (n_ctx=%d, %s) %.1f MiB", self.model_path,
                     self._model.arch, self._model.n_layer, self._model.weight_bytes / 2**20, options["n_ctx"],
@@ -527,6 +528,17 @@ class Model:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.detokenize(token_ids("tokens", tokens, self.n_vocab))
 
+    def _prompt_tokens(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """tokenize() for a prompt: a text too long for the context whatever its tokens (more bytes than n_ctx
+        of the longest token) raises ContextLengthExceededError at once (tokenizing runs at ~1 us a byte: a
+        100 MB text took minutes to be refused)."""
+        size, unit = len(text), "bytes" if isinstance(text, bytes) else "characters"  # (a character: 1+ bytes)
+        if size > self.n_ctx and size > self.n_ctx * self.tokenizer.longest_token_bytes:
+            raise ContextLengthExceededError(
+                f"the prompt has {size} {unit}, more than n_ctx = {self.n_ctx} tokens of at most "
+                f"{self.tokenizer.longest_token_bytes} bytes each can hold", None, self.n_ctx)
+        return self.tokenize(text, add_special=add_special, parse_special=parse_special)
+
     # ---- generation ----
     def _prepare(self, prompt: str | bytes | Sequence[int], max_tokens: int | None,
                  speculative: bool) -> tuple[list[int], int, bool]:
@@ -535,7 +547,7 @@ class Model:
         bool_arg("speculative", speculative)
         max_tokens = optional_int_arg("max_tokens", max_tokens, 0)
         if isinstance(prompt, (str, bytes)):
-            tokens = self.tokenize(prompt)
+            tokens = self._prompt_tokens(prompt)
         else:
             tokens = token_ids("prompt", prompt, self.n_vocab)
         if not tokens:
@@ -582,6 +594,9 @@ class Model:
         if isinstance(prompts, (str, bytes)):
             raise TypeError("prompts must be a list of prompts (texts or token-id lists), got one text: use "
                             "generate() for one prompt, or put it in a list")
+        if isinstance(prompts, Mapping) or not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a list of prompts (texts or token-id lists), got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         parallel = optional_int_arg("parallel", parallel, 1)
         n = min(len(prompts), parallel if parallel is not None else 16)

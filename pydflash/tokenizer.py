@@ -18,6 +18,8 @@ gguf parser in the core (~0.3 s); `Tokenizer.from_reader` accepts a reader that 
 from __future__ import annotations
 
 import codecs
+import functools
+import operator
 import os
 import threading
 from collections.abc import Iterable, Mapping
@@ -508,9 +510,15 @@ class Tokenizer:
             self._hf.encode_special_tokens = not parse_special
             return self._hf.encode(text, add_special_tokens=False).ids
 
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The bytes of the longest token's text: a text of more than n bytes this long has more than n tokens."""
+        return max(map(len, self._token_bytes), default=1)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for (a control token's own text). A token may hold part of a
         UTF-8 character, so a streamer should hold back an incomplete tail until the next token arrives."""
+        token_id = _token_id(token_id)
         if not 0 <= token_id < self._n_vocab:
             raise IndexError(f"token id {token_id} is out of range (vocabulary of {self._n_vocab} tokens)")
         return self._token_bytes[token_id]
@@ -522,12 +530,21 @@ class Tokenizer:
         n = self._n_vocab
         parts = []
         for i in ids:
+            if type(i) is not int:
+                i = _token_id(i)
             if not 0 <= i < n:
                 raise IndexError(f"token id {i} is out of range (vocabulary of {n} tokens)")
             if skip_special and i in self._hidden:
                 continue
             parts.append(table[i])
         return b"".join(parts).decode("utf-8", "replace")
+
+
+def _token_id(value: Any) -> int:
+    """An int token id (a numpy integer too; not a bool, a float or a string)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"a token id must be an int, got {type(value).__name__} {value!r}")
+    return operator.index(value)
 
 
 def _special_token_bytes(text: str, token_type: int) -> bytes:

@@ -8,6 +8,7 @@ import pytest
 
 import pydflash
 from pydflash.chat import ChatTemplate, split_reasoning
+from pydflash.errors import ContextLengthExceededError
 
 from export_pairs import pair_file
 
@@ -119,6 +120,15 @@ def test_llama_cpp_python_call_forms(model):
     (dict(top_logprobs=50, logprobs=True), ValueError, "top_logprobs = 50"),
     (dict(stream="yes"), TypeError, "stream must be True or False"),
     (dict(messages=[]), ValueError, "messages is empty"),
+    # a variable the call sets itself (before: "got multiple values for keyword argument"), a name not a string
+    (dict(chat_template_kwargs={"add_generation_prompt": False}), ValueError,
+     r"chat_template_kwargs\['add_generation_prompt'\]: expected a template variable's name other than"),
+    (dict(chat_template_kwargs={1: 2}), ValueError, r"chat_template_kwargs\[1\]"),
+    # the sandbox's bound on range() (before: OverflowError from inside jinja2)
+    (dict(chat_template="{% for x in range(10**9) %}a{% endfor %}"), ValueError, "cannot render these messages"),
+    # a text no context of 1024 tokens holds, refused before it is tokenized (before: after ~2 minutes)
+    (dict(chat_template="{{ 'a' * 10**8 }}"), ContextLengthExceededError,
+     r"the prompt has 100000000 characters, more than n_ctx = 1024 tokens of at most \d+ bytes each can hold"),
 ])
 def test_unsupported_options_are_refused(model, kwargs, error, pattern):
     with pytest.raises(error, match=pattern):

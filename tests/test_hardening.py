@@ -153,6 +153,26 @@ def test_a_malformed_header_says_what_ggml_found(tmp_path):
         pydflash.Model(cut)
 
 
+@pytest.mark.parametrize("n_tokens", [2048, 4097])
+def test_a_token_list_unlike_the_embedding_is_refused(tmp_path, n_tokens):
+    """As llama.cpp refuses it (token_embd must be {n_embd, n_vocab}). A shorter list loaded before, then its ids
+    past the list failed mid-generation (a bias, detokenize) and could be generated with no text."""
+    reader = gguf.GGUFReader(target("qwen3"))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    kinds = reader.fields["tokenizer.ggml.token_type"].contents()
+    grown = n_tokens - len(tokens)
+    kept = set(tokens[:n_tokens])  # (and the merges among them: the tokenizer itself refuses any other)
+    merges = [m for m in reader.fields["tokenizer.ggml.merges"].contents()
+              if {*m.split(" "), m.replace(" ", "")} <= kept]
+    bad = rewrite(target("qwen3"), tmp_path / "bad.gguf", set_keys={
+        "tokenizer.ggml.tokens": (tokens[:n_tokens] + [f"[PAD{i}]" for i in range(grown)], T.ARRAY, T.STRING),
+        "tokenizer.ggml.token_type": (kinds[:n_tokens] + [1] * grown, T.ARRAY, T.INT32),
+        "tokenizer.ggml.merges": (merges, T.ARRAY, T.STRING)})
+    with pytest.raises(GGUFFormatError, match=rf"bad\.gguf: tokenizer\.ggml\.tokens has {n_tokens} entries but "
+                                              r"token_embd\.weight has 4096 rows"):
+        pydflash.Model(bad)
+
+
 def test_integer_weight_type_is_refused(tmp_path):
     """an I32 weight segfaulted in the first matmul (i32 is the integer type whose size matches the f32 data in
     the file; the others are refused earlier as a malformed file)"""

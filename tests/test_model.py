@@ -98,6 +98,9 @@ def test_prompt_longer_than_context(gguf_path):
         with pytest.raises(ContextLengthExceededError) as info:
             m.generate(list(range(1, 40)), max_tokens=4)
         assert info.value.n_ctx == 16
+        # a text that cannot fit whatever its tokens: refused before it is tokenized
+        with pytest.raises(ContextLengthExceededError, match=r"the prompt has 1000000 bytes, more than n_ctx = 16 "):
+            m.generate(b"x" * 10**6, max_tokens=4)
         # generation that reaches n_ctx ends with "length" at the context limit
         c = m.generate(list(range(1, 10)), max_tokens=100)
         assert c.finish_reason == "length"
@@ -198,6 +201,9 @@ def test_arguments_are_checked_when_the_call_is_made(model):
         model.stream("")
     with pytest.raises(TypeError, match="prompts must be a list of prompts"):
         model.generate_batch("some prompt")
+    for prompts in ({"a": 1}, 5):  # (a dict's keys were generated, an int said "'int' object is not iterable")
+        with pytest.raises(TypeError, match=rf"prompts must be a list of prompts .*got {type(prompts).__name__}"):
+            model.generate_batch(prompts)
     with pytest.raises(TypeError, match=r"tokens must be text or a sequence of token ids"):
         model.detokenize("abc")
     with pytest.raises(ValueError, match=r"tokens\[0\] = -1 is outside the vocabulary"):
@@ -229,6 +235,9 @@ def test_missing_file(tmp_path):
         pydflash.Model(tmp_path / "nope.gguf")
     with pytest.raises(ModelLoadError, match="nope.gguf"):
         load(tmp_path / "nope.gguf")
+    for call in (pydflash.Model, pydflash.plan):  # (before: os.fspath's message, naming no parameter)
+        with pytest.raises(TypeError, match="model_path must be a str or os.PathLike, got NoneType"):
+            call(None)
 
 
 def test_not_gguf(tmp_path):

@@ -154,6 +154,14 @@ def test_token_bytes_partial_utf8(qwen):
         tok.token_bytes(tok.n_vocab)
     with pytest.raises(IndexError):
         tok.detokenize([-1])
+    # ids that are not ints (before: a TypeError about '<=' on str, list indices, or a bool read as an id)
+    for bad in ("a", 1.5, True):
+        with pytest.raises(TypeError, match=rf"a token id must be an int, got {type(bad).__name__}"):
+            tok.detokenize([bad])
+        with pytest.raises(TypeError, match="a token id must be an int"):
+            tok.token_bytes(bad)
+    np = pytest.importorskip("numpy")
+    assert tok.detokenize(np.array([i])) == tok.detokenize([i]) and tok.token_bytes(np.int64(i)) == tok.token_bytes(i)
 
 
 def _invalid_utf8(b: bytes) -> bool:
