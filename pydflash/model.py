@@ -66,7 +66,7 @@ def sampling_args(n_vocab: int, temperature, top_k, top_p, min_p, typical_p, rep
                   frequency_penalty, repeat_last_n, logit_bias, logprobs) -> dict:
     """The sampling parameters checked (ValueError / TypeError naming the one at fault), as the core takes them."""
     args = dict(temperature=float_arg("temperature", temperature, 0.0),
-                top_k=int_arg("top_k", top_k, 0),
+                top_k=max(0, int_arg("top_k", top_k, -INT32_MAX)),  # <= 0: off (llama.cpp's; -1 is vLLM's)
                 top_p=float_arg("top_p", top_p, 0.0, 1.0),
                 min_p=float_arg("min_p", min_p, 0.0, 1.0),
                 typical_p=float_arg("typical_p", typical_p, 0.0, 1.0),
@@ -657,6 +657,9 @@ class Model:
         the Completion `generate` returns. `sampling`: generate's sampling keyword arguments (temperature, top_k,
         ..., logit_bias, seed, logprobs), with its defaults. The prompt and every argument are checked now, not
         at the first next()."""
+        unknown = sorted(set(sampling) - set(GENERATE_SAMPLING))
+        if unknown:  # (before: "Model._sampling() got an unexpected keyword argument")
+            raise TypeError(f"pieces() got an unexpected keyword argument {unknown[0]!r}")
         args = self._sampling(**{**GENERATE_SAMPLING, **sampling})
 
         def completion(text: str, result: dict) -> Completion:

@@ -22,7 +22,7 @@ class NativeRequest(BaseModel):
     prompt: Union[str, list[Union[int, str]]]
     n_predict: int = Field(-1, ge=-1)  # -1: until an end-of-generation token or the context's end
     temperature: float = 0.8  # below 0: greedy, as there
-    top_k: int = Field(40, ge=0)
+    top_k: int = 40  # <= 0: off, as llama-server clamps it
     top_p: float = Field(0.95, ge=0.0, le=1.0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
     typical_p: float = Field(1.0, ge=0.0, le=1.0)

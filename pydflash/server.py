@@ -65,7 +65,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = None  # <= 0: off, as llama-server clamps it
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     typical_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = None

@@ -201,6 +201,8 @@ def test_arguments_are_checked_when_the_call_is_made(model):
         model.stream("")
     with pytest.raises(TypeError, match="prompts must be a list of prompts"):
         model.generate_batch("some prompt")
+    with pytest.raises(TypeError, match=r"^pieces\(\) got an unexpected keyword argument 'bogus'$"):
+        model.pieces("a", bogus=1)  # (it named Model._sampling())
     for prompts in ({"a": 1}, 5):  # (a dict's keys were generated, an int said "'int' object is not iterable")
         with pytest.raises(TypeError, match=rf"prompts must be a list of prompts .*got {type(prompts).__name__}"):
             model.generate_batch(prompts)

@@ -179,6 +179,13 @@ def qwen3_pair():
         yield m
 
 
+def test_a_negative_top_k_is_off_as_in_llama_cpp(qwen3_pair):
+    """llama.cpp's sampler takes top_k <= 0 as off and llama-server clamps it to 0; vLLM's clients send -1"""
+    off = qwen3_pair.generate("x", max_tokens=12, temperature=1.0, top_k=0, seed=3).tokens
+    assert qwen3_pair.generate("x", max_tokens=12, temperature=1.0, top_k=-1, seed=3).tokens == off
+    assert qwen3_pair.generate("x", max_tokens=12, temperature=1.0, top_k=1, seed=3).tokens != off
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.5), r"temperature = -0\.5"),
     (dict(temperature=float("nan")), r"temperature = nan"),
@@ -187,7 +194,6 @@ def qwen3_pair():
     (dict(top_p=float("nan")), r"top_p = nan"),
     (dict(min_p=2.0), r"min_p = 2\.0"),
     (dict(typical_p=-1.0), r"typical_p = -1\.0"),
-    (dict(top_k=-1), r"top_k = -1"),
     (dict(repeat_penalty=0.0), r"repeat_penalty = 0\.0"),
     (dict(repeat_penalty=float("inf")), r"repeat_penalty = inf"),
     (dict(presence_penalty=float("nan")), r"presence_penalty = nan"),

@@ -849,8 +849,8 @@ def test_server_defaults_apply_where_a_request_sets_none():
             assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
             r = http.post("/completion", json={"prompt": prompt}).json()
             assert (r["content"], r["tokens_predicted"]) == (sampled, 5)
-        with pytest.raises(ValueError, match="top_k"):
-            create_app(m, defaults={"top_k": -1})
+        with pytest.raises(ValueError, match="top_p"):
+            create_app(m, defaults={"top_p": 2.0})
         with pytest.raises(ValueError, match="defaults: stream cannot be set"):
             create_app(m, defaults={"stream": True})
 
