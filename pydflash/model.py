@@ -881,6 +881,11 @@ class Model:
             self._mtp = None
             self._model = None
 
+    def __reduce__(self):
+        # (llama-cpp-python reloads its Llama from the path when unpickled; a copy here would lose the session)
+        raise TypeError(f"a Model ({self.model_path}) cannot be pickled: it holds loaded weights and a session; pass "
+                        f"its path and arguments, and load it where it is needed")
+
     def __enter__(self) -> "Model":
         return self
 

@@ -35,6 +35,10 @@ def parse_servers(servers: str | Iterable[str] | None) -> list[str]:
     out = [s.strip() for s in items if s.strip()]
     if isinstance(servers, str) and not out:
         raise ValueError(f"rpc_servers = {servers!r}: expected 'host:port[,host:port...]'")
+    for endpoint in out:  # (a port past 65535 or not a number was reported as an unreachable server)
+        port = endpoint.rpartition(":")[2]
+        if ":" in endpoint and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"rpc_servers: {endpoint!r} has port {port!r}, expected a TCP port in [1, 65535]")
     return out
 
 

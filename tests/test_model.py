@@ -184,6 +184,13 @@ def test_close_ends_what_runs_and_what_starts_later(tmp_path, monkeypatch):
         assert not worker.is_alive() and outcome in (["abort"], ["length"], ["this Model is closed"]), (delay, outcome)
 
 
+def test_a_model_is_not_pickled(model):
+    import pickle
+
+    with pytest.raises(TypeError, match=r"a Model \(.*tiny-f32\.gguf\) cannot be pickled"):  # (before: '_thread.lock')
+        pickle.dumps(model)
+
+
 def test_pieces_are_iterated_once(model):
     pieces = model.pieces("def f(x):", max_tokens=4)
     assert "".join(text for text, _ in pieces) == pieces.completion.text

@@ -187,7 +187,8 @@ def test_a_server_that_goes_away_mid_generation_ends_the_process_with_one_line(t
 
 
 @pytest.mark.parametrize("servers,error", [(5, TypeError), ([1], TypeError), (",", ValueError), ("nohost", ValueError),
-                                           ("127.0.0.1:1", ConnectionError)])
+                                           ("127.0.0.1:1", ConnectionError), ("localhost:99999", ValueError),
+                                           ("host:port", ValueError)])
 def test_bad_rpc_servers(servers, error):
     """(Each refused before anything is registered.)"""
     import pydflash
