@@ -57,18 +57,19 @@ __all__ = [
 def convert_hf_to_gguf(model_dir: str | Path, outfile: str | Path | None = None, *, outtype: str = "auto",
                        vocab_only: bool = False, dry_run: bool = False, model_name: str | None = None,
                        target_model_dir: str | Path | None = None, fuse_gate_up_exps: bool = False,
-                       progress: bool = True) -> Path:
+                       progress: bool = True, no_mtp: bool = False) -> Path:
     """Convert the HF checkpoint folder `model_dir` to GGUF; returns the written path.
 
     `outtype`: f32 | f16 | bf16 | q8_0 | auto (bf16/f16 after the checkpoint's dtype). `outfile`
     may be a folder or contain `{ftype}`; None writes into `model_dir` with llama.cpp's default name.
     `target_model_dir` is required for DFlash drafts (the target's folder: tokenizer, hidden size,
     layer count). `fuse_gate_up_exps` writes a MoE layer's gate and up experts as one `ffn_gate_up_exps` tensor
-    (llama.cpp's `--fuse-gate-up-exps`; qwen35moe only, as in llama.cpp).
+    (llama.cpp's `--fuse-gate-up-exps`; qwen35moe only, as in llama.cpp). `no_mtp` leaves a Qwen3.5 checkpoint's
+    multi-token-prediction blocks out (llama.cpp's `--no-nextn` / `--no-mtp`).
     Raises `pydflash.errors.ConversionError` for anything it cannot convert.
     """
     hparams = load_hparams(Path(model_dir))
     cls = converter_class(hf_architecture(hparams, Path(model_dir) / "config.json"))
     conv = cls(model_dir, outtype=outtype, model_name=model_name, target_model_dir=target_model_dir, hparams=hparams,
-               fuse_gate_up_exps=fuse_gate_up_exps)
+               fuse_gate_up_exps=fuse_gate_up_exps, no_mtp=no_mtp)
     return conv.write(outfile, vocab_only=vocab_only, dry_run=dry_run, progress=progress)

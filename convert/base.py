@@ -18,9 +18,12 @@ from typing import Any, Callable, ClassVar, Iterable
 
 import gguf
 import numpy as np
+import yaml
 from gguf.utility import LocalTensor, SafetensorsLocal
 
 from pydflash.errors import ConversionError
+
+from .outfile import checked_target, checkpoint_inputs, output_path
 
 logger = logging.getLogger("pydflash.convert")
 
@@ -81,7 +84,11 @@ class LazyTensor:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def numpy(self) -> np.ndarray:
-        data = self._fn()
+        try:
+            data = self._fn()
+        except (ValueError, IndexError, RuntimeError) as e:
+            # a transform (reshape, head reorder) met a tensor of a shape the config does not describe
+            raise ConversionError(f"{self._what} {self.dtype}{list(self.shape)}: cannot convert: {e}") from e
         if data.shape != self.shape or data.dtype != self.dtype:
             raise ConversionError(
                 f"{self._what}: produced {data.dtype}{list(data.shape)}, expected {self.dtype}{list(self.shape)}")
@@ -120,13 +127,28 @@ _ST_DECODERS: dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray]]] = {
 }
 
 
-def _lazy_from_safetensors(name: str, t: LocalTensor, file: Path) -> LazyTensor:
+# bytes per element of each safetensors dtype
+_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _lazy_from_safetensors(name: str, t: LocalTensor, file: Path, file_size: int) -> LazyTensor:
     if t.dtype not in _ST_DECODERS:
         raise ConversionError(
             f"{file}: tensor {name!r} has dtype {t.dtype}, which pydflash cannot convert "
             f"(supported: {', '.join(_ST_DECODERS)}); convert the original bf16/f16 checkpoint instead")
     dtype, decode = _ST_DECODERS[t.dtype]
-    shape = tuple(t.shape)
+    shape = t.shape
+    if not isinstance(shape, tuple) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in shape):
+        raise ConversionError(f"{file}: tensor {name!r} has shape {shape!r}, expected a list of sizes")
+    # the header's data_offsets must cover exactly the tensor's bytes, inside the file: else numpy fails mid-write
+    # (mmap past the end, a reshape of the wrong size) or reads a neighbour's bytes
+    need = int(np.prod(shape, dtype=np.int64)) * _ST_ITEMSIZE[t.dtype]
+    offset, size = t.data_range.offset, t.data_range.size
+    if not isinstance(offset, int) or not isinstance(size, int) or size != need or offset < 0 \
+            or offset + size > file_size:
+        raise ConversionError(f"{file}: tensor {name!r} needs {need} bytes at offset {offset} "
+                              f"({t.dtype}{list(shape)}; the header gives {size}), the file has {file_size}")
 
     def load() -> np.ndarray:
         return decode(t.mmap_bytes()).reshape(shape)
@@ -171,6 +193,10 @@ def index_safetensors(model_dir: Path) -> dict[str, LazyTensor]:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise ConversionError(f"{index_file}: no 'weight_map' object")
+        for key, part in weight_map.items():
+            if not isinstance(part, str) or not part or Path(part).name != part:
+                raise ConversionError(f"{index_file}: weight_map[{key!r}] = {part!r}, expected the file name of a "
+                                      "shard in the same folder")
         parts = sorted(set(weight_map.values()))
     else:
         parts = sorted(p.name for p in model_dir.iterdir() if p.name.startswith("model") and p.name.endswith(".safetensors"))
@@ -187,12 +213,13 @@ def index_safetensors(model_dir: Path) -> dict[str, LazyTensor]:
             raise ConversionError(f"{index_file}: lists shard {part!r}, which does not exist in {model_dir}")
         try:
             st = SafetensorsLocal(file)
-        except (OSError, ValueError, KeyError, UnicodeDecodeError) as e:
+            file_size = file.stat().st_size
+        except (OSError, ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
             raise ConversionError(f"{file}: not a readable safetensors file: {e}") from e
         for name, t in st.tensors.items():
             if name in tensors:
                 raise ConversionError(f"{file}: tensor {name!r} appears in more than one shard")
-            tensors[name] = _lazy_from_safetensors(name, t, file)
+            tensors[name] = _lazy_from_safetensors(name, t, file, file_size)
 
     if weight_map:
         missing = sorted(set(weight_map) - set(tensors))
@@ -201,6 +228,50 @@ def index_safetensors(model_dir: Path) -> dict[str, LazyTensor]:
             raise ConversionError(f"{index_file}: weight_map and shards disagree; "
                                   f"missing from shards: {missing[:8]}, not in weight_map: {extra[:8]}")
     return tensors
+
+
+# config.json fields that are counts or sizes: integers (bool excluded) from 1 (0 where _ZERO_OK) up to the GGUF
+# uint32 they are written as; _NULLABLE ones may be null (the converters then use a default or derive them)
+_INT_HPARAMS = frozenset({
+    "n_layers", "num_hidden_layers", "n_layer", "num_layers", "max_position_embeddings", "n_ctx", "hidden_size",
+    "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval", "mtp_num_hidden_layers",
+    "decoder_sparse_step", "max_window_layers", "num_target_layers", "original_max_position_embeddings",
+    "sliding_window", "block_size"})
+# (num_experts_per_tok: the MoE converters range-check it against the expert count, a more useful message)
+_ZERO_OK = frozenset({"mtp_num_hidden_layers", "max_window_layers", "num_target_layers", "num_experts_per_tok"})
+_NULLABLE = frozenset({"head_dim", "sliding_window", "original_max_position_embeddings", "mtp_num_hidden_layers",
+                       "max_window_layers", "num_target_layers"})
+# real-valued fields (an integer is a real number too: rope_theta is often written 1000000)
+_FLOAT_HPARAMS = frozenset({"rope_theta", "rms_norm_eps", "norm_eps", "layer_norm_eps", "layer_norm_epsilon",
+                            "norm_epsilon", "partial_rotary_factor", "factor"})
+_UINT32_MAX = 2**32 - 1
+
+
+def check_hparams(hparams: dict[str, Any], cfg: Path) -> None:
+    """Type- and range-check the numeric config.json fields pydflash writes (and the rope dict's), so that a string,
+    a bool, a float or an out-of-range count is reported by name instead of failing as a traceback or being
+    written as a wrong key."""
+    rope = hparams.get("rope_parameters") or hparams.get("rope_scaling") or {}
+    fields = list(hparams.items())
+    if isinstance(rope, dict):
+        fields += [(f"rope_parameters.{k}", v) for k, v in rope.items() if k in _FLOAT_HPARAMS]
+    for key, value in fields:
+        base = key.rpartition(".")[2]
+        if key in _INT_HPARAMS:
+            if value is None and key in _NULLABLE:
+                continue
+            low = 0 if key in _ZERO_OK else 1
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _UINT32_MAX:
+                what = "a non-negative integer" if low == 0 else "a positive integer"
+                raise ConversionError(f"{cfg}: {key} = {value!r}, expected {what} (at most {_UINT32_MAX})")
+        elif base in _FLOAT_HPARAMS and (key == base or key.startswith("rope_parameters.")):
+            if value is None and base == "factor":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConversionError(f"{cfg}: {key} = {value!r}, expected a positive number")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -271,11 +342,20 @@ class ModelConverter:
     # defaults applied to config.json for fields the HF config class fills in when absent
     # (llama.cpp reads `AutoConfig.from_pretrained(...).to_dict()`, which has them).
     hparam_defaults: ClassVar[dict[str, Any]] = {}
+    # the untied LM head's HF name (None: the model has no head of its own, e.g. a draft borrowing its target's)
+    head_tensor: ClassVar[str | None] = "lm_head.weight"
+    # whether --no-nextn applies (the architecture may carry MTP blocks)
+    supports_no_mtp: ClassVar[bool] = False
 
     def __init__(self, model_dir: str | Path, *, outtype: str = "auto", model_name: str | None = None,
                  target_model_dir: str | Path | None = None, hparams: dict[str, Any] | None = None,
-                 fuse_gate_up_exps: bool = False):
+                 fuse_gate_up_exps: bool = False, no_mtp: bool = False):
         self.dir_model = Path(model_dir)
+        if no_mtp and not self.supports_no_mtp:
+            raise ConversionError(f"--no-nextn is not supported for {', '.join(self.hf_architectures)} "
+                                  "(it has no multi-token-prediction head)")
+        # leave the checkpoint's multi-token-prediction blocks out (llama.cpp's --no-nextn / --no-mtp)
+        self.no_mtp = no_mtp
         # write a MoE layer's gate and up experts as one ffn_gate_up_exps (llama.cpp's --fuse-gate-up-exps; no
         # effect on dense models)
         self.fuse_gate_up_exps = fuse_gate_up_exps
@@ -284,8 +364,9 @@ class ModelConverter:
         raw = load_hparams(self.dir_model) if hparams is None else hparams
         self.raw_hparams = raw
         self.hparams = {**self.hparam_defaults, **raw}
-        if "text_config" in self.hparams:
+        if isinstance(self.hparams.get("text_config"), dict):
             self.hparams = {**self.hparams, **self.hparams["text_config"]}
+        check_hparams(self.hparams, self.dir_model / "config.json")
         if outtype not in OUTTYPES:
             raise ConversionError(f"unknown --outtype {outtype!r}; choose one of {', '.join(OUTTYPES)}")
         self.outtype = outtype
@@ -470,9 +551,17 @@ class ModelConverter:
     def prepare_metadata(self, vocab_only: bool) -> None:
         """general.* keys (gguf.Metadata, as llama.cpp), then the arch keys, then the tokenizer."""
         total, shared, expert, n_expert = self.writer.get_total_parameter_count()
-        md = gguf.Metadata.load(None, self.dir_model, self.model_name, total)
+        gen = _checked_generation_config(self.dir_model)
+        readme = self.dir_model / "README.md"
+        try:
+            md = gguf.Metadata.load(None, self.dir_model, self.model_name, total)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            raise ConversionError(f"{readme}: the model card's YAML front matter cannot be read "
+                                  f"({getattr(e, 'problem', None) or e}{f', {where}'.strip() if where else ''})") from e
+        except UnicodeDecodeError as e:
+            raise ConversionError(f"{readme}: the model card is not UTF-8 text: {e}") from e
         # llama.cpp's gguf-py (newer than PyPI gguf 0.19.0) also reads HF's `repetition_penalty`
-        gen = gguf.Metadata.load_generation_config(self.dir_model)
         if md.sampling_penalty_repeat is None and "penalty_repeat" not in gen and "repetition_penalty" in gen:
             md.sampling_penalty_repeat = gen["repetition_penalty"]
         if md.name is None:
@@ -504,44 +593,124 @@ class ModelConverter:
         inside it) or contain `{ftype}`; None writes next to the checkpoint."""
         if not vocab_only:
             self.model_tensors = index_safetensors(self.dir_model)
+            self.check_tensors(set(self.model_tensors))
             self._guess_ftype()
             self.prepare_tensors()
         elif self.ftype == gguf.LlamaFileType.GUESSED:
             self.ftype = gguf.LlamaFileType.MOSTLY_F16
         self.prepare_metadata(vocab_only)
 
-        out = Path(outfile) if outfile is not None else self.dir_model
-        if out.is_dir():
-            out = out / f"{self.default_outfile(vocab_only)}.gguf"
-        else:
-            out = out.parent / gguf.fill_templated_filename(out.name, self.ftype.name.partition("_")[2])
+        out = output_path(outfile, self.dir_model, f"{self.default_outfile(vocab_only)}.gguf",
+                          self.ftype.name.partition("_")[2])
+        inputs = checkpoint_inputs(self.dir_model) + checkpoint_inputs(self.target_model_dir)
+        checked_target(out, inputs)  # a dry run reports a bad --outfile too
         if dry_run:
             for name, ti in self.writer.tensors[0].items():
                 logger.info("%-32s %-5s {%s}", name, ti.dtype.name, ", ".join(str(n) for n in reversed(ti.shape)))
             logger.info("dry run: would write %s (%d tensors)", out, len(self.writer.tensors[0]))
             return out
-        write_gguf_file(self.writer, out, tensors=not vocab_only, progress=progress)
+        write_gguf_file(self.writer, out, tensors=not vocab_only, progress=progress, inputs=inputs,
+                        validate=None if vocab_only else self.validate_gguf)
         logger.info("wrote %s", out)
         return out
 
+    def check_tensors(self, names: set[str]) -> None:
+        """Refuse a checkpoint whose tensors cannot make a working model, before anything is converted. An untied
+        model needs its LM head: without it the GGUF would load with the embedding as the head (silently wrong)."""
+        if self.head_tensor is None or self.hparams.get("tie_word_embeddings") is not False:
+            return
+        if not any(n == self.head_tensor or n.endswith("." + self.head_tensor) for n in names):
+            raise ConversionError(f"{self.dir_model}: missing tensor {self.head_tensor!r}, which config.json's "
+                                  "tie_word_embeddings = false requires (the LM head is not the embedding)")
 
-def write_gguf_file(writer: gguf.GGUFWriter, outfile: Path, *, tensors: bool = True, progress: bool = True) -> None:
+    def validate_gguf(self, path: Path) -> None:
+        """Open the written (not yet renamed) GGUF the way pydflash loads it, from its metadata only, and refuse it
+        if the load would: a config that disagrees with the tensors converts fine and fails only there. Skipped
+        without the compiled core (conversion needs only numpy and gguf)."""
+        try:
+            from pydflash import _core
+        except ImportError:
+            logger.debug("pydflash's compiled core is not importable: the GGUF is not test-loaded")
+            return
+        from pydflash.errors import PydflashError
+
+        try:
+            model = _core.Model(str(path), n_threads=1, plan_only=True)
+        except PydflashError as e:
+            msg = str(e).replace(str(path), path.name[:-len(".partial")])
+            hint = "; convert with --no-nextn to leave the MTP head out" if "nextn" in msg else ""
+            raise ConversionError(f"{self.dir_model}: the converted GGUF would not load: {msg}{hint}") from e
+        del model
+
+
+# generation_config.json's sampling fields gguf.Metadata copies into general.sampling.* (None: a string)
+_GENERATION_FIELDS: dict[str, Any] = {
+    "sequence": str, "top_k": int, "penalty_last_n": int, "mirostat": int, "top_p": float, "min_p": float,
+    "xtc_probability": float, "xtc_threshold": float, "temperature": float, "penalty_repeat": float,
+    "repetition_penalty": float, "mirostat_tau": float, "mirostat_eta": float}
+
+
+def _checked_generation_config(model_dir: Path) -> dict[str, Any]:
+    """generation_config.json as gguf.Metadata reads it (unreadable JSON counts as absent, as in llama.cpp), with
+    the sampling fields it writes type-checked: a wrong type would fail as a traceback inside the writer."""
+    path = model_dir / "generation_config.json"
+    gen = gguf.Metadata.load_generation_config(model_dir)
+    if not isinstance(gen, dict):
+        raise ConversionError(f"{path}: expected a JSON object, got {type(gen).__name__}")
+    for key, kind in _GENERATION_FIELDS.items():
+        value = gen.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, str) if kind is str else (
+            not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int))
+        if not ok:
+            what = {str: "a string", int: "an integer", float: "a number"}[kind]
+            raise ConversionError(f"{path}: {key} = {value!r}, expected {what}")
+    return gen
+
+
+def write_gguf_file(writer: gguf.GGUFWriter, outfile: Path, *, tensors: bool = True, progress: bool = True,
+                    inputs: Iterable[Path] = (), validate: Callable[[Path], None] | None = None) -> None:
     """Write what `writer` holds to `outfile` (header, metadata, then the tensors, or only their infos) through
-    `outfile.partial`, renamed when whole: an error or an interrupted run leaves no truncated GGUF behind."""
-    partial = outfile.with_name(outfile.name + ".partial")
+    `outfile.partial`, renamed when whole: an error or an interrupted run leaves no truncated GGUF behind.
+    `outfile` is checked first (convert/outfile.py: a symlink is written through; a non-regular file or one of
+    `inputs` is refused). `validate(partial)` may refuse the written file before it replaces anything."""
+    target = checked_target(outfile, inputs)
+    partial = target.with_name(target.name + ".partial")
     try:
-        writer.write_header_to_file(path=partial)
-        writer.write_kv_data_to_file()
-        if tensors:
-            writer.write_tensors_to_file(progress=progress)
-        else:
-            writer.write_ti_data_to_file()
+        try:
+            writer.write_header_to_file(path=partial)
+            writer.write_kv_data_to_file()
+            if tensors:
+                writer.write_tensors_to_file(progress=progress)
+            else:
+                writer.write_ti_data_to_file()
+            writer.close()
+        except OSError as e:
+            raise ConversionError(f"{outfile}: cannot write the GGUF: {e.strerror or e}"
+                                  f"{f' ({e.filename})' if e.filename else ''}") from e
+        if validate is not None:
+            validate(partial)
+        try:
+            partial.replace(target)
+        except OSError as e:
+            raise ConversionError(f"{outfile}: cannot move the finished GGUF into place: {e.strerror or e}") from e
     except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
+        _discard(writer, partial)
         raise
-    writer.close()
-    partial.replace(outfile)
+
+
+def _discard(writer: gguf.GGUFWriter, partial: Path) -> None:
+    """Close and remove a failed write's partial file; a second failure here is only logged, so that the first
+    error is the one reported."""
+    try:
+        writer.close()
+    except OSError as e:
+        logger.debug("closing %s after an error: %s", partial, e)
+    try:
+        partial.unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("could not remove %s: %s", partial, e)
 
 
 def _converted(data: LazyTensor, qtype: GGMLType, name: str) -> LazyTensor:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 from typing import Any, Iterable
 
 import gguf
@@ -138,6 +139,7 @@ class DFlashConverter(ModelConverter):
     gguf_arch = "dflash"
     hparam_defaults = QWEN3_CONFIG_DEFAULTS
     dflash2 = False  # DFlash2Converter: the conv and selector tensors and keys belong here
+    head_tensor = None  # the draft borrows its target's LM head
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -339,7 +341,35 @@ class DFlashConverter(ModelConverter):
             raise ConversionError(f"{self.dir_model}: no fc.weight; not a DFlash draft checkpoint")
         if self.dflash2:
             self._check_dflash2_tensors(names)
+        self._check_layer_shapes(names)
         super().prepare_tensors()
+
+    def _check_layer_shapes(self, names: set[str]) -> None:
+        """Every draft layer's Qwen3 tensors, in the shapes config.json gives. A draft GGUF cannot be test-loaded
+        alone (see validate_gguf), so what the load would refuse is checked here instead."""
+        hp, cfg = self.hparams, self.dir_model / "config.json"
+        n_embd, n_ff = int(hp["hidden_size"]), int(hp["intermediate_size"])
+        head_dim = int(hp.get("head_dim") or n_embd // int(hp["num_attention_heads"]))
+        n_q, n_kv = int(hp["num_attention_heads"]) * head_dim, int(hp["num_key_value_heads"]) * head_dim
+        expected = {"self_attn.q_proj": (n_q, n_embd), "self_attn.k_proj": (n_kv, n_embd),
+                    "self_attn.v_proj": (n_kv, n_embd), "self_attn.o_proj": (n_embd, n_q),
+                    "mlp.gate_proj": (n_ff, n_embd), "mlp.up_proj": (n_ff, n_embd), "mlp.down_proj": (n_embd, n_ff),
+                    "input_layernorm": (n_embd,), "post_attention_layernorm": (n_embd,)}
+        shapes = {_strip(n): t.shape for n, t in self.model_tensors.items()}
+        for bid in range(self.block_count):
+            for sub, shape in expected.items():
+                name = f"layers.{bid}.{sub}.weight"
+                if name not in names:
+                    raise ConversionError(f"{self.dir_model}: missing tensor {name!r} (config.json: "
+                                          f"num_hidden_layers = {self.block_count})")
+                if tuple(shapes[name]) != shape:
+                    raise ConversionError(f"{self.dir_model}: tensor {name!r} has shape {list(shapes[name])}, "
+                                          f"expected {list(shape)} from config.json (hidden_size {n_embd}, "
+                                          f"intermediate_size {n_ff}, heads x head_dim {n_q}, kv {n_kv})")
+
+    def validate_gguf(self, path: Path) -> None:
+        """Not test-loaded: a draft loads only onto its target's GGUF (`_core.DraftModel(target, path)`), and the
+        conversion has the target's HF folder, not a GGUF of it; _check_layer_shapes checked what it can."""
 
     def _check_dflash2_tensors(self, names: set[str]) -> None:
         """Every layer's two convs and the selector, in the shapes the config's sizes give."""

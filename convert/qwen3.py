@@ -60,6 +60,11 @@ class Qwen3Converter(ModelConverter):
         hints = [self.dir_model.name, str(self.hparams.get("_name_or_path", "")), str(self.hparams.get("model_type", ""))]
         return any("qwen3-reranker" in h.lower() or "qwen3-vl-reranker" in h.lower() for h in hints)
 
+    def check_tensors(self, names: set[str]) -> None:
+        # a sentence-transformers embedding model (modules.json) has no LM head, tied or not
+        if not (self.dir_model / "modules.json").is_file():
+            super().check_tensors(names)
+
     def set_gguf_parameters(self) -> None:
         super().set_gguf_parameters()
         self._set_pooling_type()

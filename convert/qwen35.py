@@ -126,6 +126,7 @@ class Qwen35Converter(ModelConverter):
     hparam_defaults = QWEN35_TEXT_DEFAULTS
     # the FFN's tensors (after "model.layers.N.", GGUF name after "blk.N."), in every block, MTP ones included
     ffn_tensors = weights(FFN)
+    supports_no_mtp = True
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -188,6 +189,9 @@ class Qwen35Converter(ModelConverter):
         `mtp_num_hidden_layers`)."""
         if self.n_mtp is not None:
             return self.n_mtp
+        if self.no_mtp:  # --no-nextn: the trunk alone, as if the checkpoint had no mtp.* tensors
+            self.n_mtp = 0
+            return 0
         names = self.model_tensors
         if not names:
             try:
@@ -240,11 +244,28 @@ class Qwen35Converter(ModelConverter):
     # -- tensors ------------------------------------------------------------------------------------
 
     def skip_tensor(self, name: str) -> bool:
+        if self.no_mtp and _canonical(name).startswith("mtp."):
+            return True
         return super().skip_tensor(name) or any(m in name for m in _MULTIMODAL_MARKERS)
 
     def prepare_tensors(self) -> None:
-        self._count_mtp()
+        self._check_mtp_head(self._count_mtp())
         super().prepare_tensors()
+
+    def _check_mtp_head(self, n_mtp: int) -> None:
+        """An MTP head the checkpoint holds only in part would convert and then not load: refuse it by the first
+        missing tensor (its projections, norms and each block's attention)."""
+        if not n_mtp:
+            return
+        names = {_canonical(n) for n in self.model_tensors}
+        needed = [f"mtp.{stem}.weight" for stem in _MTP_GLOBAL]
+        for k in range(n_mtp):
+            needed += [f"mtp.layers.{k}.{sub}" for sub in (*_COMMON, *_ATTENTION)]
+        missing = [n for n in needed if n not in names]
+        if missing:
+            raise ConversionError(f"{self.dir_model}: the multi-token-prediction head is incomplete: missing tensor "
+                                  f"{missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; "
+                                  "convert with --no-nextn to leave the MTP head out")
 
     def _hf_name(self, name: str) -> str:
         """Checkpoint name → llama.cpp's internal HF-style name (`model.layers.N.…`, MTP blocks
@@ -280,8 +301,32 @@ class Qwen35Converter(ModelConverter):
         raise ConversionError(f"{self.dir_model}: cannot map tensor {name!r} of a Qwen3.5 checkpoint "
                               f"({self.n_layer} layers + {self.n_mtp or 0} MTP)")
 
+    def _linear_attn_shapes(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """The shapes config.json gives each linear-attention tensor (after "linear_attn."), each allowed form."""
+        nk, nv, hk, hv = self.n_k_heads, self.n_v_heads, self.head_k_dim, self.head_v_dim
+        n_embd, conv = int(self.hparams["hidden_size"]), int(self.hparams["linear_conv_kernel_dim"])
+        channels = 2 * hk * nk + hv * nv
+        return {"in_proj_qkv.weight": ((channels, n_embd),), "in_proj_z.weight": ((hv * nv, n_embd),),
+                "in_proj_a.weight": ((nv, n_embd),), "in_proj_b.weight": ((nv, n_embd),),
+                "A_log": ((nv,),), "dt_bias": ((nv,),), "norm.weight": ((hv,),),
+                "conv1d.weight": ((channels, 1, conv), (channels, conv)), "out_proj.weight": ((n_embd, hv * nv),)}
+
+    def _check_linear_attn(self, data: LazyTensor, name: str) -> None:
+        """The head reorder and the transforms reshape these tensors by the config's head counts: a tensor of
+        another shape is refused by name here, not by a numpy error mid-write."""
+        sub = name.partition(".linear_attn.")[2]
+        allowed = self._linear_attn_shapes().get(sub)
+        if allowed is not None and data.shape not in allowed:
+            raise ConversionError(
+                f"{self.dir_model}: tensor {name!r} has shape {list(data.shape)}, expected "
+                f"{' or '.join(str(list(a)) for a in allowed)} from config.json (hidden_size, linear_num_key_heads "
+                f"{self.n_k_heads}, linear_num_value_heads {self.n_v_heads}, linear_key/value_head_dim "
+                f"{self.head_k_dim}, linear_conv_kernel_dim)")
+
     def modify_tensors(self, data: LazyTensor, name: str, bid: int | None) -> Iterable[tuple[str, LazyTensor]]:
         name = self._hf_name(name)
+        if ".linear_attn." in name:
+            self._check_linear_attn(data, name)
         nk, nv, hk, hv = self.n_k_heads, self.n_v_heads, self.head_k_dim, self.head_v_dim
         # 1. V heads grouped → tiled (only the V parts; conv1d is squeezed first)
         if nk != nv and ".linear_attn." in name:

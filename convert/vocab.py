@@ -34,11 +34,15 @@ PRE_TOKENIZER_REGEXES: dict[str, str] = {
 SPECIAL_TOKEN_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (every tokenizer / config file read here does)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConversionError(f"{path}: cannot read: {e}") from e
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def detect_pre_tokenizer(tokenizer: dict[str, Any], where: Path | str = "tokenizer.json") -> str:
@@ -133,6 +137,8 @@ def load_gpt2_vocab(model_dir: str | Path, n_vocab: int | None = None) -> GPT2Vo
         raise ConversionError(f"{model_dir}: missing tokenizer.json")
     tok = _read_json(tj_path)
     model = tok.get("model") or {}
+    if not isinstance(model, dict):
+        raise ConversionError(f"{tj_path}: 'model' = {type(model).__name__}, expected an object")
     if model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ConversionError(f"{tj_path}: tokenizer model {model.get('type')!r} is not BPE")
     pre = detect_pre_tokenizer(tok, tj_path)
@@ -280,7 +286,7 @@ def _chat_template_files(model_dir: Path) -> str | list[dict[str, str]] | None:
         return [{"name": "default", "template": template}] + \
             [{"name": p.stem, "template": p.read_text(encoding="utf-8")} for p in extra]
     if cj.is_file():
-        return (_read_json(cj) or {}).get("chat_template")
+        return _read_json(cj).get("chat_template")
     return None
 
 
