@@ -319,7 +319,7 @@ def _windows(n_tokens: int, n_ctx: int, step: int, sweep: bool) -> list[int]:
     if not sweep:
         return [n_ctx]
     first = -(-n_tokens // step) * step
-    # past MAX_SWEPT_WINDOWS of them, every k-th (a plan of a billion tokens swept 15 million windows, ~45 min)
+    # past MAX_SWEPT_WINDOWS of them, every k-th (a plan of 2**30 tokens swept 16 million windows, ~45 min)
     stride = step * max(1, -(-(n_ctx - first) // (step * MAX_SWEPT_WINDOWS)))
     return list(range(first, n_ctx, stride)) + [n_ctx]
 

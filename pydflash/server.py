@@ -574,7 +574,7 @@ class _RequestLog:
                          f"{t['predicted_n']} tok at {t['predicted_per_second']:.1f} tok/s")
             if t.get("n_rounds"):
                 parts.append(f"tau {t['tau']:.2f}, acceptance {t['draft_acceptance_rate']:.2f}")
-            elif "n_rounds" in t:  # (a speculative model that decoded this one plainly: auto, or speculative=False)
+            elif "n_rounds" in t:  # (a speculative model that decoded it plainly: auto chose to, or one token)
                 parts.append("no speculative round")
         logger.info("; ".join(parts))
 
