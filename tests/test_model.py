@@ -311,6 +311,17 @@ def test_vocab_only_file_is_not_a_model(llama_cpp_dir, tmp_path):
         load(p)
 
 
+def test_our_vocab_only_file_says_what_it_is(qwen3_checkpoint, tmp_path):
+    """(before: "key 'qwen3.block_count' = 2 but the file has tensors for 0 layers")"""
+    from pydflash.convert import convert_hf_to_gguf
+
+    vocab = convert_hf_to_gguf(qwen3_checkpoint("gqa4x2_hd64"), tmp_path / "vocab.gguf", vocab_only=True,
+                               progress=False)
+    for call in (pydflash.Model, pydflash.plan):
+        with pytest.raises(GGUFFormatError, match=r"vocab\.gguf: the file holds no tensors \(a vocabulary-only GGUF"):
+            call(vocab)
+
+
 HUGE_PAGE_PROBE = """
 import re, sys
 import pydflash

@@ -293,6 +293,10 @@ int gguf_file::block_count(const std::string & key, uint32_t n_optional_last) co
         throw format_error(format("%s: key '%s' = %u, expected at most %d layers", path_.c_str(), key.c_str(), v,
                                   MAX_BLOCKS));
     }
+    if (present == 0 && gguf_get_n_tensors(gguf_) == 0) {
+        throw format_error(format("%s: the file holds no tensors (a vocabulary-only GGUF, as --vocab-only writes): "
+                                  "not a model", path_.c_str()));
+    }
     if (v == 0 || (int64_t) v < present || (int64_t) v - (int64_t) n_optional_last > present) {
         throw format_error(format("%s: key '%s' = %u but the file has tensors for %lld layers (blk.N with N < %lld)%s",
                                   path_.c_str(), key.c_str(), v, (long long) present, (long long) present,
