@@ -603,8 +603,8 @@ class ModelConverter:
         out = output_path(outfile, self.dir_model, f"{self.default_outfile(vocab_only)}.gguf",
                           self.ftype.name.partition("_")[2])
         inputs = checkpoint_inputs(self.dir_model) + checkpoint_inputs(self.target_model_dir)
-        checked_target(out, inputs)  # a dry run reports a bad --outfile too
         if dry_run:
+            checked_target(out, inputs)  # a dry run reports a bad --outfile too (write_gguf_file checks a real one)
             for name, ti in self.writer.tensors[0].items():
                 logger.info("%-32s %-5s {%s}", name, ti.dtype.name, ", ".join(str(n) for n in reversed(ti.shape)))
             logger.info("dry run: would write %s (%d tensors)", out, len(self.writer.tensors[0]))
