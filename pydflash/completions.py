@@ -187,13 +187,16 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
         calls = tool_calls.ToolCallStream(calls_form, tools) if calls_form else None
 
         def deltas(fields) -> list[dict]:
-            """The reasoning split's (field, text) pairs as deltas; content held from a tool call's start on."""
+            """The reasoning split's (field, text) pairs as deltas; from a tool call's start on, the calls' deltas
+            and no content (held)."""
             out = []
             for field, text in fields:
+                found = []
                 if calls and field == "content":
-                    text = calls.feed(text)
+                    text, found = calls.feed(text)
                 if text:
                     out.append({field: text})
+                out += [{"tool_calls": [call]} for call in found]
             return out
 
         for piece, lp in pieces:
@@ -208,8 +211,6 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
         content, found = calls.finish() if calls else ("", [])
         if content:
             yield chunk({"content": content})
-        if found:
-            yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(found)]})
         c = pieces.completion
         yield {**chunk({}, "tool_calls" if found else c.finish_reason), "timings": c.timings}
         if with_usage:

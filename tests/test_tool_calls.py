@@ -57,8 +57,13 @@ def test_xml_form_typed_by_the_tools_schema():
     assert content == "Checking."
     assert _arguments(calls) == [("get_weather", {"city": "New York\nCity", "units": "metric"}),
                                  ("get_weather", {"city": "Oslo"})]
-    bad = "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>"
-    assert tool_calls.split(bad, "xml", TOOLS) == (bad, [])  # an integer that is not one
+    # an integer that is not one: its text (the caller's schema check names it; in the content it would be lost)
+    text = "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>"
+    assert _arguments(tool_calls.split(text, "xml", TOOLS)[1]) == [("get_weather", {"days": "three"})]
+    for broken in ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
+                   "<tool_call>\nget_weather(city='Paris')\n</tool_call>",
+                   "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>"):
+        assert tool_calls.split(broken, "xml", TOOLS) == (broken, [])
 
 
 def test_the_form_is_the_templates(llama_cpp_dir):
@@ -84,16 +89,103 @@ def test_calls_sent_back_render_to_what_the_model_wrote(llama_cpp_dir, name):
     assert template.render(prepare(user + [back], template), add_generation_prompt=False) == rendered
 
 
-def test_streamed_content_stops_at_the_first_call():
-    text = ("Sure <b>.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
-            "</tool_call>")
-    for size in (1, 3, 7, len(text)):
-        stream = tool_calls.ToolCallStream("xml", TOOLS)
-        sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
-        rest, calls = stream.finish()
-        assert (sent, rest) == ("Sure <b>.\n", "") and _arguments(calls) == [("get_weather", {"city": "Paris"})]
+def test_the_arguments_are_llama_servers():
+    """JSON form: the arguments object's text as the model wrote it (so that a call sent back renders to it); as a
+    JSON string, that string. XML form: one compact JSON object."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris",  "days": 2}}\n</tool_call>'
+    assert [c["function"]["arguments"] for c in tool_calls.split(text, "json", TOOLS)[1]] == [
+        '{"city":"Paris",  "days": 2}']
+    text = '<tool_call>\n{"arguments": {"city": "Paris"}, "name": "get_weather"}\n</tool_call>'
+    assert [c["function"]["arguments"] for c in tool_calls.split(text, "json", TOOLS)[1]] == ['{"city":"Paris"}']
+    text = '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}\n</tool_call>'
+    assert [c["function"]["arguments"] for c in tool_calls.split(text, "json", TOOLS)[1]] == ['{"city": "Rome"}']
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSão \"Paulo\"\n</parameter>\n<parameter=days>\n"
+            "2\n</parameter>\n</function>\n</tool_call>")
+    assert [c["function"]["arguments"] for c in tool_calls.split(text, "xml", TOOLS)[1]] == [
+        '{"city":"São \\"Paulo\\"","days":2}']
+
+
+def _stream(text: str, form: str, sizes) -> tuple[str, list[dict], list[dict]]:
+    """The content sent, the tool-call deltas and the calls of `text` fed to a ToolCallStream in pieces of
+    `sizes` (cycled)."""
+    stream, sent, deltas, at, i = tool_calls.ToolCallStream(form, TOOLS), "", [], 0, 0
+    while at < len(text):
+        content, found = stream.feed(text[at:at + sizes[i % len(sizes)]])
+        sent, deltas, at, i = sent + content, deltas + found, at + sizes[i % len(sizes)], i + 1
+    rest, calls = stream.finish()
+    return sent + rest, deltas, calls
+
+
+def _joined(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas joined as OpenAI's clients join them (by index: id, type and name once, arguments
+    appended)."""
+    calls: list[dict] = []
+    for d in deltas:
+        if d["index"] == len(calls):
+            calls.append({"id": d["id"], "type": d["type"], "function": dict(d["function"])})
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return calls
+
+
+REPLIES = [  # (form, reply)
+    ("json", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"Nord\\"\\n", '
+             '"where": {"lat": [48.9, {"x": "}"}]}, "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+             '"arguments": "{\\"city\\": \\"Rome\\"}"}\n</tool_call>\n<tool_call>\n{"arguments": {}, "name": '
+             '"get_weather"}\n</tool_call>'),
+    ("json", '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>\n<tool_call>\n'
+             '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\ntrailing text'),
+    ("xml", "Checking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</param City \\ \"é\"\n\n"
+            "</parameter>\n<parameter=units>\nnull\n</parameter>\n<parameter=where>\n{\"lat\": 48.9}\n</parameter>\n"
+            "</function>\n<function=get_weather>\n<parameter=city>\nOslo</parameter></function>\n</tool_call>\n"
+            "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"),
+    ("xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>\n<tool_call>"
+            "\n<function=get_weather>\n<parameter=city>\n\nLyon\n\n</parameter>\n</function>\n</tool_call>"),
+]
+
+
+@pytest.mark.parametrize("form, reply", REPLIES)
+def test_streamed_calls_join_to_the_whole_replys(form, reply):
+    """Fed in pieces of any size, the deltas joined are split()'s calls (their ids the stream's), the content
+    sent and held is split()'s; what a block that fails sent of its call before failing stays a call of its
+    own."""
+    content, calls = tool_calls.split(reply, form, TOOLS)
+    assert calls
+    for sizes in ([1], [2], [3, 1, 5], [7], [11, 2], [len(reply)]):
+        sent, deltas, streamed = _stream(reply, form, sizes)
+        assert streamed == [{k: v for k, v in c.items() if k != "id"} | {"id": s["id"]}
+                            for c, s in zip(calls, streamed)]
+        joined = [c for c in _joined(deltas) if c["id"] in {s["id"] for s in streamed}]
+        assert joined == streamed and sent == content
+
+
+def test_a_call_streams_as_it_is_written():
+    """The name as soon as it is whole, then a string parameter's text as it comes, other values once whole;
+    text that may be a closing tag's start is held back, and spaces that may come before a call."""
     stream = tool_calls.ToolCallStream("xml", TOOLS)
-    assert stream.feed("a <tool_") == "a " and stream.finish() == ("<tool_", [])
+    assert stream.feed("Sure <b>.\n<tool_call>\n<function=get_wea") == ("Sure <b>.", [])
+    content, deltas = stream.feed("ther>\n<parameter=days>\n1")
+    assert content == "" and [(d["index"], d["type"], d["function"]) for d in deltas] == [
+        (0, "function", {"name": "get_weather", "arguments": '{"days":'})]
+    assert stream.feed("2\n</parameter>\n<parameter=city>\nNew")[1] == [
+        {"index": 0, "function": {"arguments": '12,"city":"New'}}]
+    assert stream.feed(" \"York\"\n</para")[1] == [{"index": 0, "function": {"arguments": ' \\"York\\"'}}]
+    assert stream.feed("meter>\n</function>\n</tool_call>\nDone.")[1] == [
+        {"index": 0, "function": {"arguments": '"}'}}]
+    assert stream.finish() == ("Done.", [{"id": deltas[0]["id"], "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"days":12,"city":"New \\"York\\""}'}}])
+    stream = tool_calls.ToolCallStream("json", TOOLS)
+    assert stream.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')[1][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Pa'}
+    assert stream.feed('ris"}}\n</tool_')[1] == [{"index": 0, "function": {"arguments": 'ris"}'}}]
+    stream = tool_calls.ToolCallStream("xml", TOOLS)
+    assert stream.feed("a <tool_") == ("a", []) and stream.finish() == (" <tool_", [])
+    # a reply cut inside a call: what was sent of it stays sent; the block is content, as split() gives it
+    stream = tool_calls.ToolCallStream("xml", TOOLS)
+    reply = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa</tool_"
+    assert [d["function"]["arguments"] for d in stream.feed(reply)[1]] == ['{"city":"Pa']
+    assert stream.finish() == (reply, []) and tool_calls.split(reply, "xml", TOOLS) == (reply, [])
 
 
 def _canned(model, reply: str):
@@ -111,7 +203,7 @@ def _canned(model, reply: str):
 
 def test_chat_completion_returns_the_calls(llama_cpp_dir):
     """create_chat_completion with tools: message.tool_calls and finish_reason "tool_calls" (content None when
-    the reply is only calls), streamed as a tool_calls delta; with tool_choice "none" or no tools the text."""
+    the reply is only calls), streamed as tool_calls deltas; with tool_choice "none" or no tools the text."""
     source = (llama_cpp_dir / "models" / "templates" / "Qwen3.5-4B.jinja").read_text()
     reply = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
     messages = [{"role": "user", "content": "Weather in Paris?"}]
@@ -126,8 +218,7 @@ def test_chat_completion_returns_the_calls(llama_cpp_dir):
                                                chat_template_kwargs={"enable_thinking": False}))
         deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
         assert not any(d.get("content") for d in deltas)
-        streamed = [call for d in deltas for call in d.get("tool_calls", [])]
-        assert [c["index"] for c in streamed] == [0]
+        streamed = _joined([call for d in deltas for call in d.get("tool_calls", [])])
         assert _arguments(streamed) == [("get_weather", {"city": "Paris"})]
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
         for kwargs in (dict(tools=TOOLS, tool_choice="none"), dict()):
@@ -141,6 +232,7 @@ def test_the_server_returns_the_calls_in_openais_shape(llama_cpp_dir):
     pytest.importorskip("fastapi")
     openai = pytest.importorskip("openai")
     from fastapi.testclient import TestClient
+    from openai.lib.streaming.chat import ChatCompletionStreamState
 
     from pydflash.server import create_app
 
@@ -161,3 +253,15 @@ def test_the_server_returns_the_calls_in_openais_shape(llama_cpp_dir):
             call = choice.message.tool_calls[0]
             assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
                                                                                   {"city": "Paris", "days": 2})
+            # streamed, joined by the openai client's own accumulator: the same message, in more than one delta
+            state = ChatCompletionStreamState()
+            with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                events = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            for event in events:
+                state.handle_chunk(openai.types.chat.ChatCompletionChunk.model_validate(event))
+            joined = state.get_final_completion().choices[0]
+            assert joined.finish_reason == "tool_calls" and joined.message.content == "On it."
+            assert [(c.function.name, c.function.arguments) for c in joined.message.tool_calls] == [
+                (call.function.name, call.function.arguments)]
+            assert sum("tool_calls" in e["choices"][0]["delta"] for e in events if e["choices"]) > 2
