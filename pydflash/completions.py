@@ -36,6 +36,15 @@ def _usage(completion: "Completion") -> dict:
             "total_tokens": prompt + len(completion.tokens), "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def stopping_word(model: "Model", completion: "Completion", stop) -> str:
+    """The stop string (of `stop`: a string or a list of them) the generation ended on; "" where it ended
+    otherwise (the end-of-generation token, max_tokens)."""
+    if completion.finish_reason != "stop" or not stop:
+        return ""
+    rest = model.detokenize(completion.tokens)[len(completion.text):]  # what the text was cut at
+    return next((s for s in ([stop] if isinstance(stop, str) else stop) if s and rest.startswith(s)), "")
+
+
 def _include_usage(stream_options: Mapping | None) -> bool:
     if stream_options is None:
         return False
@@ -139,6 +148,95 @@ def _chat_logprobs(lp: dict | None) -> dict | None:
                         for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]}
 
 
+class ChatReply:
+    """A chat reply being generated (start_chat), read as llama-server reads it: reasoning_content, content and
+    tool calls, whole (message()) or as OpenAI deltas (deltas()); then `calls`, `completion` and
+    finish_reason()."""
+
+    def __init__(self, pieces, started: bool, calls_form: str | None, tools, prompt_n: int):
+        self.pieces, self.prompt_n = pieces, prompt_n
+        self._started, self._calls_form, self._tools = started, calls_form, tools
+        self.calls: list[dict] = []  # the tool calls (whole), once read
+
+    @property
+    def completion(self) -> "Completion":
+        return self.pieces.completion
+
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.calls else self.completion.finish_reason
+
+    def message(self) -> dict:
+        """The whole reply as OpenAI's assistant message (content None where the reply is only calls)."""
+        split = split_reasoning("".join(p for p, _ in self.pieces), started=self._started)
+        content = split.content
+        if self._calls_form:
+            content, self.calls = tool_calls.split(content, self._calls_form, self._tools)
+        message = {"role": "assistant", "content": content or (None if self.calls else content)}
+        if split.reasoning_content is not None:
+            message["reasoning_content"] = split.reasoning_content
+        if self.calls:
+            message["tool_calls"] = self.calls
+        return message
+
+    def deltas(self) -> Iterator[tuple[dict, dict | None]]:
+        """(delta, logprobs) as the reply is made: OpenAI's deltas (reasoning_content, content, a tool call's
+        pieces), a piece's logprobs (completion shape) with its first delta, or with {} where it adds none yet."""
+        reasoning = ReasoningStream(started=self._started)
+        calls = tool_calls.ToolCallStream(self._calls_form, self._tools) if self._calls_form else None
+
+        def read(fields) -> list[dict]:
+            out = []
+            for field, text in fields:
+                found = []
+                if calls and field == "content":  # (content held from a tool call's start on)
+                    text, found = calls.feed(text)
+                if text:
+                    out.append({field: text})
+                out += [{"tool_calls": [call]} for call in found]
+            return out
+
+        for piece, lp in self.pieces:
+            ready = read(reasoning.feed(piece))
+            if not ready and lp is not None:
+                yield {}, lp
+            for i, delta in enumerate(ready):
+                yield delta, lp if i == 0 else None
+        for delta in read(reasoning.flush()):
+            yield delta, None
+        if calls:
+            content, self.calls = calls.finish()
+            if content:
+                yield {"content": content}, None
+
+
+def start_chat(model: "Model", messages, *, tools, tool_choice, response_format, chat_template_kwargs,
+               template: str | None, chat_format: str | None, max_tokens: int | None, stop, speculative: bool,
+               sampling: dict) -> ChatReply:
+    """The chat's prompt (chat_prompt) and its generation started; `sampling`: Model.generate's sampling keyword
+    arguments."""
+    prompt, text, calls_form = chat_prompt(model, messages, tools=tools, tool_choice=tool_choice,
+                                           response_format=response_format,
+                                           chat_template_kwargs=chat_template_kwargs, template=template,
+                                           chat_format=chat_format)
+    # a template may open the reasoning block itself (the reply then starts inside it)
+    started = text.rstrip().endswith("<think>")
+    pieces = model.pieces(prompt, max_tokens, stop=stop, speculative=speculative, **sampling)
+    return ChatReply(pieces, started, calls_form, tools if calls_form else None, len(prompt))
+
+
+def chat_prompt(model: "Model", messages, *, tools, tool_choice, response_format, chat_template_kwargs,
+                template: str | None, chat_format: str | None) -> tuple[list[int], str, str | None]:
+    """(prompt tokens, prompt text, the form the reply's tool calls are read in: None where no tools are offered)
+    of a chat, rendered with the template."""
+    _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs)
+    rendering = chat_template(model, template, chat_format)
+    tools = None if tool_choice == "none" else tools
+    text = rendering.render(prepare(messages, rendering), tools=tools, add_generation_prompt=True,
+                            **(chat_template_kwargs or {}))
+    calls_form = tool_calls.form_of(rendering.source) if tools else None
+    return model._prompt_tokens(text, add_special=False, parse_special=True), text, calls_form
+
+
 def create_chat_completion(model: "Model", messages, *, tools, tool_choice, response_format, chat_template_kwargs,
                            template: str | None, chat_format: str | None, max_tokens: int | None, stop,
                            stream: bool, stream_options, logprobs: bool, top_logprobs: int | None,
@@ -148,33 +246,19 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
     # None: OpenAI's and llama-cpp-python's default
     logprobs = bool_arg("logprobs", False if logprobs is None else logprobs)
     top_logprobs = optional_int_arg("top_logprobs", top_logprobs, 0, 20)
-    _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs)
     with_usage = _include_usage(stream_options)
-    rendering = chat_template(model, template, chat_format)
-    tools = None if tool_choice == "none" else tools
-    text = rendering.render(prepare(messages, rendering), tools=tools, add_generation_prompt=True,
-                            **(chat_template_kwargs or {}))
-    # the reply's tool calls are read out of it in the template's form, where tools were offered
-    calls_form = tool_calls.form_of(rendering.source) if tools else None
-    prompt = model._prompt_tokens(text, add_special=False, parse_special=True)
-    # a template may open the reasoning block itself (the reply then starts inside it)
-    started = text.rstrip().endswith("<think>")
-    sampling = {**sampling, "logprobs": (top_logprobs or 0) if logprobs else None}
+    reply = start_chat(model, messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
+                       chat_template_kwargs=chat_template_kwargs, template=template, chat_format=chat_format,
+                       max_tokens=max_tokens, stop=stop, speculative=speculative,
+                       sampling={**sampling, "logprobs": (top_logprobs or 0) if logprobs else None})
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model.model_path}
-    pieces = model.pieces(prompt, max_tokens, stop=stop, speculative=speculative, **sampling)
 
     if not stream:
-        split = split_reasoning("".join(p for p, _ in pieces), started=started)
-        c = pieces.completion
-        content, calls = tool_calls.split(split.content, calls_form, tools) if calls_form else (split.content, [])
-        message = {"role": "assistant", "content": content or (None if calls else content)}
-        if split.reasoning_content is not None:
-            message["reasoning_content"] = split.reasoning_content
-        if calls:
-            message["tool_calls"] = calls
+        message = reply.message()
+        c = reply.completion
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(c.logprobs),
-                             "finish_reason": "tool_calls" if calls else c.finish_reason}],
+                             "finish_reason": reply.finish_reason()}],
                 "usage": _usage(c), "timings": c.timings}
 
     def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
@@ -183,36 +267,10 @@ def create_chat_completion(model: "Model", messages, *, tools, tool_choice, resp
 
     def chunks() -> Iterator[dict]:
         yield chunk({"role": "assistant"})
-        reasoning = ReasoningStream(started=started)
-        calls = tool_calls.ToolCallStream(calls_form, tools) if calls_form else None
-
-        def deltas(fields) -> list[dict]:
-            """The reasoning split's (field, text) pairs as deltas; from a tool call's start on, the calls' deltas
-            and no content (held)."""
-            out = []
-            for field, text in fields:
-                found = []
-                if calls and field == "content":
-                    text, found = calls.feed(text)
-                if text:
-                    out.append({field: text})
-                out += [{"tool_calls": [call]} for call in found]
-            return out
-
-        for piece, lp in pieces:
-            ready = deltas(reasoning.feed(piece))
-            chat_lp = _chat_logprobs(lp)
-            if not ready and chat_lp is not None:
-                yield chunk({}, lp=chat_lp)
-            for i, delta in enumerate(ready):
-                yield chunk(delta, lp=chat_lp if i == 0 else None)
-        for delta in deltas(reasoning.flush()):
-            yield chunk(delta)
-        content, found = calls.finish() if calls else ("", [])
-        if content:
-            yield chunk({"content": content})
-        c = pieces.completion
-        yield {**chunk({}, "tool_calls" if found else c.finish_reason), "timings": c.timings}
+        for delta, lp in reply.deltas():
+            yield chunk(delta, lp=_chat_logprobs(lp))
+        c = reply.completion
+        yield {**chunk({}, reply.finish_reason()), "timings": c.timings}
         if with_usage:
             yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(c)}
 

@@ -766,6 +766,31 @@ class Model:
                                       stop=stop, stream=stream, stream_options=stream_options, logprobs=logprobs,
                                       top_logprobs=top_logprobs, speculative=speculative, sampling=sampling)
 
+    def create_message(self, messages: Sequence[dict], *, max_tokens: int | None = None, system=None,
+                       tools: Sequence[dict] | None = None, tool_choice: dict | None = None,
+                       thinking: dict | None = None, stop_sequences: Sequence[str] | None = None,
+                       temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
+                       typical_p: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       repeat_penalty: float = 1.0, repeat_last_n: int = 64, logit_bias: dict | None = None,
+                       seed: int | None = None, stream: bool = False, chat_template: str | None = None,
+                       chat_format: str | None = None, chat_template_kwargs: dict | None = None,
+                       speculative: bool = True) -> dict | Iterator[dict]:
+        """An Anthropic-shaped message (the Messages API, as `POST /v1/messages` serves it): `messages` with text,
+        thinking, tool_use and tool_result blocks, `system`, `tools` (name, description, input_schema),
+        `thinking` ({"type": "enabled"} or "disabled": the template's enable_thinking); the reply's content
+        blocks, stop_reason and usage, or with stream=True its events. Sampling defaults: create_chat_completion's
+        (pydflash/anthropic_messages.py)."""
+        from .anthropic_messages import create_message
+
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                        repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n, logit_bias=logit_bias,
+                        seed=seed)
+        return create_message(self, messages, system=system, tools=tools, tool_choice=tool_choice, thinking=thinking,
+                              max_tokens=max_tokens, stop_sequences=stop_sequences, stream=stream,
+                              chat_template_kwargs=chat_template_kwargs, template=chat_template,
+                              chat_format=chat_format, speculative=speculative, sampling=sampling)
+
     def _sampling(self, temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
                   frequency_penalty, repeat_last_n, logit_bias, seed, logprobs) -> dict:
         """The core's sampling dict, every parameter checked; the seed resolved (given, the Model's, or fresh)."""

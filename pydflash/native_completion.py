@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .completions import stopping_word
+
 if TYPE_CHECKING:
     from .model import Completion, Model
 
@@ -122,8 +124,7 @@ def _how_it_stopped(model: "Model", req: NativeRequest, c: "Completion") -> tupl
     """(stop_type, stopping_word): "limit" (n_predict or the context), "word" (which stop string) or "eos"."""
     if c.finish_reason != "stop":
         return ("limit" if c.finish_reason == "length" else "none"), ""
-    rest = model.detokenize(c.tokens)[len(c.text):]  # what the text was cut at
-    word = next((s for s in req.stop if s and rest.startswith(s)), "")
+    word = stopping_word(model, c, req.stop)
     return ("word" if word else "eos"), word
 
 

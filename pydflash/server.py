@@ -35,6 +35,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"pydflash serve needs the server extra: pip install \"pydflash[server]\" ({e})") from e
 
+from . import anthropic_messages
 from .errors import ContextLengthExceededError
 from .model import Model
 from .native_completion import NativeRequest, native_completion
@@ -104,6 +105,33 @@ class ChatRequest(_Common):
                 kw[k] = getattr(self, k)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         kw["max_tokens"] = max_tokens  # None: until the end of the reply (or the context)
+        return kw
+
+
+class MessagesRequest(_Common):
+    """Anthropic's Messages API request (POST /v1/messages): its fields, the sampling ones _Common shares with
+    OpenAI's (temperature, top_p, top_k, ...: Anthropic's names too), and chat_template_kwargs (llama-server's)."""
+    messages: list[Any] = Field(min_length=1)
+    system: Union[str, list[Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("Anthropic's Messages API has no n: one reply a request")
+        return value
+
+    def kwargs(self) -> dict:
+        kw = {k: v for k, v in self.sampling().items() if k not in ("stop", "stream_options")}
+        for k in ("system", "tools", "tool_choice", "thinking", "stop_sequences", "chat_template_kwargs"):
+            if getattr(self, k) is not None:
+                kw[k] = getattr(self, k)
+        kw["max_tokens"] = self.max_tokens
         return kw
 
 
@@ -394,8 +422,9 @@ def _slot_state(slot: Slot, state: ServerState, model: Model) -> dict:
 
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
-    """/v1/chat/completions (also at /chat/completions, as llama-server), /v1/completions, and llama-server's own
-    /completion (also at /completions)."""
+    """/v1/chat/completions (also at /chat/completions, as llama-server), /v1/completions, llama-server's own
+    /completion (also at /completions), and Anthropic's /v1/messages and /v1/messages/count_tokens (errors in
+    Anthropic's shape there)."""
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -409,6 +438,27 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/completions")
     async def native(request: Request):  # llama-server's own API (pydflash/native_completion.py)
         return await _complete(request, "native", state)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):  # Anthropic's Messages API (pydflash/anthropic_messages.py)
+        try:
+            return await _complete(request, "messages", state)
+        except RequestError as e:  # (in Anthropic's shape)
+            return JSONResponse(anthropic_messages.error_body(e.status, e.message), status_code=e.status)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        try:
+            _authorize(request, state)
+            req = _validated(MessagesRequest, await _read_json(request, state))
+            model = state.slots[0].model
+            kwargs = {k: v for k, v in _with_defaults(req, state.defaults).items()
+                      if k in ("system", "tools", "tool_choice", "thinking", "chat_template_kwargs")}
+            return anthropic_messages.count_tokens(model, req.messages, **kwargs, **state.chat_options)
+        except RequestError as e:
+            return JSONResponse(anthropic_messages.error_body(e.status, e.message), status_code=e.status)
+        except (ValueError, TypeError) as e:
+            return JSONResponse(anthropic_messages.error_body(400, str(e)), status_code=400)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState, model: Model) -> None:
@@ -497,8 +547,8 @@ def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, l
         except ValueError as e:
             raise RequestError(400, str(e)) from None
         return native.stream, [_Choice(json.dumps(native.prompt), lambda m: native_completion(m, native), True)]
-    req = _validated(ChatRequest if kind == "chat" else CompletionRequest, payload)
-    prompts = [req.messages] if kind == "chat" else req.prompts()
+    req = _validated({"chat": ChatRequest, "messages": MessagesRequest}.get(kind, CompletionRequest), payload)
+    prompts = [req.messages] if kind in ("chat", "messages") else req.prompts()
     if len(prompts) * req.n > MAX_CHOICES:
         raise RequestError(400, f"{len(prompts)} prompts x n = {req.n} ask for {len(prompts) * req.n} choices; at "
                                 f"most {MAX_CHOICES} in one request")
@@ -513,12 +563,12 @@ def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, l
     return req.stream, choices
 
 
-def _with_defaults(req: ChatRequest | CompletionRequest, defaults: dict) -> dict:
+def _with_defaults(req: ChatRequest | CompletionRequest | MessagesRequest, defaults: dict) -> dict:
     """The request's create_* arguments, the server's defaults where it sets none."""
     kwargs = req.kwargs()
     for name, value in defaults.items():
         if name == "chat_template_kwargs":
-            if isinstance(req, ChatRequest):
+            if isinstance(req, (ChatRequest, MessagesRequest)):
                 kwargs[name] = {**value, **(req.chat_template_kwargs or {})}
         elif name == "max_tokens":
             if not req.model_fields_set & {"max_tokens", "max_completion_tokens"}:
@@ -529,9 +579,9 @@ def _with_defaults(req: ChatRequest | CompletionRequest, defaults: dict) -> dict
 
 
 def _producer(kind: str, prompt, kwargs: dict, state: ServerState) -> Callable[[Model], Any]:
-    if kind == "chat":
+    if kind in ("chat", "messages"):
         chat = dict(kwargs, messages=prompt, **state.chat_options)
-        return lambda m: m.create_chat_completion(**chat)
+        return (lambda m: m.create_chat_completion(**chat)) if kind == "chat" else lambda m: m.create_message(**chat)
     completion = dict(kwargs, prompt=prompt)
     return lambda m: m.create_completion(**completion)
 
@@ -672,6 +722,9 @@ async def _respond(request: Request, runs: _ChoiceRuns, state: ServerState, log:
             results[got[0]] = got[1]
     finally:
         await runs.close()
+    if results[0].get("type") == "message":  # Anthropic's
+        log.write(f"200 {results[0]['stop_reason']}", results[0])
+        return _public(results[0], state)
     if "choices" not in results[0]:  # llama-server's own answer: as it is, with the slot that served it
         log.write(f"200 {results[0]['stop_type']}", results[0])
         return _public({**results[0], "id_slot": runs.slot_of[0]}, state)
@@ -703,7 +756,14 @@ async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState
         got = first
         while got is not None:
             k, item = got
-            if "choices" not in item and "usage" not in item:  # llama-server's own chunks, as they are
+            if log.kind == "messages":  # Anthropic's events, each named by its type
+                if item["type"] == "message_start":
+                    item = {**item, "message": _public(item["message"], state)}
+                elif item["type"] == "message_delta":
+                    finished.append(item["delta"]["stop_reason"])
+                    last = item
+                yield {"event": item["type"], "data": json.dumps(item)}
+            elif "choices" not in item and "usage" not in item:  # llama-server's own chunks, as they are
                 chunk = {**item, "id_slot": runs.slot_of[k]}
                 if chunk["stop"]:
                     finished.append(chunk["stop_type"])
@@ -727,7 +787,10 @@ async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState
     except Exception as e:
         err = _public_error(e)
         status = f"{err.status} in stream"
-        yield {"data": json.dumps(err.body())}
+        if log.kind == "messages":
+            yield {"event": "error", "data": json.dumps(anthropic_messages.error_body(err.status, err.message))}
+        else:
+            yield {"data": json.dumps(err.body())}
     finally:
         log.write(status, last)
         await runs.close()
