@@ -119,3 +119,17 @@ def logit_bias_arg(bias: Any, n_vocab: int) -> dict[int, float]:
             raise ValueError(f"logit_bias[{key!r}] = {value}, expected a finite value or -inf")
         out[token] = value
     return out
+
+
+def str_arg(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def objects_arg(where: str, value: Any, expected: str) -> list[Mapping]:
+    """`value` if it is a list of objects (JSON's; Mappings), else a TypeError naming `where` and what was
+    `expected` there."""
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise TypeError(f"{where}: expected {expected}, got {type(value).__name__}")
+    return value

@@ -20,6 +20,8 @@ import json
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
+from ._arguments import objects_arg, str_arg
+from .chat_messages import function_tool
 from .completions import ChatReply, chat_prompt, start_chat, stopping_word
 
 if TYPE_CHECKING:  # for the annotations only
@@ -47,15 +49,11 @@ def _constant_billing_stamp(text: str) -> str:
 
 
 def _text(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{where}: expected a string, got {type(value).__name__}")
-    return value
+    return str_arg(where, value)
 
 
 def _blocks(value: Any, where: str) -> list[Mapping]:
-    if not isinstance(value, list) or not all(isinstance(b, Mapping) for b in value):
-        raise TypeError(f"{where}: expected a string or a list of content blocks (objects)")
-    return value
+    return objects_arg(where, value, "a string or a list of content blocks (objects)")
 
 
 def system_text(system: Any) -> str | None:
@@ -160,11 +158,8 @@ def chat_tools(tools: Any) -> list[dict] | None:
     """Anthropic's tools (name, description, input_schema) as OpenAI's function tools."""
     if tools is None:
         return None
-    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
-        raise TypeError("tools: expected a list of tools (objects)")
-    return [{"type": "function", "function": {
-        "name": _text(t.get("name"), f"tools[{i}].name"), "description": t.get("description") or "",
-        "parameters": t.get("input_schema") or {}}} for i, t in enumerate(tools)]
+    return [function_tool(_text(t.get("name"), f"tools[{i}].name"), t.get("description"), t.get("input_schema"))
+            for i, t in enumerate(objects_arg("tools", tools, "a list of tools (objects)"))]
 
 
 def chat_tool_choice(tool_choice: Any) -> str | None:

@@ -116,3 +116,9 @@ def prepare(messages: Sequence[Mapping[str, Any]], template: ChatTemplate) -> li
             m["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}]", needs)
         out.append(m)
     return out
+
+
+def function_tool(name: str, description: Any, parameters: Any) -> dict:
+    """A tool in OpenAI's chat form (what templates render), from another API's fields."""
+    return {"type": "function", "function": {"name": name, "description": description or "",
+                                             "parameters": parameters or {}}}

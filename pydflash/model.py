@@ -48,6 +48,16 @@ def _log_verbosely(verbose: bool) -> None:
             logger.addHandler(logging.StreamHandler())
 
 
+# the sampling parameters of the chat-shaped calls (create_chat_completion, create_message, create_response)
+_CHAT_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
+                  "frequency_penalty", "repeat_last_n", "logit_bias", "seed")
+
+
+def _chat_sampling(arguments: Mapping) -> dict:
+    """Model.generate's sampling keyword arguments among a chat-shaped call's own (its locals())."""
+    return {name: arguments[name] for name in _CHAT_SAMPLING}
+
+
 @dataclass
 class Completion:
     """The result of `Model.generate`. `timings` uses llama-server's names; `seed` is the one the call drew with
@@ -756,10 +766,7 @@ class Model:
         {"enable_thinking": False}); a <think> block in the reply comes back as reasoning_content."""
         from .completions import create_chat_completion
 
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
-                        repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                        frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n, logit_bias=logit_bias,
-                        seed=seed)
+        sampling = _chat_sampling(locals())
         return create_chat_completion(self, messages, tools=tools, tool_choice=tool_choice,
                                       response_format=response_format, chat_template_kwargs=chat_template_kwargs,
                                       template=chat_template, chat_format=chat_format, max_tokens=max_tokens,
@@ -782,14 +789,31 @@ class Model:
         (pydflash/anthropic_messages.py)."""
         from .anthropic_messages import create_message
 
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
-                        repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                        frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n, logit_bias=logit_bias,
-                        seed=seed)
+        sampling = _chat_sampling(locals())
         return create_message(self, messages, system=system, tools=tools, tool_choice=tool_choice, thinking=thinking,
                               max_tokens=max_tokens, stop_sequences=stop_sequences, stream=stream,
                               chat_template_kwargs=chat_template_kwargs, template=chat_template,
                               chat_format=chat_format, speculative=speculative, sampling=sampling)
+
+    def create_response(self, input, *, instructions: str | None = None, tools: Sequence[dict] | None = None,
+                        tool_choice: str | None = None, text: dict | None = None, reasoning: dict | None = None,
+                        max_output_tokens: int | None = None, temperature: float = 0.2, top_p: float = 0.95,
+                        top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0, presence_penalty: float = 0.0,
+                        frequency_penalty: float = 0.0, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+                        logit_bias: dict | None = None, seed: int | None = None, stream: bool = False,
+                        chat_template: str | None = None, chat_format: str | None = None,
+                        chat_template_kwargs: dict | None = None, speculative: bool = True) -> dict | Iterator[dict]:
+        """An OpenAI Responses-shaped answer (as `POST /v1/responses` serves it): `input` as a string or items
+        (messages, function_call, function_call_output, reasoning), `instructions`, function `tools`; the reply's
+        output items, status and usage, or with stream=True its events. Sampling defaults:
+        create_chat_completion's (pydflash/openai_responses.py)."""
+        from .openai_responses import create_response
+
+        sampling = _chat_sampling(locals())
+        return create_response(self, input, instructions=instructions, tools=tools, tool_choice=tool_choice, text=text,
+                               reasoning=reasoning, max_output_tokens=max_output_tokens, stream=stream,
+                               chat_template_kwargs=chat_template_kwargs, template=chat_template,
+                               chat_format=chat_format, speculative=speculative, sampling=sampling)
 
     def _sampling(self, temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
                   frequency_penalty, repeat_last_n, logit_bias, seed, logprobs) -> dict:

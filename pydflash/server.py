@@ -35,7 +35,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"pydflash serve needs the server extra: pip install \"pydflash[server]\" ({e})") from e
 
-from . import anthropic_messages
+from . import anthropic_messages, openai_responses
 from .errors import ContextLengthExceededError
 from .model import Model
 from .native_completion import NativeRequest, native_completion
@@ -87,6 +87,12 @@ class _Common(BaseModel):
                  "speculative")
         return {k: getattr(self, k) for k in names if k in self.model_fields_set and getattr(self, k) is not None}
 
+    def api_kwargs(self, names: Sequence[str]) -> dict:
+        """For another API than OpenAI's chat (no stop, no stream_options): sampling() and the fields `names`
+        that are set."""
+        kw = {k: v for k, v in self.sampling().items() if k not in ("stop", "stream_options")}
+        return kw | {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -127,12 +133,37 @@ class MessagesRequest(_Common):
         return value
 
     def kwargs(self) -> dict:
-        kw = {k: v for k, v in self.sampling().items() if k not in ("stop", "stream_options")}
-        for k in ("system", "tools", "tool_choice", "thinking", "stop_sequences", "chat_template_kwargs"):
-            if getattr(self, k) is not None:
-                kw[k] = getattr(self, k)
-        kw["max_tokens"] = self.max_tokens
-        return kw
+        return self.api_kwargs(("system", "tools", "tool_choice", "thinking", "stop_sequences",
+                                "chat_template_kwargs")) | {"max_tokens": self.max_tokens}
+
+
+class ResponsesRequest(_Common):
+    """OpenAI's Responses API request (POST /v1/responses): its fields, the sampling ones of _Common, and
+    chat_template_kwargs (llama-server's)."""
+    input: Union[str, list[Any]]
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Union[str, dict[str, Any]] | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=0)
+    previous_response_id: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("n", "previous_response_id")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "n" and value != 1:
+            raise ValueError("the Responses API has no n: one reply a request")
+        if info.field_name == "previous_response_id" and value:
+            raise ValueError("previous_response_id is not supported (nothing is stored): send the conversation "
+                             "in input")
+        return value
+
+    def kwargs(self) -> dict:
+        limit = self.max_output_tokens if self.max_output_tokens is not None else self.max_tokens
+        return self.api_kwargs(("instructions", "tools", "tool_choice", "text", "reasoning",
+                                "chat_template_kwargs")) | {"max_output_tokens": limit}
 
 
 class CompletionRequest(_Common):
@@ -423,8 +454,8 @@ def _slot_state(slot: Slot, state: ServerState, model: Model) -> dict:
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     """/v1/chat/completions (also at /chat/completions, as llama-server), /v1/completions, llama-server's own
-    /completion (also at /completions), and Anthropic's /v1/messages and /v1/messages/count_tokens (errors in
-    Anthropic's shape there)."""
+    /completion (also at /completions), OpenAI's /v1/responses (also at /responses), and Anthropic's /v1/messages
+    and /v1/messages/count_tokens (errors in Anthropic's shape there)."""
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -438,6 +469,11 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/completions")
     async def native(request: Request):  # llama-server's own API (pydflash/native_completion.py)
         return await _complete(request, "native", state)
+
+    @app.post("/v1/responses")
+    @app.post("/responses")
+    async def responses(request: Request):  # OpenAI's Responses API (pydflash/openai_responses.py)
+        return await _complete(request, "responses", state)
 
     @app.post("/v1/messages")
     async def messages(request: Request):  # Anthropic's Messages API (pydflash/anthropic_messages.py)
@@ -547,8 +583,10 @@ def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, l
         except ValueError as e:
             raise RequestError(400, str(e)) from None
         return native.stream, [_Choice(json.dumps(native.prompt), lambda m: native_completion(m, native), True)]
-    req = _validated({"chat": ChatRequest, "messages": MessagesRequest}.get(kind, CompletionRequest), payload)
-    prompts = [req.messages] if kind in ("chat", "messages") else req.prompts()
+    req = _validated({"chat": ChatRequest, "messages": MessagesRequest, "responses": ResponsesRequest}.get(
+        kind, CompletionRequest), payload)
+    prompts = [req.messages] if kind in ("chat", "messages") else [req.input] if kind == "responses" else \
+        req.prompts()
     if len(prompts) * req.n > MAX_CHOICES:
         raise RequestError(400, f"{len(prompts)} prompts x n = {req.n} ask for {len(prompts) * req.n} choices; at "
                                 f"most {MAX_CHOICES} in one request")
@@ -563,22 +601,25 @@ def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, l
     return req.stream, choices
 
 
-def _with_defaults(req: ChatRequest | CompletionRequest | MessagesRequest, defaults: dict) -> dict:
+def _with_defaults(req: ChatRequest | CompletionRequest | MessagesRequest | ResponsesRequest, defaults: dict) -> dict:
     """The request's create_* arguments, the server's defaults where it sets none."""
     kwargs = req.kwargs()
     for name, value in defaults.items():
         if name == "chat_template_kwargs":
-            if isinstance(req, (ChatRequest, MessagesRequest)):
+            if isinstance(req, (ChatRequest, MessagesRequest, ResponsesRequest)):
                 kwargs[name] = {**value, **(req.chat_template_kwargs or {})}
         elif name == "max_tokens":
-            if not req.model_fields_set & {"max_tokens", "max_completion_tokens"}:
-                kwargs[name] = value
+            if not req.model_fields_set & {"max_tokens", "max_completion_tokens", "max_output_tokens"}:
+                kwargs["max_output_tokens" if isinstance(req, ResponsesRequest) else name] = value
         elif getattr(req, name) is None:  # not given, or given as null
             kwargs[name] = value
     return kwargs
 
 
 def _producer(kind: str, prompt, kwargs: dict, state: ServerState) -> Callable[[Model], Any]:
+    if kind == "responses":
+        chat = dict(kwargs, input=prompt, **state.chat_options)
+        return lambda m: m.create_response(**chat)
     if kind in ("chat", "messages"):
         chat = dict(kwargs, messages=prompt, **state.chat_options)
         return (lambda m: m.create_chat_completion(**chat)) if kind == "chat" else lambda m: m.create_message(**chat)
@@ -606,6 +647,17 @@ async def _complete(request: Request, kind: str, state: ServerState):
         raise err from None
     return EventSourceResponse(_events(runs, first, state, log), background=BackgroundTask(runs.close),
                                ping=15, sep="\n")
+
+
+def _named_event(item: dict, state: ServerState) -> tuple[dict, str | None]:
+    """An Anthropic or Responses event with the server's model name, and how the reply ended where it says so."""
+    if "message" in item:  # (Anthropic's message_start)
+        return {**item, "message": _public(item["message"], state)}, None
+    if "response" in item:
+        item = {**item, "response": _public(item["response"], state)}
+        return item, item["response"]["status"] if item["type"] in ("response.completed", "response.incomplete") \
+            else None
+    return item, item["delta"]["stop_reason"] if item["type"] == "message_delta" else None
 
 
 class _RequestLog:
@@ -725,6 +777,9 @@ async def _respond(request: Request, runs: _ChoiceRuns, state: ServerState, log:
     if results[0].get("type") == "message":  # Anthropic's
         log.write(f"200 {results[0]['stop_reason']}", results[0])
         return _public(results[0], state)
+    if results[0].get("object") == "response":  # OpenAI's Responses
+        log.write(f"200 {results[0]['status']}", results[0])
+        return _public(results[0], state)
     if "choices" not in results[0]:  # llama-server's own answer: as it is, with the slot that served it
         log.write(f"200 {results[0]['stop_type']}", results[0])
         return _public({**results[0], "id_slot": runs.slot_of[0]}, state)
@@ -756,11 +811,10 @@ async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState
         got = first
         while got is not None:
             k, item = got
-            if log.kind == "messages":  # Anthropic's events, each named by its type
-                if item["type"] == "message_start":
-                    item = {**item, "message": _public(item["message"], state)}
-                elif item["type"] == "message_delta":
-                    finished.append(item["delta"]["stop_reason"])
+            if log.kind in ("messages", "responses"):  # Anthropic's or OpenAI's Responses events, named by type
+                item, ended = _named_event(item, state)
+                if ended is not None:
+                    finished.append(ended)
                     last = item
                 yield {"event": item["type"], "data": json.dumps(item)}
             elif "choices" not in item and "usage" not in item:  # llama-server's own chunks, as they are
@@ -789,6 +843,9 @@ async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState
         status = f"{err.status} in stream"
         if log.kind == "messages":
             yield {"event": "error", "data": json.dumps(anthropic_messages.error_body(err.status, err.message))}
+        elif log.kind == "responses":  # (the Responses API's error event)
+            yield {"event": "error", "data": json.dumps({"type": "error", "code": err.kind, "message": err.message,
+                                                         "param": None, "sequence_number": -1})}
         else:
             yield {"data": json.dumps(err.body())}
     finally:

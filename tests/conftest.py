@@ -72,6 +72,12 @@ def llama_cpp_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen35_template(llama_cpp_dir) -> str:
+    """Qwen3.5's chat template (llama.cpp's copy): XML tool calls, a reasoning block it opens itself."""
+    return (llama_cpp_dir / "models" / "templates" / "Qwen3.5-4B.jinja").read_text()
+
+
+@pytest.fixture(scope="session")
 def qwen3_checkpoint(tmp_path_factory):
     """Factory for tiny random HF Qwen3 checkpoints, cached for the session:
     `qwen3_checkpoint("gqa4x2_hd64", dtype="bfloat16")` -> Path (shapes: hf_models.QWEN3_SHAPES;

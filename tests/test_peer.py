@@ -346,6 +346,35 @@ def test_monitor_routes_and_n_choices_answer_as_llama_servers(tmp_path):
         assert set(ours.get("/props").json()) <= set(_llama(url, "/props"))
 
 
+def answers_beside_llama_server(tmp_path: Path, llama_cpp_dir: Path, path: str, body: dict, read: dict):
+    """(template name, our answer, llama-server's) to `body` at `path` (Anthropic's or the Responses API), for
+    Qwen3.5's and Qwen3's templates over the committed qwen3 q8_0 target, each after checking that llama-server's
+    reading of the request (the chat request it logs at -lv 5) renders to the prompt ours (`read`) renders to."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from pydflash.server import create_app
+
+    if peer.binary("llama-server") is None:
+        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
+    target = pair_file("qwen3", "target", "q8_0")
+    for name in ("Qwen3.5-4B.jinja", "Qwen-Qwen3-0.6B.jinja"):
+        template, log = llama_cpp_dir / "models" / "templates" / name, tmp_path / f"llama-server-{name}.log"
+        with pydflash.Model(target, n_ctx=1024, n_threads=1) as m, \
+                TestClient(create_app(m, chat_template=template.read_text())) as ours, \
+                peer.llama_server(target, 1, 1, 1024, log, extra=("--jinja", "--chat-template-file", str(template),
+                                                                  "-lv", "5")) as url:
+            got = ours.post(path, json=body)
+            assert got.status_code == 200, got.text
+            theirs = _llama(url, path, body)
+            lines = [x for x in log.read_text().splitlines() if "converted request: " in x]
+            theirs_read = json.loads(lines[-1].split("converted request: ", 1)[1])
+            assert ours.post("/apply-template", json=read).json()["prompt"] == \
+                _llama(url, "/apply-template", theirs_read)["prompt"], name
+            yield name, got.json(), theirs
+
+
 def _llama(url: str, path: str, body: dict | None = None):
     """llama-server's answer at `path` (POST with a body, else GET): JSON, or /metrics' text."""
     import json
