@@ -48,9 +48,6 @@ def _constant_billing_stamp(text: str) -> str:
     return text[:at] + "fffff" + text[at + 5:]
 
 
-def _text(value: Any, where: str) -> str:
-    return str_arg(where, value)
-
 
 def _blocks(value: Any, where: str) -> list[Mapping]:
     return objects_arg(where, value, "a string or a list of content blocks (objects)")
@@ -66,7 +63,7 @@ def system_text(system: Any) -> str | None:
     for i, block in enumerate(_blocks(system, "system")):
         if block.get("type") != "text":
             raise ValueError(f"system[{i}].type = {block.get('type')!r}: a system prompt is text blocks")
-        parts.append(_constant_billing_stamp(_text(block.get("text"), f"system[{i}].text")))
+        parts.append(_constant_billing_stamp(str_arg(f"system[{i}].text", block.get("text"))))
     return "".join(parts)
 
 
@@ -80,9 +77,9 @@ def _tool_result(block: Mapping, where: str) -> dict:
         for k, part in enumerate(_blocks(content, f"{where}.content")):
             if part.get("type") != "text":
                 raise ValueError(f"{where}.content[{k}]: a {part.get('type')!r} block (the models served read text)")
-            texts.append(_text(part.get("text"), f"{where}.content[{k}].text"))
+            texts.append(str_arg(f"{where}.content[{k}].text", part.get("text")))
         text = "".join(texts)
-    return {"role": "tool", "tool_call_id": _text(block.get("tool_use_id", ""), f"{where}.tool_use_id"),
+    return {"role": "tool", "tool_call_id": str_arg(f"{where}.tool_use_id", block.get("tool_use_id", "")),
             "content": text}
 
 
@@ -90,8 +87,8 @@ def _tool_use(block: Mapping, where: str) -> dict:
     arguments = block.get("input", {})
     if not isinstance(arguments, Mapping):
         raise TypeError(f"{where}.input: expected an object, got {type(arguments).__name__}")
-    return {"id": _text(block.get("id", ""), f"{where}.id"), "type": "function",
-            "function": {"name": _text(block.get("name"), f"{where}.name"),
+    return {"id": str_arg(f"{where}.id", block.get("id", "")), "type": "function",
+            "function": {"name": str_arg(f"{where}.name", block.get("name")),
                          "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
@@ -101,7 +98,7 @@ def _user_messages(blocks: list[Mapping], where: str) -> list[dict]:
     for j, block in enumerate(blocks):
         kind, at = block.get("type"), f"{where}.content[{j}]"
         if kind == "text":
-            part = {"type": "text", "text": _text(block.get("text"), f"{at}.text")}
+            part = {"type": "text", "text": str_arg(f"{at}.text", block.get("text"))}
             if out and out[-1]["role"] == "user":
                 out[-1]["content"].append(part)
             else:
@@ -120,9 +117,9 @@ def _assistant_message(blocks: list[Mapping], where: str) -> list[dict]:
     for j, block in enumerate(blocks):
         kind, at = block.get("type"), f"{where}.content[{j}]"
         if kind == "text":
-            texts.append({"type": "text", "text": _text(block.get("text"), f"{at}.text")})
+            texts.append({"type": "text", "text": str_arg(f"{at}.text", block.get("text"))})
         elif kind == "thinking":
-            reasoning += _text(block.get("thinking", ""), f"{at}.thinking")
+            reasoning += str_arg(f"{at}.thinking", block.get("thinking", ""))
         elif kind == "tool_use":
             calls.append(_tool_use(block, at))
         elif kind != "redacted_thinking":  # (encrypted by Anthropic's servers: nothing a model here can read)
@@ -158,7 +155,7 @@ def chat_tools(tools: Any) -> list[dict] | None:
     """Anthropic's tools (name, description, input_schema) as OpenAI's function tools."""
     if tools is None:
         return None
-    return [function_tool(_text(t.get("name"), f"tools[{i}].name"), t.get("description"), t.get("input_schema"))
+    return [function_tool(str_arg(f"tools[{i}].name", t.get("name")), t.get("description"), t.get("input_schema"))
             for i, t in enumerate(objects_arg("tools", tools, "a list of tools (objects)"))]
 
 

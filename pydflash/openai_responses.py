@@ -16,6 +16,7 @@ off, any other effort on."""
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
@@ -28,10 +29,6 @@ if TYPE_CHECKING:  # for the annotations only
     from .model import Model
 
 
-def _text(value: Any, where: str) -> str:
-    return str_arg(where, value)
-
-
 def _parts(content: Any, where: str, kinds: tuple[str, ...]) -> list[dict]:
     """A message's content (a string, or parts of `kinds`) as chat text parts."""
     if isinstance(content, str):
@@ -40,7 +37,7 @@ def _parts(content: Any, where: str, kinds: tuple[str, ...]) -> list[dict]:
         if part.get("type") not in kinds:
             raise ValueError(f"{where}[{k}].type = {part.get('type')!r}, expected one of {', '.join(kinds)} (the "
                              f"models served read text)")
-    return [{"type": "text", "text": _text(p.get("text"), f"{where}[{k}].text")} for k, p in enumerate(content)]
+    return [{"type": "text", "text": str_arg(f"{where}[{k}].text", p.get("text"))} for k, p in enumerate(content)]
 
 
 def _assistant(out: list[dict]) -> dict:
@@ -65,13 +62,13 @@ def _read_item(item: Mapping, where: str, out: list[dict]) -> None:
             raise ValueError(f"{where}.role = {role!r}, expected 'user', 'system', 'developer' or 'assistant'")
     elif kind == "function_call":
         _assistant(out).setdefault("tool_calls", []).append({
-            "id": _text(item.get("call_id"), f"{where}.call_id"), "type": "function",
-            "function": {"name": _text(item.get("name"), f"{where}.name"),
-                         "arguments": _text(item.get("arguments"), f"{where}.arguments")}})
+            "id": str_arg(f"{where}.call_id", item.get("call_id")), "type": "function",
+            "function": {"name": str_arg(f"{where}.name", item.get("name")),
+                         "arguments": str_arg(f"{where}.arguments", item.get("arguments"))}})
     elif kind == "function_call_output":
         output = item.get("output")
         text = "".join(p["text"] for p in _parts(output, f"{where}.output", ("input_text",)))
-        out.append({"role": "tool", "tool_call_id": _text(item.get("call_id"), f"{where}.call_id"), "content": text})
+        out.append({"role": "tool", "tool_call_id": str_arg(f"{where}.call_id", item.get("call_id")), "content": text})
     elif kind == "reasoning":
         texts = item.get("content") or item.get("summary") or []
         _assistant(out)["reasoning_content"] = "".join(
@@ -83,7 +80,7 @@ def _read_item(item: Mapping, where: str, out: list[dict]) -> None:
 
 def chat_messages(input: Any, instructions: Any = None) -> list[dict]:
     """The Responses input (a string, or items) and instructions as a chat's OpenAI-form messages."""
-    out = [] if instructions is None else [{"role": "system", "content": _text(instructions, "instructions")}]
+    out = [] if instructions is None else [{"role": "system", "content": str_arg("instructions", instructions)}]
     if isinstance(input, str):
         return out + [{"role": "user", "content": input}]
     for i, item in enumerate(objects_arg("input", input, "a string or a list of items (objects)")):
@@ -99,7 +96,7 @@ def chat_tools(tools: Any) -> list[dict] | None:
     for i, tool in enumerate(objects_arg("tools", tools, "a list of tools (objects)")):
         if tool.get("type") != "function":
             raise ValueError(f"tools[{i}].type = {tool.get('type')!r}: only function tools are served")
-        out.append(function_tool(_text(tool.get("name"), f"tools[{i}].name"), tool.get("description"),
+        out.append(function_tool(str_arg(f"tools[{i}].name", tool.get("name")), tool.get("description"),
                                  tool.get("parameters")))
     return out
 
@@ -164,7 +161,7 @@ def _ending(reply: ChatReply) -> dict:
 
 
 def _events(reply: ChatReply, base: dict) -> Iterator[dict]:
-    items, number = _Items(), iter(range(1 << 62))
+    items, number = _Items(), itertools.count()
     started = {**base, "status": "in_progress", "incomplete_details": None, "output": []}
     yield {"type": "response.created", "sequence_number": next(number), "response": started}
     yield {"type": "response.in_progress", "sequence_number": next(number), "response": started}

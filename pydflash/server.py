@@ -616,15 +616,18 @@ def _with_defaults(req: ChatRequest | CompletionRequest | MessagesRequest | Resp
     return kwargs
 
 
+# the Model call and its conversation's argument that answer each kind of chat request
+_CHAT_CALLS = {"chat": ("create_chat_completion", "messages"), "messages": ("create_message", "messages"),
+               "responses": ("create_response", "input")}
+
+
 def _producer(kind: str, prompt, kwargs: dict, state: ServerState) -> Callable[[Model], Any]:
-    if kind == "responses":
-        chat = dict(kwargs, input=prompt, **state.chat_options)
-        return lambda m: m.create_response(**chat)
-    if kind in ("chat", "messages"):
-        chat = dict(kwargs, messages=prompt, **state.chat_options)
-        return (lambda m: m.create_chat_completion(**chat)) if kind == "chat" else lambda m: m.create_message(**chat)
-    completion = dict(kwargs, prompt=prompt)
-    return lambda m: m.create_completion(**completion)
+    if kind not in _CHAT_CALLS:
+        completion = dict(kwargs, prompt=prompt)
+        return lambda m: m.create_completion(**completion)
+    call, conversation = _CHAT_CALLS[kind]
+    chat = dict(kwargs, **{conversation: prompt}, **state.chat_options)
+    return lambda m: getattr(m, call)(**chat)
 
 
 async def _complete(request: Request, kind: str, state: ServerState):
