@@ -210,7 +210,8 @@ def _serve(args: argparse.Namespace) -> int:
         serve(model, host=args.host, port=args.port, parallel=args.parallel, api_key=args.api_keys or None,
               alias=args.alias, max_queue=args.max_queue, read_timeout=args.read_timeout, chat_template=template,
               chat_format=chat_format, metrics=args.metrics, slots_endpoint=not args.no_slots,
-              defaults=_request_defaults(args), log_level="warning" if args.log_disable else "info")
+              defaults=_request_defaults(args), log_level="warning" if args.log_disable else "info",
+              **({"n_batch": args.n_batch} if args.n_batch is not None else {}))
     return 0
 
 

@@ -76,7 +76,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill micro-batch (default: the fastest on this machine, measured at the first long "
                         "prompt)")
     p.add_argument("-b", "--batch-size", dest="n_batch", type=int, default=None, metavar="N",
-                   help="llama.cpp's logical batch: accepted; prompts are evaluated in -ub micro-batches here")
+                   help="llama.cpp's logical batch: serve's /infill cuts its prefix and suffix to it (2048 by "
+                        "default); prompts are evaluated in -ub micro-batches here")
     p.add_argument("--spec-type", default=None, metavar="TYPES",
                    help="llama.cpp's speculation types, comma-separated: draft-dflash (with -md), draft-mtp, "
                         "ngram-* (prompt lookup), none; the same as --proposers dflash / mtp / ngram")

@@ -6,7 +6,8 @@ completions.py."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterator, Union
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -89,28 +90,53 @@ def _logit_bias(bias) -> dict[str, float]:
     return out
 
 
-def native_completion(model: "Model", req: NativeRequest) -> dict | Iterator[dict]:
+def native_completion(model: "Model", req: NativeRequest,
+                      cut: Callable[[str, str, float], tuple[int, bool]] | None = None) -> dict | Iterator[dict]:
     """The answer (or with stream the chunks, the last of them the answer with empty content) of a /completion
-    request on `model`."""
+    request on `model`. `cut(text so far, its last piece, ms generating)`: (where the text ends, whether it ends
+    there), for /infill's limits; a completion it ends is aborted and answered with stop_type "limit", as there."""
     prompt = req.prompt_tokens(model)
     max_tokens = None if req.n_predict < 0 else req.n_predict
     pieces = model.pieces(prompt, max_tokens, stop=req.stop, speculative=req.speculative is not False,
                           **req.sampling(model))
+    cut_short: list[int] = []  # (where cut ended the text, once it has)
+    texts = _texts(model, pieces, cut, cut_short)
     if not req.stream:
-        text = "".join(t for t, _ in pieces)
-        return _answer(model, req, prompt, pieces.completion, text)
+        text = "".join(texts)
+        return _answer(model, req, prompt, pieces.completion, text[:cut_short[0]] if cut_short else text,
+                       bool(cut_short))
 
     def chunks() -> Iterator[dict]:
-        for text, _ in pieces:
+        for text in texts:
             if text:
                 yield {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": -1}
-        yield _answer(model, req, prompt, pieces.completion, "")
+        yield _answer(model, req, prompt, pieces.completion, "", bool(cut_short))
     return chunks()
 
 
-def _answer(model: "Model", req: NativeRequest, prompt: list[int], c: "Completion", content: str) -> dict:
+def _texts(model: "Model", pieces, cut, cut_short: list[int]) -> Iterator[str]:
+    """The pieces' texts, up to where `cut` ends them (the generation then aborted, the rest of its pieces read
+    and dropped, and where it ended the text put in `cut_short`: it may lie before the end of what was sent, as
+    llama-server's n_indent cuts a line it has streamed)."""
+    started, text = time.perf_counter(), ""
+    for piece, _ in pieces:
+        if cut is None:
+            yield piece
+            continue
+        if cut_short:
+            continue
+        end, ended = cut(text + piece, piece, (time.perf_counter() - started) * 1000.0)
+        yield (text + piece)[len(text):end]
+        text += piece
+        if ended:
+            cut_short.append(end)
+            model.abort()
+
+
+def _answer(model: "Model", req: NativeRequest, prompt: list[int], c: "Completion", content: str,
+            cut_short: bool = False) -> dict:
     t = c.timings
-    stop_type, word = _how_it_stopped(model, req, c)
+    stop_type, word = ("limit", "") if cut_short else _how_it_stopped(model, req, c)
     limited = c.finish_reason == "length" and req.n_predict >= 0 and len(c.tokens) >= req.n_predict
     return {"index": 0, "content": content, "tokens": list(c.tokens) if req.return_tokens else [], "id_slot": -1,
             "stop": True, "model": model.model_path, "tokens_predicted": len(c.tokens),

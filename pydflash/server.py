@@ -1,16 +1,17 @@
 """`pydflash serve`: an OpenAI-compatible HTTP server (FastAPI, uvicorn, sse-starlette: `pip install
 "pydflash[server]"`).
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, and llama-server's
-/completion (its own API), /tokenize, /detokenize, /apply-template, GET /props, /slots and /metrics (with
-`metrics=True`). `--parallel N` slots are N sessions (`Model.new_session`) over one copy of the weights; a request
-takes a free slot (the one whose last request shares the longest prefix with it, so multi-turn chats reuse their
-cached prompt), else waits in a queue of at most `max_queue` requests, past which it gets 503. Each generation runs
-on a thread of its own (the core releases the GIL), and the generations running at the same time meet at each step
-in one batched target evaluation (continuous batching: `Model.new_session`); a client that disconnects aborts its
-generation within one round and frees the slot. A request for several choices (`n`, or a list of prompts to
-/v1/completions) runs each as a generation of its own on a slot, at most as many at once as there are slots, in one
-batch where they meet (choice k of a prompt samples with seed + k, as llama-server's).
+Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (OpenAI's Responses API), POST
+/v1/messages (Anthropic's), GET /v1/models, GET /health, and llama-server's /completion (its own API), /infill,
+/tokenize, /detokenize, /apply-template, GET /props, /slots and /metrics (with `metrics=True`). `--parallel N` slots
+are N sessions (`Model.new_session`) over one copy of the weights; a request takes a free slot (the one whose last
+request shares the longest prefix with it, so multi-turn chats reuse their cached prompt), else waits in a queue of
+at most `max_queue` requests, past which it gets 503. Each generation runs on a thread of its own (the core releases
+the GIL), and the generations running at the same time meet at each step in one batched target evaluation (continuous
+batching: `Model.new_session`); a client that disconnects aborts its generation within one round and frees the slot.
+A request for several choices (`n`, or a list of prompts to /v1/completions) runs each as a generation of its own on
+a slot, at most as many at once as there are slots, in one batch where they meet (choice k of a prompt samples with
+seed + k, as llama-server's).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from . import anthropic_messages, openai_responses
 from .errors import ContextLengthExceededError
 from .model import Model
+from .infill import N_BATCH, InfillRequest, InfillUnsupported, fim_token_ids, infill
 from .native_completion import NativeRequest, native_completion
 from .server_metrics import ServerMetrics
 from .server_slots import Job, RequestError, Slot, SlotPool
@@ -244,6 +246,7 @@ class ServerState:
     read_timeout: float
     chat_options: dict  # the server's chat_template or chat_format, passed to every chat completion
     metrics: ServerMetrics | None = None  # GET /metrics (None: not served)
+    n_batch: int = N_BATCH  # llama-server's -b: what /infill's prefix and suffix are cut to
     slots_endpoint: bool = True  # GET /slots
     # what a request that does not set them gets (serve's -n, sampling flags, --chat-template-kwargs)
     defaults: dict = field(default_factory=dict)
@@ -253,17 +256,22 @@ class ServerState:
 def create_app(model: Model, *, parallel: int = 1, api_key: str | Sequence[str] | None = None,
                alias: str | None = None, max_queue: int = 16, max_body: int = MAX_BODY_BYTES,
                read_timeout: float = READ_TIMEOUT_S, chat_template: str | None = None, chat_format: str | None = None,
-               metrics: bool = False, slots_endpoint: bool = True, defaults: dict | None = None) -> FastAPI:
+               metrics: bool = False, slots_endpoint: bool = True, defaults: dict | None = None,
+               n_batch: int = N_BATCH) -> FastAPI:
     """The FastAPI app serving `model` (and parallel - 1 more sessions over its weights). `api_key`: a key, or a
     list of keys any of which authorizes. `chat_template` (a Jinja template's text) or `chat_format` (a name,
     e.g. "chatml") renders every chat instead of the GGUF's own template, as llama-server's
     --chat-template-file and llama-cpp-python's chat_format do. `metrics` serves GET /metrics, `slots_endpoint`
     GET /slots (llama-server's --metrics and --no-slots). `defaults`: create_completion's and
     create_chat_completion's arguments for requests that do not set them (max_tokens, the sampling parameters,
-    chat_template_kwargs: merged under a request's), as llama-server's -n, --temp, ... set its requests'."""
+    chat_template_kwargs: merged under a request's), as llama-server's -n, --temp, ... set its requests'.
+    `n_batch`: llama-server's -b, what /infill cuts the prefix and suffix to."""
     state = _server_state(model, parallel, api_key, alias, max_queue, max_body, read_timeout,
                           _chat_options(model, chat_template, chat_format))
     state.slots_endpoint = slots_endpoint
+    if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch < 1:
+        raise ValueError(f"n_batch = {n_batch!r}, expected an int >= 1")
+    state.n_batch = n_batch
     state.defaults = _checked_defaults(defaults)
     if metrics:
         state.metrics = ServerMetrics()
@@ -454,8 +462,8 @@ def _slot_state(slot: Slot, state: ServerState, model: Model) -> dict:
 
 def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     """/v1/chat/completions (also at /chat/completions, as llama-server), /v1/completions, llama-server's own
-    /completion (also at /completions), OpenAI's /v1/responses (also at /responses), and Anthropic's /v1/messages
-    and /v1/messages/count_tokens (errors in Anthropic's shape there)."""
+    /completion (also at /completions) and /infill, OpenAI's /v1/responses (also at /responses), and Anthropic's
+    /v1/messages and /v1/messages/count_tokens (errors in Anthropic's shape there)."""
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -469,6 +477,10 @@ def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/completions")
     async def native(request: Request):  # llama-server's own API (pydflash/native_completion.py)
         return await _complete(request, "native", state)
+
+    @app.post("/infill")
+    async def fill_in_the_middle(request: Request):  # llama-server's /infill (pydflash/infill.py)
+        return await _complete(request, "infill", state)
 
     @app.post("/v1/responses")
     @app.post("/responses")
@@ -573,16 +585,8 @@ def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, l
     """(stream?, the choices) for a request body: n of each prompt, choice k of a prompt sampling with seed + k
     (the request's seed, else the model's; neither: each draws its own), as llama-server's n; llama-server's own
     /completion ("native"): one."""
-    if kind == "native":
-        if isinstance(payload, dict):  # the server's defaults under the request's own fields
-            payload = {**{"n_predict" if k == "max_tokens" else k: v for k, v in state.defaults.items()
-                          if k != "chat_template_kwargs"}, **payload}
-        native = _validated(NativeRequest, payload)
-        try:
-            native.check()
-        except ValueError as e:
-            raise RequestError(400, str(e)) from None
-        return native.stream, [_Choice(json.dumps(native.prompt), lambda m: native_completion(m, native), True)]
+    if kind in ("native", "infill"):
+        return _parse_native(payload, kind, state)
     req = _validated({"chat": ChatRequest, "messages": MessagesRequest, "responses": ResponsesRequest}.get(
         kind, CompletionRequest), payload)
     prompts = [req.messages] if kind in ("chat", "messages") else [req.input] if kind == "responses" else \
@@ -599,6 +603,27 @@ def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, l
                 kwargs["seed"] = seed + k
             choices.append(_Choice(json.dumps(prompt), _producer(kind, prompt, kwargs, state), k == 0))
     return req.stream, choices
+
+
+def _parse_native(payload: Any, kind: str, state: ServerState) -> tuple[bool, list[_Choice]]:
+    """llama-server's own /completion or /infill request: (stream?, its one choice)."""
+    if isinstance(payload, dict):  # the server's defaults under the request's own fields
+        payload = {**{"n_predict" if k == "max_tokens" else k: v for k, v in state.defaults.items()
+                      if k != "chat_template_kwargs"}, **payload}
+    native = _validated(InfillRequest if kind == "infill" else NativeRequest, payload)
+    try:
+        native.check()
+        if kind == "native":
+            return native.stream, [_Choice(json.dumps(native.prompt), lambda m: native_completion(m, native), True)]
+        fim_token_ids(state.slots[0].model)
+    except InfillUnsupported as e:
+        raise RequestError(501, str(e), "not_supported_error") from None
+    except ValueError as e:
+        raise RequestError(400, str(e)) from None
+    server_n_predict = state.defaults.get("max_tokens")
+    key = json.dumps([c.text for c in native.input_extra] + [native.input_prefix])
+    return native.stream, [_Choice(key, lambda m: infill(m, native, state.n_batch, (
+        -1 if server_n_predict is None else server_n_predict)), True)]
 
 
 def _with_defaults(req: ChatRequest | CompletionRequest | MessagesRequest | ResponsesRequest, defaults: dict) -> dict:
@@ -860,11 +885,11 @@ def serve(model: Model, *, host: str = "127.0.0.1", port: int = 8080, parallel: 
           api_key: str | Sequence[str] | None = None, alias: str | None = None, max_queue: int = 16,
           read_timeout: float = READ_TIMEOUT_S, log_level: str = "info", chat_template: str | None = None,
           chat_format: str | None = None, metrics: bool = False, slots_endpoint: bool = True,
-          defaults: dict | None = None) -> None:
+          defaults: dict | None = None, n_batch: int = N_BATCH) -> None:
     """Run the server until interrupted (arguments as for `create_app`)."""
     app = create_app(model, parallel=parallel, api_key=api_key, alias=alias, max_queue=max_queue,
                      read_timeout=read_timeout, chat_template=chat_template, chat_format=chat_format,
-                     metrics=metrics, slots_endpoint=slots_endpoint, defaults=defaults)
+                     metrics=metrics, slots_endpoint=slots_endpoint, defaults=defaults, n_batch=n_batch)
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

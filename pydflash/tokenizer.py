@@ -450,6 +450,11 @@ class Tokenizer:
     def pad_token_id(self) -> int | None:
         return self._ids["pad"]
 
+    def fim_token_ids(self) -> dict[str, int | None]:
+        """The fill-in-the-middle tokens (pre, suf, mid, pad, rep, sep: None where the vocabulary has none), named
+        by the GGUF or found by their text, by llama.cpp's rules."""
+        return {name[4:]: self._ids[name] for name in self._ids if name.startswith("fim_")}
+
     @property
     def eog_token_ids(self) -> frozenset[int]:
         """Tokens that end generation: eos, eot, eom, the FIM pad/repo/sep tokens and tokens whose text marks
