@@ -14,8 +14,7 @@ indented less than n_indent is cut after its indentation; past t_max_predict_ms,
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Any, Iterator, Union
+from typing import TYPE_CHECKING, Iterator, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 

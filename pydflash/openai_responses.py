@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from ._arguments import objects_arg, str_arg
 from .chat_messages import function_tool
