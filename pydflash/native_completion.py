@@ -43,6 +43,7 @@ class NativeRequest(BaseModel):
     n: int = Field(1, ge=1)  # (llama-server's other name of n_cmpl)
     return_tokens: bool = False
     cache_prompt: bool = True  # (a slot always reuses what it can of its last prompt)
+    response_fields: list[str] = []  # (the server keeps only these fields of its answer, as there)
     speculative: bool | None = None
 
     def check(self) -> None:

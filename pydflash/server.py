@@ -579,6 +579,7 @@ class _Choice:
     key: str
     produce: Callable[[Model], Any]
     first_of_prompt: bool
+    response_fields: Sequence[str] = ()  # (llama-server's: the fields of its own answer a client asks for)
 
 
 def _parse_request(payload: Any, kind: str, state: ServerState) -> tuple[bool, list[_Choice]]:
@@ -614,7 +615,8 @@ def _parse_native(payload: Any, kind: str, state: ServerState) -> tuple[bool, li
     try:
         native.check()
         if kind == "native":
-            return native.stream, [_Choice(json.dumps(native.prompt), lambda m: native_completion(m, native), True)]
+            return native.stream, [_Choice(json.dumps(native.prompt), lambda m: native_completion(m, native), True,
+                                           native.response_fields)]
         fim_token_ids(state.slots[0].model)
     except InfillUnsupported as e:
         raise RequestError(501, str(e), "not_supported_error") from None
@@ -623,7 +625,7 @@ def _parse_native(payload: Any, kind: str, state: ServerState) -> tuple[bool, li
     server_n_predict = state.defaults.get("max_tokens")
     key = json.dumps([c.text for c in native.input_extra] + [native.input_prefix])
     return native.stream, [_Choice(key, lambda m: infill(m, native, state.n_batch, (
-        -1 if server_n_predict is None else server_n_predict)), True)]
+        -1 if server_n_predict is None else server_n_predict)), True, native.response_fields)]
 
 
 def _with_defaults(req: ChatRequest | CompletionRequest | MessagesRequest | ResponsesRequest, defaults: dict) -> dict:
@@ -675,6 +677,23 @@ async def _complete(request: Request, kind: str, state: ServerState):
         raise err from None
     return EventSourceResponse(_events(runs, first, state, log), background=BackgroundTask(runs.close),
                                ping=15, sep="\n")
+
+
+def _fields(answer: dict, paths: Sequence[str]) -> dict:
+    """llama-server's response_fields: only the fields named ("a/b" a nested one, kept under that name), where
+    a request names any (its json_get_nested_values)."""
+    if not paths:
+        return answer
+    out = {}
+    for path in paths:
+        value: Any = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
 
 
 def _named_event(item: dict, state: ServerState) -> tuple[dict, str | None]:
@@ -810,7 +829,7 @@ async def _respond(request: Request, runs: _ChoiceRuns, state: ServerState, log:
         return _public(results[0], state)
     if "choices" not in results[0]:  # llama-server's own answer: as it is, with the slot that served it
         log.write(f"200 {results[0]['stop_type']}", results[0])
-        return _public({**results[0], "id_slot": runs.slot_of[0]}, state)
+        return _fields(_public({**results[0], "id_slot": runs.slot_of[0]}, state), runs.choices[0].response_fields)
     answer = {**results[0], "choices": [{**r["choices"][0], "index": k} for k, r in enumerate(results)],
               "usage": _summed_usage({k: r["usage"] for k, r in enumerate(results)}, runs.choices)}
     log.write("200 " + ",".join(c["finish_reason"] for c in answer["choices"]), answer)
@@ -850,6 +869,7 @@ async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState
                 if chunk["stop"]:
                     finished.append(chunk["stop_type"])
                     last = chunk
+                    chunk = _fields(chunk, runs.choices[k].response_fields)
                 yield {"data": json.dumps(_public(chunk, state))}
             elif item.get("usage") and not item.get("choices"):
                 usages[k], usage_chunk = item["usage"], item

@@ -129,6 +129,11 @@ def test_the_server_answers_infill(fim_gguf):
         indented = http.post("/infill", json={**body, "n_indent": 8}).json()
         assert indented["content"] == content and indented["stop_type"] == ("limit" if ends else plain["stop_type"])
         assert http.post("/infill", json={"input_suffix": ""}).status_code == 400
+        # llama-server's response_fields (llama.vscode asks for some): only those, a nested one under its path
+        fields = http.post("/infill", json={**body, "response_fields": ["content", "timings/predicted_n",
+                                                                        "timings/nothing", "stop_type"]}).json()
+        assert fields == {"content": answer["content"], "timings/predicted_n": answer["timings"]["predicted_n"],
+                          "stop_type": answer["stop_type"]}
     with pydflash.Model(pair_file("qwen3", "target", "f32"), n_ctx=256) as m, TestClient(create_app(m)) as http:
         r = http.post("/infill", json=body)
         assert r.status_code == 501 and "no FIM pre, suf, mid tokens" in r.json()["error"]["message"], r.text
@@ -172,3 +177,7 @@ def test_infill_answers_as_llama_servers(fim_gguf, tmp_path):
             for key in ("content", "stop_type"):
                 assert got[key] == theirs[key], (body, key, got[key], theirs[key])
             assert body.get("n_indent") != 4 or got["stop_type"] == "limit"
+        # response_fields (llama.vscode's): the same fields, nested ones under their paths, a missing one left out
+        fields = ["content", "stop_type", "tokens_evaluated", "timings/predicted_n", "timings/no_such_field"]
+        body = {**bodies[0], "n_predict": 32, "temperature": 0.0, "response_fields": fields}
+        assert ours.post("/infill", json=body).json() == _llama(url, "/infill", body)
