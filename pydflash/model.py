@@ -15,7 +15,7 @@ import queue
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from . import _core, cost_cache, drafter_target, rpc, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
@@ -93,12 +93,23 @@ def sampling_args(n_vocab: int, temperature, top_k, top_p, min_p, typical_p, rep
     return args
 
 
+class TokenStep(NamedTuple):
+    """One committed token as a stream meets it (`Pieces.steps()`): the text it released, its id and the core's
+    logprobs of it (from the raw logits, as llama-server's n_probs; None unless logprobs were asked for)."""
+    text: str  # what is safe to show after it: a stop string's possible start and a split character held back
+    token: int | None  # the last: the stop token that ended it, else None (the held-back text its end released)
+    logprob: float | None
+    top: list[tuple[int, float]] | None  # the best (id, logprob) pairs, best first
+    incomplete: bool  # the text so far ends inside a UTF-8 character (the rest comes with later tokens)
+
+
 class Pieces:
-    """The (text, logprobs) pieces of a generation, iterated once. After the last: `result`, the core's result, and
+    """The (text, logprobs) pieces of a generation, iterated once: a piece per batch of committed tokens (a
+    speculative round's), or with steps() a TokenStep per token. After the last: `result`, the core's result, and
     `completion`, the Completion that `generate` returns for the same call. Closing the iteration early aborts the
     generation."""
 
-    def __init__(self, it: Iterator[tuple[str, dict | None]],
+    def __init__(self, it: Iterator[tuple[str, dict | None, list[TokenStep]]],
                  finish: Callable[[str, dict], Completion] | None = None):
         self._it, self._finish = it, finish
         self._iterated = False
@@ -106,6 +117,16 @@ class Pieces:
         self.completion: Completion | None = None
 
     def __iter__(self) -> Iterator[tuple[str, dict | None]]:
+        for text, lp, _ in self._batches():
+            if text or lp is not None:
+                yield text, lp
+
+    def steps(self) -> Iterator[TokenStep]:
+        """The generation token by token (iterated instead of the pieces, once)."""
+        for _, _, steps in self._batches():
+            yield from steps
+
+    def _batches(self) -> Iterator[tuple[str, dict | None, list[TokenStep]]]:
         if self._iterated:
             raise RuntimeError("a generation's pieces can be iterated once (the result is in .completion / .result)")
         self._iterated = True
@@ -113,13 +134,13 @@ class Pieces:
         try:
             while True:
                 try:
-                    text, lp = next(self._it)
+                    text, lp, steps = next(self._it)
                 except StopIteration as end:
                     self.result = end.value
                     break
                 if self._finish is not None:
                     texts.append(text)
-                yield text, lp
+                yield text, lp, steps
         finally:
             self._it.close()  # a consumer that stops early aborts the generation now, not when collected
         if self._finish is not None:
@@ -169,6 +190,11 @@ def _timings(raw: dict) -> dict:
     return t
 
 
+def _raw_logprobs_at(raw: dict | None, i: int) -> tuple[float | None, list[tuple[int, float]] | None]:
+    """(logprob, top (id, logprob) pairs) of token i in the core's logprobs of a batch (None, None without)."""
+    return (None, None) if raw is None else (raw["token_logprobs"][i], raw["top_logprobs"][i])
+
+
 def _items(pieces: "Pieces", with_logprobs: bool) -> Iterator:
     """stream()'s items: (text, logprobs) pairs, or the texts alone."""
     for text, lp in pieces:
@@ -210,6 +236,11 @@ class _StopStrings:
         out = self._pending[: len(self._pending) - hold]
         self._pending = self._pending[len(out):]
         return out
+
+    @property
+    def incomplete(self) -> bool:
+        """The bytes fed so far end inside a UTF-8 character."""
+        return bool(self._decoder.getstate()[0])
 
     def flush(self) -> str:
         if self.stopped:
@@ -589,7 +620,7 @@ class Model:
                                   frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
         pieces: list[str] = []
         prepared = self._prepare(prompt, max_tokens, speculative)
-        result = self._run(prepared, stop, lambda text, _: pieces.append(text), sampling)
+        result = self._run(prepared, stop, lambda text, _lp, _steps: pieces.append(text), sampling)
         return Completion("".join(pieces), result["tokens"], result["finish_reason"], _timings(result["timings"]),
                           sampling.get("seed"), self._logprobs(result["tokens"], result.get("logprobs")))
 
@@ -683,16 +714,16 @@ class Model:
         here, not in the first next())."""
         return Pieces(self._generate_iter(self._prepare(prompt, max_tokens, speculative), stop, sampling))
 
-    def _generate_iter(self, prepared, stop, sampling) -> Iterator[tuple[str, dict | None]]:
-        """(text, logprobs or None) as tokens are committed, generated on a worker thread; returns (as
-        StopIteration.value) the core's result. Closing the iterator early aborts the generation."""
+    def _generate_iter(self, prepared, stop, sampling) -> Iterator[tuple[str, dict | None, list[TokenStep]]]:
+        """(text, logprobs or None, the tokens' steps) as tokens are committed, generated on a worker thread;
+        returns (as StopIteration.value) the core's result. Closing the iterator early aborts the generation."""
         pieces: queue.Queue = queue.Queue()
         done = object()
         outcome: dict = {}
 
-        def put(text: str, lp: dict | None) -> None:
-            if text or lp is not None:
-                pieces.put((text, lp))
+        def put(text: str, lp: dict | None, steps: list[TokenStep]) -> None:
+            if text or lp is not None or steps:
+                pieces.put((text, lp, steps))
 
         cancel = threading.Event()  # this generation's: the consumer's stopping must reach it whenever it comes
 
@@ -845,7 +876,7 @@ class Model:
                 "top_logprobs": [{piece(t): lp for t, lp in top} for top in raw["top_logprobs"]]}
 
     def _run(self, prepared, stop, emit, sampling, cancel: threading.Event | None = None) -> dict:
-        """Generate from `prepared` (what _prepare returned), emit(text, logprobs) as tokens are committed.
+        """Generate from `prepared` (what _prepare returned), emit(text, logprobs, steps) as tokens are committed.
         `cancel`, set by abort() or by a consumer that stops early, ends this generation wherever it lands: before
         the core starts (which clears its own abort flag then) or during it."""
         cancel = cancel or threading.Event()
@@ -861,7 +892,13 @@ class Model:
             lp = self._logprobs(new_tokens, raw_logprobs, produced)
             if lp is not None:
                 produced += sum(len(t) for t in lp["tokens"])
-            emit(stops.feed(new_tokens), lp)
+            steps = []
+            for i, token in enumerate(new_tokens):  # token by token: what each one released
+                if stops.stopped:
+                    break
+                steps.append(TokenStep(stops.feed([token]), token, *_raw_logprobs_at(raw_logprobs, i),
+                                       stops.incomplete))
+            emit("".join(step.text for step in steps), lp, steps)
             return not stops.stopped and not cancel.is_set()
 
         self._check_open()
@@ -891,8 +928,17 @@ class Model:
         if stops.stopped:
             result["finish_reason"] = "stop"
         else:
-            emit(stops.flush(), None)
+            emit(*self._last_step(stops.flush(), result))
         return result
+
+    @staticmethod
+    def _last_step(tail: str, result: dict) -> tuple[str, None, list[TokenStep]]:
+        """emit()'s arguments for the held-back text the end releases, with the stop token that ended the
+        generation (which no text shows) as its step where one did."""
+        token = result.get("stop_token")
+        if token is None:
+            return tail, None, [TokenStep(tail, None, None, None, False)] if tail else []
+        return tail, None, [TokenStep(tail, token, *_raw_logprobs_at(result.get("stop_logprobs"), 0), False)]
 
     def _report_drafter_acceptance(self, timings: dict) -> None:
         """Once, after the first generation that drafted: the mismatched drafter's measured acceptance."""

@@ -1,20 +1,21 @@
 """llama-server's own completion API (`POST /completion`, also at `/completions`): its request fields and
-defaults, its answer (`content`, `stop_type`, `stopping_word`, `tokens_predicted`, ...) and its stream of
-`{"content", "stop": false}` chunks ending in that answer, over `Model.pieces`. The OpenAI-shaped calls are in
-completions.py."""
+defaults, its answer (`content`, `stop_type`, `stopping_word`, `tokens_predicted`, `completion_probabilities`
+with n_probs, ...) and its stream of a `{"content", "tokens": [id], "stop": false, ...}` chunk per token ending in
+that answer, over `Model.pieces(...).steps()`. The OpenAI-shaped calls are in completions.py."""
 
 from __future__ import annotations
 
+import codecs
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .completions import stopping_word
 
 if TYPE_CHECKING:
-    from .model import Completion, Model
+    from .model import Completion, Model, Pieces, TokenStep
 
 
 class NativeRequest(BaseModel):
@@ -38,7 +39,8 @@ class NativeRequest(BaseModel):
     stream: bool = False
     ignore_eos: bool = False
     logit_bias: Union[dict[str, Union[float, bool]], list[list[Union[int, float, bool]]], None] = None
-    n_probs: int = Field(0, ge=0)
+    n_probs: int = Field(0, ge=0)  # the n most likely tokens' log-probabilities at each token, before sampling
+    post_sampling_probs: bool = False
     n_cmpl: int = Field(1, ge=1)
     n: int = Field(1, ge=1)  # (llama-server's other name of n_cmpl)
     return_tokens: bool = False
@@ -48,9 +50,9 @@ class NativeRequest(BaseModel):
 
     def check(self) -> None:
         """What /completion does not serve here, with where to get it (ValueError)."""
-        if self.n_probs > 0:
-            raise ValueError(f"n_probs = {self.n_probs}: token probabilities are not served on /completion; "
-                             f"/v1/completions gives them (logprobs)")
+        if self.post_sampling_probs and self.n_probs > 0:
+            raise ValueError("post_sampling_probs = true: probabilities after the samplers are not served here; "
+                             "n_probs gives each token's log-probability before sampling (post_sampling_probs false)")
         if max(self.n_cmpl, self.n) > 1:
             raise ValueError(f"n_cmpl = {max(self.n_cmpl, self.n)}: /completion gives one completion here; "
                              f"/v1/completions gives several (n)")
@@ -76,7 +78,8 @@ class NativeRequest(BaseModel):
         return dict(temperature=max(self.temperature, 0.0), top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
                     typical_p=self.typical_p, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    seed=None if self.seed == -1 else self.seed, logit_bias=bias or None)
+                    seed=None if self.seed == -1 else self.seed, logit_bias=bias or None,
+                    logprobs=min(self.n_probs, model.n_vocab) if self.n_probs > 0 else None)
 
 
 def _logit_bias(bias) -> dict[str, float]:
@@ -101,50 +104,85 @@ def native_completion(model: "Model", req: NativeRequest,
     pieces = model.pieces(prompt, max_tokens, stop=req.stop, speculative=req.speculative is not False,
                           **req.sampling(model))
     cut_short: list[int] = []  # (where cut ended the text, once it has)
-    texts = _texts(model, pieces, cut, cut_short)
+    steps = _steps(model, pieces, cut, cut_short)
     if not req.stream:
-        text = "".join(texts)
-        return _answer(model, req, prompt, pieces.completion, text[:cut_short[0]] if cut_short else text,
-                       bool(cut_short))
+        shown = list(steps)
+        text = "".join(step.text for step in shown)
+        return _answer(model, req, prompt, pieces, text[:cut_short[0]] if cut_short else text, bool(cut_short),
+                       shown)
 
     def chunks() -> Iterator[dict]:
-        for text in texts:
-            if text:
-                yield {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": -1}
-        yield _answer(model, req, prompt, pieces.completion, "", bool(cut_short))
+        n_decoded = 0
+        for step in steps:
+            n_decoded += step.token is not None
+            if not step.incomplete:  # (llama-server sends nothing for a token that ends inside a character)
+                yield _chunk(model, req, prompt, step, n_decoded)
+        yield _answer(model, req, prompt, pieces, "", bool(cut_short))
     return chunks()
 
 
-def _texts(model: "Model", pieces, cut, cut_short: list[int]) -> Iterator[str]:
-    """The pieces' texts, up to where `cut` ends them (the generation then aborted, the rest of its pieces read
-    and dropped, and where it ended the text put in `cut_short`: it may lie before the end of what was sent, as
-    llama-server's n_indent cuts a line it has streamed)."""
+def _steps(model: "Model", pieces: "Pieces", cut, cut_short: list[int]) -> Iterator["TokenStep"]:
+    """The generation token by token, its texts up to where `cut` ends them (the generation then aborted, the
+    rest of its steps read and dropped, and where it ended the text put in `cut_short`: it may lie before the end
+    of what was sent, as llama-server's n_indent cuts a line it has streamed)."""
     started, text = time.perf_counter(), ""
-    for piece, _ in pieces:
+    for step in pieces.steps():
         if cut is None:
-            yield piece
+            yield step
             continue
         if cut_short:
             continue
-        end, ended = cut(text + piece, piece, (time.perf_counter() - started) * 1000.0)
-        yield (text + piece)[len(text):end]
-        text += piece
+        end, ended = cut(text + step.text, step.text, (time.perf_counter() - started) * 1000.0)
+        yield step._replace(text=(text + step.text)[len(text):end])
+        text += step.text
         if ended:
             cut_short.append(end)
             model.abort()
 
 
-def _answer(model: "Model", req: NativeRequest, prompt: list[int], c: "Completion", content: str,
-            cut_short: bool = False) -> dict:
+def _chunk(model: "Model", req: NativeRequest, prompt: list[int], step: "TokenStep", n_decoded: int) -> dict:
+    """A streamed token: the text it released, its id, the counts so far, its probabilities with n_probs."""
+    chunk = {"index": 0, "content": step.text, "tokens": [] if step.token is None else [step.token], "stop": False,
+             "id_slot": -1, "tokens_predicted": n_decoded, "tokens_evaluated": len(prompt)}
+    if req.n_probs > 0 and step.token is not None:
+        chunk["completion_probabilities"] = [_probabilities(model, step)]
+    return chunk
+
+
+def _probabilities(model: "Model", step: "TokenStep") -> dict:
+    """llama-server's completion_probabilities entry of a token: the text it released, its log-probability, and
+    the n_probs most likely tokens' (each with its own piece, a control token's empty, as there)."""
+    return {"id": step.token, "token": step.text, "bytes": list(step.text.encode("utf-8")), "logprob": step.logprob,
+            "top_logprobs": [{"id": token, **_piece(model, token), "logprob": logprob} for token, logprob in step.top]}
+
+
+def _piece(model: "Model", token: int) -> dict:
+    """A token's text (a split character's bytes left out, as llama-server's validate_utf8 cuts them) and bytes."""
+    raw = model.tokenizer.token_bytes(token, special=False)
+    return {"token": codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw), "bytes": list(raw)}
+
+
+def _answer(model: "Model", req: NativeRequest, prompt: list[int], pieces: "Pieces", content: str,
+            cut_short: bool = False, steps: Sequence["TokenStep"] = ()) -> dict:
+    """The final answer; with n_probs, the probabilities of `steps` (none in a stream's last chunk, as there)."""
+    c = pieces.completion
     t = c.timings
     stop_type, word = ("limit", "") if cut_short else _how_it_stopped(model, req, c)
     limited = c.finish_reason == "length" and req.n_predict >= 0 and len(c.tokens) >= req.n_predict
-    return {"index": 0, "content": content, "tokens": list(c.tokens) if req.return_tokens else [], "id_slot": -1,
-            "stop": True, "model": model.model_path, "tokens_predicted": len(c.tokens),
-            "tokens_evaluated": len(prompt), "generation_settings": _settings(model, req),
-            "prompt": model.detokenize(prompt), "has_new_line": "\n" in c.text,
-            "truncated": c.finish_reason == "length" and not limited, "stop_type": stop_type, "stopping_word": word,
-            "tokens_cached": t.get("cached_n", 0), "timings": t}
+    # llama-server counts the end-of-generation token it drew among the predicted ones
+    predicted = len(c.tokens) + (pieces.result.get("stop_token") is not None)
+    answer = {"index": 0, "content": content, "tokens": list(c.tokens) if req.return_tokens else [], "id_slot": -1,
+              "stop": True, "model": model.model_path, "tokens_predicted": predicted,
+              "tokens_evaluated": len(prompt), "generation_settings": _settings(model, req),
+              "prompt": model.detokenize(prompt), "has_new_line": "\n" in c.text,
+              "truncated": c.finish_reason == "length" and not limited, "stop_type": stop_type,
+              "stopping_word": word, "tokens_cached": t.get("cached_n", 0), "timings": t}
+    if req.n_probs > 0 and not req.stream:
+        probs = [_probabilities(model, step) for step in steps if step.token is not None and not step.incomplete]
+        if word:  # llama-server leaves out as many entries as the stop word has tokens
+            probs = probs[:max(0, len(probs) - len(model.tokenize(word, add_special=False)))]
+        answer["completion_probabilities"] = probs
+    return answer
 
 
 def _how_it_stopped(model: "Model", req: NativeRequest, c: "Completion") -> tuple[str, str]:
@@ -158,5 +196,6 @@ def _how_it_stopped(model: "Model", req: NativeRequest, c: "Completion") -> tupl
 def _settings(model: "Model", req: NativeRequest) -> dict[str, Any]:
     """generation_settings: the request's options as they were applied, with n_ctx."""
     fields = ("n_predict", "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n",
-              "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos", "stream")
+              "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos", "stream", "n_probs",
+              "post_sampling_probs")
     return {"n_ctx": model.n_ctx, **{k: getattr(req, k) for k in fields}}

@@ -865,10 +865,10 @@ async def _events(runs: _ChoiceRuns, first: tuple[int, dict], state: ServerState
                     last = item
                 yield {"event": item["type"], "data": json.dumps(item)}
             elif "choices" not in item and "usage" not in item:  # llama-server's own chunks, as they are
-                chunk = {**item, "id_slot": runs.slot_of[k]}
-                if chunk["stop"]:
+                chunk = item
+                if chunk["stop"]:  # (the slot is named in the answer only, as there)
+                    chunk = last = {**item, "id_slot": runs.slot_of[k]}
                     finished.append(chunk["stop_type"])
-                    last = chunk
                     chunk = _fields(chunk, runs.choices[k].response_fields)
                 yield {"data": json.dumps(_public(chunk, state))}
             elif item.get("usage") and not item.get("choices"):

@@ -520,13 +520,14 @@ class Tokenizer:
         """The bytes of the longest token's text: a text of more than n bytes this long has more than n tokens."""
         return max(map(len, self._token_bytes), default=1)
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes token `token_id` stands for (a control token's own text). A token may hold part of a
-        UTF-8 character, so a streamer should hold back an incomplete tail until the next token arrives."""
+    def token_bytes(self, token_id: int, special: bool = True) -> bytes:
+        """The bytes token `token_id` stands for (a control token's own text; none with special=False, as
+        llama.cpp's token_to_piece renders it). A token may hold part of a UTF-8 character, so a streamer should
+        hold back an incomplete tail until the next token arrives."""
         token_id = _token_id(token_id)
         if not 0 <= token_id < self._n_vocab:
             raise IndexError(f"token id {token_id} is out of range (vocabulary of {self._n_vocab} tokens)")
-        return self._token_bytes[token_id]
+        return b"" if not special and token_id in self._hidden else self._token_bytes[token_id]
 
     def detokenize(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """The text of `ids`. skip_special drops control tokens (`<|im_end|>`...); user-defined tokens are

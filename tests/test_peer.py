@@ -411,6 +411,73 @@ def test_native_completion_answers_as_llama_servers(tmp_path):
                 assert a[key] == b[key], (body, key, a[key], b[key])
 
 
+def _same_probabilities(ours: list[dict], theirs: list[dict]) -> None:
+    """completion_probabilities alike: each token's id, text and bytes equal; the most likely tokens' log-
+    probabilities within 0.02 (the engines' kernels round the logits differently), their ids, pieces and bytes
+    equal but where a near tie (0.02) at the list's end lets the two lists end on different tokens."""
+    assert [(e["id"], e["token"], e["bytes"]) for e in ours] == [(e["id"], e["token"], e["bytes"]) for e in theirs]
+    for a, b in zip(ours, theirs):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=0.02)
+        mine, its = ({t["id"]: t for t in e["top_logprobs"]} for e in (a, b))
+        for token in mine.keys() | its.keys():
+            if token in mine and token in its:
+                assert (mine[token]["token"], mine[token]["bytes"]) == (its[token]["token"], its[token]["bytes"])
+                assert mine[token]["logprob"] == pytest.approx(its[token]["logprob"], abs=0.02)
+            else:
+                one, other = (mine, its) if token in mine else (its, mine)
+                assert one[token]["logprob"] == pytest.approx(min(t["logprob"] for t in other.values()), abs=0.02)
+
+
+def _llama_stream(url: str, path: str, body: dict) -> list[dict]:
+    """llama-server's streamed answer at `path`: its data events, parsed."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.slow
+def test_native_completion_probabilities_as_llama_servers(tmp_path):
+    """n_probs on /completion gives llama-server's entries (each token's id, the text it released and its bytes,
+    the n most likely tokens' ids, pieces and bytes, log-probabilities within 0.02), a stop word's tokens left out
+    alike, an end-of-generation token counted and given its entry; streamed, the same chunks, one per token (text,
+    token id, counts, slot, entry), then the same counts and stop type in the answer."""
+    import json
+
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from pydflash.server import create_app
+
+    if peer.binary("llama-server") is None:
+        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
+    target = pair_file("qwen3", "target", "q8_0")
+    with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
+            peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
+        eos = m.tokenizer.eos_token_id
+        bodies = [{"prompt": "def fibonacci(n):\n", "n_predict": 24, "temperature": 0.0, "stop": ["\n"], "n_probs": 3},
+                  {"prompt": "class Stack:\n", "n_predict": 24, "temperature": 0.0, "n_probs": 2,
+                   "logit_bias": [[eos, 5.0]]}]
+        for body in bodies:
+            a, b = ours.post("/completion", json=body).json(), _llama(url, "/completion", body)
+            for key in ("content", "stop_type", "stopping_word", "tokens_predicted"):
+                assert a[key] == b[key], (body, key, a[key], b[key])
+            _same_probabilities(a["completion_probabilities"], b["completion_probabilities"])
+            with ours.stream("POST", "/completion", json={**body, "stream": True}) as r:
+                mine = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+            theirs = _llama_stream(url, "/completion", body)
+            keys = ("content", "tokens", "stop", "id_slot", "tokens_predicted", "tokens_evaluated")
+            assert [[c[k] for k in keys] for c in mine[:-1]] == [[c[k] for k in keys] for c in theirs[:-1]], body
+            _same_probabilities([c["completion_probabilities"][0] for c in mine[:-1]],
+                                [c["completion_probabilities"][0] for c in theirs[:-1]])
+            assert [mine[-1][k] for k in ("stop_type", "tokens_predicted", "content")] == \
+                [theirs[-1][k] for k in ("stop_type", "tokens_predicted", "content")]
+    assert b["stop_type"] == "eos" and b["tokens_predicted"] > 1  # (the second: an end-of-generation token)
+
+
 @pytest.mark.slow
 def test_openai_form_messages_render_as_llama_servers(tmp_path, llama_cpp_dir):
     """Messages as OpenAI clients send them (content as text parts, null content beside tool calls, tool-call

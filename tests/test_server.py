@@ -4,6 +4,7 @@ driven by the real `openai` client and by raw HTTP (httpx, sockets) for what cli
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -295,20 +296,51 @@ def test_native_completion_as_llama_servers(server, model):
 def test_native_completion_stream_sampling_and_bans(server):
     body = {"prompt": [*range(1, 4), "def f(x):"], "n_predict": 24, "seed": 5, "temperature": 0.9}
     whole = _post(server, "/completion", body).json()
-    chunks = []
-    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=30,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
-        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = _stream_chunks(server, "/completion", body)
     assert all(not c["stop"] for c in chunks[:-1]) and chunks[-1]["stop"] and "timings" in chunks[-1]
     assert "".join(c["content"] for c in chunks) == whole["content"]  # the same draw; no [DONE], as there
     assert chunks[-1]["tokens_predicted"] == whole["tokens_predicted"]
     banned = _post(server, "/completion", {"prompt": "def", "n_predict": 40, "temperature": 0.0, "ignore_eos": True,
                                            "logit_bias": [[13, False]], "return_tokens": True}).json()
     assert len(banned["tokens"]) == 40 and 13 not in banned["tokens"] and banned["stop_type"] == "limit"
-    for bad, where in [({"prompt": "x", "n_probs": 2}, "n_probs"), ({"prompt": "x", "n": 2}, "n_cmpl"),
+    for bad, where in [({"prompt": "x", "n_probs": 2, "post_sampling_probs": True}, "post_sampling_probs"),
+                       ({"prompt": "x", "n": 2}, "n_cmpl"),
                        ({"prompt": ["a", "b"]}, "2 prompts"), ({"prompt": "x", "n_predict": -2}, "n_predict")]:
         r = _post(server, "/completion", bad)
         assert r.status_code == 400 and where in r.json()["error"]["message"], (bad, r.text)
+
+
+def test_native_completion_token_probabilities(server, model):
+    """n_probs, as llama-server gives it: per token its id, the text it released, its log-probability and the
+    n_probs most likely tokens' (each id, its own text and bytes); a greedy token is the first of them; with
+    n_probs = n_vocab they are the whole distribution (the probabilities sum to 1); a stop word's tokens are left
+    out of the answer's list; streamed, a chunk per token with its id, its entry and the count so far."""
+    prompt = "def fibonacci(n):\n"
+    body = {"prompt": prompt, "n_predict": 24, "temperature": 0.0, "stop": ["\n"], "n_probs": 3,
+            "return_tokens": True}
+    a = _post(server, "/completion", body).json()
+    plain = model.generate(prompt, max_tokens=24, speculative=False, stop=["\n"])
+    assert a["content"] == plain.text and a["tokens"] == plain.tokens and a["stop_type"] == "word"
+    probs = a["completion_probabilities"]
+    assert [p["id"] for p in probs] == plain.tokens[:-1]  # the stop word "\n" is one token
+    released = "".join(p["token"] for p in probs)  # (the last token's ":" went with its entry)
+    assert a["content"].startswith(released) and len(released) < len(a["content"])
+    for p in probs:
+        top = p["top_logprobs"]
+        assert len(top) == 3 and top[0]["id"] == p["id"] and top[0]["logprob"] == p["logprob"] < 0.0
+        assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+        assert all(bytes(t["bytes"]) == model.tokenizer.token_bytes(t["id"]) for t in top)
+    whole = _post(server, "/completion", {"prompt": prompt, "n_predict": 2, "temperature": 0.0,
+                                          "n_probs": model.n_vocab}).json()["completion_probabilities"]
+    for p in whole:
+        assert sorted(t["id"] for t in p["top_logprobs"]) == list(range(model.n_vocab))
+        assert math.fsum(math.exp(t["logprob"]) for t in p["top_logprobs"]) == pytest.approx(1.0, abs=1e-4)
+    chunks = _stream_chunks(server, "/completion", {**body, "stop": [], "n_predict": 12})
+    tokens = [t for c in chunks[:-1] for t in c["tokens"]]
+    assert tokens == model.generate(prompt, max_tokens=12, speculative=False).tokens
+    assert [c["tokens_predicted"] for c in chunks[:-1]] == list(range(1, 13))
+    assert all(c["completion_probabilities"][0]["id"] == c["tokens"][0] for c in chunks[:-1])
+    assert "completion_probabilities" not in chunks[-1] and chunks[-1]["stop_type"] == "limit"
 
 
 # ---- llama-server's /props, /slots and /metrics ----
@@ -521,6 +553,13 @@ def _post(server, path: str, body, timeout: float = 30, **kw) -> httpx.Response:
     content = json.dumps(body) if isinstance(body, (dict, list)) else body
     return httpx.post(server.url + path, content=content, timeout=timeout,
                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, **kw)
+
+
+def _stream_chunks(server, path: str, body: dict) -> list[dict]:
+    """A streamed request's data events, parsed."""
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
 
 
 @pytest.mark.parametrize("body, where", [

@@ -220,8 +220,12 @@ static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, 
     py::dict d;
     d["tokens"]        = r.tokens;
     d["finish_reason"] = r.finish_reason;
+    d["stop_token"]    = r.stop_token >= 0 ? py::object(py::int_(r.stop_token)) : py::none();
     if (p.sampling.n_logprobs >= 0) {
         d["logprobs"] = logprobs_dict(r.logprobs);
+        if (r.stop_token >= 0) {
+            d["stop_logprobs"] = logprobs_dict({r.stop_logprobs});
+        }
     }
     const spec_params * used      = spec ? &spec->params : lookup ? &lookup->params : head ? &head->params : nullptr;
     const bool          automatic = used && used->mode == spec_mode::automatic;
@@ -246,10 +250,12 @@ void register_generate(py::module_ & m) {
             "together (spec_mode 'auto' only: one tree of their "
             "candidates, decode/union_proposer.h), each as it was created to speculate (spec_mode 'chain', 'tree' or "
             "'auto', tree_budget and tree_seed given here override it for this call); callback(list[int]) -> bool is "
-            "called (with the GIL) per batch of committed tokens. With sampling['logprobs'] = n the result has "
-            "'logprobs': token_logprobs and top_logprobs ([(id, logprob)] * n) per token, and the callback gets the "
-            "batch's as a second argument. batcher: the Model's EvalBatcher, when other Sessions over it may generate at "
-            "the same time: each target evaluation then joins theirs (one batched evaluation per step).");
+            "called (with the GIL) per batch of committed tokens. The result's 'stop_token': the stop token that "
+            "ended it (not among 'tokens'), else None. With sampling['logprobs'] = n the result has 'logprobs': "
+            "token_logprobs and top_logprobs ([(id, logprob)] * n) per token (and 'stop_logprobs', the same for the "
+            "stop token), and the callback gets the batch's as a second argument. batcher: the Model's EvalBatcher, "
+            "when other Sessions over it may generate at the same time: each target evaluation then joins theirs "
+            "(one batched evaluation per step).");
 }
 
 }  // namespace pdf::bindings

@@ -45,6 +45,8 @@ struct generate_result {
     std::vector<int32_t>        tokens;
     std::vector<token_logprobs> logprobs;  // one per token, with sampling.n_logprobs >= 0
     std::string                 finish_reason;  // "stop", "length" (max_tokens or n_ctx), "abort"
+    int32_t                     stop_token = -1;  // the stop token that ended it (not in tokens), else -1
+    token_logprobs              stop_logprobs;    // its log-probabilities, with sampling.n_logprobs >= 0
     generate_timings     timings;
 };
 

@@ -63,6 +63,10 @@ bool emit(const std::vector<int32_t> & batch, const verifier & choose, const gen
     }
     if (stopped) {
         r.finish_reason = "stop";
+        r.stop_token    = batch[n];
+        if ((size_t) n < lp.size()) {
+            r.stop_logprobs = lp[n];
+        }
         return false;
     }
     return (int) r.tokens.size() < params.max_tokens;
