@@ -147,10 +147,11 @@ class Pieces:
             self.completion = self._finish("".join(texts), self.result)
 
 
-# generate's sampling keyword arguments and their defaults: what Model.pieces takes as **sampling
+# generate's sampling keyword arguments and their defaults: what Model.pieces takes as **sampling (and
+# post_sampling_probs: logprobs from the draw's distribution, after every stage, as llama-server's)
 GENERATE_SAMPLING = dict(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
                          presence_penalty=0.0, frequency_penalty=0.0, repeat_last_n=64, logit_bias=None, seed=None,
-                         logprobs=None)
+                         logprobs=None, post_sampling_probs=False)
 
 
 def _nothing_generated(finish_reason: str, sampling: dict) -> dict:
@@ -847,11 +848,13 @@ class Model:
                                chat_format=chat_format, speculative=speculative, sampling=sampling)
 
     def _sampling(self, temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
-                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs) -> dict:
+                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs, post_sampling_probs=False) -> dict:
         """The core's sampling dict, every parameter checked; the seed resolved (given, the Model's, or fresh)."""
         self._check_open()
         args = sampling_args(self.n_vocab, temperature, top_k, top_p, min_p, typical_p, repeat_penalty,
                              presence_penalty, frequency_penalty, repeat_last_n, logit_bias, logprobs)
+        if bool_arg("post_sampling_probs", post_sampling_probs):
+            args["post_sampling_probs"] = True
         seed = _seed_arg(seed)
         if seed is None:
             seed = self.seed if self.seed is not None else secrets.randbits(64)

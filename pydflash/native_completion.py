@@ -40,7 +40,7 @@ class NativeRequest(BaseModel):
     ignore_eos: bool = False
     logit_bias: Union[dict[str, Union[float, bool]], list[list[Union[int, float, bool]]], None] = None
     n_probs: int = Field(0, ge=0)  # the n most likely tokens' log-probabilities at each token, before sampling
-    post_sampling_probs: bool = False
+    post_sampling_probs: bool = False  # ... their probabilities in the draw's distribution, after every sampler
     n_cmpl: int = Field(1, ge=1)
     n: int = Field(1, ge=1)  # (llama-server's other name of n_cmpl)
     return_tokens: bool = False
@@ -50,9 +50,6 @@ class NativeRequest(BaseModel):
 
     def check(self) -> None:
         """What /completion does not serve here, with where to get it (ValueError)."""
-        if self.post_sampling_probs and self.n_probs > 0:
-            raise ValueError("post_sampling_probs = true: probabilities after the samplers are not served here; "
-                             "n_probs gives each token's log-probability before sampling (post_sampling_probs false)")
         if max(self.n_cmpl, self.n) > 1:
             raise ValueError(f"n_cmpl = {max(self.n_cmpl, self.n)}: /completion gives one completion here; "
                              f"/v1/completions gives several (n)")
@@ -79,7 +76,8 @@ class NativeRequest(BaseModel):
                     typical_p=self.typical_p, repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     seed=None if self.seed == -1 else self.seed, logit_bias=bias or None,
-                    logprobs=min(self.n_probs, model.n_vocab) if self.n_probs > 0 else None)
+                    logprobs=min(self.n_probs, model.n_vocab) if self.n_probs > 0 else None,
+                    post_sampling_probs=self.post_sampling_probs)
 
 
 def _logit_bias(bias) -> dict[str, float]:
@@ -145,15 +143,17 @@ def _chunk(model: "Model", req: NativeRequest, prompt: list[int], step: "TokenSt
     chunk = {"index": 0, "content": step.text, "tokens": [] if step.token is None else [step.token], "stop": False,
              "id_slot": -1, "tokens_predicted": n_decoded, "tokens_evaluated": len(prompt)}
     if req.n_probs > 0 and step.token is not None:
-        chunk["completion_probabilities"] = [_probabilities(model, step)]
+        chunk["completion_probabilities"] = [_probabilities(model, req, step)]
     return chunk
 
 
-def _probabilities(model: "Model", step: "TokenStep") -> dict:
+def _probabilities(model: "Model", req: NativeRequest, step: "TokenStep") -> dict:
     """llama-server's completion_probabilities entry of a token: the text it released, its log-probability, and
-    the n_probs most likely tokens' (each with its own piece, a control token's empty, as there)."""
-    return {"id": step.token, "token": step.text, "bytes": list(step.text.encode("utf-8")), "logprob": step.logprob,
-            "top_logprobs": [{"id": token, **_piece(model, token), "logprob": logprob} for token, logprob in step.top]}
+    the n_probs most likely tokens' (each with its own piece, a control token's empty, as there); with
+    post_sampling_probs, probabilities in the draw's distribution ("prob", "top_probs")."""
+    name, value = ("prob", math.exp) if req.post_sampling_probs else ("logprob", float)
+    return {"id": step.token, "token": step.text, "bytes": list(step.text.encode("utf-8")), name: value(step.logprob),
+            f"top_{name}s": [{"id": token, **_piece(model, token), name: value(lp)} for token, lp in step.top]}
 
 
 def _piece(model: "Model", token: int) -> dict:
@@ -178,7 +178,7 @@ def _answer(model: "Model", req: NativeRequest, prompt: list[int], pieces: "Piec
               "truncated": c.finish_reason == "length" and not limited, "stop_type": stop_type,
               "stopping_word": word, "tokens_cached": t.get("cached_n", 0), "timings": t}
     if req.n_probs > 0 and not req.stream:
-        probs = [_probabilities(model, step) for step in steps if step.token is not None and not step.incomplete]
+        probs = [_probabilities(model, req, step) for step in steps if step.token is not None and not step.incomplete]
         if word:  # llama-server leaves out as many entries as the stop word has tokens
             probs = probs[:max(0, len(probs) - len(model.tokenize(word, add_special=False)))]
         answer["completion_probabilities"] = probs

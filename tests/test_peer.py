@@ -411,21 +411,26 @@ def test_native_completion_answers_as_llama_servers(tmp_path):
                 assert a[key] == b[key], (body, key, a[key], b[key])
 
 
-def _same_probabilities(ours: list[dict], theirs: list[dict]) -> None:
-    """completion_probabilities alike: each token's id, text and bytes equal; the most likely tokens' log-
-    probabilities within 0.02 (the engines' kernels round the logits differently), their ids, pieces and bytes
-    equal but where a near tie (0.02) at the list's end lets the two lists end on different tokens."""
+def _same_probabilities(ours: list[dict], theirs: list[dict], name: str = "logprob", tolerance: float = 0.02) -> None:
+    """completion_probabilities alike: each token's id, text and bytes equal, its log-probability (`name`) within
+    `tolerance` (the engines' kernels round the logits differently), and its most likely tokens' (_same_top)."""
     assert [(e["id"], e["token"], e["bytes"]) for e in ours] == [(e["id"], e["token"], e["bytes"]) for e in theirs]
     for a, b in zip(ours, theirs):
-        assert a["logprob"] == pytest.approx(b["logprob"], abs=0.02)
-        mine, its = ({t["id"]: t for t in e["top_logprobs"]} for e in (a, b))
-        for token in mine.keys() | its.keys():
-            if token in mine and token in its:
-                assert (mine[token]["token"], mine[token]["bytes"]) == (its[token]["token"], its[token]["bytes"])
-                assert mine[token]["logprob"] == pytest.approx(its[token]["logprob"], abs=0.02)
-            else:
-                one, other = (mine, its) if token in mine else (its, mine)
-                assert one[token]["logprob"] == pytest.approx(min(t["logprob"] for t in other.values()), abs=0.02)
+        assert a[name] == pytest.approx(b[name], abs=tolerance)
+        _same_top(a[f"top_{name}s"], b[f"top_{name}s"], name, tolerance)
+
+
+def _same_top(ours: list[dict], theirs: list[dict], name: str, tolerance: float) -> None:
+    """The most likely tokens' entries alike: ids, pieces and bytes equal, `name` within `tolerance`, but where a
+    near tie at the list's end lets the two lists end on different tokens."""
+    mine, its = ({t["id"]: t for t in top} for top in (ours, theirs))
+    for token in mine.keys() | its.keys():
+        if token in mine and token in its:
+            assert (mine[token]["token"], mine[token]["bytes"]) == (its[token]["token"], its[token]["bytes"])
+            assert mine[token][name] == pytest.approx(its[token][name], abs=tolerance)
+        else:
+            one, other = (mine, its) if token in mine else (its, mine)
+            assert one[token][name] == pytest.approx(min(t[name] for t in other.values()), abs=tolerance)
 
 
 def _llama_stream(url: str, path: str, body: dict) -> list[dict]:
@@ -476,6 +481,40 @@ def test_native_completion_probabilities_as_llama_servers(tmp_path):
             assert [mine[-1][k] for k in ("stop_type", "tokens_predicted", "content")] == \
                 [theirs[-1][k] for k in ("stop_type", "tokens_predicted", "content")]
     assert b["stop_type"] == "eos" and b["tokens_predicted"] > 1  # (the second: an end-of-generation token)
+
+
+@pytest.mark.slow
+def test_post_sampling_probabilities_are_llama_servers(tmp_path):
+    """post_sampling_probs: the probabilities of the draw's distribution after every sampler (llama.cpp's chain:
+    penalties, top-k, typical-p, top-p, min-p, temperature) are llama-server's for the same next token, within
+    0.01, under each sampler alone and greedy (one token, probability 1). (Boundaries chosen clear of the two
+    engines' logit rounding: min_p 0.05 here keeps a token whose ratio to the best is 0.0502 here and 0.0498
+    there.)"""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from pydflash.server import create_app
+
+    if peer.binary("llama-server") is None:
+        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
+    target = pair_file("qwen3", "target", "q8_0")
+    plain = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    settings = [{"temperature": 0.0}, {"temperature": 1.5, **plain}, {"temperature": 0.8, **plain, "top_k": 2},
+                {"temperature": 0.7, **plain, "top_p": 0.5}, {"temperature": 0.7, **plain, "min_p": 0.2},
+                {"temperature": 0.9, **plain, "typical_p": 0.3},
+                {"temperature": 1.0, **plain, "repeat_penalty": 1.5, "presence_penalty": 0.5,
+                 "frequency_penalty": 0.3}]
+    prompt = "class Stack:\n    def push(self, x):\n        self._items.append(x)\n        self"
+    with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
+            peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
+        for setting in settings:
+            body = {"prompt": prompt, "n_predict": 1, "n_probs": 8, "post_sampling_probs": True, "seed": 1,
+                    **setting}
+            a, b = ours.post("/completion", json=body).json(), _llama(url, "/completion", body)
+            mine, its = a["completion_probabilities"][0]["top_probs"], b["completion_probabilities"][0]["top_probs"]
+            assert len(mine) == len(its), setting
+            _same_top(mine, its, "prob", 0.01)  # (not the drawn tokens: the two engines draw differently)
+        assert its[0]["prob"] < 0.9 and len(its) == 8  # (the penalties' draw: not one)
 
 
 @pytest.mark.slow

@@ -123,6 +123,22 @@ def test_logit_bias():
     assert core_sample(logits, temperature=1.0, logit_bias=bias)["token"] == 42
 
 
+@pytest.mark.parametrize("params", [STAGES[1], STAGES[3], STAGES[5], STAGES[12], STAGES[14], STAGES[16]],
+                         ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_post_sampling_probs_are_the_draws_distribution(params):
+    """logprobs with post_sampling_probs (llama-server's): the drawn token's and the n most likely tokens' are the
+    logs of the reference's distribution after every stage (the removed tokens left out, fewer than n then)."""
+    for t in range(5):
+        logits = RNG.normal(scale=2.0, size=3000).astype(np.float32)
+        got = core_sample(logits, t=t, logprobs=8, post_sampling_probs=True, **params)
+        ids, probs = ref.distribution(logits, (), **params)
+        best = sorted(zip(ids, probs), key=lambda x: (-x[1], x[0]))[:8]
+        lp = got["logprobs"]
+        assert [i for i, _ in lp["top_logprobs"][0]] == [i for i, _ in best]
+        np.testing.assert_allclose(np.exp([v for _, v in lp["top_logprobs"][0]]), [p for _, p in best], rtol=1e-5)
+        assert math.exp(lp["token_logprobs"][0]) == pytest.approx(dict(zip(ids, probs))[got["token"]], rel=1e-5)
+
+
 def test_nan_logits_are_never_drawn():
     logits = RNG.normal(size=100).astype(np.float32)
     logits[::2] = np.nan

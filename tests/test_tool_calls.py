@@ -193,7 +193,7 @@ def _canned(model, reply: str):
     def pieces(prompt, max_tokens, **kwargs):
         def it():
             for i in range(0, len(reply), 5):
-                yield reply[i:i + 5], None
+                yield reply[i:i + 5], None, []  # (text, logprobs, token steps)
             return {}
         timings = {"prompt_n": 4, "cached_n": 0, "prompt_ms": 1.0, "predicted_n": 3, "predicted_ms": 1.0,
                    "predicted_per_second": 3000.0}

@@ -42,7 +42,8 @@ static constexpr float_field FLOAT_FIELDS[] = {
 static constexpr int_field INT_FIELDS[] = {{"top_k", &sampling_params::top_k},
                                            {"repeat_last_n", &sampling_params::repeat_last_n}};
 
-// the fields that are not a plain number: seed (any int, taken modulo 2^64), logprobs (None: off), logit_bias
+// the fields that are not a plain number: seed (any int, taken modulo 2^64), logprobs (None: off),
+// post_sampling_probs (a bool), logit_bias
 static bool set_special_field(sampling_params & p, const std::string & key, const py::handle & v) {
     if (key == "seed") {
         if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) {
@@ -51,6 +52,8 @@ static bool set_special_field(sampling_params & p, const std::string & key, cons
         p.seed = py::reinterpret_borrow<py::int_>(v).attr("__and__")(py::int_(UINT64_MAX)).cast<uint64_t>();
     } else if (key == "logprobs") {
         p.n_logprobs = v.is_none() ? -1 : as_int("logprobs", v, 0);
+    } else if (key == "post_sampling_probs") {
+        p.post_sampling_probs = v.cast<bool>();
     } else if (key == "logit_bias") {
         for (const auto & [id, bias] : v.cast<py::dict>()) {
             p.logit_bias.emplace_back((int32_t) as_int("logit_bias key", id, 0), as_number("logit_bias value", bias));

@@ -528,10 +528,27 @@ int32_t token_sampler::sample(const float * logits, uint64_t t) {
     compute_weights(truncate_candidates());
     const size_t  pick  = draw_two_level(draw_key(p_.seed, t));
     const int32_t token = dense_ ? (int32_t) pick : cand_[pick].id;
-    if (p_.n_logprobs >= 0) {
+    if (p_.n_logprobs >= 0 && p_.post_sampling_probs) {
+        record_draw_probs(token);
+    } else if (p_.n_logprobs >= 0) {
         record_logprobs(logits, token);
     }
     return token;
+}
+
+void token_sampler::record_draw_probs(int32_t token) {
+    logprobs_.logprob = (float) std::log(probability(token));
+    logprobs_.top.clear();
+    if (p_.n_logprobs > 0) {
+        std::vector<std::pair<int32_t, double>> all = distribution();
+        const size_t k = std::min<size_t>(p_.n_logprobs, all.size());
+        std::partial_sort(all.begin(), all.begin() + k, all.end(), [](const auto & a, const auto & b) {
+            return a.second > b.second || (a.second == b.second && a.first < b.first);
+        });
+        for (size_t i = 0; i < k && all[i].second > 0.0; ++i) {
+            logprobs_.top.emplace_back(all[i].first, (float) std::log(all[i].second));
+        }
+    }
 }
 
 size_t token_sampler::draw_two_level(uint64_t key) const {

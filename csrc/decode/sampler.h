@@ -38,6 +38,7 @@ struct sampling_params {
     std::vector<std::pair<int32_t, float>> logit_bias;  // added to the logits first (-inf bans a token)
     uint64_t seed       = 0;
     int      n_logprobs = -1;  // >= 0: record each drawn token's log-probability and the n most likely tokens'
+    bool     post_sampling_probs = false;  // ... in the draw's distribution (after every stage), not the logits'
 
     bool penalties_on() const;
     // whether drawing needs the logits on the host; false: plain greedy, the device's argmax suffices
@@ -52,7 +53,8 @@ uint64_t draw_key(uint64_t seed, uint64_t t);
 // index: a token id, or 2^40 + a block number (ids >> 8)
 double draw_gumbel(uint64_t key, uint64_t index);
 
-// one generated token's log-probabilities (log-softmax of the target's raw logits, before any stage)
+// one generated token's log-probabilities: log-softmax of the target's raw logits, before any stage (with
+// post_sampling_probs: the log of the draw's probabilities, the tokens every stage removed left out)
 struct token_logprobs {
     float                                  logprob = 0.0f;  // the drawn token's
     std::vector<std::pair<int32_t, float>> top;             // the most likely tokens, best first (ties: lower id)
@@ -98,6 +100,7 @@ class token_sampler {
     void dense_top_p(float p);              // top-p on the dense set: excluded logits become -inf
     void dense_min_p(float p);
     void record_logprobs(const float * logits, int32_t token);
+    void record_draw_probs(int32_t token);
     // the drawn index into weights_ (by id when dense_, else aligned with cand_)
     size_t draw_two_level(uint64_t key) const;
 
