@@ -54,14 +54,16 @@ def _include_usage(stream_options: Mapping | None) -> bool:
 
 
 def create_completion(model: "Model", prompt, *, max_tokens: int | None, echo: bool, stop, stream: bool,
-                      stream_options, speculative: bool, sampling: dict) -> dict | Iterator[dict]:
-    """Model.create_completion; `sampling`: Model.generate's sampling keyword arguments."""
+                      stream_options, speculative: bool, sampling: dict, echoed=None) -> dict | Iterator[dict]:
+    """Model.create_completion; `sampling`: Model.generate's sampling keyword arguments; `echoed`: the prompt
+    echo puts first, where it is not `prompt` (a fill-in-the-middle prompt's own prompt)."""
     bool_arg("echo", echo)
     bool_arg("stream", stream)
     with_usage = _include_usage(stream_options)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model.model_path}
-    prefix = (prompt if isinstance(prompt, str) else model.detokenize(prompt)) if echo else ""
+    echoed = prompt if echoed is None else echoed
+    prefix = (echoed if isinstance(echoed, str) else model.detokenize(echoed)) if echo else ""
     pieces = model.pieces(prompt, max_tokens, stop=stop, speculative=speculative, **sampling)
 
     def choice(text: str, lp: dict | None, finish: str | None) -> dict:

@@ -769,18 +769,38 @@ class Model:
                           stream_options: dict | None = None, speculative: bool = True) -> dict | Iterator[dict]:
         """An OpenAI-shaped text completion (llama-cpp-python's defaults); stream=True returns an iterator of
         chunks, the last carrying finish_reason and timings (and, with stream_options={"include_usage": True},
-        one more with usage). The parameters in llama-cpp-python's order; `suffix` (fill-in-the-middle) is not
-        supported (ValueError)."""
+        one more with usage). The parameters in llama-cpp-python's order. With `suffix`, the completion fills the
+        middle between the prompt and the suffix, with the model's FIM tokens laid out as llama-server's /infill
+        lays them out: [FIM_PRE] prompt [FIM_SUF] suffix [FIM_MID] (after BOS where the model adds one; the prompt
+        keeps its last 3/4 of the context, the suffix its first 1/4); ValueError for a model without them."""
         from .completions import create_completion
 
+        echoed = prompt
         if suffix is not None:
-            raise ValueError(f"suffix={suffix!r}: fill-in-the-middle completion is not supported")
+            prompt = self._infill_prompt(prompt, suffix)
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                         frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n, logit_bias=logit_bias,
                         seed=seed, logprobs=logprobs)
         return create_completion(self, prompt, max_tokens=max_tokens, echo=echo, stop=stop, stream=stream,
-                                 stream_options=stream_options, speculative=speculative, sampling=sampling)
+                                 stream_options=stream_options, speculative=speculative, sampling=sampling,
+                                 echoed=echoed)
+
+    __call__ = create_completion  # (llama-cpp-python's Llama.__call__: llm("Q: ...", max_tokens=32))
+
+    def _infill_prompt(self, prompt: str | Sequence[int], suffix: str) -> list[int]:
+        """create_completion's fill-in-the-middle prompt: llama-server's /infill layout of `prompt` and `suffix`,
+        cut to the context (a batch as large as it, and no tokens kept for the answer: no repository part)."""
+        from .infill import InfillRequest, infill_tokens
+
+        if not isinstance(suffix, str):
+            raise TypeError(f"suffix must be a str, got {type(suffix).__name__}")
+        prefix = prompt if isinstance(prompt, str) else token_ids("prompt", prompt, self.n_vocab)
+        try:
+            return infill_tokens(self, InfillRequest(input_prefix=prefix, input_suffix=suffix), n_batch=self.n_ctx,
+                                 n_predict=0)
+        except ValueError as e:  # (InfillUnsupported: no FIM tokens)
+            raise ValueError(f"suffix={suffix!r}: {self.model_path}: {e}") from None
 
     def create_chat_completion(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
                                tool_choice: str | None = None, temperature: float = 0.2, top_p: float = 0.95,

@@ -45,6 +45,29 @@ def fim_model(fim_gguf):
         yield m
 
 
+def test_create_completion_with_a_suffix_fills_the_middle(fim_model):
+    """Model.create_completion(prompt, suffix): the greedy completion of [BOS] [FIM_PRE] prompt [FIM_SUF] suffix
+    [FIM_MID] (written here by hand), the prompt echoed (not the FIM tokens); a prompt of ids too."""
+    m = fim_model
+    fim = {text: m.tokenize(text, add_special=False, parse_special=True)[0] for text in FIM}
+    prefix, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+
+    def text(s):
+        return m.tokenize(s, add_special=False, parse_special=False)
+
+    layout = [*([m.tokenizer.bos_token_id] if m.tokenizer.add_bos else []), fim["<|fim_prefix|>"], *text(prefix),
+              fim["<|fim_suffix|>"], *text(suffix), fim["<|fim_middle|>"]]
+    middle = m.generate(layout, max_tokens=12, speculative=False).text
+    got = m.create_completion(prefix, suffix=suffix, max_tokens=12, temperature=0.0)
+    assert got["choices"][0]["text"] == middle and got["usage"]["prompt_tokens"] == len(layout)
+    echoed = m.create_completion(prefix, suffix, 12, 0.0, echo=True)["choices"][0]["text"]
+    assert echoed == prefix + middle
+    assert m.create_completion(text(prefix), suffix=suffix, max_tokens=12, temperature=0.0)["choices"][0]["text"] \
+        == middle
+    with pytest.raises(TypeError, match="suffix must be a str"):
+        m.create_completion(prefix, suffix=3)
+
+
 def test_the_prompt_is_llama_servers_layout(fim_model):
     m = fim_model
     fim = {text: m.tokenize(text, add_special=False, parse_special=True)[0] for text in FIM}
