@@ -11,6 +11,7 @@ from .errors import (
     PydflashError,
     UnsupportedModelError,
 )
+from .grammar import Grammar
 from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "plan",
     "MemoryPlan",
     "Tokenizer",
+    "Grammar",
     "PydflashError",
     "ModelLoadError",
     "GGUFFormatError",

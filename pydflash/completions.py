@@ -15,6 +15,7 @@ from . import tool_calls
 from ._arguments import bool_arg, optional_int_arg
 from .chat import ChatTemplate, ChatTemplateError, ReasoningStream, split_reasoning
 from .chat_messages import prepare
+from .grammar import response_format_grammar
 
 if TYPE_CHECKING:  # for the annotations only: model.py imports this module
     from .model import Completion, Model
@@ -119,16 +120,12 @@ def chat_template(model: "Model", template: str | None, chat_format: str | None)
     return ChatTemplate(tok.chat_template, name=f"{model.model_path}: tokenizer.chat_template", **specials)
 
 
-def _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs) -> None:
+def _check_chat_options(tools, tool_choice, chat_template_kwargs) -> None:
     if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence)):
         raise TypeError(f"tools must be a list of tool schemas, got {type(tools).__name__}")
     if tool_choice not in (None, "auto", "none"):
         raise ValueError(f"tool_choice={tool_choice!r} is not supported (None, 'auto' or 'none'): the model chooses "
                          f"whether to call a tool")
-    if response_format is not None:
-        if not isinstance(response_format, Mapping) or response_format.get("type") != "text":
-            raise ValueError(f"response_format={response_format!r} is not supported: only {{'type': 'text'}} "
-                             f"(JSON mode and schemas are not implemented)")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
         raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
     for key in chat_template_kwargs or {}:
@@ -215,13 +212,21 @@ def start_chat(model: "Model", messages, *, tools, tool_choice, response_format,
                template: str | None, chat_format: str | None, max_tokens: int | None, stop, speculative: bool,
                sampling: dict) -> ChatReply:
     """The chat's prompt (chat_prompt) and its generation started; `sampling`: Model.generate's sampling keyword
-    arguments."""
+    arguments (a grammar among them), response_format's grammar (pydflash/grammar.py) over the whole reply."""
+    grammar = response_format_grammar(response_format)
+    if grammar is not None and sampling.get("grammar") is not None:
+        raise ValueError("response_format and grammar both constrain the reply: give one of them")
     prompt, text, calls_form = chat_prompt(model, messages, tools=tools, tool_choice=tool_choice,
                                            response_format=response_format,
                                            chat_template_kwargs=chat_template_kwargs, template=template,
                                            chat_format=chat_format)
     # a template may open the reasoning block itself (the reply then starts inside it)
     started = text.rstrip().endswith("<think>")
+    if started and (grammar is not None or sampling.get("grammar") is not None):
+        raise ValueError("response_format / grammar constrain the whole reply, which this template starts inside a "
+                         "<think> block: turn thinking off (chat_template_kwargs={'enable_thinking': False})")
+    if grammar is not None:
+        sampling = {**sampling, "grammar": grammar}
     pieces = model.pieces(prompt, max_tokens, stop=stop, speculative=speculative, **sampling)
     return ChatReply(pieces, started, calls_form, tools if calls_form else None, len(prompt))
 
@@ -230,7 +235,7 @@ def chat_prompt(model: "Model", messages, *, tools, tool_choice, response_format
                 template: str | None, chat_format: str | None) -> tuple[list[int], str, str | None]:
     """(prompt tokens, prompt text, the form the reply's tool calls are read in: None where no tools are offered)
     of a chat, rendered with the template."""
-    _check_chat_options(tools, tool_choice, response_format, chat_template_kwargs)
+    _check_chat_options(tools, tool_choice, chat_template_kwargs)
     rendering = chat_template(model, template, chat_format)
     tools = None if tool_choice == "none" else tools
     text = rendering.render(prepare(messages, rendering), tools=tools, add_generation_prompt=True,

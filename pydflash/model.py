@@ -21,6 +21,7 @@ from . import _core, cost_cache, drafter_target, rpc, ubatch
 from ._arguments import (INT32_MAX, bool_arg, choice_arg, float_arg, int_arg, logit_bias_arg, optional_int_arg,
                          stop_strings, token_ids)
 from .errors import ContextLengthExceededError, GGUFFormatError, InsufficientMemoryError, ModelBusyError
+from .grammar import grammar_arg
 from .memory_plan import (by_category, checked_paths, context_size, device_budget, engine_config, engine_options,
                           plan_for_load, proposers_arg)
 from .tokenizer import Tokenizer
@@ -151,7 +152,7 @@ class Pieces:
 # post_sampling_probs: logprobs from the draw's distribution, after every stage, as llama-server's)
 GENERATE_SAMPLING = dict(temperature=0.0, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
                          presence_penalty=0.0, frequency_penalty=0.0, repeat_last_n=64, logit_bias=None, seed=None,
-                         logprobs=None, post_sampling_probs=False)
+                         logprobs=None, post_sampling_probs=False, grammar=None)
 
 
 def _nothing_generated(finish_reason: str, sampling: dict) -> dict:
@@ -605,7 +606,7 @@ class Model:
                  repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repeat_last_n: int = 64, logit_bias: dict | None = None, seed: int | None = None,
                  logprobs: int | None = None, stop: str | Sequence[str] | None = None,
-                 speculative: bool = True) -> Completion:
+                 speculative: bool = True, grammar=None) -> Completion:
         """Generate a continuation of `prompt` (text, or token ids). With a draft model loaded, DFlash
         speculative decoding is used unless `speculative=False`; the output is the same either way, also when
         sampling: for a given seed, speculative decoding commits the tokens plain sampling draws.
@@ -616,9 +617,10 @@ class Model:
         biases and penalties). seed: an int makes the call reproducible; None takes the Model's seed, or a fresh
         one when that is None too (Completion.seed says which). logprobs=n returns each token's log-probability
         and the n most likely tokens' (log-softmax of the target's logits). max_tokens=None generates until an
-        end-of-generation token or the end of the context."""
+        end-of-generation token or the end of the context. grammar (a pydflash.Grammar, or llama.cpp's GBNF text)
+        constrains the output to it, before every other stage (pydflash/grammar.py; llguidance)."""
         sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
-                                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
+                                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs, grammar=grammar)
         pieces: list[str] = []
         prepared = self._prepare(prompt, max_tokens, speculative)
         result = self._run(prepared, stop, lambda text, _lp, _steps: pieces.append(text), sampling)
@@ -682,13 +684,13 @@ class Model:
                repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                repeat_last_n: int = 64, logit_bias: dict | None = None, seed: int | None = None,
                logprobs: int | None = None, stop: str | Sequence[str] | None = None,
-               speculative: bool = True) -> Iterator[str] | Iterator[tuple[str, dict | None]]:
+               speculative: bool = True, grammar=None) -> Iterator[str] | Iterator[tuple[str, dict | None]]:
         """Yield the continuation as text pieces as they are generated; a piece never splits a character.
         Arguments as for `generate`. With logprobs=n each item is a (text, logprobs) pair instead: logprobs (as in
         Completion.logprobs, text offsets into the whole completion) covers the tokens committed since the last
         item (None for a last piece of text that was held back), text what became safe to print."""
         sampling = self._sampling(temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
-                                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs)
+                                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs, grammar=grammar)
         # the prompt and every argument checked now, not at the first next()
         return _items(self._pieces(prompt, max_tokens, stop, speculative, sampling), logprobs is not None)
 
@@ -766,13 +768,15 @@ class Model:
                           frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                           repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
                           seed: int | None = None, logit_bias: dict | None = None, repeat_last_n: int = 64,
-                          stream_options: dict | None = None, speculative: bool = True) -> dict | Iterator[dict]:
+                          stream_options: dict | None = None, speculative: bool = True,
+                          grammar=None) -> dict | Iterator[dict]:
         """An OpenAI-shaped text completion (llama-cpp-python's defaults); stream=True returns an iterator of
         chunks, the last carrying finish_reason and timings (and, with stream_options={"include_usage": True},
         one more with usage). The parameters in llama-cpp-python's order. With `suffix`, the completion fills the
         middle between the prompt and the suffix, with the model's FIM tokens laid out as llama-server's /infill
         lays them out: [FIM_PRE] prompt [FIM_SUF] suffix [FIM_MID] (after BOS where the model adds one; the prompt
-        keeps its last 3/4 of the context, the suffix its first 1/4); ValueError for a model without them."""
+        keeps its last 3/4 of the context, the suffix its first 1/4); ValueError for a model without them.
+        grammar: as for generate."""
         from .completions import create_completion
 
         echoed = prompt
@@ -781,7 +785,7 @@ class Model:
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                         frequency_penalty=frequency_penalty, repeat_last_n=repeat_last_n, logit_bias=logit_bias,
-                        seed=seed, logprobs=logprobs)
+                        seed=seed, logprobs=logprobs, grammar=grammar)
         return create_completion(self, prompt, max_tokens=max_tokens, echo=echo, stop=stop, stream=stream,
                                  stream_options=stream_options, speculative=speculative, sampling=sampling,
                                  echoed=echoed)
@@ -812,13 +816,15 @@ class Model:
                                logprobs: bool = False, top_logprobs: int | None = None,
                                chat_template: str | None = None, chat_format: str | None = None,
                                chat_template_kwargs: dict | None = None, stream_options: dict | None = None,
-                               speculative: bool = True) -> dict | Iterator[dict]:
+                               speculative: bool = True, grammar=None) -> dict | Iterator[dict]:
         """An OpenAI-shaped chat completion (llama-cpp-python's defaults): the prompt is the GGUF's chat template
         (or chat_template= / chat_format="chatml") rendered with `tools` and `chat_template_kwargs` (e.g.
-        {"enable_thinking": False}); a <think> block in the reply comes back as reasoning_content."""
+        {"enable_thinking": False}); a <think> block in the reply comes back as reasoning_content.
+        response_format {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}, or a
+        grammar (a pydflash.Grammar or GBNF text), constrains the reply (pydflash/grammar.py)."""
         from .completions import create_chat_completion
 
-        sampling = _chat_sampling(locals())
+        sampling = {**_chat_sampling(locals()), "grammar": grammar}
         return create_chat_completion(self, messages, tools=tools, tool_choice=tool_choice,
                                       response_format=response_format, chat_template_kwargs=chat_template_kwargs,
                                       template=chat_template, chat_format=chat_format, max_tokens=max_tokens,
@@ -868,13 +874,18 @@ class Model:
                                chat_format=chat_format, speculative=speculative, sampling=sampling)
 
     def _sampling(self, temperature, top_k, top_p, min_p, typical_p, repeat_penalty, presence_penalty,
-                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs, post_sampling_probs=False) -> dict:
-        """The core's sampling dict, every parameter checked; the seed resolved (given, the Model's, or fresh)."""
+                  frequency_penalty, repeat_last_n, logit_bias, seed, logprobs, post_sampling_probs=False,
+                  grammar=None) -> dict:
+        """The core's sampling dict, every parameter checked; the seed resolved (given, the Model's, or fresh);
+        a grammar's matcher for this generation."""
         self._check_open()
         args = sampling_args(self.n_vocab, temperature, top_k, top_p, min_p, typical_p, repeat_penalty,
                              presence_penalty, frequency_penalty, repeat_last_n, logit_bias, logprobs)
         if bool_arg("post_sampling_probs", post_sampling_probs):
             args["post_sampling_probs"] = True
+        grammar = grammar_arg(grammar)
+        if grammar is not None:
+            args["constraint"] = grammar.matcher(self)
         seed = _seed_arg(seed)
         if seed is None:
             seed = self.seed if self.seed is not None else secrets.randbits(64)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from .completions import stopping_word
+from .grammar import Grammar
 
 if TYPE_CHECKING:
     from .model import Completion, Model, Pieces, TokenStep
@@ -41,6 +42,8 @@ class NativeRequest(BaseModel):
     logit_bias: Union[dict[str, Union[float, bool]], list[list[Union[int, float, bool]]], None] = None
     n_probs: int = Field(0, ge=0)  # the n most likely tokens' log-probabilities at each token, before sampling
     post_sampling_probs: bool = False  # ... their probabilities in the draw's distribution, after every sampler
+    grammar: str = ""  # GBNF (pydflash/grammar.py)
+    json_schema: dict[str, Any] | None = None  # (wins over grammar, as there)
     n_cmpl: int = Field(1, ge=1)
     n: int = Field(1, ge=1)  # (llama-server's other name of n_cmpl)
     return_tokens: bool = False
@@ -77,7 +80,12 @@ class NativeRequest(BaseModel):
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     seed=None if self.seed == -1 else self.seed, logit_bias=bias or None,
                     logprobs=min(self.n_probs, model.n_vocab) if self.n_probs > 0 else None,
-                    post_sampling_probs=self.post_sampling_probs)
+                    post_sampling_probs=self.post_sampling_probs, grammar=self._grammar())
+
+    def _grammar(self) -> Grammar | str | None:
+        if self.json_schema is not None:
+            return Grammar.from_json_schema(self.json_schema)
+        return self.grammar or None
 
 
 def _logit_bias(bias) -> dict[str, float]:

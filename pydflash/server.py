@@ -38,6 +38,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from . import anthropic_messages, openai_responses
 from .errors import ContextLengthExceededError
+from .grammar import Grammar
 from .model import Model
 from .infill import N_BATCH, InfillRequest, InfillUnsupported, fim_token_ids, infill
 from .native_completion import NativeRequest, native_completion
@@ -96,7 +97,20 @@ class _Common(BaseModel):
         return kw | {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
-class ChatRequest(_Common):
+class _Constrained(BaseModel):
+    """llama-server's grammar fields (on its OpenAI routes too): GBNF text, or a JSON schema (which wins)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+    def grammar_kwargs(self) -> dict:
+        if self.json_schema is not None:
+            return {"grammar": Grammar.from_json_schema(self.json_schema)}
+        return {"grammar": self.grammar} if self.grammar else {}
+
+
+class ChatRequest(_Constrained, _Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = None
@@ -107,7 +121,7 @@ class ChatRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def kwargs(self) -> dict:
-        kw = self.sampling()
+        kw = self.sampling() | self.grammar_kwargs()
         for k in ("logprobs", "top_logprobs", "response_format", "tools", "tool_choice", "chat_template_kwargs"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
@@ -168,7 +182,7 @@ class ResponsesRequest(_Common):
                                 "chat_template_kwargs")) | {"max_output_tokens": limit}
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(_Constrained, _Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -193,7 +207,7 @@ class CompletionRequest(_Common):
         return [self.prompt]
 
     def kwargs(self) -> dict:
-        kw = self.sampling()
+        kw = self.sampling() | self.grammar_kwargs()
         kw.update(max_tokens=self.max_tokens, echo=self.echo)
         if self.logprobs is not None:
             kw["logprobs"] = self.logprobs

@@ -462,6 +462,11 @@ class Tokenizer:
         return self._eog
 
     @property
+    def control_token_ids(self) -> frozenset[int]:
+        """Control (and unknown) tokens: no text of theirs is generated text (detokenize(skip_special) drops them)."""
+        return self._hidden
+
+    @property
     def add_bos(self) -> bool:
         return self._add_bos
 

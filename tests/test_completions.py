@@ -115,7 +115,7 @@ def test_llama_cpp_python_call_forms(model):
 
 
 @pytest.mark.parametrize("kwargs, error, pattern", [
-    (dict(response_format={"type": "json_object"}), ValueError, "response_format"),
+    (dict(response_format={"type": "yaml"}), ValueError, "response_format type 'yaml' is not one of"),
     (dict(tool_choice="required"), ValueError, "tool_choice='required' is not supported"),
     (dict(chat_format="vicuna"), ValueError, "chat_format='vicuna' is not one of chatml"),
     (dict(chat_template="{% if %}"), ValueError, "does not compile"),

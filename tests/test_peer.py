@@ -518,6 +518,33 @@ def test_post_sampling_probabilities_are_llama_servers(tmp_path):
 
 
 @pytest.mark.slow
+def test_gbnf_grammars_decode_as_llama_servers(tmp_path):
+    """llama-server's `grammar` (GBNF, its own grammar sampler) and ours (llguidance, any tokenization allowed)
+    give the same greedy completions: content, stop type and token count, for grammars with forced literals,
+    character classes, repetitions and alternatives (with llguidance's default, canonical tokens only for forced
+    text, 3 of these 6 parted: after "no", " because" where llama.cpp took " ", the likelier)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("llguidance")
+    from fastapi.testclient import TestClient
+
+    from pydflash.server import create_app
+
+    from test_grammar import GRAMMARS, PROMPTS
+
+    if peer.binary("llama-server") is None:
+        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
+    target = pair_file("qwen3", "target", "q8_0")
+    with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
+            peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
+        for grammar in GRAMMARS:
+            for prompt in PROMPTS:
+                body = {"prompt": prompt, "n_predict": 40, "temperature": 0.0, "grammar": grammar}
+                a, b = ours.post("/completion", json=body).json(), _llama(url, "/completion", body)
+                for key in ("content", "stop_type", "tokens_predicted"):
+                    assert a[key] == b[key], (grammar, prompt, key, a[key], b[key])
+
+
+@pytest.mark.slow
 def test_openai_form_messages_render_as_llama_servers(tmp_path, llama_cpp_dir):
     """Messages as OpenAI clients send them (content as text parts, null content beside tool calls, tool-call
     arguments as a JSON string, a tool's reply) give the prompt llama-server gives with the same template

@@ -347,6 +347,30 @@ def test_native_completion_token_probabilities(server, model):
     assert "completion_probabilities" not in chunks[-1] and chunks[-1]["stop_type"] == "limit"
 
 
+def test_grammars_through_the_routes(server, model):
+    """llama-server's grammar (GBNF) and json_schema on /completion and the OpenAI routes, and OpenAI's
+    response_format: the model's own constrained greedy output; a bad grammar is a 400 naming it."""
+    pytest.importorskip("llguidance")
+    gbnf = 'root ::= [0-9]+ ("," [0-9]+)* "\\n"'
+    want = model.generate("x = ", max_tokens=20, grammar=gbnf).text
+    assert _post(server, "/completion", {"prompt": "x = ", "n_predict": 20, "temperature": 0.0,
+                                         "grammar": gbnf}).json()["content"] == want
+    assert _post(server, "/v1/completions", {"prompt": "x = ", "max_tokens": 20, "temperature": 0.0,
+                                             "grammar": gbnf}).json()["choices"][0]["text"] == want
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    native = _post(server, "/completion", {"prompt": "x = ", "n_predict": 60, "temperature": 0.0,
+                                           "json_schema": schema}).json()
+    assert native["stop_type"] == "eos" and set(json.loads(native["content"])) == {"ok"}
+    chat = _post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 60, "temperature": 0.0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert set(json.loads(chat["choices"][0]["message"]["content"])) == {"ok"}
+    bad = _post(server, "/completion", {"prompt": "x", "grammar": "root ::= (("})
+    assert bad.status_code == 400 and "grammar 'root ::= ((': Expected" in bad.json()["error"]["message"]
+
+
 # ---- llama-server's /props, /slots and /metrics ----
 # llama-server's metric names (tools/server/server-task.cpp, server_task_result_metrics::to_metrics), unlabeled
 LLAMA_METRICS = {"prompt_tokens_total": "counter", "prompt_tokens_cached_total": "counter",
@@ -581,7 +605,8 @@ def _stream_chunks(server, path: str, body: dict) -> list[dict]:
     ({"messages": MESSAGES, "n": 65}, "n"),
     ({"messages": MESSAGES, "n": "2"}, "n"),
     ({"messages": MESSAGES, "logit_bias": {"99999999": 1}}, "logit_bias"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format type 'yaml'"),
+    ({"messages": MESSAGES, "json_schema": {"type": "object"}, "grammar": 3}, "grammar"),
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, "n_ctx"),
     ({"messages": [{"role": "user", "content": "word " * 3000}], "stream": True}, "n_ctx"),
 ])

@@ -104,7 +104,7 @@ inline std::pair<size_t, size_t> as_pair(const device_bytes & n) {
 }
 
 // sampling parameters from a dict with llama-cpp-python's names (None or {}: greedy); unknown keys are an error
-sampling_params parse_sampling(const py::object & o);
+sampling_params parse_sampling(const py::object & o, int64_t n_vocab);
 // {"token_logprobs": [...], "top_logprobs": [[(id, logprob)] ...]}
 py::dict logprobs_dict(const std::vector<token_logprobs> & lps);
 

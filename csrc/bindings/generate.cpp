@@ -2,6 +2,7 @@
 // sampling parameters from llama-cpp-python's names, and its result and timings as Python dicts
 #include "bindings/common.h"
 
+#include <cstring>
 #include <optional>
 
 namespace pdf::bindings {
@@ -42,9 +43,40 @@ static constexpr float_field FLOAT_FIELDS[] = {
 static constexpr int_field INT_FIELDS[] = {{"top_k", &sampling_params::top_k},
                                            {"repeat_last_n", &sampling_params::repeat_last_n}};
 
+// a Python object with allowed() -> the next position's mask (a buffer of uint32 words, a bit per token id) and
+// accept(token) as the sampler's grammar, each call made with the GIL taken back; a Python exception propagates
+// out of the loop
+class py_constraint : public token_constraint {
+  public:
+    py_constraint(py::object obj, int64_t n_vocab) : obj_(std::move(obj)), words_((size_t) (n_vocab + 31) / 32) {}
+    ~py_constraint() override {
+        py::gil_scoped_acquire gil;
+        obj_ = py::object();
+    }
+
+    const uint32_t * allowed() override {
+        py::gil_scoped_acquire gil;
+        const py::buffer_info b = py::buffer(obj_.attr("allowed")()).request();
+        if (b.size * b.itemsize < (py::ssize_t) (words_.size() * sizeof(uint32_t))) {
+            throw std::invalid_argument(format("constraint.allowed(): %zd bytes, expected %zu (a bit per token)",
+                                               (size_t) (b.size * b.itemsize), words_.size() * sizeof(uint32_t)));
+        }
+        std::memcpy(words_.data(), b.ptr, words_.size() * sizeof(uint32_t));
+        return words_.data();
+    }
+    void accept(int32_t token) override {
+        py::gil_scoped_acquire gil;
+        obj_.attr("accept")(token);
+    }
+
+  private:
+    py::object            obj_;
+    std::vector<uint32_t> words_;
+};
+
 // the fields that are not a plain number: seed (any int, taken modulo 2^64), logprobs (None: off),
-// post_sampling_probs (a bool), logit_bias
-static bool set_special_field(sampling_params & p, const std::string & key, const py::handle & v) {
+// post_sampling_probs (a bool), logit_bias, constraint (py_constraint's object; needs n_vocab, set by the caller)
+static bool set_special_field(sampling_params & p, const std::string & key, const py::handle & v, int64_t n_vocab) {
     if (key == "seed") {
         if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) {
             throw py::type_error("seed must be an int");
@@ -54,6 +86,9 @@ static bool set_special_field(sampling_params & p, const std::string & key, cons
         p.n_logprobs = v.is_none() ? -1 : as_int("logprobs", v, 0);
     } else if (key == "post_sampling_probs") {
         p.post_sampling_probs = v.cast<bool>();
+    } else if (key == "constraint") {
+        p.constraint = v.is_none() ? nullptr : std::make_shared<py_constraint>(py::reinterpret_borrow<py::object>(v),
+                                                                               n_vocab);
     } else if (key == "logit_bias") {
         for (const auto & [id, bias] : v.cast<py::dict>()) {
             p.logit_bias.emplace_back((int32_t) as_int("logit_bias key", id, 0), as_number("logit_bias value", bias));
@@ -64,14 +99,14 @@ static bool set_special_field(sampling_params & p, const std::string & key, cons
     return true;
 }
 
-sampling_params parse_sampling(const py::object & o) {
+sampling_params parse_sampling(const py::object & o, int64_t n_vocab) {
     sampling_params p;
     if (o.is_none()) {
         return p;
     }
     for (const auto & [key_h, v] : o.cast<py::dict>()) {
         const std::string key   = key_h.cast<std::string>();
-        bool              found = set_special_field(p, key, v);
+        bool              found = set_special_field(p, key, v, n_vocab);
         for (const float_field & f : FLOAT_FIELDS) {
             if (!found && key == f.name) {
                 p.*f.field = as_number(f.name, v);
@@ -199,7 +234,7 @@ static py::dict generate(session & s, py::object prompt_in, int64_t max_tokens, 
     generate_params            p;
     p.max_tokens  = (int) checked("max_tokens", max_tokens, 0, INT32_MAX);
     p.stop_tokens = int32_array("stop_tokens", stop_tokens_in);
-    p.sampling    = parse_sampling(sampling);  // (validated by generate before any work)
+    p.sampling    = parse_sampling(sampling, s.model().info().n_vocab);  // (validated by generate before any work)
     std::optional<speculation>       spec;
     std::optional<ngram_speculation> lookup;
     if (draft) {

@@ -250,7 +250,7 @@ static py::dict sample(f32_array logits, py::object sampling, py::object history
     for (int32_t h : history) {
         checked("history token", h, 0, V - 1);
     }
-    token_sampler smp(parse_sampling(sampling), V, (int) std::max<size_t>(1, history.size()));
+    token_sampler smp(parse_sampling(sampling, V), V, (int) std::max<size_t>(1, history.size()));
     smp.set_history(history.data(), (int) history.size());
     const int32_t token = smp.sample(logits.data(), (uint64_t) checked("t", t, 0, INT64_MAX));
     const auto    dist  = smp.distribution();

@@ -24,7 +24,8 @@ bool sampling_params::penalties_on() const {
 }
 
 bool sampling_params::needs_logits() const {
-    return temperature > 0.0f || penalties_on() || !logit_bias.empty() || n_logprobs >= 0 || typical_p < 1.0f;
+    return temperature > 0.0f || penalties_on() || !logit_bias.empty() || n_logprobs >= 0 || typical_p < 1.0f ||
+           constraint != nullptr;
 }
 
 static void check_range(const char * name, double v, double lo, double hi) {
@@ -433,7 +434,7 @@ void token_sampler::record_logprobs(const float * logits, int32_t token) {
     }
 }
 
-void token_sampler::load_logits(const float * logits) {
+void token_sampler::load_logits(const float * logits, const uint32_t * allowed) {
     work_.resize((size_t) n_vocab_);
     float * w = work_.data();
 #pragma omp simd
@@ -441,6 +442,11 @@ void token_sampler::load_logits(const float * logits) {
         // NaN is never drawn; +inf (garbage too) is kept finite so that differences to it stay numbers
         const float x = logits[i];
         w[i]          = x != x ? NEG_INF : x < std::numeric_limits<float>::max() ? x : std::numeric_limits<float>::max();
+    }
+    if (allowed) {
+        for (int64_t i = 0; i < n_vocab_; ++i) {
+            w[i] = allowed[i >> 5] >> (i & 31) & 1u ? w[i] : NEG_INF;
+        }
     }
     apply_bias_and_penalties();
     float max_l = NEG_INF;
@@ -523,8 +529,8 @@ void token_sampler::compute_weights(bool reordered) {
     total_ = total;
 }
 
-int32_t token_sampler::sample(const float * logits, uint64_t t) {
-    load_logits(logits);
+int32_t token_sampler::sample(const float * logits, uint64_t t, const uint32_t * allowed) {
+    load_logits(logits, allowed);
     compute_weights(truncate_candidates());
     const size_t  pick  = draw_two_level(draw_key(p_.seed, t));
     const int32_t token = dense_ ? (int32_t) pick : cand_[pick].id;

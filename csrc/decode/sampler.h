@@ -17,9 +17,12 @@
 // the token within the block.
 #pragma once
 
+#include "decode/token_constraint.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -39,6 +42,8 @@ struct sampling_params {
     uint64_t seed       = 0;
     int      n_logprobs = -1;  // >= 0: record each drawn token's log-probability and the n most likely tokens'
     bool     post_sampling_probs = false;  // ... in the draw's distribution (after every stage), not the logits'
+    // a grammar: its disallowed tokens removed first (decode/token_constraint.h); asked by the sampling verifier
+    std::shared_ptr<token_constraint> constraint;
 
     bool penalties_on() const;
     // whether drawing needs the logits on the host; false: plain greedy, the device's argmax suffices
@@ -69,8 +74,9 @@ class token_sampler {
     // a committed token joins the history
     void accept(int32_t token);
 
-    // the token for output position t from `logits` ([n_vocab]); the logits are not modified
-    int32_t sample(const float * logits, uint64_t t);
+    // the token for output position t from `logits` ([n_vocab]), among the `allowed` ones (a bit per token id;
+    // nullptr: any); the logits are not modified
+    int32_t sample(const float * logits, uint64_t t, const uint32_t * allowed = nullptr);
     // after sample(): the probability the last draw gave `token` (0 when a stage removed it)
     double probability(int32_t token) const;
     // after sample(): the candidates the draw chose among, by id, with their probabilities
@@ -85,7 +91,8 @@ class token_sampler {
         float   logit;
         int32_t id;
     };
-    void load_logits(const float * logits);  // work_ <- the logits, biased and penalised; max_l_ their maximum
+    // work_ <- the logits, the disallowed ones removed, biased and penalised; max_l_ their maximum
+    void load_logits(const float * logits, const uint32_t * allowed);
     void apply_bias_and_penalties();
     bool truncate_candidates();             // top-k, typical-p, top-p, min-p (greedy: the best); true if reordered
     void compute_weights(bool reordered);   // weights_, total_ <- the draw's weights of what is left, by id

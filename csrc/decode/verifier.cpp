@@ -20,9 +20,13 @@ sampling_verifier::sampling_verifier(const sampling_params & params, int64_t n_v
 }
 
 int32_t sampling_verifier::draw(const std::function<const float *()> & row) {
-    const auto    t0    = clock_type::now();
-    const int32_t token = sampler_.sample(row(), t_++);
+    const auto       t0         = clock_type::now();
+    token_constraint * constraint = sampler_.params().constraint.get();
+    const int32_t      token      = sampler_.sample(row(), t_++, constraint ? constraint->allowed() : nullptr);
     sampler_.accept(token);  // every chosen token is committed: the history of the next draw
+    if (constraint) {
+        constraint->accept(token);
+    }
     if (sampler_.params().n_logprobs >= 0) {
         chosen_.push_back(sampler_.logprobs());
     }
