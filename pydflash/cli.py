@@ -53,7 +53,32 @@ def _sampling(args: argparse.Namespace, model=None) -> dict:
     out = {name: getattr(args, flag) for flag, name in _SAMPLING_FLAGS.items() if getattr(args, flag) is not None}
     if getattr(args, "ignore_eos", False) and model is not None:
         out["logit_bias"] = {t: float("-inf") for t in model.tokenizer.eog_token_ids}
+    grammar = _grammar(args)
+    if grammar is not None:
+        out["grammar"] = grammar
     return out
+
+
+def _grammar(args: argparse.Namespace):
+    """The Grammar of --grammar, --grammar-file, --json-schema or --json-schema-file (at most one), or None."""
+    given = [(flag, getattr(args, name, None)) for flag, name in (("--grammar", "grammar"),
+                                                                  ("--grammar-file", "grammar_file"),
+                                                                  ("--json-schema", "json_schema"),
+                                                                  ("--json-schema-file", "json_schema_file"))]
+    given = [(flag, value) for flag, value in given if value is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"two grammars: {' and '.join(flag for flag, _ in given)}")
+    flag, value = given[0]
+    if flag.endswith("-file"):
+        try:
+            value = Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{flag} {value}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
+    from .grammar import Grammar
+
+    return Grammar.from_gbnf(value) if flag.startswith("--grammar") else Grammar.from_json_schema(value)
 
 
 def _prompt(args: argparse.Namespace) -> str:
@@ -430,6 +455,12 @@ def _sampling_arguments(p: argparse.ArgumentParser, temp: float | None) -> None:
                                        (("--repeat-last-n",), int, 64, "tokens the penalties look at (-1: all)")):
         samp.add_argument(*flags, type=kind, default=default if given else None, help=text)
     samp.add_argument("-s", "--seed", type=int, default=None, help="a seed makes sampling reproducible")
+    if given:  # (llama.cpp's grammar flags; a server's requests bring their own grammar)
+        samp.add_argument("--grammar", default=None, help="a GBNF grammar the output must follow")
+        samp.add_argument("--grammar-file", default=None, metavar="FNAME", help="--grammar from a file")
+        samp.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                          help="a JSON schema the output must follow (JSON text)")
+        samp.add_argument("-jf", "--json-schema-file", default=None, metavar="FILE", help="--json-schema from a file")
 
 
 def _add_plan_command(sub) -> None:

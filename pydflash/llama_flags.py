@@ -27,7 +27,6 @@ _REFUSED_EVERYWHERE = [
     (("-ot", "--override-tensor"), True, "-ncmoe/--n-cpu-moe N (or -cmoe) keeps MoE experts in system memory"),
     (("-hf", "-hfr", "--hf-repo"), True, "pydflash downloads nothing: give the GGUF's path"),
     (("--lora",), True, "LoRA adapters are not supported"),
-    (("--grammar", "--grammar-file", "-j", "--json-schema"), True, "grammar-constrained sampling is not supported"),
     (("--mirostat", "--samplers", "--sampling-seq"), True,
      "the samplers are llama.cpp's default chain (top-k, typical, top-p, min-p, temperature)"),
     (("-dev", "--device"), True, "-ngl offloads to the GPU (or the first --rpc server); -ts splits across devices"),
@@ -41,6 +40,8 @@ _REFUSED_IN_SERVE = [
     (("--ssl-key-file", "--ssl-cert-file"), True, "serve plain HTTP behind a TLS proxy"),
     (("--embedding", "--embeddings", "--reranking", "--rerank"), False, "pydflash serves completions only"),
     (("--path",), True, "pydflash serves no web UI"),
+    (("--grammar", "--grammar-file", "-j", "--json-schema", "-jf", "--json-schema-file"), True,
+     "each request's grammar, json_schema or response_format constrains it"),
 ]
 
 

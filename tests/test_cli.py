@@ -432,6 +432,20 @@ def test_ignore_eos_bans_the_end_of_generation_tokens(monkeypatch, capsys):
     assert all(v == float("-inf") for v in seen["logit_bias"].values())
 
 
+def test_run_follows_a_grammar(tmp_path, capsys):
+    """llama.cpp's --grammar-file and -j/--json-schema: the output the Model gives under that grammar."""
+    pytest.importorskip("llguidance")
+    (tmp_path / "digits.gbnf").write_text('root ::= [0-9]+ "," [0-9]+ "\\n"')
+    assert main(["run", TARGET, "-p", "x = ", "-n", "12", "--grammar-file", str(tmp_path / "digits.gbnf")]) == 0
+    out = capsys.readouterr().out
+    with pydflash.Model(TARGET, n_ctx=512, n_threads=1) as m:
+        want = m.generate("x = ", max_tokens=12, grammar='root ::= [0-9]+ "," [0-9]+ "\\n"').text
+        assert want in out and want
+        assert main(["run", TARGET, "-p", "x = ", "-n", "30", "-j", '{"type": "array", "maxItems": 1}']) == 0
+        assert m.generate("x = ", max_tokens=30, grammar=pydflash.Grammar.from_json_schema(
+            {"type": "array", "maxItems": 1})).text in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["run", TARGET, "-p", "x", "-mg", "0"], "-mg is llama.cpp's, with no counterpart here: -ts/--tensor-split"),
     (["run", TARGET, "-p", "x", "-sm", "row"], "-sm is llama.cpp's, with no counterpart here"),
@@ -439,7 +453,10 @@ def test_ignore_eos_bans_the_end_of_generation_tokens(monkeypatch, capsys):
     (["run", TARGET, "-p", "x", "-cnv"], "-cnv is llama.cpp's, with no counterpart here: `pydflash chat`"),
     (["chat", TARGET, "-no-cnv"], "-no-cnv is llama.cpp's"),
     (["run", TARGET, "-p", "x", "-nkvo"], "-nkvo is llama.cpp's"),
-    (["run", TARGET, "-p", "x", "--grammar-file", "g.gbnf"], "grammar-constrained sampling is not supported"),
+    (["serve", TARGET, "--grammar-file", "g.gbnf"], "each request's grammar, json_schema or response_format"),
+    (["run", TARGET, "-p", "x", "--grammar-file", "nope.gbnf"], "--grammar-file nope.gbnf: cannot read it"),
+    (["run", TARGET, "-p", "x", "--grammar", "root ::= \"a\"", "-j", "{}"], "two grammars: --grammar and"),
+    (["run", TARGET, "-p", "x", "-j", "{nope"], "json_schema is not JSON"),
     (["serve", TARGET, "-nocb"], "slots generating at the same time are always batched"),
     (["serve", TARGET, "--ssl-key-file", "k.pem"], "--ssl-key-file is llama.cpp's"),
     (["run", TARGET, "-p", "x", "--spec-type", "draft-eagle3"], "--spec-type draft-eagle3: EAGLE-3 drafters are not"),

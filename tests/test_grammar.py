@@ -159,3 +159,17 @@ def test_without_llguidance_a_grammar_says_what_to_install(pair, monkeypatch):
     with pytest.raises(ImportError, match="needs llguidance: pip install llguidance"):
         Grammar.from_gbnf('root ::= "a"')
     assert not math.isnan(pair.generate("x", max_tokens=2).timings["predicted_n"])  # no grammar: no llguidance
+
+
+def test_the_hybrid_target_in_every_mode_commits_constrained_plain_sampling():
+    """qwen35 (gated delta net: trees verified level by level), sampled under a grammar: chain, tree and auto
+    commit plain decoding's tokens for the seed."""
+    target, draft = pair_file("qwen35", "target", "q8_0"), pair_file("qwen35", "dflash", "q8_0")
+    outputs = {}
+    for mode in ("plain", "chain", "tree", "auto"):
+        kwargs = {} if mode == "plain" else {"draft_model_path": draft, "spec_mode": mode}
+        with pydflash.Model(target, n_ctx=512, n_threads=2, **kwargs) as m:
+            c = m.generate(PROMPTS[1], max_tokens=40, grammar=GRAMMARS[1], temperature=0.7, seed=3)
+        outputs[mode] = c.tokens
+        assert mode == "plain" or mode == "auto" or c.timings["n_rounds"] > 0
+    assert all(tokens == outputs["plain"] for tokens in outputs.values()), outputs
