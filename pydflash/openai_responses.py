@@ -10,9 +10,9 @@ Read as llama-server reads it (llama.cpp's tools/server/server-chat.cpp): a mess
 an assistant's items after one another (its text, reasoning and function calls) merged into one assistant
 message, a function call output as the tool's reply; previous_response_id refused (nothing is stored). Where it
 departs: a developer message is a system message (llama-server passes the role on, which Qwen's templates do
-not know); tools other than functions, tool_choice "required" or a named function, JSON text formats and image
-or file inputs are refused by name; reasoning.effort "none" or "minimal" turns the template's enable_thinking
-off, any other effort on."""
+not know); tools other than functions, tool_choice "required" or a named function, and image or file inputs
+are refused by name; reasoning.effort "none" or "minimal" turns the template's enable_thinking off, any other
+effort on; a json_object or json_schema text format constrains the reply (pydflash/grammar.py)."""
 
 from __future__ import annotations
 
@@ -102,20 +102,26 @@ def chat_tools(tools: Any) -> list[dict] | None:
 
 
 def _chat_options(tool_choice: Any, text: Any, reasoning: Any) -> dict:
-    """start_chat's tool_choice and the template variables reasoning sets, the request's text format checked."""
+    """start_chat's tool_choice, the template variables reasoning sets and the response_format of the request's
+    text format (json_object or json_schema: the reply constrained, pydflash/grammar.py)."""
     if tool_choice not in (None, "auto", "none"):
         raise ValueError(f"tool_choice = {tool_choice!r} is not supported ('auto' or 'none'): the model chooses "
                          f"whether to call a tool")
     form = text.get("format") if isinstance(text, Mapping) else None
-    if text is not None and (not isinstance(form, Mapping) or form.get("type") != "text"):
-        raise ValueError(f"text = {text!r} is not supported: only {{'format': {{'type': 'text'}}}} (JSON formats are "
-                         f"not implemented)")
+    if text is not None and (not isinstance(form, Mapping) or form.get("type") not in ("text", "json_object",
+                                                                                       "json_schema")):
+        raise ValueError(f"text = {text!r}: expected a format of type text, json_object or json_schema")
+    if form is not None and form["type"] == "json_schema" and not isinstance(form.get("schema"), Mapping):
+        raise ValueError(f"text = {text!r}: a json_schema format needs its schema (an object)")
+    response_format = None if form is None or form["type"] == "text" else \
+        {"type": "json_object"} if form["type"] == "json_object" else \
+        {"type": "json_schema", "json_schema": {"schema": form.get("schema")}}
     effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
     if reasoning is not None and effort not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
         raise ValueError(f"reasoning = {reasoning!r}: expected an effort of none, minimal, low, medium, high or "
                          f"xhigh")
     kwargs = {} if effort is None else {"enable_thinking": effort not in ("none", "minimal")}
-    return {"tool_choice": tool_choice, "kwargs": kwargs}
+    return {"tool_choice": tool_choice, "kwargs": kwargs, "response_format": response_format}
 
 
 def _usage(reply: ChatReply) -> dict:
@@ -136,7 +142,7 @@ def create_response(model: "Model", input, *, instructions, tools, tool_choice, 
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
         raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
     reply = start_chat(model, chat_messages(input, instructions), tools=chat_tools(tools),
-                       tool_choice=options["tool_choice"], response_format=None,
+                       tool_choice=options["tool_choice"], response_format=options["response_format"],
                        chat_template_kwargs={**options["kwargs"], **(chat_template_kwargs or {})}, template=template,
                        chat_format=chat_format, max_tokens=max_output_tokens, stop=None, speculative=speculative,
                        sampling=sampling)

@@ -60,7 +60,8 @@ def test_input_items_read_as_a_chat():
     (lambda: resp.chat_messages(5), "input: expected a string or a list"),
     (lambda: resp.chat_tools([{"type": "web_search"}]), "tools[0].type = 'web_search'"),
     (lambda: resp._chat_options("required", None, None), "tool_choice = 'required' is not supported"),
-    (lambda: resp._chat_options(None, {"format": {"type": "json_schema"}}, None), "text = "),
+    (lambda: resp._chat_options(None, {"format": {"type": "json_schema"}}, None), "a json_schema format needs its"),
+    (lambda: resp._chat_options(None, {"format": {"type": "xml"}}, None), "expected a format of type text, json"),
     (lambda: resp._chat_options(None, None, {"effort": "max"}), "reasoning = {'effort': 'max'}"),
 ])
 def test_bad_requests_name_the_field(call, error):
@@ -155,3 +156,18 @@ def test_responses_answer_as_llama_servers(tmp_path, llama_cpp_dir):
                                                          ours_read):
         assert texts(got) == texts(theirs), name
         assert got["usage"]["output_tokens"] == theirs["usage"]["output_tokens"]
+
+
+def test_a_json_text_format_constrains_the_reply(qwen35_template):
+    """text.format json_schema (and json_object): the reply's text is JSON under the schema."""
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    with pydflash.Model(pair_file("qwen3", "target", "q8_0"), n_ctx=512) as m:
+        r = m.create_response("Reply in JSON.", chat_template=qwen35_template, temperature=0.0, max_output_tokens=60,
+                              reasoning={"effort": "none"},
+                              text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+        assert r["status"] == "completed" and set(json.loads(r["output"][0]["content"][0]["text"])) == {"ok"}
+        r = m.create_response("Reply in JSON.", chat_template=qwen35_template, temperature=0.0, max_output_tokens=4,
+                              reasoning={"effort": "none"}, text={"format": {"type": "json_object"}})
+        assert r["output"][0]["content"][0]["text"].lstrip().startswith("{")
