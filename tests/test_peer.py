@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from pathlib import Path
 
@@ -387,10 +388,10 @@ def _llama(url: str, path: str, body: dict | None = None):
         return raw if path == "/metrics" else json.loads(raw)
 
 
-@pytest.mark.slow
-def test_native_completion_answers_as_llama_servers(tmp_path):
-    """POST /completion (llama-server's own API): our answer's keys are among its, and the same greedy requests
-    (a stop string; n_predict) give the same content, stop type, stopping word and token counts."""
+@contextlib.contextmanager
+def _beside_llama_server(tmp_path: Path):
+    """(our Model, a TestClient of our server over it, llama-server's URL) on the committed qwen3 q8_0 target, a
+    512-token context each; the test skips where fastapi or llama-server is missing."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
@@ -399,10 +400,18 @@ def test_native_completion_answers_as_llama_servers(tmp_path):
     if peer.binary("llama-server") is None:
         pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
     target = pair_file("qwen3", "target", "q8_0")
-    bodies = [{"prompt": "def fibonacci(n):\n", "n_predict": 24, "temperature": 0.0, "stop": ["\n"]},
-              {"prompt": "class Stack:\n", "n_predict": 12, "temperature": 0.0}]
     with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
             peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
+        yield m, ours, url
+
+
+@pytest.mark.slow
+def test_native_completion_answers_as_llama_servers(tmp_path):
+    """POST /completion (llama-server's own API): our answer's keys are among its, and the same greedy requests
+    (a stop string; n_predict) give the same content, stop type, stopping word and token counts."""
+    bodies = [{"prompt": "def fibonacci(n):\n", "n_predict": 24, "temperature": 0.0, "stop": ["\n"]},
+              {"prompt": "class Stack:\n", "n_predict": 12, "temperature": 0.0}]
+    with _beside_llama_server(tmp_path) as (m, ours, url):
         for body in bodies:
             a, b = ours.post("/completion", json=body).json(), _llama(url, "/completion", body)
             assert set(a) <= set(b), set(a) - set(b)
@@ -452,16 +461,7 @@ def test_native_completion_probabilities_as_llama_servers(tmp_path):
     token id, counts, slot, entry), then the same counts and stop type in the answer."""
     import json
 
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
-
-    from pydflash.server import create_app
-
-    if peer.binary("llama-server") is None:
-        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
-    target = pair_file("qwen3", "target", "q8_0")
-    with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
-            peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
+    with _beside_llama_server(tmp_path) as (m, ours, url):
         eos = m.tokenizer.eos_token_id
         bodies = [{"prompt": "def fibonacci(n):\n", "n_predict": 24, "temperature": 0.0, "stop": ["\n"], "n_probs": 3},
                   {"prompt": "class Stack:\n", "n_predict": 24, "temperature": 0.0, "n_probs": 2,
@@ -490,14 +490,6 @@ def test_post_sampling_probabilities_are_llama_servers(tmp_path):
     0.01, under each sampler alone and greedy (one token, probability 1). (Boundaries chosen clear of the two
     engines' logit rounding: min_p 0.05 here keeps a token whose ratio to the best is 0.0502 here and 0.0498
     there.)"""
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
-
-    from pydflash.server import create_app
-
-    if peer.binary("llama-server") is None:
-        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
-    target = pair_file("qwen3", "target", "q8_0")
     plain = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
     settings = [{"temperature": 0.0}, {"temperature": 1.5, **plain}, {"temperature": 0.8, **plain, "top_k": 2},
                 {"temperature": 0.7, **plain, "top_p": 0.5}, {"temperature": 0.7, **plain, "min_p": 0.2},
@@ -505,8 +497,7 @@ def test_post_sampling_probabilities_are_llama_servers(tmp_path):
                 {"temperature": 1.0, **plain, "repeat_penalty": 1.5, "presence_penalty": 0.5,
                  "frequency_penalty": 0.3}]
     prompt = "class Stack:\n    def push(self, x):\n        self._items.append(x)\n        self"
-    with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
-            peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
+    with _beside_llama_server(tmp_path) as (m, ours, url):
         for setting in settings:
             body = {"prompt": prompt, "n_predict": 1, "n_probs": 8, "post_sampling_probs": True, "seed": 1,
                     **setting}
@@ -523,19 +514,10 @@ def test_gbnf_grammars_decode_as_llama_servers(tmp_path):
     give the same greedy completions: content, stop type and token count, for grammars with forced literals,
     character classes, repetitions and alternatives (with llguidance's default, canonical tokens only for forced
     text, 3 of these 6 parted: after "no", " because" where llama.cpp took " ", the likelier)."""
-    pytest.importorskip("fastapi")
     pytest.importorskip("llguidance")
-    from fastapi.testclient import TestClient
-
-    from pydflash.server import create_app
-
     from test_grammar import GRAMMARS, PROMPTS
 
-    if peer.binary("llama-server") is None:
-        pytest.skip("llama-server is not built (python -c 'import peer; peer.build(server=True)' in benchmarks/)")
-    target = pair_file("qwen3", "target", "q8_0")
-    with pydflash.Model(target, n_ctx=512, n_threads=1) as m, TestClient(create_app(m)) as ours, \
-            peer.llama_server(target, 1, 1, 512, tmp_path / "llama-server.log") as url:
+    with _beside_llama_server(tmp_path) as (m, ours, url):
         for grammar in GRAMMARS:
             for prompt in PROMPTS:
                 body = {"prompt": prompt, "n_predict": 40, "temperature": 0.0, "grammar": grammar}
