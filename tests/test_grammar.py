@@ -173,3 +173,14 @@ def test_the_hybrid_target_in_every_mode_commits_constrained_plain_sampling():
         outputs[mode] = c.tokens
         assert mode == "plain" or mode == "auto" or c.timings["n_rounds"] > 0
     assert all(tokens == outputs["plain"] for tokens in outputs.values()), outputs
+
+
+def test_batched_generations_each_follow_their_grammar_as_alone():
+    """generate_batch (sessions stepped together, one batched target evaluation per step; each session's grammar
+    asked from its own thread): each output is its generation alone, sampled under the grammar."""
+    with pydflash.Model(pair_file("qwen35", "target", "q8_0"), draft_model_path=pair_file("qwen35", "dflash", "q8_0"),
+                        n_ctx=512, n_threads=2) as m:
+        prompts = [*PROMPTS, "def f(a):\n", "y = "]
+        alone = [m.generate(p, max_tokens=30, grammar=GRAMMARS[1], temperature=0.8, seed=5).tokens for p in prompts]
+        batch = m.generate_batch(prompts, max_tokens=30, grammar=GRAMMARS[1], temperature=0.8, seed=5)
+        assert [c.tokens for c in batch] == alone
