@@ -54,6 +54,7 @@ class Grammar:
     @classmethod
     def from_gbnf(cls, text: str) -> "Grammar":
         """A grammar in llama.cpp's GBNF (its `root` rule the whole output; llguidance's Lark syntax is read too)."""
+        _llguidance()  # (installed, or the ImportError that says so)
         from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
         try:
