@@ -2,8 +2,8 @@
 `response_format` do: compiled by llguidance (the grammar engine llama.cpp builds with LLAMA_LLGUIDANCE, which
 reads GBNF, JSON schemas, Lark and regular expressions) against the model's vocabulary. Each generation gets a
 matcher that the core asks, at each position of the target's path, which tokens may come next
-(decode/token_constraint.h); drafts stay unconstrained, so speculative decoding commits what constrained plain
-decoding does. The end-of-generation tokens are allowed where the grammar may end (and only they, once it must).
+(decode/token_constraint.h), and how many of a round's drafts it allows (none after the first it forbids is
+verified); speculative decoding commits what constrained plain decoding does. The end-of-generation tokens are allowed where the grammar may end (and only they, once it must).
 
 llguidance is an optional dependency (`pip install llguidance`, or the `grammar` extra)."""
 
@@ -117,7 +117,7 @@ def _vocabulary(tokenizer: "Tokenizer"):
 
 class GrammarMatcher:
     """One generation's grammar state, as the core asks it: allowed() the next position's tokens (uint32 words, a
-    bit per token id), accept(token) the token chosen there."""
+    bit per token id), accept(token) the token chosen there, valid_prefix(drafts) how many drafts it allows."""
 
     def __init__(self, grammar: Grammar, tokenizer: "Tokenizer"):
         llg = _llguidance()
@@ -125,6 +125,7 @@ class GrammarMatcher:
         if self._matcher.is_error():
             raise ValueError(f"{grammar!r}: {self._matcher.get_error()}")
         self._grammar, self._n_vocab, self._eog = grammar, tokenizer.n_vocab, sorted(tokenizer.eog_token_ids)
+        self._eog_set = tokenizer.eog_token_ids
 
     def allowed(self) -> np.ndarray:
         words = np.zeros((self._n_vocab + 31) // 32, dtype=np.uint32)
@@ -137,6 +138,12 @@ class GrammarMatcher:
         if not words.any():
             raise ValueError(f"{self._grammar!r} allows no token here: {self._matcher.get_error() or 'a dead end'}")
         return words
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of a round's drafted `tokens` the grammar takes in turn from here (an end-of-generation token
+        ends them): the core verifies no draft after them."""
+        end = next((i for i, t in enumerate(tokens) if t in self._eog_set), len(tokens))
+        return self._matcher.validate_tokens(tokens[:end])
 
     def accept(self, token: int) -> None:
         if token in self._eog and (self._matcher.is_accepting() or self._matcher.is_stopped()):

@@ -186,3 +186,38 @@ def test_batched_generations_each_follow_their_grammar_as_alone():
         alone = [m.generate(p, max_tokens=30, grammar=GRAMMARS[1], temperature=0.8, seed=5).tokens for p in prompts]
         batch = m.generate_batch(prompts, max_tokens=30, grammar=GRAMMARS[1], temperature=0.8, seed=5)
         assert [c.tokens for c in batch] == alone
+
+
+class _Blind:
+    """A grammar's matcher that cannot say which drafts it allows (no valid_prefix): every draft is verified."""
+
+    def __init__(self, matcher):
+        self.allowed, self.accept = matcher.allowed, matcher.accept
+
+
+class _BlindGrammar(Grammar):
+    def __init__(self, grammar: Grammar):
+        self.__dict__.update(grammar.__dict__)
+
+    def matcher(self, model):
+        return _Blind(super().matcher(model))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_rounds_verify_no_draft_the_grammar_forbids(arch):
+    """A round's tree is cut before the first draft the grammar forbids: chains of 15 drafts, greedy, the same
+    tokens and accepted drafts as verifying them all, for fewer verified tokens (a forbidden draft is never
+    accepted: the target chooses among what the grammar allows)."""
+    with pydflash.Model(pair_file(arch, "target", "q8_0"), draft_model_path=pair_file(arch, "dflash", "q8_0"),
+                        n_ctx=512, n_threads=2, spec_mode="chain") as m:
+        verified = blind_verified = 0
+        for gbnf in GRAMMARS:
+            for prompt in PROMPTS:
+                grammar = Grammar.from_gbnf(gbnf)
+                cut = m.generate(prompt, max_tokens=40, grammar=grammar)
+                every = m.generate(prompt, max_tokens=40, grammar=_BlindGrammar(grammar))
+                assert cut.tokens == every.tokens, (gbnf, prompt)
+                assert cut.timings["draft_n_accepted"] == every.timings["draft_n_accepted"]
+                assert cut.timings["verify_n"] <= every.timings["verify_n"]
+                verified, blind_verified = verified + cut.timings["verify_n"], blind_verified + every.timings["verify_n"]
+        assert verified < blind_verified / 2, (verified, blind_verified)

@@ -2,6 +2,7 @@
 // sampling parameters from llama-cpp-python's names, and its result and timings as Python dicts
 #include "bindings/common.h"
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 
@@ -43,9 +44,9 @@ static constexpr float_field FLOAT_FIELDS[] = {
 static constexpr int_field INT_FIELDS[] = {{"top_k", &sampling_params::top_k},
                                            {"repeat_last_n", &sampling_params::repeat_last_n}};
 
-// a Python object with allowed() -> the next position's mask (a buffer of uint32 words, a bit per token id) and
-// accept(token) as the sampler's grammar, each call made with the GIL taken back; a Python exception propagates
-// out of the loop
+// a Python object with allowed() -> the next position's mask (a buffer of uint32 words, a bit per token id),
+// accept(token) and (optionally) valid_prefix(tokens) -> int as the sampler's grammar, each call made with the GIL
+// taken back; a Python exception propagates out of the loop
 class py_constraint : public token_constraint {
   public:
     py_constraint(py::object obj, int64_t n_vocab) : obj_(std::move(obj)), words_((size_t) (n_vocab + 31) / 32) {}
@@ -67,6 +68,17 @@ class py_constraint : public token_constraint {
     void accept(int32_t token) override {
         py::gil_scoped_acquire gil;
         obj_.attr("accept")(token);
+    }
+    int valid_prefix(const int32_t * tokens, int n) override {
+        py::gil_scoped_acquire gil;
+        if (!py::hasattr(obj_, "valid_prefix")) {
+            return n;  // (an object that cannot tell: every draft verified)
+        }
+        py::list l;
+        for (int i = 0; i < n; ++i) {
+            l.append(tokens[i]);
+        }
+        return (int) std::clamp<int64_t>(obj_.attr("valid_prefix")(l).cast<int64_t>(), 0, n);
     }
 
   private:

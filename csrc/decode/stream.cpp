@@ -227,6 +227,9 @@ bool generation_stream::next_round(session_batch::part & out) {
     const auto    t0        = clock_type::now();
     const double  waited0   = s_.compute()->waited_ms() + eval_batcher::waited_ms();
     p_.propose(anchor_, start_, depth_cap(remaining), std::min<int>(room, (int) s_.n_rollback()), round.tree);
+    if (token_constraint * grammar = params_.sampling.constraint.get(); grammar && round.tree.size() > 1) {
+        round.tree.truncate(allowed_prefix(round.tree, *grammar));
+    }
     // without the waits for the CPU threads and for the batch's plan (batched: the other streams drafting),
     // which are not this drafter's cost: its own compute delays the batch's step, the waits do not
     const double waited = s_.compute()->waited_ms() + eval_batcher::waited_ms() - waited0;

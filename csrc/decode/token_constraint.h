@@ -1,7 +1,8 @@
 // What a grammar allows at each output position (a JSON schema, GBNF): the sampling verifier asks it on the
 // target's path only, one mask per committed token as plain decoding would, and removes the tokens it disallows
-// before every other stage of the chain. Drafts stay unconstrained: a draft the grammar forbids is one the target
-// does not choose, so speculation stays lossless (the output is constrained plain decoding's).
+// before every other stage of the chain. The drafters draft unconstrained; a round's tree is cut before the first
+// draft the grammar forbids (one the target cannot choose), so verifies are not spent on them, and the output
+// stays constrained plain decoding's.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +16,9 @@ class token_constraint {
     virtual const uint32_t * allowed() = 0;
     // the token chosen there (every chosen token is committed)
     virtual void accept(int32_t token) = 0;
+    // how many of `tokens` the grammar would take in turn from here (the state unchanged): a round verifies only
+    // drafts the grammar allows (decode/stream.cpp), the others being drafts the target cannot choose
+    virtual int valid_prefix(const int32_t * tokens, int n) = 0;
 };
 
 }  // namespace pdf

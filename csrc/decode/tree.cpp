@@ -38,6 +38,24 @@ int draft_tree::add(int32_t token, int parent, int r, float lp) {
     return size() - 1;
 }
 
+int allowed_prefix(const draft_tree & t, token_constraint & constraint) {
+    if (t.is_chain()) {
+        return 1 + constraint.valid_prefix(t.tokens.data() + 1, t.size() - 1);
+    }
+    std::vector<int32_t> path;
+    for (int b = 1; b < t.size(); ++b) {
+        path.clear();
+        for (int v = b; v > 0; v = t.parents[v]) {
+            path.push_back(t.tokens[v]);
+        }
+        std::reverse(path.begin(), path.end());
+        if (constraint.valid_prefix(path.data(), (int) path.size()) < (int) path.size()) {
+            return b;
+        }
+    }
+    return t.size();
+}
+
 void draft_tree::truncate(int n) {
     tokens.resize(n);
     parents.resize(n);

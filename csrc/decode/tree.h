@@ -3,6 +3,7 @@
 // the order they were chosen, so parents come before children and every prefix of the order is a tree.
 #pragma once
 
+#include "decode/token_constraint.h"
 #include "state/draft_session.h"
 
 #include <cstdint>
@@ -39,6 +40,10 @@ enum class tree_seed {
 // in rank) replaces it, e.g. by calibrated log acceptance probabilities.
 void build_draft_tree(const draft_proposals & p, int32_t root, int budget, int max_depth, tree_seed seed,
                       draft_tree & out, const std::vector<float> * scores = nullptr);
+
+// the nodes `constraint` allows, as a prefix of the tree's order (parents come before their children): up to the
+// first node whose path below the root it forbids
+int allowed_prefix(const draft_tree & t, token_constraint & constraint);
 
 // the top-1 chain of `depth` drafts (the chain DFlash verifies)
 void build_draft_chain(const draft_proposals & p, int32_t root, int depth, draft_tree & out);
