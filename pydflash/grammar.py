@@ -1,9 +1,10 @@
-"""Grammars that constrain generation, as llama.cpp's `grammar` (GBNF), `json_schema` and OpenAI's
-`response_format` do: compiled by llguidance (the grammar engine llama.cpp builds with LLAMA_LLGUIDANCE, which
-reads GBNF, JSON schemas, Lark and regular expressions) against the model's vocabulary. Each generation gets a
-matcher that the core asks, at each position of the target's path, which tokens may come next
-(decode/token_constraint.h), and how many of a round's drafts it allows (none after the first it forbids is
-verified); speculative decoding commits what constrained plain decoding does. The end-of-generation tokens are allowed where the grammar may end (and only they, once it must).
+"""Grammars that constrain generation, as llama.cpp's `grammar` (GBNF), `json_schema` and OpenAI's `response_format`
+do: compiled by llguidance (the grammar engine llama.cpp builds with LLAMA_LLGUIDANCE, which reads GBNF, JSON
+schemas, Lark and regular expressions) against the model's vocabulary. Each generation gets a matcher that the core
+asks, at each position of the target's path, which tokens may come next (decode/token_constraint.h), and how many of
+a round's drafts it allows (none after the first it forbids is verified); speculative decoding commits what
+constrained plain decoding does. The end-of-generation tokens are allowed where the grammar may end (and only they,
+once it must).
 
 llguidance is an optional dependency (`pip install llguidance`, or the `grammar` extra)."""
 

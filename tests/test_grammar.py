@@ -219,5 +219,6 @@ def test_rounds_verify_no_draft_the_grammar_forbids(arch):
                 assert cut.tokens == every.tokens, (gbnf, prompt)
                 assert cut.timings["draft_n_accepted"] == every.timings["draft_n_accepted"]
                 assert cut.timings["verify_n"] <= every.timings["verify_n"]
-                verified, blind_verified = verified + cut.timings["verify_n"], blind_verified + every.timings["verify_n"]
+                verified += cut.timings["verify_n"]
+                blind_verified += every.timings["verify_n"]
         assert verified < blind_verified / 2, (verified, blind_verified)
