@@ -13,9 +13,11 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
+
+from ._arguments import str_arg
 
 if TYPE_CHECKING:
     from .model import Model
@@ -59,7 +61,7 @@ class Grammar:
         from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
         try:
-            return cls(gbnf_to_lark(_str_arg("grammar", text)), text)
+            return cls(gbnf_to_lark(str_arg("grammar", text)), text)
         except GbnfToLarkError as e:
             raise ValueError(f"grammar {text[:80]!r}: {e}") from None
 
@@ -93,12 +95,6 @@ class Grammar:
         return GrammarMatcher(self, model.tokenizer)
 
 
-def _str_arg(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    return value
-
-
 @functools.lru_cache(maxsize=4)
 def _vocabulary(tokenizer: "Tokenizer"):
     """llguidance's view of the vocabulary: each token's bytes, control tokens as special (no text matches them)."""
@@ -125,15 +121,17 @@ class GrammarMatcher:
         self._matcher = llg.LLMatcher(_vocabulary(tokenizer), grammar._spec)
         if self._matcher.is_error():
             raise ValueError(f"{grammar!r}: {self._matcher.get_error()}")
-        self._grammar, self._n_vocab, self._eog = grammar, tokenizer.n_vocab, sorted(tokenizer.eog_token_ids)
-        self._eog_set = tokenizer.eog_token_ids
+        self._grammar, self._n_vocab, self._eog = grammar, tokenizer.n_vocab, tokenizer.eog_token_ids
+
+    def _may_end(self) -> bool:
+        return self._matcher.is_accepting() or self._matcher.is_stopped()
 
     def allowed(self) -> np.ndarray:
         words = np.zeros((self._n_vocab + 31) // 32, dtype=np.uint32)
         if not self._matcher.is_stopped():
             mask = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint32)
             words[:] = mask[:len(words)]
-        if self._matcher.is_accepting() or self._matcher.is_stopped():
+        if self._may_end():
             for token in self._eog:
                 words[token >> 5] |= np.uint32(1 << (token & 31))
         if not words.any():
@@ -143,11 +141,11 @@ class GrammarMatcher:
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of a round's drafted `tokens` the grammar takes in turn from here (an end-of-generation token
         ends them): the core verifies no draft after them."""
-        end = next((i for i, t in enumerate(tokens) if t in self._eog_set), len(tokens))
+        end = next((i for i, t in enumerate(tokens) if t in self._eog), len(tokens))
         return self._matcher.validate_tokens(tokens[:end])
 
     def accept(self, token: int) -> None:
-        if token in self._eog and (self._matcher.is_accepting() or self._matcher.is_stopped()):
+        if token in self._eog and self._may_end():
             return
         if not self._matcher.consume_token(token):
             raise ValueError(f"{self._grammar!r} does not allow token {token} here: {self._matcher.get_error()}")
@@ -160,6 +158,14 @@ def grammar_arg(grammar) -> Grammar | None:
     if isinstance(grammar, str):
         return Grammar.from_gbnf(grammar)
     raise TypeError(f"grammar must be a pydflash.Grammar or GBNF text, got {type(grammar).__name__}")
+
+
+def grammar_of_fields(grammar: str | None, json_schema: Mapping | None) -> Grammar | str | None:
+    """llama-server's request fields `grammar` (GBNF text; "" is none) and `json_schema` (which wins) as
+    generate's grammar argument."""
+    if json_schema is not None:
+        return Grammar.from_json_schema(json_schema)
+    return grammar or None
 
 
 def response_format_grammar(response_format) -> Grammar | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from .completions import stopping_word
-from .grammar import Grammar
+from .grammar import grammar_of_fields
 
 if TYPE_CHECKING:
     from .model import Completion, Model, Pieces, TokenStep
@@ -80,12 +80,8 @@ class NativeRequest(BaseModel):
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     seed=None if self.seed == -1 else self.seed, logit_bias=bias or None,
                     logprobs=min(self.n_probs, model.n_vocab) if self.n_probs > 0 else None,
-                    post_sampling_probs=self.post_sampling_probs, grammar=self._grammar())
-
-    def _grammar(self) -> Grammar | str | None:
-        if self.json_schema is not None:
-            return Grammar.from_json_schema(self.json_schema)
-        return self.grammar or None
+                    post_sampling_probs=self.post_sampling_probs,
+                    grammar=grammar_of_fields(self.grammar, self.json_schema))
 
 
 def _logit_bias(bias) -> dict[str, float]:

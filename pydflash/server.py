@@ -38,7 +38,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from . import anthropic_messages, openai_responses
 from .errors import ContextLengthExceededError
-from .grammar import Grammar
+from .grammar import grammar_of_fields
 from .model import Model
 from .infill import N_BATCH, InfillRequest, InfillUnsupported, fim_token_ids, infill
 from .native_completion import NativeRequest, native_completion
@@ -105,9 +105,8 @@ class _Constrained(BaseModel):
     json_schema: dict[str, Any] | None = None
 
     def grammar_kwargs(self) -> dict:
-        if self.json_schema is not None:
-            return {"grammar": Grammar.from_json_schema(self.json_schema)}
-        return {"grammar": self.grammar} if self.grammar else {}
+        grammar = grammar_of_fields(self.grammar, self.json_schema)
+        return {} if grammar is None else {"grammar": grammar}
 
 
 class ChatRequest(_Constrained, _Common):

@@ -49,7 +49,10 @@ static constexpr int_field INT_FIELDS[] = {{"top_k", &sampling_params::top_k},
 // taken back; a Python exception propagates out of the loop
 class py_constraint : public token_constraint {
   public:
-    py_constraint(py::object obj, int64_t n_vocab) : obj_(std::move(obj)), words_((size_t) (n_vocab + 31) / 32) {}
+    py_constraint(py::object obj, int64_t n_vocab) :
+        obj_(std::move(obj)),
+        tells_drafts_(py::hasattr(obj_, "valid_prefix")),
+        words_((size_t) (n_vocab + 31) / 32) {}
     ~py_constraint() override {
         py::gil_scoped_acquire gil;
         obj_ = py::object();
@@ -70,10 +73,10 @@ class py_constraint : public token_constraint {
         obj_.attr("accept")(token);
     }
     int valid_prefix(const int32_t * tokens, int n) override {
-        py::gil_scoped_acquire gil;
-        if (!py::hasattr(obj_, "valid_prefix")) {
+        if (!tells_drafts_) {
             return n;  // (an object that cannot tell: every draft verified)
         }
+        py::gil_scoped_acquire gil;
         py::list l;
         for (int i = 0; i < n; ++i) {
             l.append(tokens[i]);
@@ -83,6 +86,7 @@ class py_constraint : public token_constraint {
 
   private:
     py::object            obj_;
+    bool                  tells_drafts_;  // it has valid_prefix()
     std::vector<uint32_t> words_;
 };
 
