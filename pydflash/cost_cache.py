@@ -7,7 +7,11 @@ the prefill micro-batch), and gives it to the next load, which then chooses as w
 goes on refining the times as it decodes. A table is written when it holds a width the saved one lacks. With the
 times goes auto's cool-down length, so that where speculation had stopped paying (a target too small for its
 drafter) the next process decodes plainly from its first round instead of probing its way there again (a few
-percent of a short benchmark's time on the tiny pairs). Both are rewritten when either changes.
+percent of a short benchmark's time on the tiny pairs). And with them what the target accepted of the drafts
+(the acceptance model's counts, csrc/decode/acceptance_model.h), so that a new session (a fresh process, a
+server's slot) chooses its first rounds from what this pair reaches rather than from the drafter's own
+probabilities, which it learns to correct only over its first rounds. All are rewritten when the widths or the
+cool-down change, or when the acceptance counts have moved by ACCEPTANCE_MOVED trials since the last write.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ from . import cache_paths, ubatch
 
 __all__ = ["cache_key", "restore", "remember"]
 
-# (the widths each key's saved table holds, auto's cool-down length), as this process last wrote or read them
-_saved: dict[str, tuple[frozenset, int]] = {}
+# (the widths each key's saved table holds, auto's cool-down length, the acceptance counts' tried), as this process
+# last wrote or read them
+_saved: dict[str, tuple[frozenset, int, list[float]]] = {}
 CACHE_FILE = "verify_costs.json"
 MAX_WIDTH = 1 << 16  # (wider than any verify: the core's widths are C ints)
+# trials (summed over the acceptance model's cells) that its counts move by before they are written again: about
+# what a session tries before its model counts as learnt (acceptance_model.cpp LEARNT_TRIED)
+ACCEPTANCE_MOVED = 16.0
 
 
 def cache_key(model_path: str, draft_path: str | None, n_threads: int, placement: str, mtp: bool = False) -> str | None:
@@ -55,24 +63,41 @@ def restore(draft, key: str | None) -> None:
     try:
         chain, tree = _times(saved.get("verify_ms", {})), _times(saved.get("tree_verify_ms", {}))
         cool_len = min(max(int(saved.get("cool_len", 0)), 0), 1 << 20)
-    except (AttributeError, TypeError, ValueError, OverflowError):
-        return  # not a table this version wrote: measured again
-    draft.restore_costs(chain, tree, cool_len=cool_len)
-    _saved[key] = (_widths(chain, tree), cool_len)
+        acceptance = _acceptance(saved.get("acceptance"))
+        draft.restore_costs(chain, tree, cool_len=cool_len, acceptance=acceptance)
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
+        return  # not a table this version wrote (the core checks the counts before it changes anything)
+    _saved[key] = (_widths(chain, tree), cool_len, list(acceptance[0]) if acceptance else [])
+
+
+def _acceptance(saved) -> tuple[list[float], list[float]] | None:
+    """Saved acceptance counts as the core takes them ((tried, accepted) lists; None: none saved)."""
+    if saved is None:
+        return None
+    tried, accepted = saved["tried"], saved["accepted"]
+    return [float(x) for x in tried], [float(x) for x in accepted]
+
+
+def _moved(tried: list[float], saved: list[float]) -> bool:
+    if len(tried) != len(saved):
+        return True
+    return sum(abs(a - b) for a, b in zip(tried, saved)) >= ACCEPTANCE_MOVED
 
 
 def remember(draft, key: str | None) -> None:
-    """After a generation: save the verify times `draft` has measured when they cover a width not saved yet, or
-    auto's cool-down length when it changed."""
+    """After a generation: save the verify times `draft` has measured when they cover a width not saved yet,
+    auto's cool-down length when it changed, or the acceptance counts when they moved (ACCEPTANCE_MOVED)."""
     if draft is None or key is None:
         return
     costs = draft.costs()
     chain, tree = costs["measured"]
     widths, cool_len = _widths(chain, tree), costs["cool_len"]
-    saved_widths, saved_cool_len = _saved.get(key, (frozenset(), 0))
-    if widths <= saved_widths and cool_len == saved_cool_len:
+    tried, accepted = (list(x) for x in costs["acceptance"])
+    saved_widths, saved_cool_len, saved_tried = _saved.get(key, (frozenset(), 0, []))
+    if widths <= saved_widths and cool_len == saved_cool_len and not _moved(tried, saved_tried):
         return
-    _saved[key] = (widths | saved_widths, cool_len)
+    _saved[key] = (widths | saved_widths, cool_len, tried)
     cache_paths.write_entry(CACHE_FILE, key, {"verify_ms": {str(w): ms for w, ms in chain.items()},
                                               "tree_verify_ms": {str(w): ms for w, ms in tree.items()},
-                                              "cool_len": cool_len})
+                                              "cool_len": cool_len,
+                                              "acceptance": {"tried": tried, "accepted": accepted}})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import pydflash
 from export_pairs import pair_file
 from pydflash import cache_paths, cost_cache
@@ -119,3 +121,77 @@ def test_a_micro_batch_no_run_chose_is_measured_again():
         assert again.generate(long_prompt, max_tokens=1).finish_reason == "length"
         assert type(again.n_ubatch) is int and again.n_ubatch in again._ubatch_sizes
     assert chosen in again._ubatch_sizes
+
+
+def _rates(tried: list[float], accepted: list[float]) -> list[float | None]:
+    return [a / t if t > 0 else None for t, a in zip(tried, accepted)]
+
+
+def test_a_second_load_starts_from_what_the_target_accepted():
+    """The acceptance model's counts (csrc/decode/acceptance_model.h) are kept with the costs: a new load starts
+    from each cell's learnt rate, weighted as at most RESTORED_TRIED trials, not from the drafter's own
+    probabilities."""
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2, spec_mode="chain") as m:
+        for prompt in (PROMPT, "class Stack:\n", "import os\n"):
+            m.generate(prompt, max_tokens=48)
+        tried, accepted = m._draft.costs()["acceptance"]
+    (saved,) = cache_paths.read_table(cost_cache.CACHE_FILE).values()
+    # written when they last moved by ACCEPTANCE_MOVED trials: within that of the last generation's
+    assert sum(abs(a - b) for a, b in zip(saved["acceptance"]["tried"], tried)) < cost_cache.ACCEPTANCE_MOVED
+    assert max(tried) > 32, "the test wants a cell past the restored weight"
+
+    cost_cache._saved.clear()  # as a new process
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
+        now_tried, now_accepted = again._draft.costs()["acceptance"]
+    s_tried, s_accepted = saved["acceptance"]["tried"], saved["acceptance"]["accepted"]
+    assert now_tried == pytest.approx([min(t, 32.0) for t in s_tried])
+    assert _rates(now_tried, now_accepted) == pytest.approx(_rates(s_tried, s_accepted))
+
+
+def test_a_restored_acceptance_decides_the_first_rounds():
+    """A table saying the target never accepts this drafter's tokens: the next load's auto verifies no draft from
+    its first rounds (it drafts, and cuts every draft), where a fresh load trusts the drafter's probabilities and
+    verifies drafts."""
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as fresh:
+        t = fresh.generate(PROMPT, max_tokens=32).timings
+        assert t["auto_chain"] + t["auto_tree"] > 0  # control
+        n_cells = len(fresh._draft.costs()["acceptance"][0])
+    key = next(iter(cache_paths.read_table(cost_cache.CACHE_FILE)))
+    never = {"verify_ms": {}, "tree_verify_ms": {}, "cool_len": 0,
+             "acceptance": {"tried": [32.0] * n_cells, "accepted": [0.0] * n_cells}}
+    (cache_paths.cache_dir() / cost_cache.CACHE_FILE).write_text(json.dumps({key: never}))
+    cost_cache._saved.clear()
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
+        t = again.generate(PROMPT, max_tokens=32).timings
+    assert t["auto_chain"] + t["auto_tree"] == 0 and t["auto_plain"] > 0
+
+
+@pytest.mark.parametrize("bad", [
+    {"tried": [1.0] * 3, "accepted": [0.0] * 3},             # another shape
+    {"tried": [1.0] * 80, "accepted": [2.0] + [0.0] * 79},   # more accepted than tried
+    {"tried": [-1.0] * 80, "accepted": [0.0] * 80},
+    {"tried": [float("nan")] * 80, "accepted": [0.0] * 80},  # (json.dumps writes NaN)
+    {"tried": ["many"] * 80, "accepted": [0.0] * 80},
+    {"tried": [1.0] * 80},
+    [1.0, 2.0],
+])
+def test_acceptance_counts_no_run_wrote_are_learnt_again(bad):
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2, spec_mode="chain") as m:
+        m.generate(PROMPT, max_tokens=48)
+    path = cache_paths.cache_dir() / cost_cache.CACHE_FILE
+    ((key, entry),) = json.loads(path.read_text()).items()
+    path.write_text(json.dumps({key: dict(entry, acceptance=bad)}))
+    cost_cache._saved.clear()
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
+        costs = again._draft.costs()
+        assert costs["measured"] == ({}, {}) and not any(costs["acceptance"][0]), bad  # the whole table dropped
+        assert again.generate(PROMPT, max_tokens=4).finish_reason == "length"
+
+
+def test_restore_costs_names_counts_of_another_shape():
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as m:
+        with pytest.raises(ValueError, match="expected 80 cells, got 3 tried and 3 accepted"):
+            m._draft.restore_costs({}, {}, acceptance=([1.0] * 3, [0.0] * 3))
+        with pytest.raises(ValueError, match="cell 5 has 2.0+ accepted of 1.0+ tried"):
+            m._draft.restore_costs({}, {}, acceptance=([1.0] * 80, [0.0] * 5 + [2.0] + [0.0] * 74))
+        assert not any(m._draft.costs()["acceptance"][0])  # nothing changed

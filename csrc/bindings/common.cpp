@@ -100,11 +100,16 @@ py::dict costs_dict(const speculation_state & st, int block) {
     }
     out["measured"] = py::make_tuple(measured, measured_tree);
     out["cool_len"] = st.cool_len;
+    const auto [tried, accepted] = st.acceptance.counts();  // (cost_cache.py keeps them too)
+    out["acceptance"]            = py::make_tuple(tried, accepted);
     return out;
 }
 
 void restore_costs(speculation_state & st, const std::map<int, double> & chain, const std::map<int, double> & tree,
-                   int64_t cool_len) {
+                   int64_t cool_len, const std::optional<acceptance_counts> & acceptance) {
+    if (acceptance) {
+        st.acceptance.restore(acceptance->first, acceptance->second);  // (checked before anything is changed)
+    }
     std::vector<cost_model::measurement> table;
     for (const auto & [w, ms] : chain) {
         table.push_back({w, false, ms});

@@ -19,6 +19,7 @@
 #include <pybind11/stl.h>
 
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -80,9 +81,12 @@ struct py_mtp {
 // what the decode loop measured and learnt about a proposer (auto mode): ms per verify width, draft ms, rates, the
 // acceptance of its first choice by depth (1 .. block - 1) at probability 0.5-0.6, and what cost_cache.py keeps
 py::dict costs_dict(const speculation_state & st, int block);
-// verify times measured earlier (ms by width) and auto's cool-down length then
+// the acceptance model's (tried, accepted) counts per cell, as costs_dict gives them (decode/acceptance_model.h)
+using acceptance_counts = std::pair<std::vector<double>, std::vector<double>>;
+// verify times measured earlier (ms by width), auto's cool-down length then and, if given, what the target
+// accepted then (std::invalid_argument for counts that model cannot hold, before anything changes)
 void     restore_costs(speculation_state & st, const std::map<int, double> & chain, const std::map<int, double> & tree,
-                       int64_t cool_len);
+                       int64_t cool_len, const std::optional<acceptance_counts> & acceptance);
 
 // Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked
 // here, naming the parameter, before they are narrowed.

@@ -134,12 +134,16 @@ void register_draft_session(py::module_ & m) {
              "The speculation cost model: measured verify times per width, draft time, rates (tokens/ms), and the "
              "acceptance of the drafter's first choice by depth when it gives it probability 0.5-0.6.")
         .def("restore_costs", [](py_draft & d, const std::map<int, double> & chain, const std::map<int, double> & tree,
-                                 int64_t cool_len) { restore_costs(*d.state, chain, tree, cool_len); },
+                                 int64_t cool_len, const std::optional<acceptance_counts> & acceptance) {
+                restore_costs(*d.state, chain, tree, cool_len, acceptance);
+            },
              py::arg("verify_ms"), py::arg("tree_verify_ms"),
-             py::arg("cool_len") = 0,
-             "Verify times (ms by grid width) measured earlier, as costs()['measured'] gave them, and auto's "
+             py::arg("cool_len") = 0, py::arg("acceptance") = py::none(),
+             "Verify times (ms by grid width) measured earlier, as costs()['measured'] gave them, auto's "
              "cool-down length then (costs()['cool_len']; speculation not paying): it decodes plainly that many "
-             "rounds before it next drafts.");
+             "rounds before it next drafts; and what the target accepted then (costs()['acceptance'], (tried, "
+             "accepted) counts: ValueError for counts of another shape), each cell's rate kept at the weight of a "
+             "few dozen trials.");
     register_memory(cls);
 }
 

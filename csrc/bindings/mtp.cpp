@@ -82,9 +82,13 @@ void register_mtp(py::module_ & m) {
         .def("costs", [](const py_mtp & g) { return costs_dict(*g.state, g.head->block()); },
              "The speculation cost model, as DraftSession.costs() (the head's first choice by depth).")
         .def("restore_costs", [](py_mtp & g, const std::map<int, double> & chain, const std::map<int, double> & tree,
-                                 int64_t cool_len) { restore_costs(*g.state, chain, tree, cool_len); },
+                                 int64_t cool_len, const std::optional<acceptance_counts> & acceptance) {
+                restore_costs(*g.state, chain, tree, cool_len, acceptance);
+            },
              py::arg("verify_ms"), py::arg("tree_verify_ms"), py::arg("cool_len") = 0,
-             "Verify times and auto's cool-down length measured earlier, as DraftSession.restore_costs().")
+             py::arg("acceptance") = py::none(),
+             "Verify times, auto's cool-down length and the acceptance counts measured earlier, as "
+             "DraftSession.restore_costs().")
         .def("measure_compute", [](py_mtp & g, int64_t n_kv) {
                  return g.head->measure((int) checked("n_kv", n_kv, 1, INT32_MAX));
              }, py::arg("n_kv"),

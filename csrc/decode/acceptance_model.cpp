@@ -1,6 +1,9 @@
 #include "decode/acceptance_model.h"
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
 
 namespace pdf {
 
@@ -49,6 +52,27 @@ std::pair<double, double> acceptance_model::observed(int depth, int rank) const 
         accepted += accepted_[first + b];
     }
     return {tried, accepted};
+}
+
+void acceptance_model::restore(const std::vector<double> & tried, const std::vector<double> & accepted) {
+    if ((int) tried.size() != N_CELLS || (int) accepted.size() != N_CELLS) {
+        throw std::invalid_argument("acceptance counts: expected " + std::to_string(N_CELLS) + " cells, got " +
+                                    std::to_string(tried.size()) + " tried and " + std::to_string(accepted.size()) +
+                                    " accepted");
+    }
+    for (int c = 0; c < N_CELLS; ++c) {
+        if (!std::isfinite(tried[c]) || !std::isfinite(accepted[c]) || accepted[c] < 0.0 ||
+            accepted[c] > tried[c] * (1.0 + 1e-9) + 1e-9) {
+            throw std::invalid_argument("acceptance counts: cell " + std::to_string(c) + " has " +
+                                        std::to_string(accepted[c]) + " accepted of " + std::to_string(tried[c]) +
+                                        " tried");
+        }
+    }
+    for (int c = 0; c < N_CELLS; ++c) {
+        const double scale = tried[c] > RESTORED_TRIED ? RESTORED_TRIED / tried[c] : 1.0;
+        tried_[c]          = tried[c] * scale;
+        accepted_[c]       = std::min(accepted[c], tried[c]) * scale;
+    }
 }
 
 }  // namespace pdf

@@ -26,6 +26,15 @@ class acceptance_model {
     // prior, the drafter's own probabilities, which a drafter can overstate at first
     bool                      learnt() const;
 
+    // Kept across processes (pydflash/cost_cache.py): every cell's decayed (tried, accepted) counts, in one
+    // order, and a table saved so. A restored cell keeps its rate but counts at most RESTORED_TRIED trials, so
+    // that a few dozen rounds of the new conversation outweigh the old ones. Throws std::invalid_argument for
+    // a table this model cannot hold (its length, a negative or non-finite count, more accepted than tried).
+    static constexpr int      N_CELLS        = 80;
+    static constexpr double   RESTORED_TRIED = 32.0;
+    std::pair<std::vector<double>, std::vector<double>> counts() const { return {tried_, accepted_}; }
+    void restore(const std::vector<double> & tried, const std::vector<double> & accepted);
+
   private:
     static constexpr int N_DEPTH = 4;   // depths 1, 2-3, 4-7, 8+
     static constexpr int N_RANK  = 2;   // the drafter's first choice, the others
@@ -33,8 +42,9 @@ class acceptance_model {
     static int    cell(int depth, int rank, double q);
     static double bin_centre(int cell);
 
-    std::vector<double> tried_    = std::vector<double>(N_DEPTH * N_RANK * N_BINS, 0.0);
-    std::vector<double> accepted_ = std::vector<double>(N_DEPTH * N_RANK * N_BINS, 0.0);
+    static_assert(N_DEPTH * N_RANK * N_BINS == N_CELLS);
+    std::vector<double> tried_    = std::vector<double>(N_CELLS, 0.0);
+    std::vector<double> accepted_ = std::vector<double>(N_CELLS, 0.0);
 };
 
 }  // namespace pdf
