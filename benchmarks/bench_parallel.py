@@ -26,11 +26,17 @@ steps of every stream in one graph), and llama-server runs its draft-mtp at each
     python benchmarks/bench_parallel.py --engines plain,auto --llama-n-max 3 --rounds 2   # alternating, means
     python benchmarks/bench_parallel.py --pairs mtp --archs qwen35 --streams 1,4 --llama-n-max 2,3
     python benchmarks/bench_parallel.py --pairs mtp --archs qwen35 --decode-only --max-tokens 192
+    python benchmarks/bench_parallel.py --archs qwen35 --decode-only --max-tokens 192 --warm-passes 2
+
+Each engine starts fresh (its own empty cost cache, as a first run on a machine), unless --warm-costs; with
+--warm-passes K it first runs the timed workload K times untimed, so that its rows are those of a server past its
+first requests (what auto's sessions and the batch learn: verify and step times, acceptance).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
 import statistics
@@ -46,7 +52,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import peer  # noqa: E402
 from bench_proposers import mtp_pairs  # noqa: E402
-from bench_tree import cost_realistic_pairs, tiny_pairs  # noqa: E402
+from bench_tree import cost_realistic_pairs, own_cost_caches, tiny_pairs  # noqa: E402
 from export_pairs import PAIRS_DIR, prompt_rows  # noqa: E402
 
 import pydflash  # noqa: E402
@@ -158,11 +164,14 @@ def decoding_together(n_streams: int, prompts: list[str], run_one) -> dict:
     return summary(requests, wall)
 
 
-def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, prompts: list[str], args) -> dict:
+def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, prompts: list[str], args,
+             own=contextlib.nullcontext) -> dict:
     kw = {"draft_model_path": None, "proposers": ()} if engine is None else {"draft_model_path": pair["draft"],
                                                                                 **engine}
-    first = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers, **kw)
-    sessions = [first] + [first.new_session() for _ in range(n_streams - 1)]
+    with own():  # (the cost cache each session restores from when it opens)
+        first = pydflash.Model(pair["target"], n_ctx=2048, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                               **kw)
+        sessions = [first] + [first.new_session() for _ in range(n_streams - 1)]
     if not batched:
         for s in sessions:
             s._batcher = None
@@ -178,8 +187,11 @@ def run_ours(pair: dict, engine: dict | None, batched: bool, n_streams: int, pro
 
     for k in range(n_streams):  # warm-up: pages, graphs, auto's first measurements
         run_one(k, prompts[k % len(prompts)], max_tokens=8)
+    run = decoding_together if args.decode_only else together
+    for _ in range(args.warm_passes):  # untimed: what the sessions and the batch learn stays (a server past them)
+        run(n_streams, prompts, run_one)
     timings.clear()
-    row = (decoding_together if args.decode_only else together)(n_streams, prompts, run_one)
+    row = run(n_streams, prompts, run_one)
     if timings and "auto_chain" in timings[0]:
         spec = sum(t["auto_chain"] + t["auto_tree"] for t in timings)
         row["spec_rounds"] = spec / max(1, spec + sum(t["auto_plain"] + t["auto_skipped"] for t in timings))
@@ -223,7 +235,9 @@ def print_row(n: int, label: str, r: dict, base: dict) -> None:
 
 def run_round(pair: dict, engines: list, n: int, prompts: list[str], args, logs: Path) -> dict:
     """one run of every engine at n streams, in turn: ours, then llama-server's plain and DFlash at each n_max"""
-    rows = {label: run_ours(pair, kw, batched, n, prompts, args) for label, kw, batched in engines}
+    own = own_cost_caches(args.warm_costs)
+    rows = {label: run_ours(pair, kw, batched, n, prompts, args, lambda: own(f"{label} {n}"))
+            for label, kw, batched in engines}
     if not args.no_llama:
         rows["llama plain"] = run_llama(pair, 0, n, prompts, args, logs / f"llama-server-{n}-plain.log")
         method = "mtp" if pair.get("mtp") else "dflash"
@@ -277,6 +291,13 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path, default=ROOT / "build" / "inflated")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                     help="layers on the GPU, ours and llama-server's (-1: all)")
+    ap.add_argument("--warm-costs", action="store_true",
+                    help="every engine's sessions restore what the user's cost cache holds (default: each engine its "
+                         "own, fresh: what earlier runs and other engines learnt does not steer auto)")
+    ap.add_argument("--warm-passes", type=int, default=0,
+                    help="untimed runs of the timed workload before it, each engine keeping what its sessions and "
+                         "batch learnt (auto's costs, acceptance, the batch's step times: a server past its first "
+                         "requests; default 0: a fresh one)")
     ap.add_argument("--decode-only", action="store_true", help="one request per stream, its prompt evaluated "
                     "before the clock starts: decoding's aggregate alone")
     args = ap.parse_args()
