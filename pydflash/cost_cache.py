@@ -12,16 +12,25 @@ percent of a short benchmark's time on the tiny pairs). And with them what the t
 server's slot) chooses its first rounds from what this pair reaches rather than from the drafter's own
 probabilities, which it learns to correct only over its first rounds. All are rewritten when the widths or the
 cool-down change, or when the acceptance counts have moved by ACCEPTANCE_MOVED trials since the last write.
+
+Sessions generating together (continuous batching, csrc/state/eval_batcher.h) plan each step from the measured time
+of every step shape (parts, rows) so far; those times are kept too, under the key with "|batch", and written when
+a shape is measured that the saved table lacks: a restarted server's batch plans from its first step.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 from . import cache_paths, ubatch
 
-__all__ = ["cache_key", "restore", "remember"]
+__all__ = ["cache_key", "restore", "remember", "restore_steps", "remember_steps"]
 
+# Sessions of one Model (a server's slots) finish generations in threads of their own: a lock makes each one's
+# comparison with what was saved and its write one step, so that a thread holding older times cannot write over a
+# newer table after the newer one was recorded as saved (the later shapes were then never written).
+_lock = threading.Lock()
 # (the widths each key's saved table holds, auto's cool-down length, the acceptance counts' tried), as this process
 # last wrote or read them
 _saved: dict[str, tuple[frozenset, int, list[float]]] = {}
@@ -89,15 +98,60 @@ def remember(draft, key: str | None) -> None:
     auto's cool-down length when it changed, or the acceptance counts when they moved (ACCEPTANCE_MOVED)."""
     if draft is None or key is None:
         return
-    costs = draft.costs()
-    chain, tree = costs["measured"]
-    widths, cool_len = _widths(chain, tree), costs["cool_len"]
-    tried, accepted = (list(x) for x in costs["acceptance"])
-    saved_widths, saved_cool_len, saved_tried = _saved.get(key, (frozenset(), 0, []))
-    if widths <= saved_widths and cool_len == saved_cool_len and not _moved(tried, saved_tried):
+    with _lock:
+        costs = draft.costs()
+        chain, tree = costs["measured"]
+        widths, cool_len = _widths(chain, tree), costs["cool_len"]
+        tried, accepted = (list(x) for x in costs["acceptance"])
+        saved_widths, saved_cool_len, saved_tried = _saved.get(key, (frozenset(), 0, []))
+        if widths <= saved_widths and cool_len == saved_cool_len and not _moved(tried, saved_tried):
+            return
+        _saved[key] = (widths | saved_widths, cool_len, tried)
+        cache_paths.write_entry(CACHE_FILE, key, {"verify_ms": {str(w): ms for w, ms in chain.items()},
+                                                  "tree_verify_ms": {str(w): ms for w, ms in tree.items()},
+                                                  "cool_len": cool_len,
+                                                  "acceptance": {"tried": tried, "accepted": accepted}})
+
+
+# the step shapes ((parts, rows)) each batch key's saved table holds, as this process last wrote or read them
+_saved_steps: dict[str, frozenset] = {}
+
+
+def _steps_key(key: str | None) -> str | None:
+    return None if key is None else key + "|batch"
+
+
+def _shapes(table: dict) -> frozenset:
+    return frozenset((p, r) for p, by in table.items() for r in by)
+
+
+def restore_steps(batcher, key: str | None) -> None:
+    """Give the EvalBatcher `batcher` the step times saved under `key` (cache_key's), if any."""
+    key = _steps_key(key)
+    if batcher is None or key is None:
         return
-    _saved[key] = (widths | saved_widths, cool_len, tried)
-    cache_paths.write_entry(CACHE_FILE, key, {"verify_ms": {str(w): ms for w, ms in chain.items()},
-                                              "tree_verify_ms": {str(w): ms for w, ms in tree.items()},
-                                              "cool_len": cool_len,
-                                              "acceptance": {"tried": tried, "accepted": accepted}})
+    saved = cache_paths.read_table(CACHE_FILE).get(key)
+    if not isinstance(saved, dict):
+        return
+    try:
+        table = {int(p): {int(r): float(ms) for r, ms in by.items()} for p, by in saved["step_ms"].items()}
+        batcher.restore_step_times(table)
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
+        return  # not a table this version wrote (the core checks it before it changes anything)
+    _saved_steps[key] = _shapes(table)
+
+
+def remember_steps(batcher, key: str | None) -> None:
+    """After a generation beside others: save the batch's step times when they hold a shape not saved yet."""
+    key = _steps_key(key)
+    if batcher is None or key is None:
+        return
+    with _lock:
+        table = batcher.step_times()
+        shapes = _shapes(table)
+        saved = _saved_steps.get(key, frozenset())
+        if shapes <= saved:
+            return
+        _saved_steps[key] = shapes | saved
+        cache_paths.write_entry(CACHE_FILE, key, {"step_ms": {str(p): {str(r): ms for r, ms in by.items()}
+                                                              for p, by in table.items()}})

@@ -472,6 +472,7 @@ class Model:
         self._check_open()
         if self._batcher is None:
             self._batcher = _core.EvalBatcher(self._model)
+            cost_cache.restore_steps(self._batcher, self._cost_key)  # what batched steps cost here before
         other = object.__new__(type(self))
         other.__dict__.update({k: v for k, v in self.__dict__.items()
                                if k not in ("_session", "_draft", "_ngram", "_mtp", "_lock", "_cancelled",
@@ -956,6 +957,7 @@ class Model:
                                             batcher=self._batcher)
             cost_cache.remember((self._draft if self._draft is not None else self._mtp) if speculative else None,
                                 self._cost_key)
+            cost_cache.remember_steps(self._batcher if speculative else None, self._cost_key)
         finally:
             self._lock.release()
         self._report_drafter_acceptance(result["timings"])

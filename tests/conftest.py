@@ -61,6 +61,7 @@ def _fresh_verify_costs(_own_cache_dir):
 
     (cache_paths.cache_dir() / cost_cache.CACHE_FILE).unlink(missing_ok=True)
     cost_cache._saved.clear()
+    cost_cache._saved_steps.clear()
 
 
 @pytest.fixture(scope="session")

@@ -195,3 +195,75 @@ def test_restore_costs_names_counts_of_another_shape():
         with pytest.raises(ValueError, match="cell 5 has 2.0+ accepted of 1.0+ tried"):
             m._draft.restore_costs({}, {}, acceptance=([1.0] * 80, [0.0] * 5 + [2.0] + [0.0] * 74))
         assert not any(m._draft.costs()["acceptance"][0])  # nothing changed
+
+
+PROMPTS = [PROMPT, "class Stack:\n", "import os\n", "def parse(line):\n"]
+
+
+def _verify_shapes(table: dict) -> dict:
+    """the step shapes of a batch's step times where generations verified drafts (more rows than parts)"""
+    return {(p, r): ms for p, by in table.items() for r, ms in by.items() if r > p}
+
+
+def test_a_second_load_batches_from_the_step_times_the_first_measured():
+    """Sessions generating together plan each step from the times of the step shapes measured so far
+    (csrc/state/step_times.h); they are kept under the key with "|batch", and a new load's batch starts from
+    them (before any step)."""
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as m:
+        m.generate_batch(PROMPTS, max_tokens=64)
+        measured = m._batcher.step_times()
+    assert _verify_shapes(measured), measured  # batched verifies
+    table = cache_paths.read_table(cost_cache.CACHE_FILE)
+    (key,) = [k for k in table if k.endswith("|batch")]
+    saved = {int(p): {int(r): ms for r, ms in by.items()} for p, by in table[key]["step_ms"].items()}
+    assert saved.keys() == measured.keys() and all(saved[p].keys() == measured[p].keys() for p in saved)
+
+    cost_cache._saved.clear()  # as a new process
+    cost_cache._saved_steps.clear()
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
+        again.new_session()
+        assert again._batcher.step_times() == saved  # (JSON keeps a float exactly)
+
+
+def test_restored_step_times_decide_the_batched_steps():
+    """Saved step times saying that every step past a row per generation costs a second: the next load's batch
+    never plans a verify (no step of more rows than parts is measured, the restored ones stay as they were),
+    where a fresh load's (control) verifies drafts in batched steps. (A generation running alone for a while,
+    its thread started early or its answer ended late, decides alone: not what this test looks at.)"""
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as fresh:
+        fresh.generate_batch(PROMPTS, max_tokens=64)
+        assert _verify_shapes(fresh._batcher.step_times())  # control
+        key = fresh._cost_key + "|batch"
+    dear = {p: {p: 0.2 * p, **{r: 1000.0 for r in range(p + 1, 8 * p + 1)}} for p in range(2, 5)}
+    (cache_paths.cache_dir() / cost_cache.CACHE_FILE).write_text(json.dumps({key: {"step_ms": dear}}))
+    cost_cache._saved.clear()
+    cost_cache._saved_steps.clear()
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
+        again.generate_batch(PROMPTS, max_tokens=64)
+        assert _verify_shapes(again._batcher.step_times()) == _verify_shapes(dear)
+
+
+@pytest.mark.parametrize("bad", [{"2": {"1": 5.0}}, {"0": {"1": 5.0}}, {"2": {"3": -1.0}}, {"2": {"3": "slow"}},
+                                 {"2": {"3": float("inf")}}, {"2": {"70000": 5.0}}, {"2": [5.0]}, [1.0]])
+def test_step_times_no_run_wrote_are_measured_again(bad):
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as m:
+        key = m._cost_key + "|batch"
+    table = {"step_ms": {"3": {"4": 9.0}, **bad} if isinstance(bad, dict) else bad}
+    (cache_paths.cache_dir() / cost_cache.CACHE_FILE).write_text(json.dumps({key: table}))
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
+        again.new_session()
+        assert again._batcher.step_times() == {}, bad  # the whole table dropped
+        assert all(c.finish_reason == "length" for c in again.generate_batch(PROMPTS[:2], max_tokens=4))
+    # control: the same table without the bad shape is restored
+    (cache_paths.cache_dir() / cost_cache.CACHE_FILE).write_text(json.dumps({key: {"step_ms": {"3": {"4": 9.0}}}}))
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as ok:
+        ok.new_session()
+        assert ok._batcher.step_times() == {3: {4: 9.0}}
+
+
+def test_restore_step_times_names_a_shape_no_step_has():
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as m:
+        m.new_session()
+        with pytest.raises(ValueError, match="a step of 3 parts and 2 rows taking 5.0+ ms"):
+            m._batcher.restore_step_times({2: {3: 7.0}, 3: {2: 5.0}})
+        assert m._batcher.step_times() == {}  # nothing restored

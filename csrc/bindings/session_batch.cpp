@@ -81,6 +81,12 @@ void register_session_batch(py::module_ & m) {
              py::keep_alive<1, 2>())
         .def_property_readonly("compute_memory", [](const eval_batcher & b) { return as_pair(b.compute_memory()); },
                                "(CPU bytes, GPU bytes) of its batched graphs' compute buffers, as allocated so far.")
+        .def("step_times", &eval_batcher::step_times_measured, py::call_guard<py::gil_scoped_release>(),
+             "What its steps measured, {parts: {rows: ms}} (what pydflash/cost_cache.py keeps), once no step runs.")
+        .def("restore_step_times", &eval_batcher::restore_step_times, py::arg("table"),
+             py::call_guard<py::gil_scoped_release>(),
+             "Step times measured earlier, as step_times() gave them: the batch plans from its first step (ValueError "
+             "for a shape no step has, or a time that is not a positive number: nothing restored).")
         .def_property_readonly("stats", [](const eval_batcher & b) {
                 const eval_batcher::counts c = b.stats();
                 py::dict d;

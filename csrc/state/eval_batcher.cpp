@@ -390,6 +390,18 @@ bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) 
     return false;
 }
 
+std::map<int, std::map<int, double>> eval_batcher::step_times_measured() const {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return !running_; });  // (a leader writes times_ unlocked while running_)
+    return times_.measured();
+}
+
+void eval_batcher::restore_step_times(const std::map<int, std::map<int, double>> & table) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return !running_; });
+    times_.restore(table);  // (checked before anything changes)
+}
+
 eval_batcher::counts eval_batcher::stats() const {
     const std::lock_guard<std::mutex> lock(mutex_);
     return counts_;

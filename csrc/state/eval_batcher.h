@@ -85,6 +85,10 @@ class eval_batcher {
         uint64_t cooldowns = 0;                            // the batch's cool-downs begun
     };
     counts stats() const;
+    // what its steps measured (state/step_times.h: parts -> rows -> ms), once no step is running, and a table
+    // saved so (std::invalid_argument for a shape no step has: nothing restored then)
+    std::map<int, std::map<int, double>> step_times_measured() const;
+    void                                 restore_step_times(const std::map<int, std::map<int, double>> & table);
     // evaluations so far (batched or alone)
     uint64_t steps() const { return steps_.load(); }
     // whether other generations run beside the caller's (the batch then decides what its auto generations verify
@@ -139,7 +143,7 @@ class eval_batcher {
     session_batch           batch_;
     step_times              times_;            // (a leader's while running_, else under the lock)
     mutable std::mutex      mutex_;
-    std::condition_variable done_;
+    mutable std::condition_variable done_;
     int                     members_ = 0;
     bool                    running_ = false;  // a step's evaluation or drafts are running
     std::vector<request *>  waiting_;          // the next step's parts so far

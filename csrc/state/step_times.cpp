@@ -1,6 +1,9 @@
 #include "state/step_times.h"
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
 
 namespace pdf {
 
@@ -83,6 +86,38 @@ std::vector<double> step_times::split(const std::vector<int> & rows, double ms, 
         by_parts_[P].observe(R, ms);
     }
     return share;
+}
+
+std::map<int, std::map<int, double>> step_times::measured() const {
+    std::map<int, std::map<int, double>> table;
+    for (const auto & [parts, by] : by_parts_) {
+        for (int rows = 1; rows < (int) by.ms.size(); ++rows) {
+            if (by.seen[rows] > 0) {
+                table[parts][rows] = by.ms[rows];
+            }
+        }
+    }
+    return table;
+}
+
+void step_times::restore(const std::map<int, std::map<int, double>> & table) {
+    for (const auto & [parts, by] : table) {
+        for (const auto & [rows, ms] : by) {
+            if (parts < 1 || rows < parts || rows > MAX_ROWS || !std::isfinite(ms) || ms <= 0.0) {
+                throw std::invalid_argument("step times: a step of " + std::to_string(parts) + " parts and " +
+                                            std::to_string(rows) + " rows taking " + std::to_string(ms) +
+                                            " ms (expected 1 <= parts <= rows <= " + std::to_string(MAX_ROWS) +
+                                            " and a positive time)");
+            }
+        }
+    }
+    for (const auto & [parts, by] : table) {
+        by_rows & mine = by_parts_[parts];
+        for (const auto & [rows, ms] : by) {
+            mine.observe(rows, ms);
+            mine.seen[rows] = 2;  // (averaged from here on: a restored time is no graph-building first step)
+        }
+    }
 }
 
 }  // namespace pdf

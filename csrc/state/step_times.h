@@ -35,6 +35,14 @@ class step_times {
     // the most rows a step of `parts` parts was measured with (0: none)
     int    widest(int parts) const;
 
+    // Kept across processes (pydflash/cost_cache.py): the time of every measured step shape, parts -> rows -> ms,
+    // and a table saved so, each time then averaged with the steps measured here as a step measured twice is
+    // (a restored one is not a first step, which builds its graph). Throws std::invalid_argument for a shape no
+    // step has (parts < 1, rows < parts or past MAX_ROWS) or a time that is not a positive number.
+    static constexpr int                 MAX_ROWS = 1 << 16;
+    std::map<int, std::map<int, double>> measured() const;
+    void                                 restore(const std::map<int, std::map<int, double>> & table);
+
   private:
     // running averages by row count (0: not measured)
     struct by_rows {
