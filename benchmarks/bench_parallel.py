@@ -236,7 +236,7 @@ def print_row(n: int, label: str, r: dict, base: dict) -> None:
 def run_round(pair: dict, engines: list, n: int, prompts: list[str], args, logs: Path) -> dict:
     """one run of every engine at n streams, in turn: ours, then llama-server's plain and DFlash at each n_max"""
     own = own_cost_caches(args.warm_costs)
-    rows = {label: run_ours(pair, kw, batched, n, prompts, args, lambda: own(f"{label} {n}"))
+    rows = {label: run_ours(pair, kw, batched, n, prompts, args, lambda label=label: own(f"{label} {n}"))
             for label, kw, batched in engines}
     if not args.no_llama:
         rows["llama plain"] = run_llama(pair, 0, n, prompts, args, logs / f"llama-server-{n}-plain.log")

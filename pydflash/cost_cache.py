@@ -62,20 +62,27 @@ def _times(saved: dict) -> dict[int, float]:
     return times
 
 
+# what reading a table that no run of this version wrote raises (hand-edited, another version's, damaged): it is
+# then measured again
+_UNREADABLE = (AttributeError, KeyError, TypeError, ValueError, OverflowError)
+
+
+def _entry(key: str) -> dict | None:
+    saved = cache_paths.read_table(CACHE_FILE).get(key)
+    return saved if isinstance(saved, dict) else None
+
+
 def restore(draft, key: str | None) -> None:
     """Give the DraftSession (or MtpDrafter) `draft` the verify times saved under `key`, if any."""
-    if draft is None or key is None:
-        return
-    saved = cache_paths.read_table(CACHE_FILE).get(key)
-    if not isinstance(saved, dict):
+    if draft is None or key is None or (saved := _entry(key)) is None:
         return
     try:
         chain, tree = _times(saved.get("verify_ms", {})), _times(saved.get("tree_verify_ms", {}))
         cool_len = min(max(int(saved.get("cool_len", 0)), 0), 1 << 20)
         acceptance = _acceptance(saved.get("acceptance"))
         draft.restore_costs(chain, tree, cool_len=cool_len, acceptance=acceptance)
-    except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
-        return  # not a table this version wrote (the core checks the counts before it changes anything)
+    except _UNREADABLE:
+        return  # (the core checks the counts before it changes anything)
     _saved[key] = (_widths(chain, tree), cool_len, list(acceptance[0]) if acceptance else [])
 
 
@@ -128,16 +135,13 @@ def _shapes(table: dict) -> frozenset:
 def restore_steps(batcher, key: str | None) -> None:
     """Give the EvalBatcher `batcher` the step times saved under `key` (cache_key's), if any."""
     key = _steps_key(key)
-    if batcher is None or key is None:
-        return
-    saved = cache_paths.read_table(CACHE_FILE).get(key)
-    if not isinstance(saved, dict):
+    if batcher is None or key is None or (saved := _entry(key)) is None:
         return
     try:
         table = {int(p): {int(r): float(ms) for r, ms in by.items()} for p, by in saved["step_ms"].items()}
         batcher.restore_step_times(table)
-    except (AttributeError, KeyError, TypeError, ValueError, OverflowError):
-        return  # not a table this version wrote (the core checks it before it changes anything)
+    except _UNREADABLE:
+        return  # (the core checks it before it changes anything)
     _saved_steps[key] = _shapes(table)
 
 

@@ -19,8 +19,8 @@
 #include <pybind11/stl.h>
 
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
