@@ -151,9 +151,15 @@ def remember_steps(batcher, key: str | None) -> None:
     if batcher is None or key is None:
         return
     with _lock:
+        saved = _saved_steps.get(key, frozenset())
+        # a Model's batcher holds every shape saved under its key (it restored them, or they were written from it)
+        # and what it measured since: no more of them means nothing new, known without step_times(), which waits
+        # for a running step to end (delaying the end of a server's request). (Another Model of the same files
+        # batching in the same process has its new shapes written once it holds more than were saved.)
+        if batcher.stats["step_shapes"] <= len(saved):
+            return
         table = batcher.step_times()
         shapes = _shapes(table)
-        saved = _saved_steps.get(key, frozenset())
         if shapes <= saved:
             return
         _saved_steps[key] = shapes | saved

@@ -267,3 +267,19 @@ def test_restore_step_times_names_a_shape_no_step_has():
         with pytest.raises(ValueError, match="a step of 3 parts and 2 rows taking 5.0+ ms"):
             m._batcher.restore_step_times({2: {3: 7.0}, 3: {2: 5.0}})
         assert m._batcher.step_times() == {}  # nothing restored
+
+
+def test_nothing_new_is_known_without_waiting_for_a_step():
+    """After a batched generation, remember_steps writes only when the batcher holds a step shape the saved table
+    lacks; it counts them from stats (no wait for a running step): a second run over the same shapes writes
+    nothing, and the count is what step_times() lists."""
+    with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as m:
+        m.generate_batch(PROMPTS, max_tokens=48)
+        table = m._batcher.step_times()
+        assert m._batcher.stats["step_shapes"] == sum(len(by) for by in table.values()) > 0
+        path = cache_paths.cache_dir() / cost_cache.CACHE_FILE
+        written = path.stat().st_mtime_ns
+        path.write_text(path.read_text())  # (a write would change this file's time again)
+        before = path.stat().st_mtime_ns
+        cost_cache.remember_steps(m._batcher, m._cost_key)
+        assert path.stat().st_mtime_ns == before >= written

@@ -101,6 +101,7 @@ void register_session_batch(py::module_ & m) {
                 d["head_batches"]   = c.head_batches;
                 d["batched_head_steps"] = c.batched_head_steps;
                 d["cooldowns"]      = c.cooldowns;
+                d["step_shapes"]    = c.step_shapes;
                 return d;
             },
             "{'batches': evaluations of several generations' parts together, 'batched_parts': the parts they held, "
@@ -109,7 +110,8 @@ void register_session_batch(py::module_ & m) {
             "graphs over several generations' drafts, 'batched_drafts': the drafts they held, 'head_batches': graphs of the "
             "target's MTP head over several generations' steps, 'batched_head_steps': the steps they held, "
             "'cooldowns': the batch's "
-            "cool-downs of its auto generations' drafting}.");
+            "cool-downs of its auto generations' drafting, 'step_shapes': the step shapes whose times it holds "
+            "(step_times())}.");
 }
 
 }  // namespace pdf::bindings

@@ -76,6 +76,7 @@ double eval_batcher::eval(const session_batch::part & part) {
             counts_.alone += batched ? 0 : group.size();
             counts_.batched_ms += batch_ms;
             counts_.max_rows = std::max<uint64_t>(counts_.max_rows, batched ? rows : 0);
+            counts_.step_shapes = times_.shapes();  // (its leader is done with times_)
             running_ = false;
             for (request * r : group) {
                 r->done = true;
@@ -400,6 +401,7 @@ void eval_batcher::restore_step_times(const std::map<int, std::map<int, double>>
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait(lock, [this] { return !running_; });
     times_.restore(table);  // (checked before anything changes)
+    counts_.step_shapes = times_.shapes();
 }
 
 eval_batcher::counts eval_batcher::stats() const {

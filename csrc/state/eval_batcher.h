@@ -83,6 +83,7 @@ class eval_batcher {
         uint64_t draft_batches = 0, batched_drafts = 0;  // drafter graphs over several members, their drafts
         uint64_t head_batches = 0, batched_head_steps = 0;  // MTP head graphs over several members, their steps
         uint64_t cooldowns = 0;                            // the batch's cool-downs begun
+        uint64_t step_shapes = 0;  // step shapes (parts, rows) whose times it holds (step_times_measured's)
     };
     counts stats() const;
     // what its steps measured (state/step_times.h: parts -> rows -> ms), once no step is running, and a table

@@ -100,6 +100,14 @@ std::map<int, std::map<int, double>> step_times::measured() const {
     return table;
 }
 
+int step_times::shapes() const {
+    int n = 0;
+    for (const auto & [parts, by] : by_parts_) {
+        n += (int) std::count_if(by.seen.begin(), by.seen.end(), [](int seen) { return seen > 0; });
+    }
+    return n;
+}
+
 void step_times::restore(const std::map<int, std::map<int, double>> & table) {
     for (const auto & [parts, by] : table) {
         for (const auto & [rows, ms] : by) {

@@ -41,6 +41,8 @@ class step_times {
     // step has (parts < 1, rows < parts or past MAX_ROWS) or a time that is not a positive number.
     static constexpr int                 MAX_ROWS = 1 << 16;
     std::map<int, std::map<int, double>> measured() const;
+    // how many step shapes it holds times for (what measured() would list)
+    int                                  shapes() const;
     void                                 restore(const std::map<int, std::map<int, double>> & table);
 
   private:
