@@ -270,9 +270,9 @@ def test_restore_step_times_names_a_shape_no_step_has():
 
 
 def test_nothing_new_is_known_without_waiting_for_a_step():
-    """After a batched generation, remember_steps writes only when the batcher holds a step shape the saved table
-    lacks; it counts them from stats (no wait for a running step): a second run over the same shapes writes
-    nothing, and the count is what step_times() lists."""
+    """remember_steps writes only when the batcher holds a step shape the saved table lacks, which it tells from
+    the batcher's count of shapes (stats, no wait for a running step): the count is what step_times() lists, and
+    remembering again after the generation's own write writes nothing."""
     with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as m:
         m.generate_batch(PROMPTS, max_tokens=48)
         table = m._batcher.step_times()
