@@ -6,7 +6,9 @@ arguments, typed errors for bad files, and the GGUF tools/train_mtp.py writes ag
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -136,6 +138,29 @@ def test_a_longer_prompt_through_queued_and_appended_rows(checkpoint):
     head = _core.MtpDrafter(session, block_size=3, top_k=3)
     a, i, lp = head.draft_after(session, np.array(prompt, dtype=np.int32), 2)
     assert a == anchor and (i == ids).all() and np.abs(lp - lps).max() <= 1e-3
+
+
+def test_fewer_steps_than_the_block_holds(checkpoint):
+    """draft_after with fewer steps than the head's block gives the reference's drafts and writes nothing past the
+    arrays it returns (it copied the head's whole block into them: the heap after them corrupt, a segfault at the
+    next garbage collection). Run in a subprocess, whose crash the test sees."""
+    d, path = checkpoint
+    anchor, ids, lps = mtp_reference(d, PROMPT, n_steps=1, top_k=5)
+    code = f"""
+import gc, json, numpy as np
+from pydflash import _core
+session = _core.Session(_core.Model({str(path)!r}), n_ctx=256, type_k="f32", type_v="f32")
+head = _core.MtpDrafter(session, block_size=16, top_k=5)
+drafts = [head.draft_after(session, np.array({PROMPT!r}, dtype=np.int32), 1) for _ in range(3)]
+gc.collect()
+a, i, lp = drafts[-1]
+print(json.dumps([int(a), i.tolist(), lp.tolist()]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, i, lp = json.loads(out.stdout.strip().splitlines()[-1])
+    assert a == anchor and np.array(i).shape == (1, 5) and (np.array(i) == ids).all()
+    assert np.abs(np.array(lp) - lps).max() <= 1e-3
 
 
 # --------------------------------------------------------------------------------------------------

@@ -57,8 +57,10 @@ static py::tuple draft_after(py_mtp & m, session & s, py::object prompt_in, int6
     py::gil_scoped_acquire  gil;
     py::array_t<int32_t>    ids({d.n_positions, d.top_k});
     py::array_t<float>      lps({d.n_positions, d.top_k});
-    std::copy(d.ids.begin(), d.ids.end(), ids.mutable_data());
-    std::copy(d.logprobs.begin(), d.logprobs.end(), lps.mutable_data());
+    // (the head keeps room for a whole block: its first n_steps positions only)
+    const size_t n = (size_t) d.n_positions * d.top_k;
+    std::copy_n(d.ids.begin(), n, ids.mutable_data());
+    std::copy_n(d.logprobs.begin(), n, lps.mutable_data());
     return py::make_tuple(anchor, ids, lps);
 }
 
