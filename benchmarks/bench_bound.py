@@ -1,22 +1,29 @@
 #!/usr/bin/env python3
-"""How far any choice of what to verify per round can go on the cost-realistic pairs, on this machine.
+"""How far any choice of what to verify per round can go on the cost-realistic pairs, on this machine, for each
+proposer: the DFlash and DFlash2 drafters and the target's own MTP head.
 
 bench_tree.py measures engines; this replays one fixed history instead. For each held-out code prompt it
-records the drafter's top-8 proposals at every position of the target's greedy continuation (what the drafter
-proposes depends only on the text before it, so every policy sees the same ones), and measures the time of a
-target evaluation of 1..16, 32 and 64 tokens (the verify) and of one draft. Then each policy is replayed round
+records the proposer's proposals at every position of the target's greedy continuation (what a DFlash drafter
+proposes depends only on the text before it, and so does what the MTP head drafts after the target's token there,
+so every policy sees the same ones: the drafters' top-8, the head's greedy chain), and measures the time of a target
+evaluation of 1..16, 32 and 64 tokens (the verify) and of drafting (a DFlash draft: one forward of the committed
+drafter; the head: one step per drafted token, on the cost-realistic target). Then each policy is replayed round
 by round, its time the sum of its drafts and verifies:
 
-- fixed draft length k (llama.cpp's --spec-draft-n-max k; our chain at block k+1): verify k+1 tokens;
-- oracle chain: knows how many of the drafter's top-1 chain the target will accept (a) and verifies the
-  cheapest width that holds a+1 tokens;
-- oracle tree: the same for the target's path when every token of it is among the drafter's top-8 at its
-  position (a tree that holds exactly that path).
+- fixed draft length k (llama.cpp's --spec-draft-n-max k, what its draft-dflash and draft-mtp run; our chain at
+  block k+1): draft k, verify k+1 tokens;
+- oracle chain: knows how many of the proposer's greedy chain the target will accept (a), drafts and verifies the
+  cheapest width that holds a+1 tokens (the head paying a step per token it drafts);
+- oracle tree (DFlash drafters): the same for the target's path when every token of it is among the drafter's
+  top-8 at its position (a tree that holds exactly that path).
 
-Oracles bound what per-round choices built on this drafter can reach: the oracle chain bounds any choice of
-chain length, the oracle tree any tree that must pay for each node it verifies.
+Oracles bound what per-round choices built on this proposer can reach: the oracle chain bounds any choice of
+chain length, the oracle tree any tree that must pay for each node it verifies. Since llama.cpp runs the same
+ggml kernels, a goal of r x llama.cpp's best-tuned method (its best fixed draft length) is out of reach of any
+choice of chain length on this machine where the oracle chain's ratio is below r.
 
-    python benchmarks/bench_bound.py                       # both archs, q8_0 and q4mix, 8 prompts x 96 tokens
+    python benchmarks/bench_bound.py             # qwen3 and qwen35 with DFlash, q8_0 and q4mix, 8 prompts x 96 tokens
+    python benchmarks/bench_bound.py --archs qwen35,qwen35moe --proposers dflash2,mtp
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tools"))
 
+from bench_proposers import mtp_pairs  # noqa: E402
 from bench_tree import cost_realistic_pairs  # noqa: E402
 from export_pairs import PAIRS_DIR, pair_file, prompt_rows  # noqa: E402
 
@@ -40,6 +48,8 @@ from pydflash import _core  # noqa: E402
 
 WIDTHS = list(range(1, 17)) + [32, 64]
 TOP_K = 8
+DEPTH = 15  # positions proposed per round (a DFlash block of 16; the head's block of 16)
+MOE = ("qwen3moe", "qwen35moe")
 
 
 def verify_costs(target: Path, threads: int, context: int) -> dict[int, float]:
@@ -62,6 +72,17 @@ def verify_costs(target: Path, threads: int, context: int) -> dict[int, float]:
     return costs
 
 
+def head_step_ms(target: Path, prompt: list[int], threads: int) -> float:
+    """ms of the target's MTP head per token it drafts, as the decode loop drafts (its rows for the tokens a round
+    accepted appended too): a greedy generation with chains of 7 drafts (the second of two)"""
+    model = _core.Model(str(target), n_threads=threads)
+    s = _core.Session(model, n_ctx=2048)
+    head = _core.MtpDrafter(s, block_size=8, spec_mode="chain")
+    for _ in range(2):
+        t = s.generate(np.array(prompt, dtype=np.int32), max_tokens=96, mtp=head, stop_tokens=[])["timings"]
+    return t["draft_ms"] / t["draft_n"]
+
+
 def cost_of(costs: dict[int, float], w: int) -> float:
     if w in costs:
         return costs[w]
@@ -70,23 +91,33 @@ def cost_of(costs: dict[int, float], w: int) -> float:
     return costs[lo] + (w - lo) / (hi - lo) * (costs[hi] - costs[lo])
 
 
-def cheapest_holding(costs: dict[int, float], n: int) -> float:
-    """the cheapest verify of at least n tokens (verify times need not grow with the width)"""
-    return min(cost_of(costs, w) for w in range(n, 65))
+def cheapest_holding(costs: dict[int, float], n: int, draft_ms) -> float:
+    """the cheapest round that verifies at least n tokens (verify times need not grow with the width): its verify
+    and its drafting"""
+    return min(cost_of(costs, w) + draft_ms(w - 1) for w in range(n, 65))
 
 
-def histories(arch: str, prompts: list[str], max_tokens: int, threads: int):
-    """per prompt: the greedy continuation and, at each of its positions, the drafter's top-8 ids [15, 8]"""
-    target, draft = pair_file(arch, "target", "q8_0"), pair_file(arch, "dflash", "q8_0")
+def greedy_sequences(target: Path, prompts: list[str], max_tokens: int, model) -> list[tuple[list[int], list[int]]]:
+    """per prompt: its tokens and the target's greedy continuation (max_tokens + DEPTH + 1 tokens)"""
     tok = pydflash.Tokenizer.from_gguf(target)
-    model = _core.Model(str(target), n_threads=threads)
-    draft_ms = []
     out = []
     for text in prompts:
         ids = tok.tokenize(text, add_special=False)
-        greedy = _core.Session(model, n_ctx=2048).generate(ids, max_tokens=max_tokens + 16, stop_tokens=[])["tokens"]
+        greedy = _core.Session(model, n_ctx=2048).generate(ids, max_tokens=max_tokens + DEPTH + 1,
+                                                          stop_tokens=[])["tokens"]
+        out.append((ids, greedy))
+    return out
+
+
+def drafter_histories(arch: str, role: str, prompts: list[str], max_tokens: int, threads: int):
+    """per prompt: the greedy continuation and, at each of its positions, the drafter's top-8 ids [15, 8]; and the
+    median ms of a draft"""
+    target = pair_file(arch, "target", "q8_0")
+    model = _core.Model(str(target), n_threads=threads)
+    draft_ms, out = [], []
+    for ids, greedy in greedy_sequences(target, prompts, max_tokens, model):
         seq = ids + greedy
-        ds = _core.DraftSession(model, str(draft), n_ctx=2048, top_k=TOP_K)
+        ds = _core.DraftSession(model, str(pair_file(arch, role, "q8_0")), n_ctx=2048, top_k=TOP_K)
         _, feats = _core.Session(model, n_ctx=2048).eval(np.array(seq, dtype=np.int32),
                                                          capture_layers=ds.capture_layers)
         feats = np.concatenate(feats, axis=1)
@@ -101,30 +132,116 @@ def histories(arch: str, prompts: list[str], max_tokens: int, threads: int):
     return out, float(np.median(draft_ms))
 
 
-def replay(hist, policy) -> float:
-    """tokens per second of `policy(proposals, truth) -> (committed, ms)` over the histories"""
-    tokens = ms = 0.0
+def head_histories(arch: str, prompts: list[str], max_tokens: int, threads: int):
+    """per prompt: the greedy continuation and, at each of its positions, the MTP head's greedy chain of 15 drafts
+    after the target's token there ([15, 1]), as the decode loop drafts it after a verify (the head's cache holds
+    its rows for every committed position)"""
+    target = pair_file(arch, "target-mtp", "q8_0")
+    model = _core.Model(str(target), n_threads=threads)
+    out, parted = [], 0
+    for ids, greedy in greedy_sequences(target, prompts, max_tokens, model):
+        seq = ids + greedy
+        s = _core.Session(model, n_ctx=2048)
+        head = _core.MtpDrafter(s, block_size=DEPTH + 1, spec_mode="chain")
+        proposals = []
+        for p in range(len(ids), len(ids) + max_tokens):
+            anchor, top, _ = head.draft_after(s, np.array(seq[:p], dtype=np.int32), DEPTH)
+            # (a prefill's pick can part from the stepped generation's at a near-tie of the target's logits: the
+            # head drafted after another token there, and nothing it drafted counts)
+            parted += anchor != seq[p]
+            proposals.append(top if anchor == seq[p] else np.full_like(top, -1))
+        out.append((greedy, proposals))
+    if parted:
+        print(f"({arch}: at {parted} of {len(out) * max_tokens} positions a prefill's pick parted from the greedy "
+              f"continuation at a near-tie; the head's drafts there count as none accepted)")
+    return out
+
+
+def replay(hist, policy) -> tuple[float, float]:
+    """tokens per second of `policy(proposals, truth) -> (committed, ms)` over the histories, and tau (tokens
+    committed per round)"""
+    tokens = ms = rounds = 0.0
     for greedy, proposals in hist:
         j = 0
         while j < len(proposals):
-            committed, t = policy(proposals[j], greedy[j + 1:j + 16])
+            committed, t = policy(proposals[j], greedy[j + 1:j + DEPTH + 1])
             tokens += committed
             ms += t
             j += committed
-    return 1000.0 * tokens / ms
+            rounds += 1
+    return 1000.0 * tokens / ms, tokens / rounds
 
 
 def accepted(top, truth, k):
-    """how many drafted positions match the target's path, each token among the drafter's top-k there"""
+    """how many drafted positions match the target's path, each token among the proposer's top-k there"""
     a = 0
     while a < len(truth) and a < len(top) and truth[a] in top[a][:k].tolist():
         a += 1
     return a
 
 
+def policies(costs: dict[int, float], draft_ms, tree: bool) -> dict:
+    """label -> policy(proposals, truth) -> (committed, ms); draft_ms(k): ms of drafting k tokens"""
+    rows = {f"fixed draft length {k}": (lambda top, truth, k=k: (accepted(top[:k], truth, 1) + 1,
+                                                                 cost_of(costs, k + 1) + draft_ms(k)))
+            for k in range(1, DEPTH + 1)}
+    rows["oracle chain"] = lambda top, truth: (accepted(top, truth, 1) + 1,
+                                               cheapest_holding(costs, accepted(top, truth, 1) + 1, draft_ms))
+    if tree:
+        rows[f"oracle tree (top-{TOP_K} path)"] = lambda top, truth: (
+            accepted(top, truth, TOP_K) + 1, cheapest_holding(costs, accepted(top, truth, TOP_K) + 1, draft_ms))
+    return rows
+
+
+def print_bound(name: str, costs: dict[int, float], drafting: str, rates: dict[str, tuple[float, float]]) -> None:
+    """rates: label -> (tok/s, tau)"""
+    fixed = {label: r for label, r in rates.items() if label.startswith("fixed")}
+    best_k = max(fixed, key=lambda label: fixed[label][0])
+    best = fixed[best_k][0]
+    print(f"\n{name}: verify ms " + " ".join(f"{w}:{costs[w]:.1f}" for w in (1, 2, 4, 8, 16, 32, 64))
+          + f"; {drafting}")
+    at = {k: fixed[f"fixed draft length {k}"] for k in (3, 7, 15)}
+    print("  fixed draft lengths 3/7/15: " + ", ".join(f"{r:.1f} tok/s (tau {tau:.2f})" for r, tau in at.values()))
+    print(f"  {f'best fixed draft length ({best_k.split()[-1]}):':30s}{best:7.1f} tok/s  tau {fixed[best_k][1]:.2f}")
+    for label in (label for label in rates if label.startswith("oracle")):
+        rate, tau = rates[label]
+        print(f"  {label + ':':30s}{rate:7.1f} tok/s  tau {tau:.2f}  {rate / best:.2f}x")
+
+
+def targets_of(arch: str, proposer: str, cache: Path) -> list[dict]:
+    """the cost-realistic targets a proposer of `arch` drafts for"""
+    if proposer == "mtp":
+        return mtp_pairs(cache, [arch])
+    if arch in MOE:  # (the MoE pairs are committed in q8_0 only)
+        return cost_realistic_pairs(cache, [arch], ("q4mix",), source="q8_0", label="0.3B active")
+    return cost_realistic_pairs(cache, [arch])
+
+
+def bound(arch: str, proposer: str, prompts: list[str], args) -> None:
+    if proposer == "mtp":
+        if arch not in ("qwen35", "qwen35moe"):
+            return
+        hist = head_histories(arch, prompts, args.max_tokens, args.threads)
+    else:
+        hist, draft_ms = drafter_histories(arch, proposer, prompts, args.max_tokens, args.threads)
+    for pair in targets_of(arch, proposer, args.cache_dir):
+        costs = verify_costs(pair["target"], args.threads, context=200)
+        if proposer == "mtp":
+            prompt = pydflash.Tokenizer.from_gguf(pair["target"]).tokenize(prompts[0], add_special=False)
+            step = head_step_ms(pair["target"], prompt, args.threads)
+            rates = {label: replay(hist, p) for label, p in policies(costs, lambda k: k * step, False).items()}
+            drafting = f"a head step {step:.2f} ms"
+        else:
+            rates = {label: replay(hist, p)
+                     for label, p in policies(costs, lambda k: draft_ms if k else 0.0, True).items()}
+            drafting = f"a draft {draft_ms:.2f} ms"
+        print_bound(f"{pair['name']}, {proposer}", costs, drafting, rates)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--archs", default="qwen3,qwen35")
+    ap.add_argument("--archs", default="qwen3,qwen35", help="qwen3, qwen35, qwen3moe, qwen35moe")
+    ap.add_argument("--proposers", default="dflash", help="dflash, dflash2, mtp (the head: qwen35 and qwen35moe)")
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
@@ -134,26 +251,8 @@ def main() -> None:
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens, {args.threads} threads; tok/s of each "
           f"policy replayed with measured verify and draft times")
     for arch in args.archs.split(","):
-        hist, draft_ms = histories(arch, prompts, args.max_tokens, args.threads)
-        for pair in (p for p in cost_realistic_pairs(args.cache_dir, [arch])):
-            costs = verify_costs(pair["target"], args.threads, context=200)
-            rows = {}
-            for k in range(1, 16):
-                rows[f"fixed draft length {k}"] = replay(
-                    hist, lambda top, truth, k=k: (accepted(top[:k], truth, 1) + 1, cost_of(costs, k + 1) + draft_ms))
-            best_fixed = max(rows.values())
-            best_k = max(rows, key=rows.get)
-            oracle_chain = replay(hist, lambda top, truth: (accepted(top, truth, 1) + 1,
-                                                            cheapest_holding(costs, accepted(top, truth, 1) + 1)
-                                                            + draft_ms))
-            oracle_tree = replay(hist, lambda top, truth: (accepted(top, truth, TOP_K) + 1,
-                                                           cheapest_holding(costs, accepted(top, truth, TOP_K) + 1)
-                                                           + draft_ms))
-            print(f"\n{pair['name']}: verify ms " + " ".join(f"{w}:{costs[w]:.1f}" for w in (1, 2, 4, 8, 16, 32, 64))
-                  + f"; draft {draft_ms:.2f} ms")
-            print(f"  best fixed draft length ({best_k.split()[-1]}): {best_fixed:7.1f} tok/s")
-            print(f"  oracle chain:                 {oracle_chain:7.1f} tok/s  {oracle_chain / best_fixed:.2f}x")
-            print(f"  oracle tree (top-{TOP_K} path):    {oracle_tree:7.1f} tok/s  {oracle_tree / best_fixed:.2f}x")
+        for proposer in args.proposers.split(","):
+            bound(arch, proposer, prompts, args)
 
 
 if __name__ == "__main__":
