@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +41,6 @@ def _own_cache_dir(tmp_path_factory):
     """What the engine learns and keeps per machine (prefill micro-batches, verify costs: pydflash/cache_paths.py)
     goes to a folder of this run's: the user's cache stays clean, and no test's choices follow what an earlier
     run measured (on a busier machine) for the same files."""
-    import os
-
     saved = os.environ.get("PYDFLASH_CACHE")
     os.environ["PYDFLASH_CACHE"] = str(tmp_path_factory.mktemp("pydflash-cache"))
     yield
@@ -49,6 +48,14 @@ def _own_cache_dir(tmp_path_factory):
         os.environ.pop("PYDFLASH_CACHE", None)
     else:
         os.environ["PYDFLASH_CACHE"] = saved
+
+
+@pytest.fixture
+def rss_measurable():
+    """Tests that a process's resident memory stays flat: skipped under AddressSanitizer (docs/contributing.md,
+    its runtime preloaded), whose quarantine keeps freed memory resident."""
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("AddressSanitizer's quarantine keeps freed memory resident")
 
 
 @pytest.fixture(autouse=True)

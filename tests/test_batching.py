@@ -361,7 +361,7 @@ def test_model_sessions_in_threads_batch_through_the_models_batcher(pair):
     assert pair._batcher.stats["batches"] > before
 
 
-def test_memory_stays_flat_over_a_thousand_batched_requests(pair):
+def test_memory_stays_flat_over_a_thousand_batched_requests(pair, rss_measurable):
     import resource
 
     sessions = [pair.new_session() for _ in range(4)]
