@@ -140,7 +140,7 @@ def test_a_longer_prompt_through_queued_and_appended_rows(checkpoint):
     assert a == anchor and (i == ids).all() and np.abs(lp - lps).max() <= 1e-3
 
 
-def test_fewer_steps_than_the_block_holds(checkpoint):
+def test_fewer_steps_than_the_block_holds(checkpoint, tmp_path):
     """draft_after with fewer steps than the head's block gives the reference's drafts and writes nothing past the
     arrays it returns (it copied the head's whole block into them: the heap after them corrupt, a segfault at the
     next garbage collection). Run in a subprocess, whose crash the test sees."""
@@ -156,7 +156,8 @@ gc.collect()
 a, i, lp = drafts[-1]
 print(json.dumps([int(a), i.tolist(), lp.tolist()]))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    # (from outside the checkout, whose source tree would shadow an installed pydflash)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     a, i, lp = json.loads(out.stdout.strip().splitlines()[-1])
     assert a == anchor and np.array(i).shape == (1, 5) and (np.array(i) == ids).all()
