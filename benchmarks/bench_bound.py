@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tools"))
 
+from bench_moe import pairs_of as moe_pairs  # noqa: E402
 from bench_proposers import mtp_pairs  # noqa: E402
 from bench_tree import cost_realistic_pairs  # noqa: E402
 from export_pairs import PAIRS_DIR, pair_file, prompt_rows  # noqa: E402
@@ -209,22 +210,23 @@ def print_bound(name: str, costs: dict[int, float], drafting: str, rates: dict[s
 
 
 def targets_of(arch: str, proposer: str, cache: Path) -> list[dict]:
-    """the cost-realistic targets a proposer of `arch` drafts for"""
+    """the cost-realistic targets a proposer of `arch` drafts for (none: an MTP head on an arch without one)"""
     if proposer == "mtp":
         return mtp_pairs(cache, [arch])
-    if arch in MOE:  # (the MoE pairs are committed in q8_0 only)
-        return cost_realistic_pairs(cache, [arch], ("q4mix",), source="q8_0", label="0.3B active")
+    if arch in MOE:
+        return moe_pairs(("realistic",), ("q4mix",), cache, archs=[arch])
     return cost_realistic_pairs(cache, [arch])
 
 
 def bound(arch: str, proposer: str, prompts: list[str], args) -> None:
+    targets = targets_of(arch, proposer, args.cache_dir)
+    if not targets:
+        return
     if proposer == "mtp":
-        if arch not in ("qwen35", "qwen35moe"):
-            return
         hist = head_histories(arch, prompts, args.max_tokens, args.threads)
     else:
         hist, draft_ms = drafter_histories(arch, proposer, prompts, args.max_tokens, args.threads)
-    for pair in targets_of(arch, proposer, args.cache_dir):
+    for pair in targets:
         costs = verify_costs(pair["target"], args.threads, context=200)
         if proposer == "mtp":
             prompt = pydflash.Tokenizer.from_gguf(pair["target"]).tokenize(prompts[0], add_special=False)
