@@ -421,6 +421,10 @@ static void register_functions(py::module_ & m) {
         const graph_counts c = graph_counters();
         return py::dict(py::arg("builds") = c.builds, py::arg("placements") = c.placements);
     }, "Graphs built and made resident so far, process-wide (every session's and drafter's).");
+    m.def("kept_graph_memory", [] {
+        const kept_graphs k = kept_graph_memory();
+        return py::dict(py::arg("graphs") = k.graphs, py::arg("bytes") = k.bytes);
+    }, "Graphs built and kept now, process-wide, and the host bytes their metadata holds (core/graph_cache.h).");
     m.def("trace_rounds", [](bool on) { set_round_tracing(on); }, py::arg("on"),
           "Record every decode round from now on (decode/round_trace.h); traced_rounds() hands them over.");
     m.def("traced_rounds", [] {

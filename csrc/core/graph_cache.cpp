@@ -7,9 +7,22 @@
 namespace pdf {
 
 static std::atomic<uint64_t> n_builds{0}, n_placements{0};
+static std::atomic<int64_t>  n_kept_graphs{0}, n_kept_bytes{0};
 
 graph_counts graph_counters() {
     return {n_builds.load(), n_placements.load()};
+}
+
+kept_graphs kept_graph_memory() {
+    return {n_kept_graphs.load(), n_kept_bytes.load()};
+}
+
+void graph_cache::count_kept() {
+    // capacities, not sizes: a place rebuilt for a smaller graph keeps the larger one's allocation
+    const size_t now = built_ ? meta_.capacity() + sources_.capacity() * sizeof(ggml_tensor *) : 0;
+    n_kept_graphs += (now > 0) - (counted_bytes_ > 0);
+    n_kept_bytes += (int64_t) now - (int64_t) counted_bytes_;
+    counted_bytes_ = now;
 }
 
 graph_arena::graph_arena(const compute_backends & compute) : compute_(compute) {}
@@ -70,6 +83,8 @@ graph_cache::~graph_cache() {
     if (ctx_) {
         ggml_free(ctx_);
     }
+    built_ = false;
+    count_kept();
 }
 
 ggml_context * graph_cache::begin(size_t n_nodes) {
@@ -89,6 +104,7 @@ ggml_context * graph_cache::begin(size_t n_nodes) {
     ctx_                    = ggml_init(params);
     gf_                     = ggml_new_graph_custom(ctx_, n_nodes, false);
     built_                  = true;
+    count_kept();
     return ctx_;
 }
 
@@ -108,6 +124,7 @@ void graph_cache::reset_sources() {
         for (int i = 0; i < n; ++i) {
             std::copy_n(ggml_graph_node(gf_, i)->src, GGML_MAX_SRC, sources_.begin() + (size_t) i * GGML_MAX_SRC);
         }
+        count_kept();
         return;
     }
     GGML_ASSERT(sources_.size() == (size_t) n * GGML_MAX_SRC);

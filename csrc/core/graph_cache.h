@@ -91,6 +91,9 @@ class graph_cache {
     bool                 built_ = false;
     // every node's sources as built (n_nodes x GGML_MAX_SRC), empty until the first allocation
     std::vector<ggml_tensor *> sources_;
+    // what this graph adds to kept_graph_memory() now (updated by count_kept())
+    size_t counted_bytes_ = 0;
+    void   count_kept();
 };
 
 // The kept entry (T with a graph_cache, keys and a last_use) built for `keys`, now last used at `use`; nullptr:
@@ -134,6 +137,15 @@ struct graph_counts {
     uint64_t placements = 0;
 };
 graph_counts graph_counters();
+
+// host memory the graphs built and kept hold, process-wide: their nodes' metadata (~270 KiB for a 0.6B model's
+// verify graph) and saved sources. Bounded by each owner's number of kept graphs, it grows as new shapes meet
+// empty places in those caches (resident-memory soaks read it beside the compute buffers)
+struct kept_graphs {
+    int64_t graphs = 0;
+    int64_t bytes  = 0;
+};
+kept_graphs kept_graph_memory();
 
 // copies `size` bytes into graph input t at `offset` once its graph is resident; an input the graph does not
 // read (positions and masks of a model with no attention layer) got no buffer and is skipped
