@@ -5,7 +5,7 @@ auto over the head with the others ("all auto": the drafter, the lookup and the 
 drafting with the models whose rounds pay; its notes give the share of rounds each drafted in), on the same GGUFs,
 machine and prompts.
 
-Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix,
+Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix, or with --quants q8_0 too,
 with the committed q8_0 drafter), with --pairs mtp the committed qwen35 and qwen35moe targets with their trained MTP heads
 inflated the same way (the head kept last; the pair's drafter drafts for it too), and with --pairs tiny the committed q8_0 pairs.
 Workloads:
@@ -20,6 +20,7 @@ Columns as bench_tree's, the ratio to llama.cpp's best row of the pair and workl
 
     python benchmarks/bench_proposers.py                          # cost-realistic pairs, 6 prompts x 96 tokens
     python benchmarks/bench_proposers.py --pairs tiny --skip-peer
+    python benchmarks/bench_proposers.py --quants q8_0 --engines "ngram auto"   # q8_0 targets, n-gram only
     python benchmarks/bench_proposers.py --pairs mtp --workloads code
     python benchmarks/bench_proposers.py --pairs mtp --archs qwen35moe --workloads code
 """
@@ -147,6 +148,7 @@ def main() -> None:
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                     help="layers on the GPU, ours and llama.cpp's (-1: all)")
     ap.add_argument("--cache-dir", type=Path, default=bench_tree.ROOT / "build" / "inflated")
+    ap.add_argument("--quants", default="q4mix", help="the realistic pairs' target quantizations: q4mix, q8_0 or both")
     ap.add_argument("--skip-peer", action="store_true", help="pydflash rows only")
     ap.add_argument("--workloads", default="code,repeat")
     ap.add_argument("--engines", default=None, help="comma-separated labels of ours to run (default: all; plain "
@@ -156,7 +158,8 @@ def main() -> None:
     args = ap.parse_args()
     chosen = lambda label: label == "plain" or args.engines is None or label in args.engines.split(",")  # noqa: E731
     archs, kinds = args.archs.split(","), args.pairs.split(",")
-    pairs = (bench_tree.cost_realistic_pairs(args.cache_dir, archs, kinds=("q4mix",)) if "realistic" in kinds
+    pairs = (bench_tree.cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.quants.split(",")))
+             if "realistic" in kinds
              else []) + ([{"name": f"{a} q8_0 (tiny)", "arch": a, "target": pair_file(a, "target", "q8_0"),
                            "draft": pair_file(a, "dflash", "q8_0")} for a in archs] if "tiny" in kinds else []) + \
         (mtp_pairs(args.cache_dir, archs) if "mtp" in kinds else [])

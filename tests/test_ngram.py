@@ -113,3 +113,43 @@ def test_drafter_and_lookup_in_one_tree_is_lossless(kind):
         lookup = m._session.generate(m.tokenize(prompts[0]), max_tokens=64, stop_tokens=[], ngram=m._ngram,
                                      spec_mode="chain")
         assert lookup["tokens"] == greedy[0] and lookup["timings"]["draft_n_accepted"] > 0
+
+
+@pytest.mark.parametrize("tokens,expected", [
+    ([4, 9, 9, 2], 9),
+    ([5, 7, 7, 5, 1], 7),  # a tie: the earliest to reach the count
+    ([3], 3),
+    ([], -1),
+])
+def test_the_guess_where_nothing_matches_is_the_most_frequent_token(tokens, expected):
+    assert _core.ngram_guess(tokens) == expected
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+@pytest.mark.parametrize("one_row_ms,two_rows_ms,first_width", [(20.0, 10.0, 2), (10.0, 20.0, 1)])
+def test_auto_verifies_a_guess_where_nothing_matches_when_two_rows_cost_less(kind, one_row_ms, two_rows_ms,
+                                                                           first_width):
+    """A round whose context holds no earlier occurrence of its anchor: auto verifies a guess (the context's most
+    frequent token) when a 2-row evaluation is measured to cost less than a plain step (ggml's CPU Q8_0 kernels on
+    one row, 18-21 ms against 10-13 ms for two on a 0.3B target) and decodes plainly when it costs more; the
+    output is plain decoding's either way."""
+    target = pair_file(kind, "target", "q8_0")
+    text = "def area(radius):\n    return"
+    with pydflash.Model(target, n_ctx=512) as plain:
+        prompt = plain.tokenize(text)
+        assert prompt[-1] not in prompt[:-1]  # the first round finds no match
+        greedy = plain.generate(text, max_tokens=24).tokens
+        sampled = plain.generate(text, max_tokens=24, temperature=0.8, seed=7).tokens
+    with pydflash.Model(target, n_ctx=512, proposers=("ngram",), spec_mode="auto") as m:
+        m._ngram.restore_costs({1: one_row_ms, 2: two_rows_ms, 4: 22.0, 8: 24.0, 16: 30.0}, {})
+        _core.traced_rounds()
+        _core.trace_rounds(True)
+        try:
+            c = m.generate(text, max_tokens=24)
+            rounds = _core.traced_rounds()
+            m._ngram.restore_costs({1: one_row_ms, 2: two_rows_ms, 4: 22.0, 8: 24.0, 16: 30.0}, {})
+            assert m.generate(text, max_tokens=24, temperature=0.8, seed=7).tokens == sampled
+        finally:
+            _core.trace_rounds(False)
+    assert c.tokens == greedy
+    assert rounds[0]["width"] == first_width and rounds[0]["drafted"], rounds[0]  # (drafted: the guess, cut or not)

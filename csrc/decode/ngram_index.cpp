@@ -39,6 +39,8 @@ void ngram_index::sync(const std::vector<int32_t> & tokens) {
         for (auto & m : ends_) {
             m.clear();
         }
+        counts_.clear();
+        most_frequent_ = -1;
     }
     extend(tokens);
 }
@@ -47,6 +49,10 @@ void ngram_index::extend(const std::vector<int32_t> & tokens) {
     for (size_t i = seq_.size(); i < tokens.size(); ++i) {
         seq_.push_back(tokens[i]);
         add_ends_at(i);
+        const int n = ++counts_[tokens[i]];
+        if (most_frequent_ < 0 || n > counts_[most_frequent_]) {
+            most_frequent_ = tokens[i];
+        }
     }
 }
 

@@ -4,7 +4,8 @@
 //   tree   the distinct continuations merged into one tree (their shared prefixes once), up to tree_budget nodes
 //   auto   the tree cut where verifying more would cost more than it is expected to commit: each node's
 //          acceptance learnt by (depth, rank, match length), each verify width's time measured
-// A round without a match decodes plainly; only rounds that verify drafts are counted as speculative.
+// A round without a match decodes plainly, or in auto verifies a guess (the context's most frequent token) when
+// a 2-row step is measured to pay for it; only rounds that verify drafts are counted as speculative.
 #pragma once
 
 #include "decode/ngram_index.h"
@@ -53,8 +54,8 @@ class ngram_proposer : public proposer {
 // (the acceptance model's bin: ngram_prior); rank: its place among its siblings
 void build_ngram_tree(const std::vector<ngram_candidate> & candidates, int32_t anchor, int budget, draft_tree & out);
 
-// the prior probability that the target accepts a continuation token of a match of n tokens (the acceptance
-// model's bin, and its prior until rounds teach it otherwise)
+// the prior probability that the target accepts a continuation token of a match of n tokens (0: a guess with no
+// match; the acceptance model's bin, and its prior until rounds teach it otherwise)
 double ngram_prior(int match_len);
 
 }  // namespace pdf
