@@ -40,7 +40,7 @@ class ngram_index {
     std::vector<ngram_candidate> candidates(int32_t anchor, int max_depth) const;
     // the token the covered ones hold most often (the earliest to reach that count); -1: none covered. A guess
     // for a round with no match: right 2-3% of the time on code, and a 2-row evaluation can cost less than a
-    // 1-row one (ggml's CPU Q8_0/Q5_0 kernels on one row: 18-21 ms against 10-13 ms for two, 0.3B, Zen 5)
+    // 1-row one (ggml's CPU kernels on the benchmarks' inflated Q8_0 targets: 20 ms against 12.7 for two)
     int32_t                      most_frequent() const { return most_frequent_; }
 
   private:

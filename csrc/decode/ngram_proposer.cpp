@@ -59,7 +59,7 @@ void ngram_proposer::propose(int32_t anchor, int, int max_depth, int max_nodes, 
     std::vector<ngram_candidate> found = index_.candidates(anchor, max_depth);
     if (found.empty() && automatic && index_.most_frequent() >= 0) {
         // no match: auto verifies a guess where a 2-row step costs (nearly) no more than a plain one, which is
-        // what its cost model measures (on ggml's CPU kernels for Q8_0 and Q5_0 a 1-row step is the slower)
+        // what its cost model measures (some targets' 1-row steps are the slower on ggml's CPU kernels)
         found.push_back({{index_.most_frequent()}, 0});
     }
     if (found.empty()) {
