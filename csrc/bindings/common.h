@@ -88,6 +88,21 @@ using acceptance_counts = std::pair<std::vector<double>, std::vector<double>>;
 void     restore_costs(speculation_state & st, const std::map<int, double> & chain, const std::map<int, double> & tree,
                        int64_t cool_len, const std::optional<acceptance_counts> & acceptance);
 
+// costs() and restore_costs() on a proposer's binding class T: state_of(const T &) its speculation_state &,
+// block_of(const T &) its block size (DraftSession documents both in full; MtpDrafter and NgramDrafter refer to it)
+template <class T, class StateOf, class BlockOf>
+void def_cost_model(py::class_<T> & cls, StateOf state_of, BlockOf block_of, const char * costs_doc,
+                    const char * restore_doc) {
+    cls.def("costs", [=](const T & o) { return costs_dict(state_of(o), block_of(o)); }, costs_doc)
+        .def("restore_costs",
+             [=](T & o, const std::map<int, double> & chain, const std::map<int, double> & tree, int64_t cool_len,
+                 const std::optional<acceptance_counts> & acceptance) {
+                 restore_costs(state_of(o), chain, tree, cool_len, acceptance);
+             },
+             py::arg("verify_ms"), py::arg("tree_verify_ms"), py::arg("cool_len") = 0,
+             py::arg("acceptance") = py::none(), restore_doc);
+}
+
 // Integer arguments arrive as int64 (pybind refuses floats and None with a TypeError) and are range-checked
 // here, naming the parameter, before they are narrowed.
 int64_t checked(const char * name, int64_t v, int64_t lo, int64_t hi);

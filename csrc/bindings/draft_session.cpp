@@ -129,21 +129,16 @@ void register_draft_session(py::module_ & m) {
         .def_property_readonly("tree_budget", [](const py_draft & d) { return d.spec.tree_budget; })
         .def("forget", [](py_draft & d) { d.session->truncate(0); },
              "Drop every context row: the target went on without this draft (plain decoding), so the rows no "
-             "longer follow its history and a later prompt must not reuse them.")
-        .def("costs", [](const py_draft & d) { return costs_dict(*d.state, d.session->block()); },
-             "The speculation cost model: measured verify times per width, draft time, rates (tokens/ms), and the "
-             "acceptance of the drafter's first choice by depth when it gives it probability 0.5-0.6.")
-        .def("restore_costs", [](py_draft & d, const std::map<int, double> & chain, const std::map<int, double> & tree,
-                                 int64_t cool_len, const std::optional<acceptance_counts> & acceptance) {
-                restore_costs(*d.state, chain, tree, cool_len, acceptance);
-            },
-             py::arg("verify_ms"), py::arg("tree_verify_ms"),
-             py::arg("cool_len") = 0, py::arg("acceptance") = py::none(),
-             "Verify times (ms by grid width) measured earlier, as costs()['measured'] gave them, auto's "
-             "cool-down length then (costs()['cool_len']; speculation not paying): it decodes plainly that many "
-             "rounds before it next drafts; and what the target accepted then (costs()['acceptance'], (tried, "
-             "accepted) counts: ValueError for counts of another shape), each cell's rate kept at the weight of a "
-             "few dozen trials.");
+             "longer follow its history and a later prompt must not reuse them.");
+    def_cost_model(
+        cls, [](const py_draft & d) -> speculation_state & { return *d.state; },
+        [](const py_draft & d) { return d.session->block(); },
+        "The speculation cost model: measured verify times per width, draft time, rates (tokens/ms), and the "
+        "acceptance of the drafter's first choice by depth when it gives it probability 0.5-0.6.",
+        "Verify times (ms by grid width) measured earlier, as costs()['measured'] gave them, auto's cool-down "
+        "length then (costs()['cool_len']; speculation not paying): it decodes plainly that many rounds before it "
+        "next drafts; and what the target accepted then (costs()['acceptance'], (tried, accepted) counts: "
+        "ValueError for counts of another shape), each cell's rate kept at the weight of a few dozen trials.");
     register_memory(cls);
 }
 

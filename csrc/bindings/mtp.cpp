@@ -65,8 +65,14 @@ static py::tuple draft_after(py_mtp & m, session & s, py::object prompt_in, int6
 }
 
 void register_mtp(py::module_ & m) {
-    py::class_<py_mtp>(m, "MtpDrafter")
-        .def(py::init(&make_mtp), py::arg("session"), py::arg("block_size") = 4, py::arg("spec_mode") = "auto",
+    py::class_<py_mtp> cls(m, "MtpDrafter");
+    def_cost_model(
+        cls, [](const py_mtp & g) -> speculation_state & { return *g.state; },
+        [](const py_mtp & g) { return g.head->block(); },
+        "The speculation cost model, as DraftSession.costs() (the head's first choice by depth).",
+        "Verify times, auto's cool-down length and the acceptance counts measured earlier, as "
+        "DraftSession.restore_costs().");
+    cls.def(py::init(&make_mtp), py::arg("session"), py::arg("block_size") = 4, py::arg("spec_mode") = "auto",
              py::arg("tree_budget") = 0, py::arg("top_k") = 0, py::arg("max_verify") = 0,
              "The target's own multi-token-prediction head (a GGUF with nextn blocks) drafting for `session`: a "
              "chain of at most block_size - 1 tokens per round (spec_mode 'chain'), a best-first tree of its top_k "
@@ -81,16 +87,6 @@ void register_mtp(py::module_ & m) {
         .def_property_readonly("kv_memory", [](const py_mtp & g) { return as_pair(g.head->kv_memory()); })
         .def_property_readonly("ring_memory", [](const py_mtp & g) { return as_pair(g.head->ring_memory()); })
         .def_property_readonly("compute_memory", [](const py_mtp & g) { return as_pair(g.head->compute_memory()); })
-        .def("costs", [](const py_mtp & g) { return costs_dict(*g.state, g.head->block()); },
-             "The speculation cost model, as DraftSession.costs() (the head's first choice by depth).")
-        .def("restore_costs", [](py_mtp & g, const std::map<int, double> & chain, const std::map<int, double> & tree,
-                                 int64_t cool_len, const std::optional<acceptance_counts> & acceptance) {
-                restore_costs(*g.state, chain, tree, cool_len, acceptance);
-            },
-             py::arg("verify_ms"), py::arg("tree_verify_ms"), py::arg("cool_len") = 0,
-             py::arg("acceptance") = py::none(),
-             "Verify times, auto's cool-down length and the acceptance counts measured earlier, as "
-             "DraftSession.restore_costs().")
         .def("measure_compute", [](py_mtp & g, int64_t n_kv) {
                  return g.head->measure((int) checked("n_kv", n_kv, 1, INT32_MAX));
              }, py::arg("n_kv"),

@@ -42,8 +42,15 @@ static int32_t most_frequent(const std::vector<int32_t> & tokens) {
 }
 
 void register_ngram(py::module_ & m) {
-    py::class_<py_ngram>(m, "NgramDrafter")
-        .def(py::init(&make_ngram), py::arg("block_size") = NGRAM_DEFAULT_BLOCK, py::arg("spec_mode") = "auto",
+    py::class_<py_ngram> cls(m, "NgramDrafter");
+    def_cost_model(
+        cls, [](const py_ngram & g) -> speculation_state & { return *g.state; },
+        [](const py_ngram & g) { return g.block; },
+        "The speculation cost model, as DraftSession.costs() (a node's probability: its match length's prior, "
+        "ngram_prior).",
+        "Verify times, auto's cool-down length and the acceptance counts measured earlier, as "
+        "DraftSession.restore_costs().");
+    cls.def(py::init(&make_ngram), py::arg("block_size") = NGRAM_DEFAULT_BLOCK, py::arg("spec_mode") = "auto",
              py::arg("tree_budget") = 0, py::arg("n_min") = ngram_params{}.n_min,
              py::arg("n_max") = ngram_params{}.n_max, py::arg("max_candidates") = ngram_params{}.max_candidates,
              "Drafts what followed earlier occurrences of the context's last n tokens (n_max down to n_min), at "
@@ -54,18 +61,7 @@ void register_ngram(py::module_ & m) {
         .def_property_readonly("spec_mode", [](const py_ngram & g) {
             return g.spec.mode == spec_mode::chain ? "chain" : g.spec.mode == spec_mode::tree ? "tree" : "auto";
         })
-        .def_property_readonly("tree_budget", [](const py_ngram & g) { return g.spec.tree_budget; })
-        .def("costs", [](const py_ngram & g) { return costs_dict(*g.state, g.block); },
-             "The speculation cost model, as DraftSession.costs() (a node's probability: its match length's "
-             "prior, ngram_prior).")
-        .def("restore_costs", [](py_ngram & g, const std::map<int, double> & chain, const std::map<int, double> & tree,
-                                 int64_t cool_len, const std::optional<acceptance_counts> & acceptance) {
-                restore_costs(*g.state, chain, tree, cool_len, acceptance);
-            },
-             py::arg("verify_ms"), py::arg("tree_verify_ms"), py::arg("cool_len") = 0,
-             py::arg("acceptance") = py::none(),
-             "Verify times, auto's cool-down length and the acceptance counts measured earlier, as "
-             "DraftSession.restore_costs().");
+        .def_property_readonly("tree_budget", [](const py_ngram & g) { return g.spec.tree_budget; });
     m.def("ngram_candidates", &candidates, py::arg("tokens"), py::arg("anchor"), py::arg("max_depth"),
           py::arg("n_min") = ngram_params{}.n_min, py::arg("n_max") = ngram_params{}.n_max,
           py::arg("max_candidates") = ngram_params{}.max_candidates,
