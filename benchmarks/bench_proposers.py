@@ -5,8 +5,8 @@ auto over the head with the others ("all auto": the drafter, the lookup and the 
 drafting with the models whose rounds pay; its notes give the share of rounds each drafted in), on the same GGUFs,
 machine and prompts.
 
-Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix, or with --quants q8_0 too,
-with the committed q8_0 drafter), with --pairs mtp the committed qwen35 and qwen35moe targets with their trained MTP heads
+Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix
+or, with --quants, q8_0 too, with the committed q8_0 drafter), with --pairs mtp the committed qwen35 and qwen35moe targets with their trained MTP heads
 inflated the same way (the head kept last; the pair's drafter drafts for it too), and with --pairs tiny the committed q8_0 pairs.
 Workloads:
 - code: the held-out code prompts, continued;

@@ -136,9 +136,9 @@ def test_auto_verifies_a_guess_where_nothing_matches_when_two_rows_cost_less(kin
     target = pair_file(kind, "target", "q8_0")
     text = "def area(radius):\n    return"
     with pydflash.Model(target, n_ctx=512) as plain:
-        prompt = plain.tokenize(text)
-        assert prompt[-1] not in prompt[:-1]  # the first round finds no match
+        prompt = list(plain.tokenize(text))
         greedy = plain.generate(text, max_tokens=24).tokens
+        assert greedy[0] not in prompt  # the first round's anchor: the lookup finds no match
         sampled = plain.generate(text, max_tokens=24, temperature=0.8, seed=7).tokens
     with pydflash.Model(target, n_ctx=512, proposers=("ngram",), spec_mode="auto") as m:
         m._ngram.restore_costs({1: one_row_ms, 2: two_rows_ms, 4: 22.0, 8: 24.0, 16: 30.0}, {})

@@ -138,8 +138,8 @@ struct graph_counts {
 };
 graph_counts graph_counters();
 
-// host memory the graphs built and kept hold, process-wide: their nodes' metadata (~270 KiB for a 0.6B model's
-// verify graph) and saved sources. Bounded by each owner's number of kept graphs, it grows as new shapes meet
+// host memory the graphs built and kept hold, process-wide: their nodes' metadata (160-270 KiB a graph for the
+// tiny test pairs) and saved sources. Bounded by each owner's number of kept graphs, it grows as new shapes meet
 // empty places in those caches (resident-memory soaks read it beside the compute buffers)
 struct kept_graphs {
     int64_t graphs = 0;
