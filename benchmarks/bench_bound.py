@@ -24,6 +24,7 @@ choice of chain length on this machine where the oracle chain's ratio is below r
 
     python benchmarks/bench_bound.py             # qwen3 and qwen35 with DFlash, q8_0 and q4mix, 8 prompts x 96 tokens
     python benchmarks/bench_bound.py --archs qwen35,qwen35moe --proposers dflash2,mtp
+    python benchmarks/bench_bound.py --archs qwen35,qwen35moe --proposers dflash,dflash2,mtp -ngl -1  # on a GPU
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ DEPTH = 15  # positions proposed per round (a DFlash block of 16; the head's blo
 MOE = ("qwen3moe", "qwen35moe")
 
 
-def verify_costs(target: Path, threads: int, context: int) -> dict[int, float]:
+def verify_costs(target: Path, threads: int, context: int, ngl: int = 0) -> dict[int, float]:
     """ms of one evaluation of w tokens after `context` committed ones, reading every row's greedy pick as the
-    decode loop's verify does (fastest of 5, each after a warm run)."""
-    model = _core.Model(str(target), n_threads=threads)
+    decode loop's verify does (fastest of 5, each after a warm run); ngl: layers on the GPU"""
+    model = _core.Model(str(target), n_threads=threads, n_gpu_layers=ngl)
     s = _core.Session(model, n_ctx=context + 128, n_rollback=64)
     s.eval(np.arange(1, context + 1, dtype=np.int32) % 1000, all_logits=False)
     s.commit(context)
@@ -73,10 +74,10 @@ def verify_costs(target: Path, threads: int, context: int) -> dict[int, float]:
     return costs
 
 
-def head_step_ms(target: Path, prompt: list[int], threads: int) -> float:
+def head_step_ms(target: Path, prompt: list[int], threads: int, ngl: int = 0) -> float:
     """ms of the target's MTP head per token it drafts, as the decode loop drafts (its rows for the tokens a round
     accepted appended too): a greedy generation with chains of 7 drafts (the second of two)"""
-    model = _core.Model(str(target), n_threads=threads)
+    model = _core.Model(str(target), n_threads=threads, n_gpu_layers=ngl)
     s = _core.Session(model, n_ctx=2048)
     head = _core.MtpDrafter(s, block_size=8, spec_mode="chain")
     for _ in range(2):
@@ -110,11 +111,11 @@ def greedy_sequences(target: Path, prompts: list[str], max_tokens: int, model) -
     return out
 
 
-def drafter_histories(arch: str, role: str, prompts: list[str], max_tokens: int, threads: int):
+def drafter_histories(arch: str, role: str, prompts: list[str], max_tokens: int, threads: int, ngl: int = 0):
     """per prompt: the greedy continuation and, at each of its positions, the drafter's top-8 ids [15, 8]; and the
-    median ms of a draft"""
+    median ms of a draft (ngl: the layers on the GPU, the drafter with them)"""
     target = pair_file(arch, "target", "q8_0")
-    model = _core.Model(str(target), n_threads=threads)
+    model = _core.Model(str(target), n_threads=threads, n_gpu_layers=ngl)
     draft_ms, out = [], []
     for ids, greedy in greedy_sequences(target, prompts, max_tokens, model):
         seq = ids + greedy
@@ -133,12 +134,12 @@ def drafter_histories(arch: str, role: str, prompts: list[str], max_tokens: int,
     return out, float(np.median(draft_ms))
 
 
-def head_histories(arch: str, prompts: list[str], max_tokens: int, threads: int):
+def head_histories(arch: str, prompts: list[str], max_tokens: int, threads: int, ngl: int = 0):
     """per prompt: the greedy continuation and, at each of its positions, the MTP head's greedy chain of 15 drafts
     after the target's token there ([15, 1]), as the decode loop drafts it after a verify (the head's cache holds
     its rows for every committed position)"""
     target = pair_file(arch, "target-mtp", "q8_0")
-    model = _core.Model(str(target), n_threads=threads)
+    model = _core.Model(str(target), n_threads=threads, n_gpu_layers=ngl)
     out, parted = [], 0
     for ids, greedy in greedy_sequences(target, prompts, max_tokens, model):
         seq = ids + greedy
@@ -223,14 +224,14 @@ def bound(arch: str, proposer: str, prompts: list[str], args) -> None:
     if not targets:
         return
     if proposer == "mtp":
-        hist = head_histories(arch, prompts, args.max_tokens, args.threads)
+        hist = head_histories(arch, prompts, args.max_tokens, args.threads, args.n_gpu_layers)
     else:
-        hist, draft_ms = drafter_histories(arch, proposer, prompts, args.max_tokens, args.threads)
+        hist, draft_ms = drafter_histories(arch, proposer, prompts, args.max_tokens, args.threads, args.n_gpu_layers)
     for pair in targets:
-        costs = verify_costs(pair["target"], args.threads, context=200)
+        costs = verify_costs(pair["target"], args.threads, context=200, ngl=args.n_gpu_layers)
         if proposer == "mtp":
             prompt = pydflash.Tokenizer.from_gguf(pair["target"]).tokenize(prompts[0], add_special=False)
-            step = head_step_ms(pair["target"], prompt, args.threads)
+            step = head_step_ms(pair["target"], prompt, args.threads, args.n_gpu_layers)
             rates = {label: replay(hist, p) for label, p in policies(costs, lambda k: k * step, False).items()}
             drafting = f"a head step {step:.2f} ms"
         else:
@@ -247,11 +248,14 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                    help="layers on the GPU for every timing and history (-1: all)")
     ap.add_argument("--cache-dir", type=Path, default=HERE.parent / "build" / "inflated")
     args = ap.parse_args()
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
-    print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens, {args.threads} threads; tok/s of each "
-          f"policy replayed with measured verify and draft times")
+    print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens, {args.threads} threads"
+          + (f", {args.n_gpu_layers} layers on the GPU" if args.n_gpu_layers else "")
+          + "; tok/s of each policy replayed with measured verify and draft times")
     for arch in args.archs.split(","):
         for proposer in args.proposers.split(","):
             bound(arch, proposer, prompts, args)
