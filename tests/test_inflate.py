@@ -38,14 +38,21 @@ WIDENED = {"qwen3": {"ffn_down": ("feed_forward_length", 1024)},
 
 @pytest.mark.parametrize("arch,shape", [("qwen3", "gqa4x2_hd64"), ("qwen35", "k2v4_hd32"), ("qwen3moe", "x5k2_tied"),
                                         ("qwen35moe", "x8k4")])
-def test_inflated_model_computes_the_original_function(tmp_path, arch, shape):
+@pytest.mark.parametrize("copies", [1, 3], ids=["width_kept", "width_x3"])
+def test_inflated_model_computes_the_original_function(tmp_path, arch, shape, copies):
     hf = MAKERS[arch](tmp_path / "hf", shape, seed=4)
     small = convert_hf_to_gguf(hf, tmp_path / "small.gguf", outtype="f32", progress=False)
+    n_embd = int(gguf.GGUFReader(small).fields[f"{arch}.embedding_length"].contents())
     big = inflate_gguf(small, tmp_path / "big.gguf", "f32", n_ff=1024, n_ff_exp=256, n_ff_shexp=192, extra_layers=5,
-                       progress=False)
+                       n_embd=copies * n_embd, progress=False)
     reader = gguf.GGUFReader(big)
     n_layer = int(reader.fields[f"{arch}.block_count"].contents())
     names = {t.name: t for t in reader.tensors}
+    assert int(reader.fields[f"{arch}.embedding_length"].contents()) == copies * n_embd
+    assert names["token_embd.weight"].shape[0] == copies * n_embd
+    if copies > 1:  # the stream's copies: the appended layers' attention reads the first one only
+        assert names[f"blk.{n_layer - 1}.attn_norm.weight"].shape[0] == copies * n_embd
+        assert "output.weight" in names  # (a tied head would read every copy)
     last = f"blk.{n_layer - 1}."
     for down, (key, width) in WIDENED[arch].items():
         assert int(reader.fields[f"{arch}.{key}"].contents()) == width
@@ -91,6 +98,44 @@ def test_inflated_pair_drafts_and_decodes_the_same(tmp_path, kind):
             assert tie_gap(m, m.tokenize(text), a.tokens, b.tokens, k) < TIE, k
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen35"])
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_a_widened_pair_drafts_and_decodes_the_same(tmp_path, kind, drafter):
+    """A target and its drafter both widened to 4x the hidden width (the drafter borrows the target's embedding
+    and LM head, so they widen together; DFlash2's convolutions and selector with them): the same greedy text with
+    the same drafts accepted as the committed f32 pair. (The qwen3 target's LM head is tied to its embedding.)"""
+    target = inflate_gguf(pair_file(kind, "target", "f32"), tmp_path / "t.gguf", "f32", n_ff=1024, extra_layers=2,
+                          n_embd=768, progress=False)
+    draft = inflate_gguf(pair_file(kind, drafter, "f32"), tmp_path / "d.gguf", "f32", n_embd=768, progress=False)
+    r = gguf.GGUFReader(draft)
+    assert int(r.fields["dflash.embedding_length"].contents()) == 768
+    assert {t.name: t.shape[0] for t in r.tensors}["fc.weight"] == 3 * 768  # three captured target layers
+    texts = [r["text"] for r in prompt_rows("code")[:2]]
+    runs = {}
+    for name, pair in (("small", (pair_file(kind, "target", "f32"), pair_file(kind, drafter, "f32"))),
+                       ("wide", (target, draft))):
+        with pydflash.Model(pair[0], draft_model_path=pair[1], n_ctx=512, spec_mode="chain") as m:
+            runs[name] = [m.generate(t, max_tokens=40) for t in texts]
+    for a, b in zip(runs["small"], runs["wide"]):
+        assert a.tokens == b.tokens
+        assert a.timings["draft_n_accepted"] == b.timings["draft_n_accepted"] > 0
+
+
+def test_a_drafter_widens_alone_and_the_width_by_whole_copies(tmp_path):
+    with pytest.raises(ConversionError, match="a DFlash drafter takes no appended layers"):
+        inflate_gguf(pair_file("qwen3", "dflash", "f32"), tmp_path / "x.gguf", "f32", extra_layers=2,
+                     progress=False)
+    with pytest.raises(ConversionError, match="n_embd = 512 is not a multiple of the model's hidden width 192"):
+        inflate_gguf(pair_file("qwen3", "target", "f32"), tmp_path / "x.gguf", "f32", n_embd=512, progress=False)
+    with pytest.raises(ConversionError, match="n_embd = 96 is not a multiple of the model's hidden width 192"):
+        inflate_gguf(pair_file("qwen3", "dflash", "f32"), tmp_path / "x.gguf", "f32", n_embd=96, progress=False)
+    small = convert_hf_to_gguf(make_qwen35_shape(tmp_path / "hf", "k1v3_tied_mtp", seed=1), tmp_path / "s.gguf",
+                               outtype="f32", progress=False)  # hidden width 48
+    with pytest.raises(ConversionError, match="n_embd = 144 is not a multiple of 32"):
+        inflate_gguf(small, tmp_path / "x.gguf", "q8_0", n_embd=144, progress=False)
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.partial").exists()
+
+
 def test_inflate_refuses_what_it_cannot_keep(tmp_path):
     with pytest.raises(ConversionError, match="n_ff = 16 is smaller than the model's 512"):
         inflate_gguf(pair_file("qwen3", "target", "f32"), tmp_path / "x.gguf", "q8_0", n_ff=16, progress=False)
@@ -99,8 +144,12 @@ def test_inflate_refuses_what_it_cannot_keep(tmp_path):
     q4 = quantize_gguf(pair_file("qwen3", "target", "f32"), tmp_path / "q4_0.gguf", "q4_0", progress=False)
     with pytest.raises(ConversionError, match="inflation needs an f32/f16/bf16/q8_0 source, got Q4_0"):
         inflate_gguf(q4, tmp_path / "x.gguf", "q8_0", n_ff=1024, progress=False)
-    with pytest.raises(ConversionError, match="expected one of qwen3, qwen35, qwen3moe, qwen35moe"):
-        inflate_gguf(pair_file("qwen3", "dflash", "f32"), tmp_path / "x.gguf", "q8_0", progress=False)
+    other = gguf.GGUFWriter(tmp_path / "llama.gguf", "llama")
+    other.add_block_count(1)
+    other.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    other.write_header_to_file(), other.write_kv_data_to_file(), other.write_tensors_to_file(), other.close()
+    with pytest.raises(ConversionError, match="expected one of qwen3, qwen35, qwen3moe, qwen35moe, dflash"):
+        inflate_gguf(tmp_path / "llama.gguf", tmp_path / "x.gguf", "q8_0", progress=False)
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.partial").exists()
 
 
@@ -117,15 +166,18 @@ def test_a_q8_0_source_keeps_its_blocks(tmp_path):
 
 @pytest.mark.parametrize("maker,shape", [(make_qwen35_shape, "k1v3_tied_mtp"), (make_qwen35moe_shape, "vl_x5k2_mtp")],
                          ids=["qwen35", "qwen35moe"])
-def test_mtp_blocks_stay_last_and_draft_the_same(tmp_path, maker, shape):
-    """A model with an MTP head: the appended layers go before it (renumbered last, its FFN widened), and the head
-    drafts the same tokens with the same log-probabilities as in the original."""
+@pytest.mark.parametrize("copies", [1, 2], ids=["width_kept", "width_x2"])
+def test_mtp_blocks_stay_last_and_draft_the_same(tmp_path, maker, shape, copies):
+    """A model with an MTP head: the appended layers go before it (renumbered last, its FFN widened; its eh_proj
+    reading two streams when the hidden width grows), and the head drafts the same tokens with the same
+    log-probabilities as in the original."""
     d = maker(tmp_path / "hf", shape, seed=2)
     small = convert_hf_to_gguf(d, tmp_path / "small.gguf", outtype="f32", progress=False)
+    arch = gguf.GGUFReader(small).fields["general.architecture"].contents()
+    n_embd = int(gguf.GGUFReader(small).fields[f"{arch}.embedding_length"].contents())
     big = inflate_gguf(small, tmp_path / "big.gguf", "f32", n_ff=1024, n_ff_exp=256, n_ff_shexp=192, extra_layers=2,
-                       progress=False)
+                       n_embd=copies * n_embd, progress=False)
     r = gguf.GGUFReader(big)
-    arch = r.fields["general.architecture"].contents()
     n = int(r.fields[f"{arch}.block_count"].contents())
     assert int(r.fields[f"{arch}.nextn_predict_layers"].contents()) == 1 and n == 4 + 2 + 1
     assert [bool(x) for x in r.fields[f"{arch}.attention.recurrent_layers"].contents()][-3:] == [True, True, False]
