@@ -42,7 +42,7 @@ sys.path.insert(0, str(HERE.parent / "tools"))
 
 from bench_moe import pairs_of as moe_pairs  # noqa: E402
 from bench_proposers import mtp_pairs  # noqa: E402
-from bench_tree import cost_realistic_pairs  # noqa: E402
+from bench_tree import add_width_argument, cost_realistic_pairs, drafter_of  # noqa: E402
 from export_pairs import PAIRS_DIR, pair_file, prompt_rows  # noqa: E402
 
 import pydflash  # noqa: E402
@@ -111,15 +111,14 @@ def greedy_sequences(target: Path, prompts: list[str], max_tokens: int, model) -
     return out
 
 
-def drafter_histories(arch: str, role: str, prompts: list[str], max_tokens: int, threads: int, ngl: int = 0):
+def drafter_histories(target: Path, drafter: Path, prompts: list[str], max_tokens: int, threads: int, ngl: int = 0):
     """per prompt: the greedy continuation and, at each of its positions, the drafter's top-8 ids [15, 8]; and the
     median ms of a draft (ngl: the layers on the GPU, the drafter with them)"""
-    target = pair_file(arch, "target", "q8_0")
     model = _core.Model(str(target), n_threads=threads, n_gpu_layers=ngl)
     draft_ms, out = [], []
     for ids, greedy in greedy_sequences(target, prompts, max_tokens, model):
         seq = ids + greedy
-        ds = _core.DraftSession(model, str(pair_file(arch, role, "q8_0")), n_ctx=2048, top_k=TOP_K)
+        ds = _core.DraftSession(model, str(drafter), n_ctx=2048, top_k=TOP_K)
         _, feats = _core.Session(model, n_ctx=2048).eval(np.array(seq, dtype=np.int32),
                                                          capture_layers=ds.capture_layers)
         feats = np.concatenate(feats, axis=1)
@@ -210,23 +209,29 @@ def print_bound(name: str, costs: dict[int, float], drafting: str, rates: dict[s
         print(f"  {label + ':':30s}{rate:7.1f} tok/s  tau {tau:.2f}  {rate / best:.2f}x")
 
 
-def targets_of(arch: str, proposer: str, cache: Path) -> list[dict]:
+def targets_of(arch: str, proposer: str, cache: Path, n_embd: int | None) -> list[dict]:
     """the cost-realistic targets a proposer of `arch` drafts for (none: an MTP head on an arch without one)"""
     if proposer == "mtp":
-        return mtp_pairs(cache, [arch])
+        return mtp_pairs(cache, [arch], n_embd)
     if arch in MOE:
-        return moe_pairs(("realistic",), ("q4mix",), cache, archs=[arch])
-    return cost_realistic_pairs(cache, [arch])
+        return moe_pairs(("realistic",), ("q4mix",), cache, archs=[arch], n_embd=n_embd)
+    return cost_realistic_pairs(cache, [arch], n_embd=n_embd)
 
 
 def bound(arch: str, proposer: str, prompts: list[str], args) -> None:
-    targets = targets_of(arch, proposer, args.cache_dir)
+    targets = targets_of(arch, proposer, args.cache_dir, args.n_embd)
     if not targets:
         return
     if proposer == "mtp":
         hist = head_histories(arch, prompts, args.max_tokens, args.threads, args.n_gpu_layers)
     else:
-        hist, draft_ms = drafter_histories(arch, proposer, prompts, args.max_tokens, args.threads, args.n_gpu_layers)
+        # the committed pair (the same tokens as the inflated one), or at another width the widened pair, whose
+        # draft costs what the width's does
+        target, drafter = ((pair_file(arch, "target", "q8_0"), pair_file(arch, proposer, "q8_0"))
+                           if args.n_embd is None else
+                           (targets[0]["target"], drafter_of(args.cache_dir, arch, proposer, args.n_embd)))
+        hist, draft_ms = drafter_histories(target, drafter, prompts, args.max_tokens, args.threads,
+                                           args.n_gpu_layers)
     for pair in targets:
         costs = verify_costs(pair["target"], args.threads, context=200, ngl=args.n_gpu_layers)
         if proposer == "mtp":
@@ -251,6 +256,7 @@ def main() -> None:
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                     help="layers on the GPU for every timing and history (-1: all)")
     ap.add_argument("--cache-dir", type=Path, default=HERE.parent / "build" / "inflated")
+    add_width_argument(ap)
     args = ap.parse_args()
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens, {args.threads} threads"

@@ -59,18 +59,19 @@ ENGINES = [("plain", None),
 WIDTHS = (1, 2, 4, 8, 16)
 
 
-def pairs_of(kinds, types, cache: Path, drafter: str = "dflash", archs=ARCHS) -> list[dict]:
+def pairs_of(kinds, types, cache: Path, drafter: str = "dflash", archs=ARCHS, n_embd: int | None = None) -> list[dict]:
     """The cost-realistic MoE pairs (inflated from the committed q8_0 targets: the MoE pairs are committed in q8_0
-    only) and the tiny ones, as bench_tree's pairs, with the committed q8_0 drafter of that kind (dflash or
-    dflash2)."""
+    only; n_embd: at that hidden width) and the tiny ones, as bench_tree's pairs, with the committed q8_0 drafter
+    of that kind (dflash or dflash2), widened as its target."""
     pairs = []
     for arch in archs:
         if "realistic" in kinds:
-            pairs += bench_tree.cost_realistic_pairs(cache, [arch], types, source="q8_0", label="0.3B active")
+            pairs += bench_tree.cost_realistic_pairs(cache, [arch], types, source="q8_0", label="0.3B active",
+                                                     n_embd=n_embd)
         if "tiny" in kinds:
             pairs.append({"name": f"{arch} q8_0 (tiny)", "arch": arch, "target": pair_file(arch, "target", "q8_0")})
     for pair in pairs:
-        pair["draft"] = pair_file(pair["arch"], drafter, "q8_0")
+        pair["draft"] = bench_tree.drafter_of(cache, pair["arch"], drafter, pair.get("n_embd"))
         pair["name"] += f", {drafter} drafter" if drafter != "dflash" else ""
     return pairs
 
@@ -157,6 +158,7 @@ def main() -> None:
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--drafter", default="dflash", choices=("dflash", "dflash2"),
                     help="table 2's committed drafter kind (tests/data/pairs/<arch>-<kind>-q8_0.gguf)")
+    bench_tree.add_width_argument(ap)
     args = ap.parse_args()
     tables = set(args.tables.split(","))
     engines = [e for e in ENGINES if args.engines is None or e[0] == "plain" or e[0] in args.engines.split(",")]
@@ -165,7 +167,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for pair in pairs_of(args.pairs.split(","), args.types.split(","), args.cache_dir,
-                             args.drafter, args.archs.split(",")) if tables & {"1", "2"} else []:
+                             args.drafter, args.archs.split(","), args.n_embd) if tables & {"1", "2"} else []:
             out = results.setdefault(pair["name"], {})
             if "1" in tables:
                 out["experts"] = experts_per_width(pair["target"], prompts, args.max_tokens)

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import peer  # noqa: E402
 from bench_proposers import mtp_pairs  # noqa: E402
-from bench_tree import cost_realistic_pairs, own_cost_caches, tiny_pairs  # noqa: E402
+from bench_tree import add_width_argument, cost_realistic_pairs, own_cost_caches, tiny_pairs  # noqa: E402
 from export_pairs import PAIRS_DIR, prompt_rows  # noqa: E402
 
 import pydflash  # noqa: E402
@@ -300,11 +300,13 @@ def main() -> None:
                          "requests; default 0: a fresh one)")
     ap.add_argument("--decode-only", action="store_true", help="one request per stream, its prompt evaluated "
                     "before the clock starts: decoding's aggregate alone")
+    add_width_argument(ap)
     args = ap.parse_args()
     archs, kinds = args.archs.split(","), args.pairs.split(",")
     pairs = ([p for p in tiny_pairs(archs) if "q8_0" in p["name"]] if "tiny" in kinds else []) + \
-            (cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.kinds.split(",")))
-             if "realistic" in kinds else []) + (mtp_pairs(args.cache_dir, archs) if "mtp" in kinds else [])
+            (cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.kinds.split(",")), n_embd=args.n_embd)
+             if "realistic" in kinds else []) + \
+            (mtp_pairs(args.cache_dir, archs, args.n_embd) if "mtp" in kinds else [])
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
     print(f"{len(prompts)} held-out code prompts x {args.max_tokens} tokens per stream, greedy, "
           f"{args.threads} threads in all" + (" (decoding only: one request per stream, its prompt cached)"

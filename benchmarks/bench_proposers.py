@@ -122,19 +122,16 @@ def mean_rows(runs: list[dict]) -> dict:
     return rows
 
 
-def mtp_pairs(cache: Path, archs) -> list[dict]:
+def mtp_pairs(cache: Path, archs, n_embd: int | None = None) -> list[dict]:
     """The committed qwen35 / qwen35moe targets with their trained MTP heads, inflated to q4mix (built once into
-    `cache`)."""
-    from pydflash.convert.inflate import inflate_gguf
-
+    `cache`); n_embd: at that hidden width (bench_tree.inflated), the drafter widened with it."""
     pairs = []
     for arch in (a for a in archs if a in ("qwen35", "qwen35moe")):
-        target = cache / f"{arch}-mtp-inflated-q4mix.gguf"
-        if not target.exists():
-            print(f"building {target.name} (once) ...", flush=True)
-            inflate_gguf(PAIRS_DIR / f"{arch}-target-mtp-q8_0.gguf", target, "q4mix")
-        pairs.append({"name": f"{arch}+MTP q4mix (0.3B cost)", "arch": arch, "target": target,
-                      "draft": pair_file(arch, "dflash", "q8_0"), "mtp": True})
+        target = bench_tree.inflated(cache, arch, PAIRS_DIR / f"{arch}-target-mtp-q8_0.gguf", f"{arch}-mtp-inflated",
+                                     "q4mix", n_embd)
+        pairs.append({"name": f"{arch}+MTP q4mix (0.3B cost{f', width {n_embd}' if n_embd else ''})", "arch": arch,
+                      "target": target, "draft": bench_tree.drafter_of(cache, arch, "dflash", n_embd), "mtp": True,
+                      "n_embd": n_embd})
     return pairs
 
 
@@ -155,14 +152,16 @@ def main() -> None:
                                                       "always)")
     ap.add_argument("--rounds", type=int, default=1, help="runs of every row, ours and llama.cpp's alternating (the "
                                                           "machine's speed drifts); means reported")
+    bench_tree.add_width_argument(ap)
     args = ap.parse_args()
     chosen = lambda label: label == "plain" or args.engines is None or label in args.engines.split(",")  # noqa: E731
     archs, kinds = args.archs.split(","), args.pairs.split(",")
-    pairs = (bench_tree.cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.quants.split(",")))
+    pairs = (bench_tree.cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.quants.split(",")),
+                                             n_embd=args.n_embd)
              if "realistic" in kinds
              else []) + ([{"name": f"{a} q8_0 (tiny)", "arch": a, "target": pair_file(a, "target", "q8_0"),
                            "draft": pair_file(a, "dflash", "q8_0")} for a in archs] if "tiny" in kinds else []) + \
-        (mtp_pairs(args.cache_dir, archs) if "mtp" in kinds else [])
+        (mtp_pairs(args.cache_dir, archs, args.n_embd) if "mtp" in kinds else [])
     print(f"{args.n_prompts} held-out code prompts x {args.max_tokens} tokens per workload, greedy, "
           f"{args.threads} threads")
     with tempfile.TemporaryDirectory() as tmp:

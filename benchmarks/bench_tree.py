@@ -46,6 +46,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import peer  # noqa: E402
 from export_pairs import PAIRS_DIR, pair_file, prompt_rows  # noqa: E402
 
+import gguf  # noqa: E402
+
 import pydflash  # noqa: E402
 from pydflash import _core  # noqa: E402
 from pydflash.convert.inflate import inflate_gguf  # noqa: E402
@@ -63,19 +65,53 @@ LLAMA_DRAFT = (3, 7, 15)
 
 
 def cost_realistic_pairs(cache: Path, archs, kinds=("q8_0", "q4mix"), source: str = "f32",
-                         label: str = "0.3B cost") -> list[dict]:
+                         label: str = "0.3B cost", n_embd: int | None = None) -> list[dict]:
     """Each arch's committed target (in `source`) inflated into each of `kinds` (built once into `cache`), with the
-    committed q8_0 drafter."""
+    committed q8_0 drafter; n_embd: at that hidden width, the drafter widened with it (inflated())."""
     pairs = []
     for arch in archs:
         for kind in kinds:
-            target = cache / f"{arch}-inflated-{kind}.gguf"
-            if not target.exists():
-                print(f"building {target.name} (once) ...", flush=True)
-                inflate_gguf(pair_file(arch, "target", source), target, kind)
-            pairs.append({"name": f"{arch} {kind} ({label})", "arch": arch, "target": target,
-                          "draft": pair_file(arch, "dflash", "q8_0")})
+            pairs.append({"name": f"{arch} {kind} ({label}{f', width {n_embd}' if n_embd else ''})", "arch": arch,
+                          "target": inflated(cache, arch, pair_file(arch, "target", source), f"{arch}-inflated",
+                                             kind, n_embd),
+                          "draft": drafter_of(cache, arch, "dflash", n_embd), "n_embd": n_embd})
     return pairs
+
+
+def inflated(cache: Path, arch: str, source: Path, name: str, kind: str, n_embd: int | None) -> Path:
+    """`source` (a target of `arch`) inflated to `kind` (built once into `cache`); n_embd: at that hidden width, its FFN
+    units scaled down as the width grows (the cost stays ~0.3B, as at its own width)."""
+    target = cache / (f"{name}-{kind}.gguf" if n_embd is None else f"{name}-w{n_embd}-{kind}.gguf")
+    if not target.exists():
+        print(f"building {target.name} (once) ...", flush=True)
+        kw = {}
+        if n_embd is not None:
+            width = int(gguf.GGUFReader(source).fields[f"{arch}.embedding_length"].contents())
+            kw = dict(n_embd=n_embd, n_ff=32768 * width // n_embd, n_ff_exp=8192 * width // n_embd,
+                      n_ff_shexp=8192 * width // n_embd)
+        inflate_gguf(source, target, kind, **kw)
+    return target
+
+
+def drafter_of(cache: Path, arch: str, drafter: str, n_embd: int | None) -> Path:
+    """The committed q8_0 drafter (`drafter`: dflash or dflash2) of `arch`; n_embd: widened to that hidden width
+    (built once into `cache`), as its inflated target."""
+    committed = pair_file(arch, drafter, "q8_0")
+    if n_embd is None:
+        return committed
+    path = cache / f"{arch}-{drafter}-w{n_embd}-q8_0.gguf"
+    if not path.exists():
+        print(f"building {path.name} (once) ...", flush=True)
+        inflate_gguf(committed, path, "q8_0", n_embd=n_embd)
+    return path
+
+
+def add_width_argument(ap) -> None:
+    ap.add_argument("--n-embd", type=int, default=None,
+                    help="the cost-realistic targets' hidden width, a multiple of the trained pairs' 192 (e.g. 768: "
+                         "the stream in whole copies, the FFN units scaled to keep ~0.3B cost, the drafters widened "
+                         "with them; default: 192, whose cost per verified row on a CPU is not a real model's: "
+                         "docs/benchmarks.md)")
 
 
 def tiny_pairs(archs) -> list[dict]:
@@ -277,6 +313,7 @@ def main() -> None:
                          "takes when a larger budget is allowed)")
     ap.add_argument("--kinds", default="q8_0,q4mix", help="the cost-realistic pairs' types")
     ap.add_argument("--draft", type=Path, default=None, help="this drafter GGUF for every pair (e.g. a DFlash2 one)")
+    add_width_argument(ap)
     args = ap.parse_args()
     engines = OURS if args.budgets is None else [("plain", None)] + [
         (f"tree {b}", dict(spec_mode="tree", tree_budget=int(b))) for b in args.budgets.split(",")]
@@ -287,8 +324,8 @@ def main() -> None:
         engines = [e for e in engines if e[0] == "plain" or e[0] in args.engines.split(",")]
     archs = args.archs.split(",")
     kinds = args.pairs.split(",")
-    pairs = (cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.kinds.split(","))) if "realistic" in kinds
-             else []) + (tiny_pairs(archs) if "tiny" in kinds else [])
+    pairs = (cost_realistic_pairs(args.cache_dir, archs, kinds=tuple(args.kinds.split(",")), n_embd=args.n_embd)
+             if "realistic" in kinds else []) + (tiny_pairs(archs) if "tiny" in kinds else [])
     for pair in pairs if args.draft else []:
         pair["draft"], pair["name"] = args.draft, f"{pair['name']}, drafter {args.draft.name}"
     prompts = [r["text"] for r in prompt_rows("code", PAIRS_DIR)[:args.n_prompts]]
