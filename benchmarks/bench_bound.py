@@ -227,9 +227,9 @@ def bound(arch: str, proposer: str, prompts: list[str], args) -> None:
     else:
         # the committed pair (the same tokens as the inflated one), or at another width the widened pair, whose
         # draft costs what the width's does
-        target, drafter = ((pair_file(arch, "target", "q8_0"), pair_file(arch, proposer, "q8_0"))
-                           if args.n_embd is None else
-                           (targets[0]["target"], drafter_of(args.cache_dir, arch, proposer, args.n_embd)))
+        width = targets[0]["n_embd"]
+        target, drafter = ((pair_file(arch, "target", "q8_0"), pair_file(arch, proposer, "q8_0")) if width is None
+                           else (targets[0]["target"], drafter_of(args.cache_dir, arch, proposer, width)))
         hist, draft_ms = drafter_histories(target, drafter, prompts, args.max_tokens, args.threads,
                                            args.n_gpu_layers)
     for pair in targets:

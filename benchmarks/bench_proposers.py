@@ -127,11 +127,12 @@ def mtp_pairs(cache: Path, archs, n_embd: int | None = None) -> list[dict]:
     `cache`); n_embd: at that hidden width (bench_tree.inflated), the drafter widened with it."""
     pairs = []
     for arch in (a for a in archs if a in ("qwen35", "qwen35moe")):
-        target = bench_tree.inflated(cache, arch, PAIRS_DIR / f"{arch}-target-mtp-q8_0.gguf", f"{arch}-mtp-inflated",
-                                     "q4mix", n_embd)
-        pairs.append({"name": f"{arch}+MTP q4mix (0.3B cost{f', width {n_embd}' if n_embd else ''})", "arch": arch,
-                      "target": target, "draft": bench_tree.drafter_of(cache, arch, "dflash", n_embd), "mtp": True,
-                      "n_embd": n_embd})
+        source = PAIRS_DIR / f"{arch}-target-mtp-q8_0.gguf"
+        width = bench_tree.hidden_width(source, n_embd)
+        target = bench_tree.inflated(cache, arch, source, f"{arch}-mtp-inflated", "q4mix", width)
+        pairs.append({"name": f"{arch}+MTP q4mix (0.3B cost{f', width {width}' if width else ''})", "arch": arch,
+                      "target": target, "draft": bench_tree.drafter_of(cache, arch, "dflash", width), "mtp": True,
+                      "n_embd": width})
     return pairs
 
 

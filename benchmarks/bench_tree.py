@@ -70,17 +70,25 @@ def cost_realistic_pairs(cache: Path, archs, kinds=("q8_0", "q4mix"), source: st
     committed q8_0 drafter; n_embd: at that hidden width, the drafter widened with it (inflated())."""
     pairs = []
     for arch in archs:
+        width = hidden_width(pair_file(arch, "target", source), n_embd)
         for kind in kinds:
-            pairs.append({"name": f"{arch} {kind} ({label}{f', width {n_embd}' if n_embd else ''})", "arch": arch,
+            pairs.append({"name": f"{arch} {kind} ({label}{f', width {width}' if width else ''})", "arch": arch,
                           "target": inflated(cache, arch, pair_file(arch, "target", source), f"{arch}-inflated",
-                                             kind, n_embd),
-                          "draft": drafter_of(cache, arch, "dflash", n_embd), "n_embd": n_embd})
+                                             kind, width),
+                          "draft": drafter_of(cache, arch, "dflash", width), "n_embd": width})
     return pairs
 
 
+def hidden_width(path: Path, n_embd: int | None) -> int | None:
+    """n_embd, or None where it is the model's own (or None)."""
+    arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
+    own = int(gguf.GGUFReader(path).fields[f"{arch}.embedding_length"].contents())
+    return None if n_embd in (None, own) else n_embd
+
+
 def inflated(cache: Path, arch: str, source: Path, name: str, kind: str, n_embd: int | None) -> Path:
-    """`source` (a target of `arch`) inflated to `kind` (built once into `cache`); n_embd: at that hidden width, its FFN
-    units scaled down as the width grows (the cost stays ~0.3B, as at its own width)."""
+    """`source` (a target of `arch`) inflated to `kind` (built once into `cache`); n_embd: at that hidden width
+    (hidden_width()), its FFN units scaled down as the width grows (the cost stays ~0.3B, as at its own width)."""
     target = cache / (f"{name}-{kind}.gguf" if n_embd is None else f"{name}-w{n_embd}-{kind}.gguf")
     if not target.exists():
         print(f"building {target.name} (once) ...", flush=True)
@@ -95,7 +103,7 @@ def inflated(cache: Path, arch: str, source: Path, name: str, kind: str, n_embd:
 
 def drafter_of(cache: Path, arch: str, drafter: str, n_embd: int | None) -> Path:
     """The committed q8_0 drafter (`drafter`: dflash or dflash2) of `arch`; n_embd: widened to that hidden width
-    (built once into `cache`), as its inflated target."""
+    (hidden_width(); built once into `cache`), as its inflated target."""
     committed = pair_file(arch, drafter, "q8_0")
     if n_embd is None:
         return committed
@@ -107,11 +115,11 @@ def drafter_of(cache: Path, arch: str, drafter: str, n_embd: int | None) -> Path
 
 
 def add_width_argument(ap) -> None:
-    ap.add_argument("--n-embd", type=int, default=None,
-                    help="the cost-realistic targets' hidden width, a multiple of the trained pairs' 192 (e.g. 768: "
-                         "the stream in whole copies, the FFN units scaled to keep ~0.3B cost, the drafters widened "
-                         "with them; default: 192, whose cost per verified row on a CPU is not a real model's: "
-                         "docs/benchmarks.md)")
+    ap.add_argument("--n-embd", type=int, default=768,
+                    help="the cost-realistic targets' hidden width, a multiple of the trained pairs' 192 (default "
+                         "768: the stream in whole copies, the FFN units scaled to keep ~0.3B cost, the drafters "
+                         "widened with them; 192: the trained width, whose cost per verified row on a CPU is not a "
+                         "real model's: docs/benchmarks.md)")
 
 
 def tiny_pairs(archs) -> list[dict]:
