@@ -64,6 +64,12 @@ def _fresh_verify_costs(_own_cache_dir):
     an earlier test learnt on the same files would let auto know up front that drafting does not pay on a tiny
     pair, and an exactness test of auto would then compare plain decoding with itself. (The prefill micro-batch
     sizes stay for the run: they change no output.)"""
+    forget_learnt_costs()
+
+
+def forget_learnt_costs() -> None:
+    """What the loads so far learnt and kept (verify costs, acceptance, a batch's step times) forgotten, as on a
+    fresh machine (also within a test, between two loads that must not share it)."""
     from pydflash import cache_paths, cost_cache
 
     (cache_paths.cache_dir() / cost_cache.CACHE_FILE).unlink(missing_ok=True)

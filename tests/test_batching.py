@@ -18,6 +18,7 @@ import pytest
 import pydflash
 from pydflash import _core
 
+from conftest import forget_learnt_costs
 from near_ties import parts_at_a_near_tie
 
 PAIRS = Path(__file__).resolve().parent / "data" / "pairs"
@@ -427,6 +428,30 @@ def test_generate_batch_gives_each_prompt_its_own_completion(pair):
     assert len(pair._batch_sessions) == 3  # kept for the next call
     assert [c.tokens for c in pair.generate_batch(prompts[:2], max_tokens=20, temperature=0.7, seed=5)] == \
         [c.tokens for c in alone[:2]]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_plain_steps_run_part_by_part_where_a_part_alone_costs_less(arch):
+    """Plain generations batched (a row per part): a step runs part by part, each part alone, where a part alone
+    was measured to cost less than its share of a step together (state/eval_batcher.h; on a CPU at a real model's
+    width two rows can cost more than two steps of one). Restored step times saying so make every step after the
+    first run so (steps of 2, 3 and 4 parts); times saying the other (control) keep the steps together but for
+    one check in 64. Either way each output is its own alone."""
+    target = PAIRS / f"{arch}-target-q8_0.gguf"
+    with pydflash.Model(target, n_ctx=256, n_threads=2) as m:
+        alone = [m.generate(p, max_tokens=24).tokens for p in PROMPTS[:4]]
+    for alone_ms, together_ms, part_by_part in ((0.1, 50.0, True), (50.0, 0.1, False)):
+        forget_learnt_costs()  # (the loop's first load keeps its step times for the next)
+        with pydflash.Model(target, n_ctx=256, n_threads=2) as m:
+            m.new_session()  # (makes the model's batcher)
+            m._batcher.restore_step_times({1: {1: alone_ms}, **{p: {p: together_ms} for p in (2, 3, 4)}})
+            together = [c.tokens for c in m.generate_batch(PROMPTS[:4], max_tokens=24)]
+            stats = m._batcher.stats
+        assert together == alone, part_by_part
+        if part_by_part:  # (the steps that hold a prompt have more rows than parts: together)
+            assert stats["one_by_one"] >= 20 and stats["batches"] <= 3, stats
+        else:
+            assert stats["batches"] >= 20 and stats["one_by_one"] <= 1, stats
 
 
 def test_generate_batch_checks_every_prompt_first(pair):

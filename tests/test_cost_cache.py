@@ -8,6 +8,7 @@ import json
 import pytest
 
 import pydflash
+from conftest import forget_learnt_costs
 from export_pairs import pair_file
 from pydflash import cache_paths, cost_cache
 
@@ -241,6 +242,25 @@ def test_restored_step_times_decide_the_batched_steps():
     with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as again:
         again.generate_batch(PROMPTS, max_tokens=64)
         assert _verify_shapes(again._batcher.step_times()) == _verify_shapes(dear)
+
+
+def test_the_batch_weighs_plain_steps_part_by_part_where_that_is_cheaper():
+    """The batch's plan weighs a verify against plain decoding at its cheaper way to run (state/step_times.h
+    plain_step): a plain step of 2 parts together at 10 ms, every verify step of 2 parts at 5 ms, and a part alone
+    at 0.1 ms: plain decoding part by part (0.2 ms for 2 tokens) beats any verify, so none is planned and the
+    plain steps run part by part. Control: a part alone at 100 ms, and every verify step is cheaper than the
+    plain one: the batch verifies."""
+    dear_plain = {2: {2: 10.0, **{r: 5.0 for r in range(3, 17)}}}
+    for alone, verifies in ((100.0, True), (0.1, False)):
+        forget_learnt_costs()  # (the loop's first load keeps its step times for the next)
+        with pydflash.Model(TARGET, draft_model_path=DRAFT, n_ctx=512, n_threads=2) as m:
+            m.new_session()
+            m._batcher.restore_step_times({**dear_plain, 1: {1: alone}})
+            m.generate_batch(PROMPTS[:2], max_tokens=48)
+            measured, stats = m._batcher.step_times(), m._batcher.stats
+        new_verifies = {s for s in _verify_shapes(measured) if s[0] == 2} - {(2, r) for r in range(3, 17)}
+        assert bool(stats["planned"] > 0 and (new_verifies or measured[2] != dear_plain[2])) == verifies, (alone, stats)
+        assert (stats["one_by_one"] > 0) == (not verifies), stats
 
 
 @pytest.mark.parametrize("bad", [{"2": {"1": 5.0}}, {"0": {"1": 5.0}}, {"2": {"3": -1.0}}, {"2": {"3": "slow"}},

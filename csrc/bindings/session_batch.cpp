@@ -102,6 +102,7 @@ void register_session_batch(py::module_ & m) {
                 d["batched_head_steps"] = c.batched_head_steps;
                 d["cooldowns"]      = c.cooldowns;
                 d["step_shapes"]    = c.step_shapes;
+                d["one_by_one"]     = c.one_by_one;
                 return d;
             },
             "{'batches': evaluations of several generations' parts together, 'batched_parts': the parts they held, "
@@ -111,7 +112,8 @@ void register_session_batch(py::module_ & m) {
             "target's MTP head over several generations' steps, 'batched_head_steps': the steps they held, "
             "'cooldowns': the batch's "
             "cool-downs of its auto generations' drafting, 'step_shapes': the step shapes whose times it holds "
-            "(step_times())}.");
+            "(step_times()), 'one_by_one': steps of several plain parts run part by part, where measured "
+            "cheaper}.");
 }
 
 }  // namespace pdf::bindings

@@ -67,8 +67,13 @@ double eval_batcher::eval(const session_batch::part & part) {
                 rows += r->part->n;
             }
             double     batch_ms = 0.0;
-            const bool batched  = run(group, batch_ms);
+            const bool split    = one_by_one(group);
+            const bool batched  = !split && run(group, batch_ms);
+            if (split) {
+                run_one_by_one(group);
+            }
             lock.lock();
+            counts_.one_by_one += split;
             counts_.batches += batched;
             steps_++;
             drafted_ms_ = 0.0;  // (a step whose drafts no plan judged: chain and tree modes)
@@ -349,6 +354,35 @@ bool eval_batcher::alone() const {
 bool eval_batcher::shared() const {
     const std::lock_guard<std::mutex> lock(mutex_);
     return members_ > 1;
+}
+
+bool eval_batcher::one_by_one(const std::vector<request *> & group) {
+    for (const request * r : group) {
+        if (r->part->n != 1 || r->part->layout.whole) {
+            return false;
+        }
+    }
+    const int    parts    = (int) group.size();
+    const double together = times_.settled(parts, parts), alone = times_.settled(1, 1);
+    if (parts < 2 || together <= 0) {
+        return false;  // (together first: what the plans weigh)
+    }
+    if (alone <= 0) {
+        return true;
+    }
+    const bool cheaper = parts * alone < together;
+    return ++plain_steps_ % RECHECK_EVERY == 0 ? !cheaper : cheaper;
+}
+
+void eval_batcher::run_one_by_one(const std::vector<request *> & group) {
+    for (request * r : group) {
+        try {
+            r->ms = eval_alone(*r->part);
+            times_.split({1}, r->ms, true);  // (a part alone: learnt as a step of 1 part and 1 row)
+        } catch (...) {
+            r->error = std::current_exception();
+        }
+    }
 }
 
 bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) {

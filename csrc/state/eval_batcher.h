@@ -84,6 +84,7 @@ class eval_batcher {
         uint64_t head_batches = 0, batched_head_steps = 0;  // MTP head graphs over several members, their steps
         uint64_t cooldowns = 0;                            // the batch's cool-downs begun
         uint64_t step_shapes = 0;  // step shapes (parts, rows) whose times it holds (step_times_measured's)
+        uint64_t one_by_one  = 0;  // steps of several parts run part by part (one_by_one())
     };
     counts stats() const;
     // what its steps measured (state/step_times.h: parts -> rows -> ms), once no step is running, and a table
@@ -140,6 +141,16 @@ class eval_batcher {
     void                   judge(const step_plan & plan);
     // the step's parts, evaluated (without the lock), batch_ms the batch's time; false: each alone
     bool run(const std::vector<request *> & group, double & batch_ms);
+    // whether a step of these parts runs part by part (the leader's, while running_): plain decoding (a row per
+    // part) where a part alone was measured cheaper than its share of the step together. A part alone is
+    // measured (twice: the first builds its graph) once a step together is; and every RECHECK_EVERY plain steps
+    // the other way runs, as contexts grow. (On a CPU's repacked Q4_0 kernels at a real model's width 2 rows
+    // cost what 2 steps of 1 do, and the batch's graph adds to that: 12.3 against 2 x 5.6 ms on a 2-core Zen 5
+    // at width 768, docs/benchmarks.md.)
+    bool one_by_one(const std::vector<request *> & group);
+    static constexpr int RECHECK_EVERY = 64;
+    // each part evaluated alone, one after another, and timed (without the lock)
+    void run_one_by_one(const std::vector<request *> & group);
 
     session_batch           batch_;
     step_times              times_;            // (a leader's while running_, else under the lock)
@@ -157,6 +168,7 @@ class eval_batcher {
     double                  drafted_ms_ = 0.0;  // the coming step's drafting, so far (under the lock)
     uint64_t                cool_until_ = 0;    // the batch drafts nothing before this step (under the lock)
     uint64_t                cool_len_   = 0;    // the next cool-down's length (0: the shortest)
+    uint64_t                plain_steps_ = 0;   // steps of several plain parts (the leader's, while running_)
 };
 
 }  // namespace pdf

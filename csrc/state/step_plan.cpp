@@ -16,7 +16,8 @@ step_plan plan_step(const std::vector<const std::vector<double> *> & offers, con
         return plan;
     }
     plan.plain_tokens = parts;  // every part's root
-    plan.plain_ms     = times.estimate(parts, roots);
+    // (a row per part: the step may run part by part, where that is cheaper)
+    plan.plain_ms     = roots == parts ? times.plain_step(parts) : times.estimate(parts, roots);
     const int max_rows = std::max(2 * times.widest(parts), times.widest(parts) + 8);
     // every offer's next candidate, the most likely first
     std::priority_queue<std::pair<double, int>> next;

@@ -67,6 +67,22 @@ double step_times::estimate(int parts, int rows) const {
     return it == by_parts_.end() ? -1.0 : it->second.estimate(rows);
 }
 
+double step_times::settled(int parts, int rows) const {
+    const auto it = by_parts_.find(parts);
+    if (it == by_parts_.end() || rows >= (int) it->second.ms.size() || it->second.seen[rows] < 2) {
+        return -1.0;
+    }
+    return it->second.ms[rows];
+}
+
+double step_times::plain_step(int parts) const {
+    const double together = estimate(parts, parts), alone = settled(1, 1);
+    if (alone <= 0 || parts < 2) {
+        return together;
+    }
+    return together > 0 ? std::min(together, parts * alone) : parts * alone;
+}
+
 std::vector<double> step_times::split(const std::vector<int> & rows, double ms, bool learn) {
     const int P = (int) rows.size();
     int       R = 0;
