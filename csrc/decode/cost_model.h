@@ -7,10 +7,10 @@
 // here, so a fresh process decodes at once. Widths are learnt as rounds use them, from plain decoding up: a width
 // wider than every measured one is taken, optimistically, to cost what the widest measured one does on a GPU and
 // that times the square root of the widths' ratio on the CPU (one between measured widths is interpolated), so
-// auto tries the widths that would pay most and measures them in the rounds that run them; an exploring round is
-// not counted in the speculative rate. (A cap at one grid step past the widest measured width let auto stall at
-// narrow widths, where a draft costs more than it saves.) What was learnt can be saved (measured()) and given to
-// a later process (restore()).
+// auto tries the widths that would pay most and measures them in the rounds that run them; an exploring round
+// counts in the speculative rate as any other (observe()). (A cap at one grid step past the widest measured width
+// let auto stall at narrow widths, where a draft costs more than it saves.) What was learnt can be saved
+// (measured()) and given to a later process (restore()).
 #pragma once
 
 #include <vector>
@@ -82,9 +82,9 @@ class cost_model {
     // two evaluations (the first also builds the graph), on a GPU (grid widths) the fastest of three (a CUDA graph
     // is captured at its second identical evaluation and replayed from the third: on an H200 a MoE verify of 8
     // took 95.7, 12.1 and 3.7 ms, a verify of 4 6.0, 9.9 and 2.0). A drafted
-    // round moves the speculative rate, unless it explored a width beyond those measured, verified drafts
-    // chosen before acceptance was learnt, or probed (none was chosen for a rate known to it); the first rated
-    // after a plain round starts a new run of speculation and counts more.
+    // round moves the speculative rate, unless it probed or was chosen before acceptance was learnt (none was
+    // chosen for a rate known to it; the first PRIOR_DECLINES of those that verified nothing only); the first
+    // rated after a plain round starts a new run of speculation and counts more.
     void observe(const round & r);
     // realised speculative rate (tokens per ms, the whole round): committed tokens over time, each exponentially
     // averaged over rounds; 0 before any
@@ -133,6 +133,9 @@ class cost_model {
     double              last_rate_    = 0.0;
     double              last_ms_      = 0.0;
     bool                last_fresh_   = false;
+    int                 declined_     = 0;  // rounds chosen before acceptance was learnt that verified no draft
+    // such rounds left unrated before the next are (observe())
+    static constexpr int PRIOR_DECLINES = 64;
 };
 
 }  // namespace pdf
