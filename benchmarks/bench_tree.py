@@ -81,8 +81,8 @@ def cost_realistic_pairs(cache: Path, archs, kinds=("q8_0", "q4mix"), source: st
 
 def hidden_width(path: Path, n_embd: int | None) -> int | None:
     """n_embd, or None where it is the model's own (or None)."""
-    arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
-    own = int(gguf.GGUFReader(path).fields[f"{arch}.embedding_length"].contents())
+    fields = gguf.GGUFReader(path).fields
+    own = int(fields[f"{fields['general.architecture'].contents()}.embedding_length"].contents())
     return None if n_embd in (None, own) else n_embd
 
 

@@ -130,13 +130,12 @@ void cost_model::observe(const round & r) {
     }
     observe_draft(r.draft_ms);
     // Rated: every round chosen once acceptance was learnt, those that explored a width not measured yet
-    // included; before that, rounds that drafted and verified nothing once PRIOR_DECLINES of them went unrated
-    // (they teach acceptance nothing: a prior that doubts every draft would otherwise keep auto drafting at
-    // every round, never judged). A width's first rounds and the first rounds' doubts are left out no more than
-    // that: rated without the rounds that explored, and with every round that verified nothing, on the
-    // cost-realistic qwen35 pair at width 768 only such rounds were judged while every wide verify explored, and
-    // cool-downs grew from those alone (one generation of 192 tokens decoded at 1.11x or 1.53x plain, depending
-    // on which rounds came first).
+    // included (rated without them, on the cost-realistic qwen35 pair at width 768 the first wide verifies all
+    // explored and only rounds that verified nothing were judged: cool-downs grew from those alone, and one
+    // generation of 192 tokens decoded at 1.11x or 1.53x plain by which rounds came first). Before acceptance is
+    // learnt a round, chosen on its prior, is not rated, but for rounds that drafted and verified nothing past
+    // the first PRIOR_DECLINES: they teach acceptance nothing, and a prior that doubts every draft would keep
+    // auto drafting at every round, never judged.
     declined_ += r.learning && r.width == 1;
     if (!(r.learning && (r.width > 1 || declined_ <= PRIOR_DECLINES)) && !r.probe) {
         // (the first rated one is fresh: after a cool-down merged proposers probe before the set they choose)

@@ -34,8 +34,8 @@ class step_times {
     double estimate(int parts, int rows) const;
     // the most rows a step of `parts` parts was measured with (0: none)
     int    widest(int parts) const;
-    // ms of a step of `parts` (> 0) parts of one row each measured at least twice (the first step of a shape builds
-    // its graph), or < 0
+    // ms of a step of `parts` parts and `rows` rows measured at least twice (the first step of a shape builds its
+    // graph), or < 0
     double settled(int parts, int rows) const;
     // ms of plain decoding for `parts` parts of one row each: the cheaper of one step together and, where a part
     // alone was measured (settled(1, 1)), `parts` steps of a part alone one after another (state/eval_batcher.h
