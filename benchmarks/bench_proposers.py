@@ -6,8 +6,9 @@ drafting with the models whose rounds pay; its notes give the share of rounds ea
 machine and prompts.
 
 Pairs: the cost-realistic ones of bench_tree (the committed trained targets inflated to a ~0.3B model's cost, q4mix
-or, with --quants, q8_0 too, with the committed q8_0 drafter), with --pairs mtp the committed qwen35 and qwen35moe targets with their trained MTP heads
-inflated the same way (the head kept last; the pair's drafter drafts for it too), and with --pairs tiny the committed q8_0 pairs.
+or, with --quants, q8_0 too, with the committed q8_0 drafter), with --pairs mtp the committed qwen35 and qwen35moe
+targets with their trained MTP heads inflated the same way (the head kept last; the pair's drafter drafts for it
+too), and with --pairs tiny the committed q8_0 pairs.
 Workloads:
 - code: the held-out code prompts, continued;
 - repeat: each of them followed by its first 40% again, so that the continuation repeats the context (what a
@@ -129,7 +130,7 @@ def mtp_pairs(cache: Path, archs, n_embd: int | None = None) -> list[dict]:
     for arch in (a for a in archs if a in ("qwen35", "qwen35moe")):
         source = PAIRS_DIR / f"{arch}-target-mtp-q8_0.gguf"
         width = bench_tree.hidden_width(source, n_embd)
-        target = bench_tree.inflated(cache, arch, source, f"{arch}-mtp-inflated", "q4mix", width)
+        target = bench_tree.inflated(cache, source, f"{arch}-mtp-inflated", "q4mix", width)
         pairs.append({"name": f"{arch}+MTP q4mix (0.3B cost{f', width {width}' if width else ''})", "arch": arch,
                       "target": target, "draft": bench_tree.drafter_of(cache, arch, "dflash", width), "mtp": True,
                       "n_embd": width})

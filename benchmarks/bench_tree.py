@@ -73,28 +73,31 @@ def cost_realistic_pairs(cache: Path, archs, kinds=("q8_0", "q4mix"), source: st
         width = hidden_width(pair_file(arch, "target", source), n_embd)
         for kind in kinds:
             pairs.append({"name": f"{arch} {kind} ({label}{f', width {width}' if width else ''})", "arch": arch,
-                          "target": inflated(cache, arch, pair_file(arch, "target", source), f"{arch}-inflated",
-                                             kind, width),
+                          "target": inflated(cache, pair_file(arch, "target", source), f"{arch}-inflated", kind,
+                                             width),
                           "draft": drafter_of(cache, arch, "dflash", width), "n_embd": width})
     return pairs
 
 
+def embedding_length(path: Path) -> int:
+    fields = gguf.GGUFReader(path).fields
+    return int(fields[f"{fields['general.architecture'].contents()}.embedding_length"].contents())
+
+
 def hidden_width(path: Path, n_embd: int | None) -> int | None:
     """n_embd, or None where it is the model's own (or None)."""
-    fields = gguf.GGUFReader(path).fields
-    own = int(fields[f"{fields['general.architecture'].contents()}.embedding_length"].contents())
-    return None if n_embd in (None, own) else n_embd
+    return None if n_embd in (None, embedding_length(path)) else n_embd
 
 
-def inflated(cache: Path, arch: str, source: Path, name: str, kind: str, n_embd: int | None) -> Path:
-    """`source` (a target of `arch`) inflated to `kind` (built once into `cache`); n_embd: at that hidden width
+def inflated(cache: Path, source: Path, name: str, kind: str, n_embd: int | None) -> Path:
+    """`source` (a target) inflated to `kind` (built once into `cache`); n_embd: at that hidden width
     (hidden_width()), its FFN units scaled down as the width grows (the cost stays ~0.3B, as at its own width)."""
     target = cache / (f"{name}-{kind}.gguf" if n_embd is None else f"{name}-w{n_embd}-{kind}.gguf")
     if not target.exists():
         print(f"building {target.name} (once) ...", flush=True)
         kw = {}
         if n_embd is not None:
-            width = int(gguf.GGUFReader(source).fields[f"{arch}.embedding_length"].contents())
+            width = embedding_length(source)
             kw = dict(n_embd=n_embd, n_ff=32768 * width // n_embd, n_ff_exp=8192 * width // n_embd,
                       n_ff_shexp=8192 * width // n_embd)
         inflate_gguf(source, target, kind, **kw)

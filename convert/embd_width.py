@@ -1,10 +1,10 @@
 """The hidden width (`embedding_length`, E) of an inflated model: the residual stream becomes m = E' / E copies
 of itself, so that the model computes the same function at the cost of a model of width E' (a width-192
 model's cost per verified row is not a real model's: on ggml's CPU kernels its 1-row step costs more than its
-2-row one; docs/benchmarks.md). Whole copies keep every RMSNorm over the stream exact with the same eps and no rescaling: the mean of
-the squares of m copies is the mean of one (a stream padded with zeros instead would change every norm's
-divisor, which a rescaled eps can undo only for the norms over the stream, not for the per-head ones that
-share it: the gated delta net's output norm is sensitive to it).
+2-row one; docs/benchmarks.md). Whole copies keep every RMSNorm over the stream exact with the same eps and no
+rescaling: the mean of the squares of m copies is the mean of one (a stream padded with zeros instead would
+change every norm's divisor, which a rescaled eps can undo only for the norms over the stream, not for the
+per-head ones that share it: the gated delta net's output norm is sensitive to it).
 
 - Reading tensors (numpy's last axis, ggml's ne0, is the stream; `fc` and `nextn.eh_proj` read several
   streams side by side): they read the first copy; zero columns for the others.

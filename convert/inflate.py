@@ -16,9 +16,9 @@ per token).
   layers (renumbered), their FFN widened as every other; the head drafts as it did.
 - Hidden width (`n_embd`, optional, a multiple of the model's): the residual stream becomes n_embd / E copies of
   itself, which keeps every RMSNorm exact (convert/embd_width.py): a width-192 model's cost per verified row is
-  not a real model's (on ggml's CPU kernels its 1-row step costs more than its 2-row one). The drafter borrows the target's embedding and LM head, so it must be
-  widened to the same width: `inflate_gguf` on a DFlash (or DFlash2) drafter widens its hidden width (and, if
-  asked, its FFN) alone.
+  not a real model's (on ggml's CPU kernels its 1-row step costs more than its 2-row one). The drafter borrows
+  the target's embedding and LM head, so it must be widened to the same width: `inflate_gguf` on a DFlash (or
+  DFlash2) drafter widens its hidden width (and, if asked, its FFN) alone.
 - Types: `f32`, `f16`, `q8_0` (every matrix), or `q4mix`: q4_0 for the appended layers and q8_0 for the
   trained ones (q4_0 would change the trained model's function; zeros stay exactly zero in any type).
 
