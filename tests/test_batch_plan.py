@@ -91,5 +91,26 @@ def test_the_plan_explores_at_most_twice_the_widest_step_measured():
     assert _core.plan_step([[0.9] * 20, []], 0, 0, [([1, 1], 10.0)]) == [8, 0]
 
 
+def test_on_the_cpu_a_speculative_step_verifies_whole_tiles_of_rows():
+    # two-part steps measured at 2, 4, 8 and 12 rows (10, 12, 20, 30 ms; 6 rows estimated at 16), five nodes per
+    # offer (0.9, 0.9, 0.5, 0.1, 0.05 each). Row by row: 4 rows 3.8/12 = .317, 5: 4.7/14 = .336, 6: 5.6/16 =
+    # .350, 7: 6.1/18 = .339, 8: 6.6/20 = .330, 9: 6.7/22.5 = .298, ..., 12: 6.9/30 = .230: 6 rows, the first two
+    # nodes of each. In tiles of 4: 4 rows .317, 8 rows .330, 12 rows .230: 8, the third node of each too.
+    measured = [([1, 1], 10.0), ([1, 3], 12.0), ([3, 5], 20.0), ([5, 7], 30.0)]
+    offers = [[0.9, 0.9, 0.5, 0.1, 0.05]] * 2
+    assert _core.plan_step(offers, 0, 0, measured) == [2, 2]
+    assert _core.plan_step(offers, 0, 0, measured, row_tile=4) == [3, 3]
+
+
+def test_a_tile_the_candidates_cannot_fill_is_verified_as_far_as_they_go():
+    # one node offered in all (3 rows, 2.9/11 = .264 against plain's .200): verified, though 3 is no whole tile;
+    # plain decoding stays a choice at 3 parts, its 3 rows no tile either (3 rows 10 ms, 4 rows 40: one node
+    # brings 3.9/40)
+    assert _core.plan_step([[0.9], []], 0, 0, MEASURED, row_tile=4) == [1, 0]
+    assert _core.plan_step([[0.9], [], []], 0, 0, [([1, 1, 1], 10.0), ([1, 1, 2], 40.0)], row_tile=4) == [0, 0, 0]
+    with pytest.raises(ValueError, match="row_tile"):
+        _core.plan_step([[0.9]], 0, 0, MEASURED, row_tile=0)
+
+
 def test_without_a_step_of_as_many_parts_each_generation_decides_alone():
     assert _core.plan_step([[0.9], [0.9]], 0, 0, [([1, 1, 1], 9.0)]) == []

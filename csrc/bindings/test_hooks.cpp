@@ -229,7 +229,10 @@ static std::vector<double> split_step(const py::list & measured,
 }
 
 static std::vector<int> plan_batch_step(const std::vector<std::vector<double>> & offers, int n_parts, int n_rows,
-                                        const py::list & measured) {
+                                        const py::list & measured, int row_tile) {
+    if (row_tile < 1) {
+        throw std::invalid_argument("plan_step: row_tile must be >= 1, got " + std::to_string(row_tile));
+    }
     const step_times                         times = times_of(measured);
     std::vector<const std::vector<double> *> gains;
     for (const auto & o : offers) {
@@ -238,7 +241,7 @@ static std::vector<int> plan_batch_step(const std::vector<std::vector<double>> &
     fixed_parts fixed;
     fixed.parts = n_parts;
     fixed.rows  = n_rows;
-    return plan_step(gains, fixed, times).widths;
+    return plan_step(gains, fixed, times, row_tile).widths;
 }
 
 static py::dict sample(f32_array logits, py::object sampling, py::object history_in, int64_t t) {
@@ -410,10 +413,10 @@ static void register_cost_hooks(py::module_ & m) {
           "The ms a batched step of parts with these rows, taking ms, charges each part (state/step_times.h), after "
           "the steps `measured` ([(rows, ms[, learn]), ...]); learn=False: a step holding a prompt micro-batch.");
     m.def("plan_step", &plan_batch_step, py::arg("offers"), py::arg("fixed_parts"), py::arg("fixed_rows"),
-          py::arg("measured"),
+          py::arg("measured"), py::arg("row_tile") = 1,
           "The batch's plan (state/step_plan.h): per offer (its nodes' P(reached), best first), the nodes to "
-          "verify, given the step's other parts and the steps measured before ([(rows, ms), ...]); [] when no step "
-          "of that many parts was.");
+          "verify, given the step's other parts and the steps measured before ([(rows, ms), ...]), a speculative "
+          "step's rows in whole row_tile; [] when no step of that many parts was.");
 }
 
 static void register_functions(py::module_ & m) {

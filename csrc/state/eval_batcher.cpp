@@ -21,7 +21,8 @@ double eval_batcher::waited_ms() {
     return waited_here;
 }
 
-eval_batcher::eval_batcher(std::shared_ptr<const target_model> model) : batch_(std::move(model)) {}
+eval_batcher::eval_batcher(std::shared_ptr<const target_model> model)
+    : row_tile_(model->devices().n_gpu_layers() > 0 ? 1 : CPU_ROW_TILE), batch_(std::move(model)) {}
 
 eval_batcher::member::member(eval_batcher & b) : b_(b) {
     const std::lock_guard<std::mutex> lock(b_.mutex_);
@@ -314,7 +315,7 @@ void eval_batcher::plan_offers() {
     for (const offer * o : offers_) {
         gains.push_back(o->gains);
     }
-    const step_plan plan = plan_step(gains, fixed, times_);
+    const step_plan plan = plan_step(gains, fixed, times_, row_tile_);
     counts_.planned += plan.widths.empty() ? 0 : 1;
     for (size_t i = 0; i < offers_.size(); ++i) {
         offers_[i]->width = plan.widths.empty() ? -1 : plan.widths[i];

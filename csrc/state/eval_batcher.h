@@ -91,6 +91,9 @@ class eval_batcher {
     // saved so (std::invalid_argument for a shape no step has: nothing restored then)
     std::map<int, std::map<int, double>> step_times_measured() const;
     void                                 restore_step_times(const std::map<int, std::map<int, double>> & table);
+    // the tile a speculative step's rows come in (state/step_plan.h: CPU_ROW_TILE where the target computes on the
+    // CPU, else 1)
+    int      row_tile() const { return row_tile_; }
     // evaluations so far (batched or alone)
     uint64_t steps() const { return steps_.load(); }
     // whether other generations run beside the caller's (the batch then decides what its auto generations verify
@@ -152,6 +155,7 @@ class eval_batcher {
     // each part evaluated alone, one after another, and timed (without the lock)
     void run_one_by_one(const std::vector<request *> & group);
 
+    const int               row_tile_;         // a speculative step's rows, in whole tiles (state/step_plan.h)
     session_batch           batch_;
     step_times              times_;            // (a leader's while running_, else under the lock)
     mutable std::mutex      mutex_;

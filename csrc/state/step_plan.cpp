@@ -7,7 +7,7 @@
 namespace pdf {
 
 step_plan plan_step(const std::vector<const std::vector<double> *> & offers, const fixed_parts & fixed,
-                    const step_times & times) {
+                    const step_times & times, int row_tile) {
     const int n_offers = (int) offers.size();
     const int parts    = fixed.parts + n_offers;
     const int roots    = fixed.rows + n_offers;  // every offer's root (its plain step)
@@ -41,7 +41,11 @@ step_plan plan_step(const std::vector<const std::vector<double> *> & offers, con
         if (++taken[i] < (int) offers[i]->size()) {
             next.push({(*offers[i])[taken[i]], i});
         }
-        const double ms = times.estimate(parts, roots + (int) order.size());
+        const int rows = roots + (int) order.size();
+        if (rows % row_tile != 0 && !next.empty()) {
+            continue;  // (the next candidates fill the tile at little cost)
+        }
+        const double ms = times.estimate(parts, rows);
         if (tokens / ms > best_rate) {
             best_rate   = tokens / ms;
             best_x      = (int) order.size();
