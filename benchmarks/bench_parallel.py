@@ -9,7 +9,8 @@ sessions then take turns on the model's threads (--threads in all, as `pydflash 
 mean). N x --n-prompts requests (each held-out code prompt N times, each request's made unique by a first line
 of its own) of --max-tokens tokens wait in one queue, which the N streams empty together, as a server's slots
 do. llama-server gets the same GGUFs, -np N slots, the same threads, and its DFlash at each --llama-n-max (the
-best is its row "llama dflash").
+best is its row "llama dflash"). Our engines: plain, chains (the whole block; blocks of 4 and 8, llama-server's
+draft lengths 3 and 7), auto; each batched and some unbatched.
 
   aggregate tok/s   all streams' generated tokens / the wall time until the last stream finished
   ttft ms           mean time from a request's start to its first token
@@ -58,7 +59,10 @@ from export_pairs import PAIRS_DIR, prompt_rows  # noqa: E402
 import pydflash  # noqa: E402
 
 # label, Model keyword arguments (None: plain decoding, no proposer), batched
+# (chain: the drafter's whole block; chain 4 and 8: llama-server's lengths 3 and 7, the fixed chains to tune)
 ENGINES = [("plain", None, True), ("plain unbatched", None, False), ("chain", dict(spec_mode="chain"), True),
+           ("chain 4", dict(spec_mode="chain", block_size=4), True),
+           ("chain 8", dict(spec_mode="chain", block_size=8), True),
            ("auto", dict(spec_mode="auto"), True), ("auto unbatched", dict(spec_mode="auto"), False)]
 # on a target with an MTP head (--pairs mtp): the head drafts, no drafter file
 HEAD = dict(draft_model_path=None, proposers=("mtp",))
@@ -268,10 +272,18 @@ def bench_pair(pair: dict, prompts: list[str], args, logs: Path) -> None:
         for label, r in rows.items():
             print_row(n, label, r, rows[engines[0][0]])
         if not args.no_llama:
-            ours = max(rows[label]["aggregate"] for label, _, batched in engines if batched)
-            print(f"  {n:>3} best batched / llama-server's best: "
-                  f"{ours / max(rows['llama plain']['aggregate'], rows[f'llama {method}']['aggregate']):.2f}x",
-                  flush=True)
+            print(f"  {n:>3} {against_llama(rows, engines, method)}", flush=True)
+
+
+def against_llama(rows: dict, engines: list, method: str) -> str:
+    """auto's aggregate, and our best batched engine's, over llama-server's best (its plain or its best draft
+    length)"""
+    llama = max(rows["llama plain"]["aggregate"], rows[f"llama {method}"]["aggregate"])
+    batched = [label for label, _, is_batched in engines if is_batched]
+    best = max(batched, key=lambda label: rows[label]["aggregate"])
+    line = f"our best batched ({best}) / llama-server's best: {rows[best]['aggregate'] / llama:.2f}x"
+    auto = next((label for label in batched if label.endswith("auto")), None)
+    return f"{auto} / llama-server's best: {rows[auto]['aggregate'] / llama:.2f}x; {line}" if auto else line
 
 
 def main() -> None:
