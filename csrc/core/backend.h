@@ -112,6 +112,7 @@ class backends {
     int                n_threads() const { return n_threads_; }
     bool               plan_only() const { return plan_only_; }
     int                n_gpu_layers() const { return n_gpu_layers_; }  // of [0 .. n_layer], the head counted
+    bool               computes_on_gpu() const { return n_gpu_layers_ > 0; }  // (some layers on a GPU)
     int                n_cpu_moe() const { return n_cpu_moe_; }        // of [0 .. n_layer]: layers whose experts stay on the CPU
     const std::vector<float> & tensor_split() const { return tensor_split_; }
 

@@ -22,7 +22,7 @@ double eval_batcher::waited_ms() {
 }
 
 eval_batcher::eval_batcher(std::shared_ptr<const target_model> model)
-    : row_tile_(model->devices().n_gpu_layers() > 0 ? 1 : CPU_ROW_TILE), batch_(std::move(model)) {}
+    : row_tile_(model->devices().computes_on_gpu() ? 1 : CPU_ROW_TILE), batch_(std::move(model)) {}
 
 eval_batcher::member::member(eval_batcher & b) : b_(b) {
     const std::lock_guard<std::mutex> lock(b_.mutex_);
@@ -71,7 +71,7 @@ double eval_batcher::eval(const session_batch::part & part) {
             const bool split    = one_by_one(group);
             const bool batched  = !split && run(group, batch_ms);
             if (split) {
-                run_one_by_one(group);
+                run_one_by_one(group, true);
             }
             lock.lock();
             counts_.one_by_one += split;
@@ -375,11 +375,13 @@ bool eval_batcher::one_by_one(const std::vector<request *> & group) {
     return ++plain_steps_ % RECHECK_EVERY == 0 ? !cheaper : cheaper;
 }
 
-void eval_batcher::run_one_by_one(const std::vector<request *> & group) {
+void eval_batcher::run_one_by_one(const std::vector<request *> & group, bool learn) {
     for (request * r : group) {
         try {
             r->ms = eval_alone(*r->part);
-            times_.split({1}, r->ms, true);  // (a part alone: learnt as a step of 1 part and 1 row)
+            if (learn) {
+                times_.split({1}, r->ms, true);  // (a plain part alone: learnt as a step of 1 part and 1 row)
+            }
         } catch (...) {
             r->error = std::current_exception();
         }
@@ -416,13 +418,7 @@ bool eval_batcher::run(const std::vector<request *> & group, double & batch_ms) 
             // (likewise: nothing may leave the step with the batcher marked running)
         }
     }
-    for (request * r : group) {
-        try {
-            r->ms = eval_alone(*r->part);
-        } catch (...) {
-            r->error = std::current_exception();
-        }
-    }
+    run_one_by_one(group, false);
     return false;
 }
 

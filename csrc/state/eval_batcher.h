@@ -152,8 +152,9 @@ class eval_batcher {
     // at width 768, docs/benchmarks.md.)
     bool one_by_one(const std::vector<request *> & group);
     static constexpr int RECHECK_EVERY = 64;
-    // each part evaluated alone, one after another, and timed (without the lock)
-    void run_one_by_one(const std::vector<request *> & group);
+    // each part evaluated alone, one after another, and timed (without the lock); learn: the parts are plain
+    // (a row each), and a part alone's time is learnt (one_by_one()'s steps; not a failed batch's parts)
+    void run_one_by_one(const std::vector<request *> & group, bool learn);
 
     const int               row_tile_;         // a speculative step's rows, in whole tiles (state/step_plan.h)
     session_batch           batch_;

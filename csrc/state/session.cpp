@@ -71,7 +71,7 @@ session::session(std::shared_ptr<const target_model> model, const session_params
 session::~session() = default;
 
 bool session::computes_on_gpu() const {
-    return model_->devices().n_gpu_layers() > 0;
+    return model_->devices().computes_on_gpu();
 }
 
 int session::kv_window_step() const {
