@@ -68,6 +68,21 @@ def test_on_a_gpu_rounds_verify_grid_widths_or_every_node():
     assert _core.choose_verify_budget(*chain(0.15, 5), verify, grid_widths=True) == 0
 
 
+def test_on_the_cpu_rounds_verify_whole_row_tiles():
+    # A dense target on the CPU takes rows four at a time (models/model.h verify_row_tile): a round verifies 4,
+    # 8, ... tokens, all it was offered, or the root alone. Same costs and chain as above (gains for b = 1..5:
+    # 0.35, 0.4525, 0.4189, 0.3104, 0.1607): b = 2 (3 tokens) is off the tile, b = 3 (4 tokens) the best on it
+    verify = costs(lambda w: 10.0 + 2.0 * (w - 1))
+    assert _core.choose_verify_budget(*chain(0.55, 5), verify, row_tile=4) == 3
+    # all eight tokens of a sure chain (gain 1 + sum 0.95^d, d <= 7, - 2.4 = 4.08; four tokens: 2.11)
+    assert _core.choose_verify_budget(*chain(0.95, 7), verify, row_tile=4) == 7
+    # a chain of 3 drafts offered whole, 4 tokens; one of 2, whole or plain (gain 0.4525 against 0)
+    assert _core.choose_verify_budget(*chain(0.55, 2), verify, row_tile=4) == 2
+    assert _core.choose_verify_budget(*chain(0.15, 5), verify, row_tile=4) == 0
+    with pytest.raises(ValueError, match="row_tile"):
+        _core.choose_verify_budget(*chain(0.55, 5), verify, row_tile=0)
+
+
 def test_recurrent_trees_cost_their_own_time():
     # on a hybrid target a branching tree runs another graph (depth by depth): when that is dear, the chain
     # prefix (node 1) is kept and the sibling (node 2) with all that follows it is left out

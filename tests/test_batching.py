@@ -117,6 +117,14 @@ def test_chains_of_one_length_are_each_sessions_own(arch):
         assert [s.n_past for s in together] == [23, 21, 19, 20]
 
 
+def test_rows_come_in_tiles_on_a_dense_target_on_the_cpu(target):
+    """ggml's quantized CPU matmuls take rows four at a time (llama-bench on the 0.3B-cost qwen35 targets: 16
+    rows cost less than 15, q8_0 and q4mix alike); a MoE target's time grows row by row (each expert takes its
+    own rows: 2 rows 16.9 ms, 3 22.6, 4 28.2 on the qwen35moe q4mix target)."""
+    moe = target._model.expert_memory[0] > 0
+    assert _core.EvalBatcher(target._model).row_tile == (1 if moe else 4)
+
+
 def test_a_batch_keeps_one_graph_whatever_order_its_parts_come_in(target):
     """The batcher's members hand in their parts in the order their threads reach the step: the same sessions'
     parts in another order are the same batch, evaluated by the graph already built and resident (before, a graph

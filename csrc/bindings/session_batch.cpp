@@ -82,8 +82,9 @@ void register_session_batch(py::module_ & m) {
         .def_property_readonly("compute_memory", [](const eval_batcher & b) { return as_pair(b.compute_memory()); },
                                "(CPU bytes, GPU bytes) of its batched graphs' compute buffers, as allocated so far.")
         .def_property_readonly("row_tile", &eval_batcher::row_tile,
-                               "The tile a speculative step's rows come in: 4 where the target computes on the CPU "
-                               "(ggml's repacked matmuls take rows four at a time), else 1.")
+                               "The tile a speculative step's rows come in: 4 where a dense target computes on the "
+                               "CPU (ggml's quantized matmuls take rows four at a time), else 1 (a GPU, a MoE "
+                               "target).")
         .def("step_times", &eval_batcher::step_times_measured, py::call_guard<py::gil_scoped_release>(),
              "What its steps measured, {parts: {rows: ms}} (what pydflash/cost_cache.py keeps), once no step runs.")
         .def("restore_step_times", &eval_batcher::restore_step_times, py::arg("table"),

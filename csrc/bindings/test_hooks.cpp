@@ -99,9 +99,12 @@ static py::tuple draft_tree_of(i32_array ids, f32_array logprobs, int64_t root, 
 static int verify_budget(const std::vector<int32_t> & parents, const std::vector<int32_t> & rank,
                          const std::vector<float> & logp, const std::map<int, double> & verify_ms,
                          const std::map<int, double> & tree_verify_ms, double spec_rate, bool recurrent,
-                         bool grid_widths, int max_width) {
+                         bool grid_widths, int max_width, int row_tile) {
     if (parents.empty() || rank.size() != parents.size() || logp.size() != parents.size()) {
         throw std::invalid_argument("choose_verify_budget: parents, rank and logp need one entry per node");
+    }
+    if (row_tile < 1) {
+        throw std::invalid_argument("choose_verify_budget: row_tile must be >= 1, got " + std::to_string(row_tile));
     }
     draft_tree t;
     t.reset(0);
@@ -123,6 +126,7 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
     }
     costs.set_spec_rate(spec_rate);
     costs.set_grid_widths(grid_widths);
+    costs.set_row_tile(row_tile);
     acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
     return choose_verify_budget(t, costs, acceptance, recurrent);
 }
@@ -396,9 +400,10 @@ static void register_cost_hooks(py::module_ & m) {
     m.def("choose_verify_budget", &verify_budget,
           py::arg("parents"), py::arg("rank"), py::arg("logp"), py::arg("verify_ms"),
           py::arg("tree_verify_ms") = std::map<int, double>{}, py::arg("spec_rate") = 0.0, py::arg("recurrent") = false,
-          py::arg("grid_widths") = false, py::arg("max_width") = 0,
+          py::arg("grid_widths") = false, py::arg("max_width") = 0, py::arg("row_tile") = 1,
           "auto's per-round choice (decode/proposer.h) with the given costs and an untrained acceptance model "
-          "(grid_widths: as on a GPU, decode/cost_model.h; max_width: the widest verify, 0: verify_ms's widest).");
+          "(grid_widths: as on a GPU, decode/cost_model.h; max_width: the widest verify, 0: verify_ms's widest; "
+          "row_tile: the target's, models/model.h).");
     m.def("worth_drafting_on", &drafts_on, py::arg("p_accept"), py::arg("verify_ms"), py::arg("step_ms"),
           py::arg("max_more"), py::arg("spec_rate") = 0.0, py::arg("max_width") = 16,
           "Whether the MTP head drafts on after the chain of drafts with these P(accepted | parent accepted), "

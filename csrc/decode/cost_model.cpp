@@ -47,7 +47,10 @@ static bool power_of_two(int n) {
 }
 
 bool cost_model::verifiable(int n, int n_max) const {
-    return !grid_widths_ || n == n_max || n == max_width_ || power_of_two(n);
+    if (grid_widths_) {
+        return n == n_max || n == max_width_ || power_of_two(n);
+    }
+    return n == 1 || n == n_max || n % row_tile_ == 0;
 }
 
 int cost_model::widest_verifiable(int n) const {

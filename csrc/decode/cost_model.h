@@ -13,6 +13,7 @@
 // (measured()) and given to a later process (restore()).
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 namespace pdf {
@@ -40,7 +41,11 @@ class cost_model {
     // two identical evaluations), and a rebuilt one starts over. auto choosing among every width rebuilt a graph
     // in 41% of its evaluations on an H100 (a 0.3B hybrid), 5% with grid widths. So on a GPU (grid_widths)
     // rounds verify widths of a power of two (or max_width) or all n_max nodes: there a few more nodes cost next to
-    // nothing. On the CPU, time grows with the width and any width is taken.
+    // nothing. On the CPU time grows with the width, in whole row tiles where the target's kernels take rows so
+    // (set_row_tile, models/model.h verify_row_tile): there a round verifies a whole number of tiles, all n_max
+    // nodes, or the root alone. (Any width taken, auto on the qwen35 q4mix target at width 768 verified 15 rows
+    // at 38 ms beside the 16 that cost 28, its learnt time of 15 bounded by that of 16: 30 of 117 rounds were of
+    // such widths. Whole tiles: 1.04-1.12x the decode rate with DFlash and DFlash2 drafters.)
     // On a GPU auto's drafter also proposes chains, not trees: a tree's shape (nodes per depth) is a graph of its
     // own, so nearly every tree verify builds one and runs it uncaptured, and the graphs it builds push the
     // chains' out of the few kept. Trees lost there in every run (tree 16 at 0.61-0.77x plain against chains'
@@ -49,6 +54,8 @@ class cost_model {
     // not a cost this model can see.
     void set_grid_widths(bool on) { grid_widths_ = on; }
     bool grid_widths() const { return grid_widths_; }
+    void set_row_tile(int rows) { row_tile_ = std::max(rows, 1); }
+    int  row_tile() const { return row_tile_; }
     bool verifiable(int n, int n_max) const;
     // tests and benchmarks: every generation from now on with grid widths (1) or without (0); -1: as its target
     // computes (decode/stream.cpp)
@@ -109,6 +116,7 @@ class cost_model {
 
   private:
     bool                grid_widths_ = false;
+    int                 row_tile_    = 1;
     int                 grid_index(int n) const;
     // verify_ms from the measured grid widths of its kind alone (chain or tree)
     double              learnt_ms(int n, bool tree) const;

@@ -184,6 +184,7 @@ void generation_stream::start_decoding() {
     if (cost_model * costs = p_.costs()) {
         const int forced = cost_model::forced_grid_widths();
         costs->set_grid_widths(forced >= 0 ? forced == 1 : s_.computes_on_gpu());
+        costs->set_row_tile(s_.model().verify_row_tile());
     }
     anchor_ = choose_->first(s_.prefill_cache());  // the first generated token, at position start_
     start_  = s_.n_past();

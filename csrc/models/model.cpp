@@ -32,6 +32,11 @@ void target_model::realize(const model_params & params) {
     loaded(params);
 }
 
+int target_model::verify_row_tile() const {
+    constexpr int CPU_ROW_TILE = 4;
+    return devices_->computes_on_gpu() || expert_memory().total() > 0 ? 1 : CPU_ROW_TILE;
+}
+
 void target_model::describe(const std::string & arch, int64_t n_embd, int n_layer, uint32_t n_ctx_train,
                             float norm_eps) {
     ggml_tensor * embd = file_->find_tensor("token_embd.weight");

@@ -110,6 +110,14 @@ class target_model : public loaded_model {
     ggml_tensor * output_head() const { return output_; }
     // the head (and so the logits) on the CPU backend
     bool          head_on_host() const { return !devices_->on_gpu(info_.n_layer); }
+    // The rows an evaluation takes in whole tiles of: what a verify of n rows costs is that of n rounded up to a
+    // whole number of tiles, or more. A dense target on the CPU: ggml's quantized matmul kernels (repacked
+    // Q4_0, llamafile's Q8_0) take the rows four at a time and the rest one by one, each another pass over the
+    // weights (llama-bench, 2 threads of a Zen 5, the 0.3B-cost qwen35 targets at width 768, ms: q4mix 4 rows
+    // 15.5, 7 27.3, 8 22.0, 13 35.0, 15 41.1, 16 29.7; q8_0 4 rows 36.2, 5 44.9, 12 49.0, 15 65.4, 16 53.7). A
+    // MoE target's experts take each their own rows, and its time grows row by row (qwen35moe q4mix: 2 rows
+    // 16.9, 3 22.6, 4 28.2, 5 32.9). On a GPU: 1 (any width).
+    int           verify_row_tile() const;
 
     // tokens -> the layers -> hidden [E, n_outputs] after the final norm (n_outputs = n, or 1 without
     // in.all_outputs), with the inputs of in.capture_layers ([E, n] each; index n_layer: the last layer's output)

@@ -22,7 +22,7 @@ double eval_batcher::waited_ms() {
 }
 
 eval_batcher::eval_batcher(std::shared_ptr<const target_model> model)
-    : row_tile_(model->devices().computes_on_gpu() ? 1 : CPU_ROW_TILE), batch_(std::move(model)) {}
+    : row_tile_(model->verify_row_tile()), batch_(std::move(model)) {}
 
 eval_batcher::member::member(eval_batcher & b) : b_(b) {
     const std::lock_guard<std::mutex> lock(b_.mutex_);

@@ -91,8 +91,7 @@ class eval_batcher {
     // saved so (std::invalid_argument for a shape no step has: nothing restored then)
     std::map<int, std::map<int, double>> step_times_measured() const;
     void                                 restore_step_times(const std::map<int, std::map<int, double>> & table);
-    // the tile a speculative step's rows come in (state/step_plan.h: CPU_ROW_TILE where the target computes on the
-    // CPU, else 1)
+    // the tile a speculative step's rows come in (the target's verify_row_tile, models/model.h)
     int      row_tile() const { return row_tile_; }
     // evaluations so far (batched or alone)
     uint64_t steps() const { return steps_.load(); }
@@ -156,7 +155,7 @@ class eval_batcher {
     // (a row each), and a part alone's time is learnt (one_by_one()'s steps; not a failed batch's parts)
     void run_one_by_one(const std::vector<request *> & group, bool learn);
 
-    const int               row_tile_;         // a speculative step's rows, in whole tiles (state/step_plan.h)
+    const int               row_tile_;         // a speculative step's rows, in whole tiles (models/model.h)
     session_batch           batch_;
     step_times              times_;            // (a leader's while running_, else under the lock)
     mutable std::mutex      mutex_;

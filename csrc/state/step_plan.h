@@ -30,17 +30,10 @@ struct step_plan {
     double           tokens = 0.0, ms = 0.0, plain_tokens = 0.0, plain_ms = 0.0;
 };
 
-// Rows a step takes in whole tiles of, on the CPU: ggml's repacked quantized matmul kernels take the rows four at
-// a time and the rest one by one, each another pass over the weights (llama-bench, the 0.3B-cost qwen35 q4mix
-// target at width 768, 2 threads of a Zen 5: 4 rows 15.5 ms, 7 rows 27.3, 8 rows 22.0, 13 rows 35.0, 15 rows
-// 41.1, 16 rows 29.7). Planned row by row, 4 generations' steps settled at 23 rows learnt at 50 ms, never trying
-// the 16 that cost 31 (a line between two measured totals hides the tiles). On a GPU: any total.
-constexpr int CPU_ROW_TILE = 4;
-
 // offers[i][b]: P(the accepted path of generation i reaches node b+1 of its tree), in the tree's order (every
 // prefix a tree); times: steps of decoding parts only. A speculative step's rows in all are a whole number of
-// row_tile, or every candidate offered (plain decoding, a row per part, is a choice whatever its rows). Rows
-// beyond what was measured are explored at most up to twice the widest measured (and 8 more): a wrong guess
+// row_tile (the target's, models/model.h verify_row_tile), or every candidate offered (plain decoding, a row per
+// part, is a choice whatever its rows). Rows beyond what was measured are explored at most up to twice the widest measured (and 8 more): a wrong guess
 // costs one bounded step.
 step_plan plan_step(const std::vector<const std::vector<double> *> & offers, const fixed_parts & fixed,
                     const step_times & times, int row_tile = 1);
