@@ -99,29 +99,42 @@ def test_recurrent_trees_cost_their_own_time():
 PLAIN_MS = {1: 10.0, 2: 12.0, 4: 16.0}
 PLAIN = (1, False, 1, 10.0)
 BAD = (2, True, 1, 30.0)  # a drafted round at a third of plain's rate
+PROBE = 3  # a fresh run of speculation is judged on its first 3 rounds together (decode/proposer.cpp)
 
 
-def after_a_bad_round(probe):
+def after_a_bad_run(probe):
     """(plain rounds left, next cool-down length) from a state whose next cool-down is 1024 rounds long (as
-    failures earlier in the process, or a cost cache, left it), after a bad round, the cool-down it set off, then
-    `probe`"""
-    cooldown, cool_len = _core.judge_rounds([BAD], PLAIN_MS, cool_len=1024)[-1]
-    assert cooldown == 1024 and cool_len == 2048  # the bad round cools down; the next one longer, to the cap
-    return _core.judge_rounds([BAD] + [PLAIN] * cooldown + [probe], PLAIN_MS, cool_len=1024)[-1]
+    failures earlier in the process, or a cost cache, left it), after a bad run of speculation, the cool-down it
+    set off, then the rounds `probe`"""
+    cooldown, cool_len = _core.judge_rounds([BAD] * PROBE, PLAIN_MS, cool_len=1024)[-1]
+    assert cooldown == 1024 and cool_len == 2048  # the bad run cools down; the next one longer, to the cap
+    return _core.judge_rounds([BAD] * PROBE + [PLAIN] * cooldown + probe, PLAIN_MS, cool_len=1024)[-1]
 
 
 def test_a_probe_that_clearly_wins_ends_a_long_cool_down():
-    # the probe commits 4 tokens in 25 ms (1.6x plain): no cool-down follows, and the next one (kept across
-    # processes) is the shortest again, although the running rate, half the bad round's, is below plain
-    assert after_a_bad_round((4, True, 4, 25.0)) == (0, 4)
+    # the probe commits 4 tokens in 25 ms a round (1.6x plain): no cool-down follows, and the next one (kept
+    # across processes) is the shortest again, whatever the running rate was before the cool-down
+    assert after_a_bad_run([(4, True, 4, 25.0)] * PROBE) == (0, 4)
+
+
+def test_a_probe_is_judged_on_its_first_rounds_together():
+    # its first round falls at a hard spot (16 rows verified, 2 tokens in 33 ms: 0.6x plain, far behind) and
+    # the next two commit 8 tokens in 30 ms each: 18 tokens in 93 ms, 1.9x plain, a clear win. Judged on the
+    # first round alone, the cool-down grew 8x and the next probe fell in the same hard stretch (decode/
+    # proposer.cpp: auto decoded a whole prompt plainly where speculation ran at 1.6x plain)
+    hard, good = (16, True, 2, 33.0), (8, True, 8, 30.0)
+    assert after_a_bad_run([hard]) == (0, 2048)  # not judged yet
+    assert after_a_bad_run([hard, good, good]) == (0, 4)
+    # control: a probe whose rounds are all hard cools down again, far behind: the cap
+    assert after_a_bad_run([hard] * PROBE) == (2048, 2048)
 
 
 def test_a_probe_no_faster_than_plain_keeps_the_cool_down_length():
     # a probe at plain's rate (2 tokens in 20 ms) ends no failure; one as bad as the stretch before cools down
     # again, for the length reached
-    even = after_a_bad_round((2, True, 2, 20.0))
+    even = after_a_bad_run([(2, True, 2, 20.0)] * PROBE)
     assert even[1] >= 2048
-    assert after_a_bad_round(BAD) == (2048, 2048)
+    assert after_a_bad_run([BAD] * PROBE) == (2048, 2048)
 
 
 def test_rounds_chosen_before_acceptance_is_learnt_set_off_no_cool_down():
@@ -133,28 +146,28 @@ def test_rounds_chosen_before_acceptance_is_learnt_set_off_no_cool_down():
 
     first = next(k for k in range(1, 65) if cooled_after(k))
     assert 4 <= first <= 32
-    assert _core.judge_rounds([BAD], PLAIN_MS, learnt=True)[-1][0] > 0  # control: learnt, the first one does
+    assert _core.judge_rounds([BAD] * PROBE, PLAIN_MS, learnt=True)[-1][0] > 0  # control: learnt, the first do
 
 
 def test_drafting_to_verify_nothing_is_judged_while_acceptance_is_learnt():
     # rounds that draft and then verify no draft (width 1: the drafter's prior says none is worth it) teach the
     # acceptance model nothing, so they would never end its learning: past the first 64 (left out as the prior's
     # doubts, not auto's choices), their cost, the drafting, is judged (here 1 token in 15 ms against 10 ms a
-    # plain step); control: learnt, the first one is
+    # plain step; the first rounds judged together); control: learnt, the first are
     nothing = (1, True, 1, 15.0)
-    judged = _core.judge_rounds([nothing] * 65, PLAIN_MS, learnt=False)
-    assert [cooldown for cooldown, _ in judged] == [0] * 64 + [4]
-    assert _core.judge_rounds([nothing], PLAIN_MS, learnt=True)[-1][0] == 4
+    judged = _core.judge_rounds([nothing] * (64 + PROBE), PLAIN_MS, learnt=False)
+    assert [cooldown for cooldown, _ in judged] == [0] * (64 + PROBE - 1) + [4]
+    assert _core.judge_rounds([nothing] * PROBE, PLAIN_MS, learnt=True)[-1][0] == 4
 
 
 def test_a_round_that_explores_a_width_not_measured_counts():
-    # a round of 8 drafts verified (a width never measured: its cost was a guess) that commits 8 tokens in
-    # 30 ms, 2.7x plain, after a bad round's cool-down: it counts as speculation, and a clear win makes the next
-    # cool-down the shortest again (it was 8 after the bad round). (Left out, only rounds at measured widths,
-    # and those that verify nothing, would be judged.)
-    bad = [(1, True, 1, 15.0)]
+    # rounds of 8 drafts verified (a width never measured: its cost was a guess) that commit 8 tokens in
+    # 30 ms, 2.7x plain, after a bad run's cool-down: they count as speculation, and a clear win makes the next
+    # cool-down the shortest again (it was 32 after the bad run, far behind). (Left out, only rounds at measured
+    # widths, and those that verify nothing, would be judged.)
+    bad = [(1, True, 1, 15.0)] * PROBE
     assert _core.judge_rounds(bad, PLAIN_MS)[-1] == (4, 32)
-    assert _core.judge_rounds(bad + [PLAIN] * 4 + [(8, True, 8, 30.0)], PLAIN_MS)[-1] == (0, 4)
+    assert _core.judge_rounds(bad + [PLAIN] * 4 + [(8, True, 8, 30.0)] * PROBE, PLAIN_MS)[-1] == (0, 4)
 
 
 def test_speculation_is_judged_on_tokens_over_time_not_on_a_mean_of_round_rates():

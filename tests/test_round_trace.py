@@ -94,16 +94,19 @@ def test_a_long_cool_down_captures_features_only_for_its_last_rounds(tracing):
     assert accepted > 0
 
 
-def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch):
-    """auto alone drafts 3 positions past the anchor first (a block of 4: a DFlash draft's time grows with its
-    positions), then a block of a power of two covering twice the depth its last cut kept: where the drafts are
-    accepted (a continuation that repeats the prompt) it reaches the drafter's whole block, 15; after a round whose
-    cut kept nothing (the drafter's fc scrambled: none is accepted, once that is learnt) it drafts 3 again. Either
-    way the output is plain decoding's. On a GPU (grid widths) it drafts the whole block."""
+@pytest.mark.parametrize("arch,least", [("qwen3", 7), ("qwen3moe", 3)])
+def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch, arch, least):
+    """auto alone drafts `least` positions past the anchor first (a DFlash draft's time grows with its positions):
+    3, or 7 where the target takes rows in tiles of four (a dense target on the CPU: a block of 4 would offer a
+    verify of one tile or none; a MoE target's time grows row by row), then a block of a power of two covering
+    twice the depth its last cut kept: where the drafts are accepted (a continuation that repeats the prompt) it
+    reaches the drafter's whole block, 15; after a round whose cut kept nothing (the drafter's fc scrambled: none
+    is accepted, once that is learnt) it drafts `least` again. Either way the output is plain decoding's. On a GPU
+    (grid widths) it drafts the whole block."""
     import near_ties
     from gguf_edit import scrambled
 
-    target, draft = pair_file("qwen3", "target", "q8_0"), pair_file("qwen3", "dflash", "q8_0")
+    target, draft = pair_file(arch, "target", "q8_0"), pair_file(arch, "dflash", "q8_0")
     useless = scrambled(draft, tmp_path / "useless.gguf", "fc.weight")
     text = prompt_rows("code")[1]["text"]
     prompt = text + text[:300]  # the continuation repeats what the prompt holds
@@ -128,13 +131,13 @@ def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch):
             drafted = [r for r in rounds if r["drafted"]]
             depths[name] = [r["depth"] for r in drafted]
             assert all(r["depth"] == 0 for r in rounds if not r["drafted"])
-            assert drafted and drafted[0]["depth"] == 3, (name, depths[name])
-            assert all(r["depth"] in (3, 7, 15) or r["depth"] == r["cap"] < 15 for r in drafted), (name, drafted)
+            assert drafted and drafted[0]["depth"] == least, (name, depths[name])
+            assert all(r["depth"] in (least, 7, 15) or r["depth"] == r["cap"] < 15 for r in drafted), (name, drafted)
             # (width 1: the cut kept no draft)
-            assert all(b["depth"] == min(3, b["cap"]) for a, b in zip(drafted, drafted[1:]) if a["width"] == 1), \
+            assert all(b["depth"] == min(least, b["cap"]) for a, b in zip(drafted, drafted[1:]) if a["width"] == 1), \
                 (name, drafted)
     assert 15 in depths["trained"]
-    assert any(r == 3 for r in depths["useless"][1:]), depths["useless"]
+    assert any(r == least for r in depths["useless"][1:]), depths["useless"]
     # with grid widths (a GPU's: decode/cost_model.h) every draft covers the whole block
     monkeypatch.setenv("PYDFLASH_CACHE", str(tmp_path / "grid-widths-cache"))
     _core.force_grid_widths(True)

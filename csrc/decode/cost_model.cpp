@@ -234,6 +234,11 @@ void cost_model::set_spec_rate(double rate) {
     spec_ms_           = scale;
 }
 
+void cost_model::set_spec_round(double tokens, double ms) {
+    spec_tokens_ = tokens;
+    spec_ms_     = std::max(ms, 1e-6);
+}
+
 std::vector<cost_model::measurement> cost_model::measured() const {
     std::vector<measurement> out;
     for (size_t i = 0; i < grid_.size(); ++i) {

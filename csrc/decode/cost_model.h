@@ -101,9 +101,13 @@ class cost_model {
     // that round's own rate (tokens per ms, the whole round), and whether it began a fresh run of speculation (a
     // probe after plain decoding): a probe is judged on its own rate too, spec_rate being half the stretch before
     double last_round_rate() const { return last_rate_; }
+    double last_round_ms() const { return last_ms_; }
     bool   last_round_fresh() const { return last_fresh_; }
     // a speculative rate as if measured (a test's hand-made costs; a probe that starts speculation afresh)
     void   set_spec_rate(double rate);
+    // the speculative rate of a stretch of rounds that committed `tokens` in `ms` each on average, as if measured
+    // (a probe's rounds: the rounds after it average with it as with those measured)
+    void   set_spec_round(double tokens, double ms);
 
     // the measured grid widths and their times, chain and tree, to save and restore() later
     struct measurement {

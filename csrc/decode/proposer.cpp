@@ -16,6 +16,7 @@ static constexpr double CLEARLY_FASTER    = 0.05;
 static constexpr double FAR_BEHIND        = 0.7;
 static constexpr int    COOLDOWN_MIN      = 4;
 static constexpr int    COOLDOWN_MAX      = 2048;
+static constexpr int    PROBE_ROUNDS      = 3;
 // A cool-down's plain rounds capture the drafter's features only in the last FEATURE_LEAD of them; the positions
 // before are skipped (draft_session::skip), which saves the capture in every plain step (1-2% of a step on the
 // tiny MoE pairs) and appending those rows to the drafter's cache. The next draft reads the prompt's rows and
@@ -28,6 +29,11 @@ static constexpr int    FEATURE_LEAD      = 256;
 // draft's time grows with its positions (the tiny MoE pairs: 0.23-0.30 ms for a block of 4, 1.0 ms for 16, a
 // plain step 0.2), and the positions past the cut are never verified. Acceptance at a position does not fall
 // with a shorter block (trained pairs, chains of blocks 4, 8 and 16 cut at the same depth: the same or higher).
+// Where the target takes rows in tiles (decode/cost_model.h) a block holds at least two of them: one tile alone is
+// a dear verify (the qwen35 q8_0 target at width 768: 4 rows 3.7 plain steps, 8 rows 4.1), and a block of 4 that
+// offered only the root or one tile was declined round after round, its cut of depth 0 keeping the next block at
+// 4 (DFlash2 drafter, 8 code prompts x 96 tokens: 143-147 tok/s, at least two tiles 169-172; q4mix 269 / 283-286,
+// with the DFlash drafter q8_0 115 / 128).
 static constexpr int    MIN_DRAFT_DEPTH   = 3;
 
 dflash_proposer::dflash_proposer(draft_session & d, speculation_state & state, const spec_params & params,
@@ -67,7 +73,8 @@ bool dflash_proposer::draft_candidates(int32_t anchor, int start, int max_depth,
     int block = 0;  // (0: the whole block)
     if (judges_itself(batch()) && !costs_.grid_widths()) {
         block = 2;  // the smallest block of a power of two that holds the anchor and the depth wanted
-        while (block < std::max(state_.draft_depth, MIN_DRAFT_DEPTH) + 1) {
+        const int least = std::max(MIN_DRAFT_DEPTH, 2 * costs_.row_tile() - 1);
+        while (block < std::max(state_.draft_depth, least) + 1) {
             block *= 2;
         }
     }
@@ -304,17 +311,30 @@ void dflash_proposer::judge_round() {
 void judge_speculation(speculation_state & state) {
     // judged on the round's whole time (decode/driver.cpp), host work (tree building, the choice, the walk)
     // included: on a small model it is a fair part of a step
-    const cost_model & costs = state.costs;
+    cost_model & costs = state.costs;
     if (!costs.rated_last_round()) {
         return;
     }
-    // A probe that clearly wins on its own ends the failures before it and starts the rate afresh from its own,
-    // whatever the stretch that set off the cool-down left in spec_rate: the probe is what is known now. (Judged
-    // on the blend alone, such a probe could end neither: a cool-down of 1024 set off by one hard prompt stayed
-    // for every later prompt, kept across processes; the qwen35moe pair with its DFlash2 drafter decoded plainly
-    // after probes at 1.3x plain.)
-    if (costs.last_round_fresh() && costs.last_round_rate() > (1.0 + CLEARLY_FASTER) * costs.plain_rate()) {
-        state.costs.set_spec_rate(costs.last_round_rate());
+    // A fresh run of speculation (a probe after a cool-down) is judged on its first PROBE_ROUNDS rounds together,
+    // and on them alone: what set off the cool-down is stale, and one round is a noisy witness (it commits 1 to
+    // 16 tokens by where in the text it falls). Judged on its first round, blended with the stretch before, one
+    // probe at a hard spot (16 rows verified, 2 tokens committed: 0.35x plain, far behind) grew the cool-down
+    // 8x, the next probe fell in the same stretch, and on the qwen35 q4mix target at width 768 with its DFlash2
+    // drafter auto decoded 95 tokens of 96 plainly, prompt after prompt, where speculation ran at 1.6x plain
+    // (bench_tree: 275 rounds in cool-downs of 374; judged on three, 4 runs each alternating, 274-292 tok/s
+    // against 258-291, skipped rounds 4-12 against 4-156). Nor does a stale cool-down outlive a probe that wins:
+    // one of 1024 set off by one hard prompt stayed for every later prompt, kept across processes.
+    if (costs.last_round_fresh()) {
+        state.probe_left   = PROBE_ROUNDS;
+        state.probe_tokens = state.probe_ms = 0.0;
+    }
+    if (state.probe_left > 0) {
+        state.probe_tokens += costs.last_round_rate() * costs.last_round_ms();
+        state.probe_ms += costs.last_round_ms();
+        if (--state.probe_left > 0) {
+            return;
+        }
+        costs.set_spec_round(state.probe_tokens / PROBE_ROUNDS, state.probe_ms / PROBE_ROUNDS);
     }
     if (costs.spec_rate() < (1.0 - SLOWER_THAN_PLAIN) * costs.plain_rate()) {
         // the next cool-down doubles, or grows 8x when speculation runs far behind (a model too small for it)

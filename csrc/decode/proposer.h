@@ -180,6 +180,10 @@ struct speculation_state {
     int              cooldown = 0;  // rounds left to decode plainly before drafting again
     int              cool_len = 0;  // the next cool-down's length (0: the shortest)
     int              draft_depth = 0;  // auto, alone: positions its next draft covers (0: none chosen yet)
+    // auto, alone: a fresh run of speculation's rated rounds still to come before it is judged, and what they
+    // committed in how long so far (decode/proposer.cpp judge_speculation)
+    int              probe_left   = 0;
+    double           probe_tokens = 0.0, probe_ms = 0.0;
     model_set_rates  merged;
 };
 
