@@ -98,12 +98,13 @@ class cost_model {
     double spec_rate() const { return spec_ms_ > 0 ? spec_tokens_ / spec_ms_ : 0.0; }
     // whether the last observed round moved spec_rate (auto judges speculation on such rounds only)
     bool   rated_last_round() const { return rated_last_; }
-    // that round's own rate (tokens per ms, the whole round), and whether it began a fresh run of speculation (a
-    // probe after plain decoding): a probe is judged on its own rate too, spec_rate being half the stretch before
+    // that round's own rate (tokens per ms, the whole round) and time, and whether it began a fresh run of
+    // speculation (a probe after plain decoding): a probe's first rounds are judged on their own rate
+    // (decode/proposer.cpp judge_speculation)
     double last_round_rate() const { return last_rate_; }
     double last_round_ms() const { return last_ms_; }
     bool   last_round_fresh() const { return last_fresh_; }
-    // a speculative rate as if measured (a test's hand-made costs; a probe that starts speculation afresh)
+    // a speculative rate as if measured (a test's hand-made costs)
     void   set_spec_rate(double rate);
     // the speculative rate of a stretch of rounds that committed `tokens` in `ms` each on average, as if measured
     // (a probe's rounds: the rounds after it average with it as with those measured)

@@ -33,8 +33,8 @@ struct step_plan {
 // offers[i][b]: P(the accepted path of generation i reaches node b+1 of its tree), in the tree's order (every
 // prefix a tree); times: steps of decoding parts only. A speculative step's rows in all are a whole number of
 // row_tile (the target's, models/model.h verify_row_tile), or every candidate offered (plain decoding, a row per
-// part, is a choice whatever its rows). Rows beyond what was measured are explored at most up to twice the widest measured (and 8 more): a wrong guess
-// costs one bounded step.
+// part, is a choice whatever its rows). Rows beyond what was measured are explored at most up to twice the widest
+// measured (and 8 more): a wrong guess costs one bounded step.
 step_plan plan_step(const std::vector<const std::vector<double> *> & offers, const fixed_parts & fixed,
                     const step_times & times, int row_tile = 1);
 
