@@ -100,7 +100,7 @@ def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch, a
     3, or 7 where the target takes rows in tiles of four (a dense target on the CPU: a block of 4 would offer a
     verify of one tile or none; a MoE target's time grows row by row), then a block of a power of two covering
     twice the depth its last cut kept: where the drafts are accepted (a continuation that repeats the prompt) it
-    reaches the drafter's whole block, 15; after a round whose cut kept nothing (the drafter's fc scrambled: none
+    reaches the drafter's whole block, 15 (on the dense pair); after a round whose cut kept nothing (the drafter's fc scrambled: none
     is accepted, once that is learnt) it drafts `least` again. Either way the output is plain decoding's. On a GPU
     (grid widths) it drafts the whole block."""
     import near_ties
@@ -136,7 +136,10 @@ def test_auto_drafts_as_deep_as_its_cuts_reach(tracing, tmp_path, monkeypatch, a
             # (width 1: the cut kept no draft)
             assert all(b["depth"] == min(least, b["cap"]) for a, b in zip(drafted, drafted[1:]) if a["width"] == 1), \
                 (name, drafted)
-    assert 15 in depths["trained"]
+    if arch == "qwen3":
+        # (on the tiny MoE pair a wider verify reads more experts: how deep its cuts go, and so its drafts, follows
+        # the costs measured in the run; there only the rule above is checked)
+        assert 15 in depths["trained"]
     assert any(r == least for r in depths["useless"][1:]), depths["useless"]
     # with grid widths (a GPU's: decode/cost_model.h) every draft covers the whole block
     monkeypatch.setenv("PYDFLASH_CACHE", str(tmp_path / "grid-widths-cache"))

@@ -45,7 +45,7 @@ class cost_model {
     // (set_row_tile, models/model.h verify_row_tile): there a round verifies a whole number of tiles, all n_max
     // nodes, or the root alone. (Any width taken, auto on the qwen35 q4mix target at width 768 verified 15 rows
     // at 38 ms beside the 16 that cost 28, its learnt time of 15 bounded by that of 16: 30 of 117 rounds were of
-    // such widths. Whole tiles: 1.04-1.12x the decode rate with DFlash and DFlash2 drafters.)
+    // such widths. Whole tiles: 1.03-1.12x the decode rate with DFlash and DFlash2 drafters.)
     // On a GPU auto's drafter also proposes chains, not trees: a tree's shape (nodes per depth) is a graph of its
     // own, so nearly every tree verify builds one and runs it uncaptured, and the graphs it builds push the
     // chains' out of the few kept. Trees lost there in every run (tree 16 at 0.61-0.77x plain against chains'
