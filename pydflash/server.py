@@ -396,10 +396,12 @@ def _add_info_routes(app: FastAPI, state: ServerState, model: Model) -> None:
     @app.get("/health")
     @app.get("/v1/health")
     async def health():
-        batched = model._batcher.stats if model._batcher is not None else {"batches": 0, "batched_parts": 0}
+        batched = (model._batcher.stats if model._batcher is not None
+                   else {"batches": 0, "batched_parts": 0, "one_by_one": 0})
         return {"status": "ok", "slots_idle": state.pool.n_free,
                 "slots_processing": len(state.slots) - state.pool.n_free, "requests_waiting": state.pool.n_waiting,
-                "batched_steps": batched["batches"], "batched_evaluations": batched["batched_parts"]}
+                "batched_steps": batched["batches"], "batched_evaluations": batched["batched_parts"],
+                "steps_part_by_part": batched["one_by_one"]}
 
     @app.get("/v1/models")
     @app.get("/models")
