@@ -328,7 +328,7 @@ def test_auto_generations_verify_what_the_batch_plans_and_commit_the_targets_tok
             assert near_tie, f"prompt {k}, output {at}"
     stats = batcher.stats
     assert stats["planned"] > 0, stats
-    assert batcher.row_tile == 4  # (on the CPU, speculative steps in whole tiles of rows: state/step_plan.h)
+    assert batcher.row_tile == 4  # (on the CPU, speculative steps in whole tiles of rows: models/model.h)
 
 
 def test_a_cancelled_generation_leaves_the_others_unchanged(pair):

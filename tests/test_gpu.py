@@ -198,7 +198,7 @@ def test_batched_generations_equal_alone_on_the_gpu(proposer):
                 at = first_difference(t["tokens"], a["tokens"])
                 assert tie_gap(m, jobs[k][0], t["tokens"], a["tokens"], at) < TIE, f"job {k}, output {at}"
         stats = batcher.stats
-        assert batcher.row_tile == 1  # (a GPU's step costs the same at any rows: state/step_plan.h)
+        assert batcher.row_tile == 1  # (a GPU's step costs the same at any rows: models/model.h verify_row_tile)
     assert stats["batches"] > 0 and (stats["draft_batches"] if proposer == "dflash" else stats["head_batches"]) > 0
 
 

@@ -124,7 +124,7 @@ static int verify_budget(const std::vector<int32_t> & parents, const std::vector
     for (const auto & kv : tree_verify_ms) {
         costs.calibrate_verify(kv.first, true, kv.second);
     }
-    costs.set_spec_rate(spec_rate);
+    costs.set_spec_round(spec_rate, 1.0);  // (tokens per ms)
     costs.set_grid_widths(grid_widths);
     costs.set_row_tile(row_tile);
     acceptance_model acceptance;  // the prior: the drafter's probabilities, binned
@@ -149,7 +149,7 @@ static bool drafts_on(const std::vector<double> & p_accept, const std::map<int, 
     for (const auto & [w, ms] : verify_ms) {
         costs.calibrate_verify(w, false, ms);
     }
-    costs.set_spec_rate(spec_rate);
+    costs.set_spec_round(spec_rate, 1.0);  // (tokens per ms)
     return worth_drafting_on(chain, p, costs, step_ms, max_more);
 }
 

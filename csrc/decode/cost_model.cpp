@@ -227,13 +227,6 @@ void cost_model::observe_spec_round(int committed, double ms, bool fresh) {
     spec_ms_       = spec_ms_ > 0 ? (1 - w) * spec_ms_ + w * ms : ms;
 }
 
-void cost_model::set_spec_rate(double rate) {
-    // in the last round's units of time, so that the rounds after it average with it as with a measured one
-    const double scale = last_ms_ > 0 ? last_ms_ : 1.0;
-    spec_tokens_       = rate * scale;
-    spec_ms_           = scale;
-}
-
 void cost_model::set_spec_round(double tokens, double ms) {
     spec_tokens_ = tokens;
     spec_ms_     = std::max(ms, 1e-6);

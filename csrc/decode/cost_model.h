@@ -104,10 +104,8 @@ class cost_model {
     double last_round_rate() const { return last_rate_; }
     double last_round_ms() const { return last_ms_; }
     bool   last_round_fresh() const { return last_fresh_; }
-    // a speculative rate as if measured (a test's hand-made costs)
-    void   set_spec_rate(double rate);
-    // the speculative rate of a stretch of rounds that committed `tokens` in `ms` each on average, as if measured
-    // (a probe's rounds: the rounds after it average with it as with those measured)
+    // the speculative rate of rounds that committed `tokens` in `ms` each on average, as if measured (a probe's
+    // rounds, decode/proposer.cpp; a test's hand-made rate): the rounds after it average with it as with those
     void   set_spec_round(double tokens, double ms);
 
     // the measured grid widths and their times, chain and tree, to save and restore() later
