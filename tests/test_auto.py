@@ -95,6 +95,27 @@ def test_recurrent_trees_cost_their_own_time():
     assert _core.choose_verify_budget(parents, rank, logp, chain_ms, costs(lambda w: 30.0), recurrent=False) == 3
 
 
+
+def test_a_tree_is_no_wider_than_a_chain_measured():
+    # A tree wider than every chain measured would be priced on two guesses (the chain's time there, itself
+    # extrapolated, in the ratio measured at the widest tree): a tree is verified no wider than the widest chain
+    # measured, or 8 nodes while none that wide is (decode/proposer.cpp). The tree: node 1 and its sibling 2 at
+    # depth 1, four nodes (3-6) at depth 2, five (7-11) at depth 3, every draft at 0.95 (module docstring): P(reach)
+    # 0.95, 0.9025, 0.857 by depth. R = 1/10.
+    parents = [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5]
+    rank = [0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0]
+    logp = [0.0] + [math.log(0.95)] * 11
+    # chains measured up to 16 at 10 ms each: every node's row is free, all 11 are verified
+    flat = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}
+    assert _core.choose_verify_budget(parents, rank, logp, flat) == 11
+    # chains measured up to 8 only: 12 nodes would be guessed at 10 sqrt(12 / 8) = 12.2 ms, far less than nodes
+    # 8-11 bring (4 x 0.857 tokens against 0.22), yet the tree stops at 8 nodes: the root and 7
+    up_to_8 = {w: ms for w, ms in flat.items() if w <= 8}
+    assert _core.choose_verify_budget(parents, rank, logp, up_to_8, max_width=16) == 7
+    # plain steps alone measured: 8 nodes still (gain 1 + 6.37 - 10 sqrt(8) / 10 = 4.54, the best of b <= 7),
+    # where the chain prefix alone (node 1) would gain 0.54
+    assert _core.choose_verify_budget(parents, rank, logp, {1: 10.0}, max_width=16) == 7
+
 # auto's cool-down (decode/proposer.h judge_speculation): a plain step costs 10 ms here (0.1 tokens/ms)
 PLAIN_MS = {1: 10.0, 2: 12.0, 4: 16.0}
 PLAIN = (1, False, 1, 10.0)

@@ -32,6 +32,15 @@ bool cost_model::calibrated() const {
     return std::all_of(chain_seen_.begin(), chain_seen_.end(), [](bool seen) { return seen; });
 }
 
+int cost_model::widest_measured_chain() const {
+    for (int i = (int) grid_.size() - 1; i >= 0; --i) {
+        if (chain_seen_[i]) {
+            return grid_[i];
+        }
+    }
+    return 0;
+}
+
 static std::atomic<int> grid_widths_forced{-1};
 
 void cost_model::force_grid_widths(int on) {

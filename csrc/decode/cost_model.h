@@ -35,6 +35,8 @@ class cost_model {
     int                      widest_verifiable(int n) const;
     // every grid width's chain time is measured
     bool                     calibrated() const;
+    // the widest grid width whose chain time is measured (0: none)
+    int                      widest_measured_chain() const;
 
     // Whether a round may verify n of its n_max proposed nodes. Each width is a graph of its own, kept among a
     // few (state/session.cpp); on a GPU a graph runs fast once the backend has captured it (CUDA graphs: after

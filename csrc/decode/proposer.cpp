@@ -17,6 +17,8 @@ static constexpr double FAR_BEHIND        = 0.7;
 static constexpr int    COOLDOWN_MIN      = 4;
 static constexpr int    COOLDOWN_MAX      = 2048;
 static constexpr int    PROBE_ROUNDS      = 3;
+// the most nodes auto verifies as a tree while no chain as wide has been measured (best_verify_cut)
+static constexpr int    UNMEASURED_TREE_NODES = 8;
 // A cool-down's plain rounds capture the drafter's features only in the last FEATURE_LEAD of them; the positions
 // before are skipped (draft_session::skip), which saves the capture in every plain step (1-2% of a step on the
 // tiny MoE pairs) and appending those rows to the drafter's cache. The next draft reads the prompt's rows and
@@ -240,10 +242,20 @@ verify_cut best_verify_cut(const draft_tree & full, const std::vector<double> & 
     std::vector<double> reach(full.size(), 1.0);  // P(the accepted path reaches node i)
     double              expected = 0.0;
     bool                chain    = true;
+    // A tree no wider than the widest chain measured (or UNMEASURED_TREE_NODES): past it a tree's time is a guess
+    // on a guess (the chain's time there, itself extrapolated, in the ratio measured at the widest tree). On the
+    // CPU those guesses ran low (qwen35 q4mix at width 768: 32 nodes guessed at 42 ms, measured 52; qwen35moe: 30
+    // nodes guessed at 114, measured 150), and fresh processes verified trees of 24-32 nodes at 1.5-1.8x a chain
+    // of 16's time for no more tokens (7.4-10.9 a round against 9.9-10.8). A drafter's chains reach its block, so
+    // its trees do as well.
+    const int           tree_limit = std::max(UNMEASURED_TREE_NODES, costs.widest_measured_chain());
     for (int b = 1; b < n_max; ++b) {
         reach[b] = reach[full.parents[b]] * p_accept[b];
         expected += reach[b];
         chain             = chain && full.parents[b] == b - 1;
+        if (!chain && 1 + b > tree_limit) {
+            break;
+        }
         if (!costs.verifiable(1 + b, n_max)) {
             continue;
         }

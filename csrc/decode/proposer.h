@@ -27,7 +27,9 @@ namespace pdf {
 // auto's choice for one round: how many nodes of `full` (in its order, each prefix a tree) to verify, 0 for a
 // plain step. Maximises expected committed tokens (1 + the summed probabilities that the target accepts each
 // node's path) minus the best achievable rate times the verify's time (Dinkelbach): a node is worth verifying
-// when what it is expected to add exceeds what its share of the verify would have produced elsewhere.
+// when what it is expected to add exceeds what its share of the verify would have produced elsewhere. A prefix
+// that branches is no wider than the widest chain measured (or 8 nodes): past it its time would be a guess on a
+// guess.
 int choose_verify_budget(const draft_tree & full, const cost_model & costs, const acceptance_model & acceptance,
                          bool recurrent_target);
 // the same with each node's P(accepted | parent accepted) given (p_accept[b] for node b; the root's unused)
