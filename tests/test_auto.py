@@ -95,7 +95,6 @@ def test_recurrent_trees_cost_their_own_time():
     assert _core.choose_verify_budget(parents, rank, logp, chain_ms, costs(lambda w: 30.0), recurrent=False) == 3
 
 
-
 def test_a_tree_is_no_wider_than_a_chain_measured():
     # A tree wider than every chain measured would be priced on two guesses (the chain's time there, itself
     # extrapolated, in the ratio measured at the widest tree): a tree is verified no wider than the widest chain
@@ -115,6 +114,7 @@ def test_a_tree_is_no_wider_than_a_chain_measured():
     # plain steps alone measured: 8 nodes still (gain 1 + 6.37 - 10 sqrt(8) / 10 = 4.54, the best of b <= 7),
     # where the chain prefix alone (node 1) would gain 0.54
     assert _core.choose_verify_budget(parents, rank, logp, {1: 10.0}, max_width=16) == 7
+
 
 # auto's cool-down (decode/proposer.h judge_speculation): a plain step costs 10 ms here (0.1 tokens/ms)
 PLAIN_MS = {1: 10.0, 2: 12.0, 4: 16.0}
