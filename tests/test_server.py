@@ -208,13 +208,15 @@ def test_n_choices_are_the_answers_of_seed_plus_k(server, client):
     usage sums the completions and counts the prompt once. They run at once on the two slots, in steps of both:
     one graph, or slot by slot where the batch measured a slot alone to cost less (plain steps on this tiny pair:
     after this module's earlier requests one run had 4 steps in one graph and 27 slot by slot, one CI run none in
-    one graph)."""
+    one graph). Each choice's job starts its own thread when its slot is taken, so two choices meet only if the
+    first is still running when the second starts: 32 tokens (a few ms here) once ended before the next choice
+    began (one CI run: no step of both); 128 keep them running side by side."""
     def steps_of_several():
         health = server.health()
         return health["batched_steps"] + health["steps_part_by_part"]
 
     together = steps_of_several()
-    kw = dict(model="m", prompt="def fibonacci(n):\n", max_tokens=32, temperature=0.9)
+    kw = dict(model="m", prompt="def fibonacci(n):\n", max_tokens=128, temperature=0.9)
     r = client.completions.create(**kw, n=3, seed=7)
     alone = [client.completions.create(**kw, seed=7 + k) for k in range(3)]
     assert [c.index for c in r.choices] == [0, 1, 2]
